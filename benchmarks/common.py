@@ -1,0 +1,78 @@
+"""Shared pieces of the benchmarks: machine description and the results-file contract (DESIGN.md)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def host_cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({host_cpu()})"
+
+
+def device_slug() -> str:
+    """`h100`, `h200`, ... for GPU machines, `cpu<N>` (host cores) otherwise."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for slug in ("h100", "h200", "a100", "l40", "b200"):
+            if slug in name:
+                return slug
+        return name.split()[-1]
+    return f"cpu{os.cpu_count()}"
+
+
+def git_commit() -> str:
+    """The commit under test: $HYBRID_COMMIT (set when the tree is copied without .git) or git."""
+    if os.environ.get("HYBRID_COMMIT"):
+        return os.environ["HYBRID_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_results(benchmark: str, metrics: dict, points: list, out_dir: str | os.PathLike | None = None,
+                  extra: dict | None = None) -> Path:
+    """Write `<benchmark>-<device>.json` with the contract's fields; returns the path."""
+    bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
+    if bad:
+        raise TypeError(f"metrics must map names to numbers; not numbers: {bad}")
+    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "benchmark": benchmark,
+        "device": device_name(),
+        "host_cpu": host_cpu(),
+        "commit": git_commit(),
+        "command": "python " + " ".join(sys.argv),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "metrics": metrics,
+        "points": points,
+    }
+    record.update(extra or {})
+    path = out / f"{benchmark}-{device_slug()}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

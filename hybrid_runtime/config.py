@@ -1,0 +1,356 @@
+"""YAML -> typed, frozen configuration.
+
+Every section is a frozen dataclass. Each field may carry a constraint in its metadata
+(`choices`, `range`, or `check`); `load_config` walks the YAML against the dataclasses and
+raises one `ConfigError` naming the YAML path of the offending key and what is allowed, before
+anything is built from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+PAGE_SIZE = 16
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+def _choices(*allowed: Any) -> dict:
+    return {"choices": allowed}
+
+
+def _range(lo: float | None = None, hi: float | None = None) -> dict:
+    return {"range": (lo, hi)}
+
+
+def _check(fn: Callable[[Any], str | None]) -> dict:
+    """`fn(value)` returns None when the value is fine, else a phrase saying what is allowed."""
+    return {"check": fn}
+
+
+def _check_block_sizes(value: tuple) -> str | None:
+    if not value or any(b not in BLOCK_SIZES for b in value) or len(set(value)) != len(value):
+        return f"a non-empty list of distinct values from {list(BLOCK_SIZES)}"
+    return None
+
+
+@dataclass(frozen=True)
+class GeometryConfig:
+    """Attention geometry of the model being served."""
+
+    name: str = "custom"
+    layers: int = field(default=32, metadata=_range(1, 4096))
+    q_heads: int = field(default=32, metadata=_range(1, 4096))
+    kv_heads: int = field(default=8, metadata=_range(1, 4096))
+    head_dim: int = field(default=128, metadata=_choices(16, 32, 64, 128, 256))
+
+    @property
+    def group_size(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    def _validate(self, path: str) -> None:
+        if self.q_heads % self.kv_heads:
+            raise ConfigError(
+                f"{path}.q_heads: {self.q_heads} is not a multiple of kv_heads={self.kv_heads}; "
+                "allowed: q_heads = G * kv_heads for a whole G"
+            )
+
+
+# The reference geometries of DESIGN.md; `geometry: {name: llama-3.1-8b}` picks one.
+GEOMETRIES: dict[str, GeometryConfig] = {
+    "llama-3.1-8b": GeometryConfig("llama-3.1-8b", 32, 32, 8, 128),
+    "qwen2.5-7b": GeometryConfig("qwen2.5-7b", 28, 28, 4, 128),
+    "smollm2-135m": GeometryConfig("smollm2-135m", 30, 9, 3, 64),
+}
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Where each token's KV lives. See the GPU window / CPU store split in DESIGN.md."""
+
+    sink: int = field(default=64, metadata=_range(0, None))
+    local: int = field(default=256, metadata=_range(0, None))
+    # Generated tokens kept on the GPU beyond the local window before the oldest whole pages
+    # spill to the CPU store; bounds GPU memory for long generations.
+    generated_cap: int = field(default=512, metadata=_range(PAGE_SIZE, None))
+    page_size: int = field(default=PAGE_SIZE, metadata=_choices(PAGE_SIZE))
+    block_sizes: tuple[int, ...] = field(default=BLOCK_SIZES, metadata=_check(_check_block_sizes))
+    dtype: str = field(default="bf16", metadata=_choices("bf16", "fp32"))
+    # CPU-resident tokens per layer, summed over all sequences; sizes the pinned arenas.
+    cpu_capacity_tokens: int = field(default=65536, metadata=_range(1, None))
+    max_sequences: int = field(default=8, metadata=_range(1, None))
+    # Where the GPU window lives: "auto" is cuda when available, else cpu.
+    device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+    # Pinned host memory may use at most this fraction of the memory psutil reports available.
+    max_host_memory_fraction: float = field(default=0.8, metadata=_range(0.01, 1.0))
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How heads are given blocks and budgets until the predictor exists."""
+
+    name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming"))
+    block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
+    budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
+    tau: float = field(default=0.10, metadata=_range(0.0, None))
+    # layer -> query heads treated as streaming (GPU window only, no CPU task).
+    streaming_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = field(
+        default="fluxion", metadata=_choices("fluxion", "cpu_only", "gpu_only", "uniform", "length")
+    )
+    cpu_workers: int = field(default=2, metadata=_range(0, 1024))
+    gpu_worker: bool = True
+    pin_cores: bool = True
+    step_timeout_s: float = field(default=60.0, metadata=_range(0.001, None))
+
+
+@dataclass(frozen=True)
+class ExecutorsConfig:
+    cpu: str = field(default="numba", metadata=_choices("numba"))
+    gpu: str = field(default="uva", metadata=_choices("uva"))
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    enabled: bool = True
+    chrome_trace: bool = True
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """What `hybrid-runtime run` decodes: synthetic KV drawn at random."""
+
+    batch: int = field(default=2, metadata=_range(1, None))
+    context: int = field(default=4096, metadata=_range(1, None))
+    decode_steps: int = field(default=8, metadata=_range(1, None))
+    layers: int = field(default=0, metadata=_range(0, None))  # 0: every layer of the geometry
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    geometry: GeometryConfig = field(default_factory=GeometryConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    executors: ExecutorsConfig = field(default_factory=ExecutorsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (tuple,):
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin in (dict,):
+        k, v = typing.get_args(tp)
+        return f"mapping of {_type_name(k)} to {_type_name(v)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check `value` against the annotation `tp`; return it in the dataclass's own types."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} keys, got {value!r}")
+        return _build(tp, value, path)
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a {_type_name(tp)}, got {value!r}")
+        return tuple(_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a {_type_name(tp)}, got {value!r}")
+        return {
+            _convert(key_tp, k, f"{path}.{k}"): _convert(val_tp, v, f"{path}.{k}")
+            for k, v in value.items()
+        }
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+
+
+def _check_constraint(f: dataclasses.Field, value: Any, path: str) -> None:
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        allowed = ", ".join(repr(c) for c in meta["choices"])
+        raise ConfigError(f"{path}: {value!r} is not allowed; allowed: {allowed}")
+    if "range" in meta:
+        lo, hi = meta["range"]
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            lo_s = "-inf" if lo is None else lo
+            hi_s = "inf" if hi is None else hi
+            raise ConfigError(f"{path}: {value!r} is out of range; allowed: {lo_s} <= value <= {hi_s}")
+    if "check" in meta:
+        problem = meta["check"](value)
+        if problem:
+            raise ConfigError(f"{path}: {value!r} is not allowed; allowed: {problem}")
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _build(cls: type, data: Mapping, path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        where = f"keys of {path}" if path else "top-level keys"
+        raise ConfigError(f"{_join(path, unknown[0])}: unknown key; allowed {where}: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        key_path = _join(path, name)
+        converted = _convert(hints[name], value, key_path)
+        _check_constraint(fields[name], converted, key_path)
+        kwargs[name] = converted
+    obj = cls(**kwargs)
+    validate = getattr(obj, "_validate", None)
+    if validate is not None:
+        validate(path)
+    return obj
+
+
+def _geometry_from(data: Any, path: str) -> GeometryConfig:
+    """`geometry` is a reference name, a mapping with `name` of a reference, or a full mapping."""
+    if isinstance(data, str):
+        data = {"name": data}
+    if isinstance(data, Mapping) and set(data) == {"name"}:
+        name = data["name"]
+        if name not in GEOMETRIES:
+            raise ConfigError(
+                f"{path}.name: unknown geometry {name!r}; allowed: {', '.join(GEOMETRIES)} "
+                "or a mapping with layers, q_heads, kv_heads, head_dim"
+            )
+        return GEOMETRIES[name]
+    return _convert(GeometryConfig, data, path)
+
+
+def config_from_dict(data: Mapping | None) -> Config:
+    """Build a `Config` from plain data (parsed YAML); raises `ConfigError` on any bad key."""
+    data = dict(data or {})
+    if not isinstance(data, dict):
+        raise ConfigError(f"top level: expected a mapping at the top level, got {data!r}")
+    geometry = None
+    if "geometry" in data:
+        geometry = _geometry_from(data.pop("geometry"), "geometry")
+    cfg = _build(Config, data, "") if data else Config()
+    if geometry is not None:
+        cfg = dataclasses.replace(cfg, geometry=geometry)
+    _validate_cross(cfg)
+    return cfg
+
+
+def _validate_cross(cfg: Config) -> None:
+    policy, geometry, kv = cfg.policy, cfg.geometry, cfg.kv_cache
+    if policy.block_size not in kv.block_sizes:
+        raise ConfigError(
+            f"policy.block_size: {policy.block_size} is not one of "
+            f"kv_cache.block_sizes={list(kv.block_sizes)}"
+        )
+    for layer, heads in policy.streaming_heads.items():
+        if not 0 <= layer < geometry.layers:
+            raise ConfigError(
+                f"policy.streaming_heads.{layer}: layer out of range; allowed: 0..{geometry.layers - 1}"
+            )
+        bad = [h for h in heads if not 0 <= h < geometry.q_heads]
+        if bad:
+            raise ConfigError(
+                f"policy.streaming_heads.{layer}: query heads {bad} out of range; "
+                f"allowed: 0..{geometry.q_heads - 1}"
+            )
+    if kv.local % PAGE_SIZE or kv.generated_cap % PAGE_SIZE:
+        raise ConfigError(
+            f"kv_cache: local={kv.local} and generated_cap={kv.generated_cap} must be "
+            f"multiples of the page size {PAGE_SIZE}"
+        )
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read a YAML file; `overrides` maps dotted keys (`scheduler.cpu_workers`) to values."""
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {dotted}: {p} is not a mapping in {path}")
+        node[leaf] = value
+    return config_from_dict(data)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.sub=value` with the value parsed as YAML (so `8`, `0.05`, `true`, `[16, 32]` work)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value, e.g. scheduler.cpu_workers=4")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+__all__ = [
+    "BLOCK_SIZES",
+    "PAGE_SIZE",
+    "GEOMETRIES",
+    "Config",
+    "ConfigError",
+    "ExecutorsConfig",
+    "GeometryConfig",
+    "KVCacheConfig",
+    "PolicyConfig",
+    "ProfilingConfig",
+    "SchedulerConfig",
+    "WorkloadConfig",
+    "config_from_dict",
+    "load_config",
+    "parse_override",
+]
