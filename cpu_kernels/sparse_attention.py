@@ -5,10 +5,10 @@ sequence's CPU segment with the Quest bound, take each head's top-k blocks, and 
 over its own blocks. Every kernel runs on one core with the GIL released; parallelism comes from
 several worker threads calling them on different tasks.
 
-Storage is read as it is: bf16 arenas arrive as uint16 and are widened to fp32 a page at a time
-into a small scratch tile (uint16 -> uint32 << 16, viewed as float32); fp32 arenas are copied into
-the same tile. Scratch comes from a `Workspace` owned by the caller, so nothing is allocated per
-task.
+Storage is read as it is: bf16 arenas arrive as uint16 and each element is widened in registers
+as it is loaded (zero-extend, shift by 16, bitcast to float32), so the inner loops vectorise
+without a staging tile; fp32 arenas are read directly. Scratch comes from a `Workspace` owned by
+the caller, so nothing is allocated per task.
 """
 
 from __future__ import annotations
@@ -65,40 +65,68 @@ def _prefetch_rows(arena, chunk, row0, n_rows):
             _prefetch_col(arena, chunk, row0 + t, c * per_line)
 
 
-def _widen_rows(arena, chunk, row0, n_rows, dst_u32, dst_f32):  # pragma: no cover - numba overload
+@intrinsic
+def _bitcast_f32(typingctx, bits):
+    """Reinterpret the 32 bits of a uint32/int32 as a float32 (vectorises, unlike a view)."""
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        as_i32 = context.cast(builder, args[0], signature.args[0], types.uint32)
+        return builder.bitcast(as_i32, ir.FloatType())
+
+    return sig, codegen
+
+
+def _load(arena, chunk, row, col):  # pragma: no cover - numba overload
     raise NotImplementedError
 
 
-@overload(_widen_rows, jit_options={"fastmath": FASTMATH})
-def _widen_rows_impl(arena, chunk, row0, n_rows, dst_u32, dst_f32):
-    """Rows `[row0, row0+n_rows)` of a chunk into the fp32 tile `dst_f32[:n_rows]`."""
+@overload(_load, inline="always")
+def _load_impl(arena, chunk, row, col):
+    """One element of the arena as float32: bf16 bits are widened in registers."""
     if arena.dtype == types.uint16:
 
-        def impl(arena, chunk, row0, n_rows, dst_u32, dst_f32):
-            d = arena.shape[2]
-            for t in range(n_rows):
-                for j in range(d):
-                    dst_u32[t, j] = np.uint32(arena[chunk, row0 + t, j]) << np.uint32(16)
+        def impl(arena, chunk, row, col):
+            return _bitcast_f32(np.uint32(arena[chunk, row, col]) << np.uint32(16))
 
         return impl
     if arena.dtype == types.float32:
 
-        def impl(arena, chunk, row0, n_rows, dst_u32, dst_f32):
-            d = arena.shape[2]
-            for t in range(n_rows):
-                for j in range(d):
-                    dst_f32[t, j] = arena[chunk, row0 + t, j]
+        def impl(arena, chunk, row, col):
+            return arena[chunk, row, col]
 
         return impl
     raise numba.TypingError(f"arena dtype must be uint16 (bf16 bits) or float32, got {arena.dtype}")
 
 
+_NEG_INF = np.float32(-np.inf)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _exp(x):
+    """exp(x) for float32 x <= 0 (softmax terms): 2^n * p(f), relative error ~2e-7, 0 below -87.
+
+    libm's expf is a call per element; this is plain arithmetic, so softmax loops vectorise.
+    """
+    y = max(np.float32(x) * np.float32(1.4426950408889634), np.float32(-126.0))
+    n = np.floor(y)
+    f = y - n
+    # Minimax polynomial for 2^f on [0, 1).
+    p = np.float32(1.8775767e-3)
+    p = p * f + np.float32(8.9893397e-3)
+    p = p * f + np.float32(5.5826318e-2)
+    p = p * f + np.float32(2.4015361e-1)
+    p = p * f + np.float32(6.9315308e-1)
+    p = p * f + np.float32(9.9999994e-1)
+    scale = _bitcast_f32((np.int32(n) + np.int32(127)) << np.int32(23))
+    return np.float32(0.0) if x < np.float32(-87.0) else p * scale
+
+
 @numba.njit(**_JIT)
-def block_scores(arena, chunks, cpu_len, block_size, q, scores, tile_u32, tile_f32):
+def block_scores(arena, chunks, cpu_len, block_size, q, scores):
     """Quest upper bound `sum_d max(q_d*max_d, q_d*min_d)` of every block for every head.
 
-    q `[G, D]` fp32, scores `[G, >= n_blocks]` fp32; returns n_blocks. The tile holds one
-    block's (min, max) rows.
+    q `[G, D]` fp32, scores `[G, >= n_blocks]` fp32; returns n_blocks.
     """
     n_heads, d = q.shape
     per_chunk = _CHUNK // block_size
@@ -117,12 +145,11 @@ def block_scores(arena, chunks, cpu_len, block_size, q, scores, tile_u32, tile_f
         if sub == 0 and b + per_chunk < n_blocks:
             _prefetch_rows(arena, chunks[b // per_chunk + 1], _META_ROW + 2 * entry0, 2 * per_chunk)
         row = _META_ROW + 2 * (entry0 + sub)
-        _widen_rows(arena, chunk, row, 2, tile_u32, tile_f32)
         for g in range(n_heads):
             s = np.float32(0.0)
             for j in range(d):
                 qj = q[g, j]
-                s += max(qj * tile_f32[0, j], qj * tile_f32[1, j])
+                s += max(qj * _load(arena, chunk, row, j), qj * _load(arena, chunk, row + 1, j))
             scores[g, b] = s
     return n_blocks
 
@@ -183,17 +210,65 @@ def topk_blocks(scores, n_blocks, n_select, selected, n_selected):
         heap[:k].sort()
 
 
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _page_scores16(arena, c, r, q, g, out):
+    """out[t] = q[g] . k[r + t] for a full page; 16 running sums so each q load serves 16 keys."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    s8 = s9 = s10 = s11 = s12 = s13 = s14 = s15 = np.float32(0.0)
+    for j in range(q.shape[1]):
+        x = q[g, j]
+        s0 += x * _load(arena, c, r, j)
+        s1 += x * _load(arena, c, r + 1, j)
+        s2 += x * _load(arena, c, r + 2, j)
+        s3 += x * _load(arena, c, r + 3, j)
+        s4 += x * _load(arena, c, r + 4, j)
+        s5 += x * _load(arena, c, r + 5, j)
+        s6 += x * _load(arena, c, r + 6, j)
+        s7 += x * _load(arena, c, r + 7, j)
+        s8 += x * _load(arena, c, r + 8, j)
+        s9 += x * _load(arena, c, r + 9, j)
+        s10 += x * _load(arena, c, r + 10, j)
+        s11 += x * _load(arena, c, r + 11, j)
+        s12 += x * _load(arena, c, r + 12, j)
+        s13 += x * _load(arena, c, r + 13, j)
+        s14 += x * _load(arena, c, r + 14, j)
+        s15 += x * _load(arena, c, r + 15, j)
+    out[0], out[1], out[2], out[3] = s0, s1, s2, s3
+    out[4], out[5], out[6], out[7] = s4, s5, s6, s7
+    out[8], out[9], out[10], out[11] = s8, s9, s10, s11
+    out[12], out[13], out[14], out[15] = s12, s13, s14, s15
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _page_accumulate16(arena, c, r, probs, acc):
+    """acc += sum_t probs[t] * v[r + t] for a full page, touching each acc element once."""
+    p0, p1, p2, p3 = probs[0], probs[1], probs[2], probs[3]
+    p4, p5, p6, p7 = probs[4], probs[5], probs[6], probs[7]
+    p8, p9, p10, p11 = probs[8], probs[9], probs[10], probs[11]
+    p12, p13, p14, p15 = probs[12], probs[13], probs[14], probs[15]
+    for j in range(acc.shape[0]):
+        acc[j] += (
+            p0 * _load(arena, c, r, j) + p1 * _load(arena, c, r + 1, j)
+            + p2 * _load(arena, c, r + 2, j) + p3 * _load(arena, c, r + 3, j)
+            + p4 * _load(arena, c, r + 4, j) + p5 * _load(arena, c, r + 5, j)
+            + p6 * _load(arena, c, r + 6, j) + p7 * _load(arena, c, r + 7, j)
+            + p8 * _load(arena, c, r + 8, j) + p9 * _load(arena, c, r + 9, j)
+            + p10 * _load(arena, c, r + 10, j) + p11 * _load(arena, c, r + 11, j)
+            + p12 * _load(arena, c, r + 12, j) + p13 * _load(arena, c, r + 13, j)
+            + p14 * _load(arena, c, r + 14, j) + p15 * _load(arena, c, r + 15, j)
+        )
+
+
 @numba.njit(**_JIT)
-def sparse_attention(
-    arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, tile_u32, tile_f32, state
-):
+def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state):
     """Each head attends its own selected blocks; returns bytes of KV read.
 
     Blocks are visited once in the union of all heads' selections (`block_heads[b]` is a bitmask
-    of the heads that chose block b), so a block two heads share is read once. Per page: widen K
-    and V into the tile, then one online-softmax update per interested head.
-    q `[G, D]` pre-scaled fp32; out `[G, D]`, lse `[G]` fp32; state `[G, 2 + D]` scratch
-    (running max, running sum, accumulator).
+    of the heads that chose block b), so a block two heads share is read from memory once; while
+    one block is computed the next one is prefetched. Per page of 16 tokens and interested head:
+    16 scores, one online-softmax update, then the V accumulation, all contiguous over D.
+    q `[G, D]` pre-scaled fp32; out `[G, D]`, lse `[G]` fp32; state `[G, 2 + D + 16]` scratch
+    (running max, running sum, accumulator, page probabilities).
     """
     n_heads, d = q.shape
     per_chunk = _CHUNK // block_size
@@ -203,15 +278,10 @@ def sparse_attention(
     for g in range(n_heads):
         for i in range(n_selected[g]):
             block_heads[selected[g, i]] |= np.uint32(1) << np.uint32(g)
-        state[g, 0] = -np.inf
+        state[g, 0] = _NEG_INF
         state[g, 1] = 0.0
         for j in range(d):
             state[g, 2 + j] = 0.0
-    k_u32 = tile_u32[0]
-    k_f32 = tile_f32[0]
-    v_u32 = tile_u32[1]
-    v_f32 = tile_f32[1]
-    scores = tile_f32[2, 0, :_PAGE]
     tokens_read = 0
     next_b = 0
     while next_b < n_blocks and block_heads[next_b] == 0:
@@ -235,58 +305,62 @@ def sparse_attention(
         tokens_read += n_tok
         for p0 in range(0, n_tok, _PAGE):
             n_rows = min(_PAGE, n_tok - p0)
-            _widen_rows(arena, chunk, _K_ROW + row0 + p0, n_rows, k_u32, k_f32)
-            _widen_rows(arena, chunk, _V_ROW + row0 + p0, n_rows, v_u32, v_f32)
+            k_row = _K_ROW + row0 + p0
+            v_row = _V_ROW + row0 + p0
             for g in range(n_heads):
                 if not (heads >> np.uint32(g)) & np.uint32(1):
                     continue
-                page_max = -np.inf
+                acc = state[g, 2 : 2 + d]
+                probs = state[g, 2 + d : 2 + d + _PAGE]
+                if n_rows == _PAGE:
+                    _page_scores16(arena, chunk, k_row, q, g, probs)
+                else:
+                    for t in range(n_rows):
+                        s = np.float32(0.0)
+                        for j in range(d):
+                            s += q[g, j] * _load(arena, chunk, k_row + t, j)
+                        probs[t] = s
+                page_max = _NEG_INF
                 for t in range(n_rows):
-                    s = np.float32(0.0)
-                    for j in range(d):
-                        s += q[g, j] * k_f32[t, j]
-                    scores[t] = s
-                    page_max = max(page_max, s)
+                    page_max = max(page_max, probs[t])
                 m_old = state[g, 0]
                 m_new = max(m_old, page_max)
-                alpha = np.exp(m_old - m_new)
+                alpha = _exp(m_old - m_new)
                 page_sum = np.float32(0.0)
                 for t in range(n_rows):
-                    p = np.exp(scores[t] - m_new)
-                    scores[t] = p
+                    p = _exp(probs[t] - m_new)
+                    probs[t] = p
                     page_sum += p
                 state[g, 0] = m_new
                 state[g, 1] = state[g, 1] * alpha + page_sum
-                acc = state[g, 2:]
                 for j in range(d):
                     acc[j] *= alpha
-                for t in range(n_rows):
-                    p = scores[t]
-                    for j in range(d):
-                        acc[j] += p * v_f32[t, j]
+                if n_rows == _PAGE:
+                    _page_accumulate16(arena, chunk, v_row, probs, acc)
+                else:
+                    for t in range(n_rows):
+                        p = probs[t]
+                        for j in range(d):
+                            acc[j] += p * _load(arena, chunk, v_row + t, j)
     for g in range(n_heads):
         if state[g, 1] > 0.0:
-            inv = 1.0 / state[g, 1]
+            inv = np.float32(1.0) / state[g, 1]
             for j in range(d):
                 out[g, j] = state[g, 2 + j] * inv
             lse[g] = state[g, 0] + np.log(state[g, 1])
         else:
             for j in range(d):
                 out[g, j] = 0.0
-            lse[g] = -np.inf
+            lse[g] = _NEG_INF
     return tokens_read * 2 * d * arena.itemsize
 
 
 @numba.njit(**_JIT)
-def run_task(
-    arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, tile_u32, tile_f32, state
-):
+def run_task(arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state):
     """Score, select and attend for one task; returns bytes read (metadata + selected KV)."""
-    n_blocks = block_scores(arena, chunks, cpu_len, block_size, q, scores, tile_u32[0], tile_f32[0])
+    n_blocks = block_scores(arena, chunks, cpu_len, block_size, q, scores)
     topk_blocks(scores, n_blocks, n_select, selected, n_selected)
-    kv_bytes = sparse_attention(
-        arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, tile_u32, tile_f32, state
-    )
+    kv_bytes = sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state)
     return n_blocks * 2 * q.shape[1] * arena.itemsize + kv_bytes
 
 
@@ -303,10 +377,7 @@ class Workspace:
         self.selected = np.empty((group_size, max_blocks), dtype=np.int32)
         self.n_selected = np.empty(group_size, dtype=np.int32)
         self.block_heads = np.empty(max_blocks, dtype=np.uint32)
-        # [K page, V page, score row] tiles; uint32 and float32 views of the same memory.
-        self.tile_u32 = np.empty((3, _PAGE, head_dim), dtype=np.uint32)
-        self.tile_f32 = self.tile_u32.view(np.float32)
-        self.state = np.empty((group_size, 2 + head_dim), dtype=np.float32)
+        self.state = np.empty((group_size, 2 + head_dim + _PAGE), dtype=np.float32)
 
     def check(self, n_blocks: int) -> None:
         if n_blocks > self.max_blocks:

@@ -109,7 +109,7 @@ def test_block_scores_are_quest_bound():
     ws = Workspace(4, 32, 64)
     cpu_len = store.cpu_len(0, 0)
     for block_size in layout.BLOCK_SIZES:
-        n = block_scores(store.arena_numpy(0), store.chunk_table(0, 0)[0], cpu_len, block_size, q, ws.scores, ws.tile_u32[0], ws.tile_f32[0])
+        n = block_scores(store.arena_numpy(0), store.chunk_table(0, 0)[0], cpu_len, block_size, q, ws.scores)
         meta = store.block_metadata(0, 0, 0, block_size).float().numpy()
         expected = np.maximum(q[:, None] * meta[None, :, 1], q[:, None] * meta[None, :, 0]).sum(-1)
         assert n == meta.shape[0]
@@ -160,6 +160,6 @@ def test_run_task_counts_metadata_and_kv_bytes():
     out = np.empty((2, 32), np.float32)
     lse = np.empty(2, np.float32)
     nbytes = run_task(store.arena_numpy(0), store.chunk_table(0, 0)[0], 160, 16, q, np.array([3, 0], np.int32),
-                      out, lse, ws.scores, ws.selected, ws.n_selected, ws.block_heads, ws.tile_u32, ws.tile_f32, ws.state)
+                      out, lse, ws.scores, ws.selected, ws.n_selected, ws.block_heads, ws.state)
     # 10 blocks x (min + max) rows + 3 blocks x 16 tokens x (K + V), 32 dims x 2 bytes
     assert nbytes == (10 * 2 + 3 * 16 * 2) * 32 * 2

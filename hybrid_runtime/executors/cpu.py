@@ -58,8 +58,6 @@ class CpuExecutor:
             ws.selected,
             ws.n_selected,
             ws.block_heads,
-            ws.tile_u32,
-            ws.tile_f32,
             ws.state,
         )
         task.end_s = time.perf_counter()
