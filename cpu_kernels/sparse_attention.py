@@ -13,6 +13,8 @@ the caller, so nothing is allocated per task.
 
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -33,6 +35,13 @@ _CHUNK = layout.CHUNK_TOKENS
 _PAGE = layout.PAGE_SIZE
 
 
+# How many selected blocks ahead to prefetch, and into which cache level (llvm.prefetch locality:
+# 3 = L1, 2 = L2, 1 = L3). Read once at import: numba freezes globals into the compiled code,
+# so a change needs a fresh NUMBA_CACHE_DIR.
+PREFETCH_BLOCKS = int(os.environ.get("HYBRID_CPU_PREFETCH_BLOCKS", "3"))
+PREFETCH_LOCALITY = int(os.environ.get("HYBRID_CPU_PREFETCH_LOCALITY", "3"))
+
+
 @intrinsic
 def _prefetch_col(typingctx, arena, chunk, row, col):
     """Hint the cache to fetch the line holding `arena[chunk, row, col]`."""
@@ -47,10 +56,21 @@ def _prefetch_col(typingctx, arena, chunk, row, col):
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(PREFETCH_LOCALITY), i32(1)])
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+
+
+@numba.njit(inline="always")
+def _prefetch_block(arena, chunks, cpu_len, block_size, per_chunk, b):
+    chunk = chunks[b // per_chunk]
+    row = (b % per_chunk) * block_size
+    n_tok = min(block_size, cpu_len - b * block_size)
+    _prefetch_rows(arena, chunk, _K_ROW + row, n_tok)
+    _prefetch_rows(arena, chunk, _V_ROW + row, n_tok)
 
 
 @numba.njit(inline="always")
@@ -142,8 +162,10 @@ def block_scores(arena, chunks, cpu_len, block_size, q, scores):
     for b in range(n_blocks):
         chunk = chunks[b // per_chunk]
         sub = b % per_chunk
-        if sub == 0 and b + per_chunk < n_blocks:
-            _prefetch_rows(arena, chunks[b // per_chunk + 1], _META_ROW + 2 * entry0, 2 * per_chunk)
+        if sub == 0 and b + 2 * per_chunk < n_blocks:
+            _prefetch_rows(arena, chunks[b // per_chunk + 2], _META_ROW + 2 * entry0, 2 * per_chunk)
+        elif b == 0 and per_chunk < n_blocks:
+            _prefetch_rows(arena, chunks[1], _META_ROW + 2 * entry0, 2 * per_chunk)
         row = _META_ROW + 2 * (entry0 + sub)
         for g in range(n_heads):
             s = np.float32(0.0)
@@ -283,6 +305,16 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
         for j in range(d):
             state[g, 2 + j] = 0.0
     tokens_read = 0
+    # `ahead` walks the union PREFETCH_BLOCKS blocks in front of `b`, so that many selected
+    # blocks are in flight while one is computed: one core alone cannot fill DRAM bandwidth
+    # with demand misses.
+    ahead = 0
+    for _ in range(PREFETCH_BLOCKS):
+        while ahead < n_blocks and block_heads[ahead] == 0:
+            ahead += 1
+        if ahead < n_blocks:
+            _prefetch_block(arena, chunks, cpu_len, block_size, per_chunk, ahead)
+            ahead += 1
     next_b = 0
     while next_b < n_blocks and block_heads[next_b] == 0:
         next_b += 1
@@ -292,13 +324,11 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
         next_b += 1
         while next_b < n_blocks and block_heads[next_b] == 0:
             next_b += 1
-        if next_b < n_blocks:
-            # The next selected block is usually far away in memory: start its fetch now.
-            nxt_chunk = chunks[next_b // per_chunk]
-            nxt_row = (next_b % per_chunk) * block_size
-            nxt_tok = min(block_size, cpu_len - next_b * block_size)
-            _prefetch_rows(arena, nxt_chunk, _K_ROW + nxt_row, nxt_tok)
-            _prefetch_rows(arena, nxt_chunk, _V_ROW + nxt_row, nxt_tok)
+        while ahead < n_blocks and block_heads[ahead] == 0:
+            ahead += 1
+        if ahead < n_blocks:
+            _prefetch_block(arena, chunks, cpu_len, block_size, per_chunk, ahead)
+            ahead += 1
         chunk = chunks[b // per_chunk]
         row0 = (b % per_chunk) * block_size
         n_tok = min(block_size, cpu_len - b * block_size)
