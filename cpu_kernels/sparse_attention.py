@@ -143,12 +143,20 @@ def _exp(x):
 
 
 @numba.njit(**_JIT)
-def block_scores(arena, chunks, cpu_len, block_size, q, scores):
+def block_scores(arena, chunks, cpu_len, block_size, q, scores, scratch):
     """Quest upper bound `sum_d max(q_d*max_d, q_d*min_d)` of every block for every head.
 
-    q `[G, D]` fp32, scores `[G, >= n_blocks]` fp32; returns n_blocks.
+    q `[G, D]` fp32, scores `[G, >= n_blocks]` fp32, scratch `[2G + 2, D]` fp32; returns n_blocks.
+    Since max_d >= min_d, the bound is `q+ . max + q- . min` with q+ = max(q, 0), q- = min(q, 0):
+    two FMAs per dimension. Each block's (min, max) rows are widened once and shared by all heads.
     """
     n_heads, d = q.shape
+    q_pos = scratch[:n_heads]
+    q_neg = scratch[n_heads : 2 * n_heads]
+    for g in range(n_heads):
+        for j in range(d):
+            q_pos[g, j] = max(q[g, j], np.float32(0.0))
+            q_neg[g, j] = min(q[g, j], np.float32(0.0))
     per_chunk = _CHUNK // block_size
     if block_size == 16:
         entry0 = 0
@@ -170,8 +178,7 @@ def block_scores(arena, chunks, cpu_len, block_size, q, scores):
         for g in range(n_heads):
             s = np.float32(0.0)
             for j in range(d):
-                qj = q[g, j]
-                s += max(qj * _load(arena, chunk, row, j), qj * _load(arena, chunk, row + 1, j))
+                s += q_pos[g, j] * _load(arena, chunk, row + 1, j) + q_neg[g, j] * _load(arena, chunk, row, j)
             scores[g, b] = s
     return n_blocks
 
@@ -204,32 +211,84 @@ def _sift_down(heap, k, pos, scores_row):
 
 
 @numba.njit(**_JIT)
-def topk_blocks(scores, n_blocks, n_select, selected, n_selected):
+def _heap_topk(scores_row, candidates, n_candidates, k, heap):
+    """The k best of `candidates[:n_candidates]` (ascending block ids) into `heap[:k]`, unordered."""
+    for i in range(k):
+        heap[i] = candidates[i]
+    for i in range(k // 2 - 1, -1, -1):
+        _sift_down(heap, k, i, scores_row)
+    for i in range(k, n_candidates):
+        b = candidates[i]
+        if _worse(scores_row, heap[0], b):
+            heap[0] = b
+            _sift_down(heap, k, 0, scores_row)
+
+
+_BUCKETS = 256
+
+
+@numba.njit(**_JIT)
+def topk_blocks(scores, n_blocks, n_select, selected, n_selected, scratch, marks):
     """Per head the `n_select[g]` best blocks (ties to the lower index), ascending in `selected[g]`.
 
-    A min-heap of the k best seen so far keeps the pass O(n_blocks log k).
+    A 256-bucket histogram of the scores finds the bucket that holds the k-th best; every block in
+    a higher bucket is selected, and a heap picks the rest among the boundary bucket's few
+    blocks. Two linear passes instead of a heap over all blocks.
+    scratch: int32 `[>= n_blocks + 256]`; marks: uint32 `[>= n_blocks]` scratch, left zero.
     """
     n_heads = scores.shape[0]
+    hist = scratch[:_BUCKETS]
+    candidates = scratch[_BUCKETS:]
     for g in range(n_heads):
         k = min(max(n_select[g], 0), n_blocks)
         n_selected[g] = k
+        out = selected[g]
         if k == 0:
             continue
-        heap = selected[g]
         if k == n_blocks:
             for i in range(k):
-                heap[i] = i
+                out[i] = i
             continue
         row = scores[g]
-        for i in range(k):
-            heap[i] = i
-        for i in range(k // 2 - 1, -1, -1):
-            _sift_down(heap, k, i, row)
-        for b in range(k, n_blocks):
-            if _worse(row, heap[0], b):
-                heap[0] = b
-                _sift_down(heap, k, 0, row)
-        heap[:k].sort()
+        lo = row[0]
+        hi = row[0]
+        for b in range(1, n_blocks):
+            lo = min(lo, row[b])
+            hi = max(hi, row[b])
+        if not hi > lo:  # all equal (or NaN): the lowest indices win
+            for i in range(k):
+                out[i] = i
+            continue
+        scale = np.float32(_BUCKETS) / (hi - lo)
+        for i in range(_BUCKETS):
+            hist[i] = 0
+        # Each block's bucket is computed once and kept in `marks`, so every pass agrees on it.
+        for b in range(n_blocks):
+            bucket = min(_BUCKETS - 1, np.int32((row[b] - lo) * scale))
+            marks[b] = np.uint32(bucket)
+            hist[bucket] += 1
+        above = 0
+        boundary = _BUCKETS - 1
+        while above + hist[boundary] < k:
+            above += hist[boundary]
+            boundary -= 1
+        n_cand = 0
+        for b in range(n_blocks):
+            if marks[b] == boundary:
+                candidates[n_cand] = b
+                n_cand += 1
+        need = k - above
+        _heap_topk(row, candidates, n_cand, need, out)
+        # Chosen boundary blocks rank above the bucket; then one ordered pass emits the selection.
+        for i in range(need):
+            marks[out[i]] = np.uint32(_BUCKETS)
+        n = 0
+        for b in range(n_blocks):
+            if marks[b] > boundary:
+                out[n] = b
+                n += 1
+    for b in range(n_blocks):
+        marks[b] = 0
 
 
 @numba.njit(inline="always", fastmath=FASTMATH)
@@ -386,10 +445,15 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
 
 
 @numba.njit(**_JIT)
-def run_task(arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state):
-    """Score, select and attend for one task; returns bytes read (metadata + selected KV)."""
-    n_blocks = block_scores(arena, chunks, cpu_len, block_size, q, scores)
-    topk_blocks(scores, n_blocks, n_select, selected, n_selected)
+def run_task(
+    arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state, topk_scratch
+):
+    """Score, select and attend for one task; returns bytes read (metadata + selected KV).
+
+    `state` doubles as the scoring scratch: scoring is over before attention starts.
+    """
+    n_blocks = block_scores(arena, chunks, cpu_len, block_size, q, scores, state)
+    topk_blocks(scores, n_blocks, n_select, selected, n_selected, topk_scratch, block_heads)
     kv_bytes = sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state)
     return n_blocks * 2 * q.shape[1] * arena.itemsize + kv_bytes
 
@@ -406,8 +470,12 @@ class Workspace:
         self.scores = np.empty((group_size, max_blocks), dtype=np.float32)
         self.selected = np.empty((group_size, max_blocks), dtype=np.int32)
         self.n_selected = np.empty(group_size, dtype=np.int32)
-        self.block_heads = np.empty(max_blocks, dtype=np.uint32)
-        self.state = np.empty((group_size, 2 + head_dim + _PAGE), dtype=np.float32)
+        self.block_heads = np.zeros(max_blocks, dtype=np.uint32)
+        self.topk_scratch = np.empty(max_blocks + 256, dtype=np.int32)
+        # Attention state per head [max, sum, acc(D), page probabilities(16)]; before attention
+        # the same memory holds block_scores' scratch ([2G + 2, D] fits in it for every G >= 1).
+        rows = max(group_size, 2 * group_size + 2)
+        self.state = np.empty((rows, 2 + head_dim + _PAGE), dtype=np.float32)
 
     def check(self, n_blocks: int) -> None:
         if n_blocks > self.max_blocks:

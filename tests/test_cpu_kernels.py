@@ -94,7 +94,7 @@ def test_topk_matches_bruteforce_with_ties():
     n_select = np.array([0, 1, 17, 299, 300], dtype=np.int32)
     selected = np.empty((5, n_blocks), dtype=np.int32)
     n_selected = np.empty(5, dtype=np.int32)
-    topk_blocks(scores, n_blocks, n_select, selected, n_selected)
+    topk_blocks(scores, n_blocks, n_select, selected, n_selected, np.empty(n_blocks + 256, np.int32), np.zeros(n_blocks, np.uint32))
     for g in range(5):
         order = np.lexsort((np.arange(n_blocks), -scores[g]))  # score desc, then lower index
         expected = np.sort(order[: n_select[g]])
@@ -109,7 +109,7 @@ def test_block_scores_are_quest_bound():
     ws = Workspace(4, 32, 64)
     cpu_len = store.cpu_len(0, 0)
     for block_size in layout.BLOCK_SIZES:
-        n = block_scores(store.arena_numpy(0), store.chunk_table(0, 0)[0], cpu_len, block_size, q, ws.scores)
+        n = block_scores(store.arena_numpy(0), store.chunk_table(0, 0)[0], cpu_len, block_size, q, ws.scores, ws.state)
         meta = store.block_metadata(0, 0, 0, block_size).float().numpy()
         expected = np.maximum(q[:, None] * meta[None, :, 1], q[:, None] * meta[None, :, 0]).sum(-1)
         assert n == meta.shape[0]
@@ -160,6 +160,27 @@ def test_run_task_counts_metadata_and_kv_bytes():
     out = np.empty((2, 32), np.float32)
     lse = np.empty(2, np.float32)
     nbytes = run_task(store.arena_numpy(0), store.chunk_table(0, 0)[0], 160, 16, q, np.array([3, 0], np.int32),
-                      out, lse, ws.scores, ws.selected, ws.n_selected, ws.block_heads, ws.state)
+                      out, lse, ws.scores, ws.selected, ws.n_selected, ws.block_heads, ws.state, ws.topk_scratch)
     # 10 blocks x (min + max) rows + 3 blocks x 16 tokens x (K + V), 32 dims x 2 bytes
     assert nbytes == (10 * 2 + 3 * 16 * 2) * 32 * 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topk_histogram_matches_bruteforce_on_continuous_and_clustered_scores(seed):
+    rng = np.random.default_rng(seed)
+    n_blocks = int(rng.integers(50, 3000))
+    scores = np.stack([
+        rng.standard_normal(n_blocks),
+        np.round(rng.standard_normal(n_blocks), 1),  # clustered: big boundary buckets
+        np.exp(rng.standard_normal(n_blocks) * 4),  # heavy tail: most blocks in the lowest bucket
+        np.full(n_blocks, 3.0),  # all equal
+    ]).astype(np.float32)
+    n_select = rng.integers(1, n_blocks, size=4).astype(np.int32)
+    selected = np.empty((4, n_blocks), dtype=np.int32)
+    n_selected = np.empty(4, dtype=np.int32)
+    marks = np.zeros(n_blocks, np.uint32)
+    topk_blocks(scores, n_blocks, n_select, selected, n_selected, np.empty(n_blocks + 256, np.int32), marks)
+    for g in range(4):
+        order = np.lexsort((np.arange(n_blocks), -scores[g]))
+        assert np.array_equal(selected[g, : n_selected[g]], np.sort(order[: n_select[g]])), g
+    assert not marks.any()

@@ -59,6 +59,7 @@ class CpuExecutor:
             ws.n_selected,
             ws.block_heads,
             ws.state,
+            ws.topk_scratch,
         )
         task.end_s = time.perf_counter()
         task.bytes_read = int(nbytes)
