@@ -23,13 +23,10 @@ Measured, all in this one process:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,40 +40,13 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import write_results  # noqa: E402
 from cpu_kernels import layout  # noqa: E402
 from gpu_kernels.block_scores import quest_scores, select_blocks  # noqa: E402
 from gpu_kernels.sparse_attention import SparseConfig, sparse_attention, sparse_attention_selected  # noqa: E402
 from gpu_kernels.task_table import SparseTaskTable  # noqa: E402
 from gpu_kernels.uva import uva_view  # noqa: E402
 from gpu_kernels.window_attention import window_attention  # noqa: E402
-
-
-def _commit(cli: str | None) -> str:
-    if cli:
-        return cli
-    if os.environ.get("HYBRID_COMMIT"):
-        return os.environ["HYBRID_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
-def _host_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _slug(name: str) -> str:
-    for s in ("H200", "H100", "A100", "L40S", "L4", "B200", "GH200"):
-        if s in name:
-            return s.lower()
-    return name.lower().replace(" ", "-")
 
 
 def cuda_time_ms(fn, reps: int, warmup: int = 2) -> list[float]:
@@ -208,17 +178,17 @@ def main() -> None:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10, help="pipeline repetitions per round")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of (copy, gather, pipeline configs)")
     ap.add_argument("--sweep", action="store_true", help="also time other launch configs (points)")
-    ap.add_argument("--commit", default=None)
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_attention-<device>.json)")
+    ap.add_argument("--commit", default=None, help="commit under test (the device copy has no .git); else $HYBRID_COMMIT or git")
+    ap.add_argument("--out-dir", default=None, help="directory of the JSON (default benchmarks/results)")
     ap.add_argument("--copy-to", default=None, help="also write the JSON here (e.g. $OUT)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention.py needs a CUDA device")
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    dev_name = torch.cuda.get_device_name()
     b, hq, hkv, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
     g = hq // hkv
     blk = args.block
@@ -233,11 +203,10 @@ def main() -> None:
     copy_bytes = min(host.numel() * 2, 1 << 30)
     src = host.view(-1)[: copy_bytes // 2]
     dst = torch.empty(src.shape, dtype=src.dtype, device="cuda")
-    copy_ms = cuda_time_ms(lambda i: dst.copy_(src, non_blocking=True), reps=10)
-    pinned_copy_gbs = copy_bytes / (statistics.median(copy_ms) * 1e-3) / 1e9
-    points.append({"name": "pinned_copy", "bytes": copy_bytes, "ms": copy_ms, "gbs": pinned_copy_gbs})
-    print(f"pinned H2D copy_: {pinned_copy_gbs:.1f} GB/s", flush=True)
-    del dst
+
+    def measure_copy(reps: int) -> float:
+        ms = cuda_time_ms(lambda i: dst.copy_(src, non_blocking=True), reps=reps)
+        return copy_bytes / (statistics.median(ms) * 1e-3) / 1e9
 
     # Plain UVA gather of random 4 KiB pages (what SM loads over PCIe reach at best).
     page_elems = 16 * d
@@ -246,11 +215,11 @@ def main() -> None:
     pages = torch.randint(0, n_pages_total, (n_gather,), device="cuda", dtype=torch.int32)
     gdst = torch.empty((n_gather // 4, page_elems), dtype=torch.float32, device="cuda")
     flat_view = arena.view(-1)
-    gather_ms = cuda_time_ms(lambda i: _gather_pages_kernel[(n_gather // 4,)](flat_view, pages, gdst, PAGE_ELEMS=page_elems, PAGES_PER_PROG=4, num_warps=4), reps=10)
-    gather_gbs = n_gather * page_elems * 2 / (statistics.median(gather_ms) * 1e-3) / 1e9
-    points.append({"name": "uva_gather_random_4k_pages", "bytes": n_gather * page_elems * 2, "ms": gather_ms, "gbs": gather_gbs})
-    print(f"plain UVA gather of random 4 KiB pages: {gather_gbs:.1f} GB/s", flush=True)
-    del gdst
+
+    def measure_gather(reps: int) -> float:
+        ms = cuda_time_ms(lambda i: _gather_pages_kernel[(n_gather // 4,)](
+            flat_view, pages, gdst, PAGE_ELEMS=page_elems, PAGES_PER_PROG=4, num_warps=4), reps=reps)
+        return n_gather * page_elems * 2 / (statistics.median(ms) * 1e-3) / 1e9
 
     # ---------------------------------------------------------------- task table (one per step)
     n_blocks = -(-cpu_len // blk)
@@ -277,8 +246,7 @@ def main() -> None:
         res = [sparse_attention(plan, qs[i], arena, out, lse, config) for i in range(n_q)]
         return [meta_bytes + int(plan.kv_bytes(r.selection.counts.cpu().numpy(), d, 2).sum()) for r in res]
 
-    def time_pipeline(config: SparseConfig, reps: int) -> tuple[float, list[float], list[int]]:
-        nbytes = pipeline_bytes(config)
+    def time_pipeline(config: SparseConfig, reps: int, nbytes: list[int]) -> tuple[float, list[float], list[int]]:
         ms = cuda_time_ms(lambda i: sparse_attention(plan, qs[i % n_q], arena, out, lse, config), reps=reps)
         gbs = [nbytes[i % n_q] / (m * 1e-3) / 1e9 for i, m in enumerate(ms)]
         return statistics.median(gbs), ms, nbytes
@@ -287,23 +255,45 @@ def main() -> None:
     configs = [default]
     if args.sweep:
         configs += [
-            SparseConfig(block_n=64, pages_per_split=16),
-            SparseConfig(block_n=64, pages_per_split=32),
-            SparseConfig(block_n=64, pages_per_split=4, num_stages=1),
-            SparseConfig(block_n=32, pages_per_split=8),
-            SparseConfig(block_n=64, pages_per_split=8, num_warps=8),
-            SparseConfig(block_n=128, pages_per_split=16, num_warps=8),
-            SparseConfig(block_n=64, pages_per_split=8, score_block_b=32),
-            SparseConfig(block_n=64, pages_per_split=8, score_block_b=128, score_num_warps=8),
+            SparseConfig(score_paired=True),
+            SparseConfig(score_paired=True, score_block_b=64, score_num_warps=4),
+            SparseConfig(num_warps=8),
         ]
-    results = []
-    for cfg in configs:
-        gbs, ms, nbytes = time_pipeline(cfg, args.reps)
-        results.append((gbs, cfg))
-        points.append({"name": "uva_pipeline", "config": cfg.__dict__, "ms": ms, "bytes_per_qset": nbytes, "gbs_median": gbs})
-        print(f"uva pipeline {cfg}: {gbs:.1f} GB/s  median {statistics.median(ms):.3f} ms", flush=True)
-    uva_gbs, uva_ms, uva_bytes = time_pipeline(default, args.reps)  # the reported number: default config
-    uva_time = statistics.median(uva_ms)
+    nbytes_of = {}
+    for cfg in list(configs):
+        try:
+            nbytes_of[cfg] = pipeline_bytes(cfg)
+        except Exception as exc:  # a sweep variant that does not compile here is reported, not fatal
+            if cfg is default:
+                raise
+            points.append({"name": "uva_pipeline", "config": cfg.__dict__, "error": repr(exc)[:300]})
+            print(f"uva pipeline {cfg}: FAILED {exc!r}"[:400], flush=True)
+            configs.remove(cfg)
+    # Interleaved rounds: the link's limit and our kernels are measured back to back in every
+    # round, and fractions are taken per round, so drifting host/PCIe load hits both alike.
+    per_round = []
+    for r in range(args.rounds):
+        row = {"name": "round", "round": r, "pinned_copy_gbs": measure_copy(5), "uva_gather_gbs": measure_gather(3)}
+        for i, cfg in enumerate(configs):
+            gbs, ms, _ = time_pipeline(cfg, args.reps, nbytes_of[cfg])
+            row[f"config{i}_gbs"] = gbs
+            row[f"config{i}_ms"] = statistics.median(ms)
+        per_round.append(row)
+        points.append(row)
+        print(f"round {r}: " + " ".join(f"{k}={v:.2f}" for k, v in row.items() if k not in ("name", "round")), flush=True)
+    for i, cfg in enumerate(configs):
+        gbs = statistics.median(x[f"config{i}_gbs"] for x in per_round)
+        frac = statistics.median(x[f"config{i}_gbs"] / x["pinned_copy_gbs"] for x in per_round)
+        points.append({"name": "uva_pipeline", "config": {**cfg.__dict__, "index": i}, "gbs_median": gbs,
+                       "bw_fraction_median": frac, "bytes_per_qset": nbytes_of[cfg]})
+        print(f"uva pipeline config{i} {cfg}: {gbs:.1f} GB/s, {frac:.3f} of copy", flush=True)
+    pinned_copy_gbs = statistics.median(x["pinned_copy_gbs"] for x in per_round)
+    gather_gbs = statistics.median(x["uva_gather_gbs"] for x in per_round)
+    uva_gbs = statistics.median(x["config0_gbs"] for x in per_round)  # config0 is the default config
+    uva_fraction = statistics.median(x["config0_gbs"] / x["pinned_copy_gbs"] for x in per_round)
+    uva_time = statistics.median(x["config0_ms"] for x in per_round)
+    uva_bytes = nbytes_of[default]
+    del dst, gdst
     union_blocks = uva_bytes[0] - meta_bytes
     points.append({
         "name": "uva_selection", "n_select_per_head": n_sel, "n_blocks": n_blocks,
@@ -313,7 +303,8 @@ def main() -> None:
 
     # Stage breakdown (default config, one query set).
     q0 = qs[0]
-    sc_ms = cuda_time_ms(lambda i: quest_scores(plan, qs[i % n_q], arena, default.score_block_b, default.score_num_warps), reps=args.reps)
+    sc_ms = cuda_time_ms(lambda i: quest_scores(plan, qs[i % n_q], arena, default.score_block_b, default.score_num_warps,
+                                                default.score_paired), reps=args.reps)
     scores = quest_scores(plan, q0, arena)
     sel_ms = cuda_time_ms(lambda i: select_blocks(plan, scores), reps=args.reps)
     sels = [select_blocks(plan, quest_scores(plan, qs[i], arena)) for i in range(n_q)]
@@ -373,57 +364,78 @@ def main() -> None:
         row = {"name": "window", "window": w, "rel_err_ours": err}
         for key, fn in cands.items():
             row[f"{key}_eager_us"] = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-            try:
-                row[f"{key}_graph_us"] = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-            except Exception as exc:  # a backend that cannot be captured
-                row[f"{key}_graph_us"] = None
-                row[f"{key}_graph_error"] = repr(exc)[:200]
+            row[f"{key}_graph_us"] = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+            # Host cost of one call (what eager timing adds when the GPU work is shorter).
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            row[f"{key}_host_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+        if args.sweep:
+            sweep = []
+            for ns in (1, 2, 3, 4):
+                for nw, st in ((4, 3), (8, 3)):
+                    fn = lambda: window_attention(qw, kw, vw, slots, lens, wo, wl, max_len=w, n_splits=ns,
+                                                  num_warps=nw, num_stages=st)
+                    us = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+                    sweep.append({"n_splits": ns, "num_warps": nw, "num_stages": st, "graph_us": us})
+            row["sweep"] = sweep
+            best = min(sweep, key=lambda x: x["graph_us"])
+            print(f"window {w} sweep best: {best}", flush=True)
+        if w == args.window:
+            # The same job with variable lengths and slot indirection (as the runtime has it): what
+            # a user of SDPA must add is a gather of the slots and a length mask.
+            gv = torch.Generator().manual_seed(3)
+            perm = torch.randperm(b, generator=gv).to("cuda", torch.int32)
+            lv = torch.randint(w // 2, w + 1, (b,), generator=gv).to("cuda", torch.int32)
+            maskv = (torch.arange(w, device="cuda")[None, :] < lv[:, None])[:, None, None, :]
+            ours_v = lambda: window_attention(qw, kw, vw, perm, lv, wo, wl, max_len=w)
+            sdpa_v = lambda: F.scaled_dot_product_attention(
+                q4, kw.index_select(0, perm), vw.index_select(0, perm), attn_mask=maskv, scale=1.0, enable_gqa=True)
+            row["var_ours_graph_us"] = triton.testing.do_bench_cudagraph(ours_v, rep=100, return_mode="median") * 1e3
+            row["var_sdpa_graph_us"] = triton.testing.do_bench_cudagraph(sdpa_v, rep=100, return_mode="median") * 1e3
         points.append(row)
         win_results[w] = row
-        print(f"window {w}: {json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})}", flush=True)
+        print(f"window {w}: {json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != 'sweep'})}", flush=True)
     wr = win_results[args.window]
-    sdpa_best = min(wr["sdpa_gqa_eager_us"], wr["sdpa_expanded_eager_us"])
-    window_ratio = wr["ours_eager_us"] / sdpa_best
-    graph_vals = [wr.get("sdpa_gqa_graph_us"), wr.get("sdpa_expanded_graph_us")]
-    graph_vals = [x for x in graph_vals if x]
-    window_ratio_graph = wr["ours_graph_us"] / min(graph_vals) if graph_vals and wr.get("ours_graph_us") else None
+    sdpa_graph = min(wr["sdpa_gqa_graph_us"], wr["sdpa_expanded_graph_us"])
+    sdpa_eager = min(wr["sdpa_gqa_eager_us"], wr["sdpa_expanded_eager_us"])
+    # The headline ratio is device time (CUDA-graph replays: what the kernels cost on the GPU);
+    # eager timings add each library's host launch cost and are reported beside it.
+    window_ratio = wr["ours_graph_us"] / sdpa_graph
+    window_ratio_eager = wr["ours_eager_us"] / sdpa_eager
+    window_ratio_var = wr["var_ours_graph_us"] / wr["var_sdpa_graph_us"]
 
     metrics = {
         "pinned_copy_gbs": pinned_copy_gbs,
         "uva_attention_gbs": uva_gbs,
-        "uva_attention_bw_fraction": uva_gbs / pinned_copy_gbs,
+        "uva_attention_bw_fraction": uva_fraction,
         "uva_vs_naive_speedup": naive_time / uva_time,
         "window_vs_sdpa_time_ratio": window_ratio,
-        "window_vs_sdpa_time_ratio_graph": window_ratio_graph,
+        "window_vs_sdpa_eager_time_ratio": window_ratio_eager,
+        "window_vs_sdpa_varlen_time_ratio": window_ratio_var,
+        "window_host_us_per_call": wr["ours_host_us_per_call"],
+        "sdpa_host_us_per_call": min(wr["sdpa_gqa_host_us_per_call"], wr["sdpa_expanded_host_us_per_call"]),
         "uva_gather_gbs": gather_gbs,
         "uva_attention_ms": uva_time,
         "naive_ms": naive_time,
+        "naive_gbs": naive_gbs,
     }
-    metrics = {k: v for k, v in metrics.items() if v is not None}
-    result = {
-        "benchmark": "gpu_attention",
-        "device": dev_name,
-        "host_cpu": _host_cpu(),
-        "commit": _commit(args.commit),
-        "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "workload": {
-            "geometry": {"q_heads": hq, "kv_heads": hkv, "head_dim": d}, "batch": b, "context": args.context,
-            "cpu_len": cpu_len, "block_size": blk, "budget": args.budget, "dtype": "bf16", "window": args.window,
-            "torch": torch.__version__, "triton": triton.__version__,
-        },
-        "metrics": metrics,
-        "points": points,
+    workload = {
+        "geometry": {"q_heads": hq, "kv_heads": hkv, "head_dim": d}, "batch": b, "context": args.context,
+        "cpu_len": cpu_len, "block_size": blk, "budget": args.budget, "dtype": "bf16", "window": args.window,
+        "torch": torch.__version__, "triton": triton.__version__,
     }
-    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"gpu_attention-{_slug(dev_name)}.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1))
+    if args.commit:
+        os.environ["HYBRID_COMMIT"] = args.commit
+    path = write_results("gpu_attention", metrics, points, out_dir=args.out_dir, extra={"workload": workload})
     if args.copy_to:
         Path(args.copy_to).mkdir(parents=True, exist_ok=True)
-        (Path(args.copy_to) / out_path.name).write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out_path}")
+        (Path(args.copy_to) / path.name).write_text(path.read_text())
+    print(f"\nwrote {path}")
     for k, v in metrics.items():
-        print(f"  {k:32s} {v:.4g}")
+        print(f"  {k:34s} {v:.4g}")
 
 
 if __name__ == "__main__":

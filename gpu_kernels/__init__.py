@@ -1,0 +1,26 @@
+"""Triton kernels of the GPU path and CUDA views of pinned host memory.
+
+Modules, one concept each:
+    uva                 `uva_view`: a CUDA tensor aliasing a pinned host tensor (no copy)
+    task_table          `SparseTaskTable`: one int32 table per launch describing many tasks
+    block_scores        Quest block scores over metadata + per-head top-k + per-group union
+    sparse_attention    attention over the selected blocks read straight from the (UVA) arena
+    window_attention    dense split-K decode attention over the GPU window
+    split_combine       log-sum-exp reduction of split-K partials into `[B, Hq]` rows
+    lse_merge           merge of two partial `(out, lse)` results
+
+On a machine without CUDA, Triton kernels can only run under Triton's interpreter. Triton reads
+TRITON_INTERPRET when a kernel is *decorated* (module import), not when it is launched, so the
+switch has to be made before the first kernel module is imported; doing it here, in the package
+that owns the kernels, makes it independent of which test or module imports them first. An
+explicit TRITON_INTERPRET in the environment always wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"

@@ -1,0 +1,76 @@
+"""Merge two partial attention results over disjoint key sets into the exact softmax over both.
+
+`out = (w_a * out_a + w_b * out_b)`, `lse = log(e^lse_a + e^lse_b)` with `w_x = e^(lse_x - lse)`.
+An empty part (lse -inf, out anything finite) adds nothing; both empty gives out 0, lse -inf.
+This is step 5 of the decode step: GPU-window result + task results, per query head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_kernels._checks import check_tensor
+
+
+@triton.jit
+def _merge_kernel(
+    out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr,
+    R, D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    d = tl.arange(0, D)
+    la = tl.load(lse_a_ptr + r, mask=rmask, other=float("-inf"))
+    lb = tl.load(lse_b_ptr + r, mask=rmask, other=float("-inf"))
+    m = tl.maximum(la, lb)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m_safe)
+    wb = tl.exp(lb - m_safe)
+    total = wa + wb
+    has = total > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
+    lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+    off = r[:, None].to(tl.int64) * D + d[None, :]
+    oa = tl.load(out_a_ptr + off, mask=rmask[:, None], other=0.0)
+    ob = tl.load(out_b_ptr + off, mask=rmask[:, None], other=0.0)
+    # Zero weight must not let an unwritten (NaN/inf) part leak in: select instead of multiply.
+    ca = tl.where((wa > 0.0)[:, None], oa * (wa * inv)[:, None], 0.0)
+    cb = tl.where((wb > 0.0)[:, None], ob * (wb * inv)[:, None], 0.0)
+    tl.store(out_ptr + off, ca + cb, mask=rmask[:, None])
+    tl.store(lse_ptr + r, lse, mask=rmask)
+
+
+def merge_attention(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge `(out_a [..., D], lse_a [...])` with `(out_b, lse_b)` (fp32, same shapes).
+
+    `out`/`lse` may alias `out_a`/`lse_a` (in-place); new tensors are allocated when omitted.
+    """
+    check_tensor("out_a", out_a, dtypes=(torch.float32,), contiguous=True)
+    dev = out_a.device
+    d = out_a.shape[-1]
+    lead = tuple(out_a.shape[:-1])
+    check_tensor("lse_a", lse_a, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
+    check_tensor("out_b", out_b, shape=tuple(out_a.shape), dtypes=(torch.float32,), device=dev, contiguous=True)
+    check_tensor("lse_b", lse_b, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"last dimension {d} must be a power of two")
+    out = torch.empty_like(out_a) if out is None else out
+    lse = torch.empty_like(lse_a) if lse is None else lse
+    check_tensor("out", out, shape=tuple(out_a.shape), dtypes=(torch.float32,), device=dev, contiguous=True)
+    check_tensor("lse", lse, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
+    rows = lse_a.numel()
+    if rows:
+        block_r = max(1, min(64, 4096 // d))
+        _merge_kernel[(triton.cdiv(rows, block_r),)](
+            out_a, lse_a, out_b, lse_b, out, lse, rows, D=d, BLOCK_R=block_r, num_warps=4,
+        )
+    return out, lse

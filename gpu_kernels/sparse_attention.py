@@ -1,0 +1,199 @@
+"""Sparse decode attention over selected blocks, read straight from the arena (UVA, no staging).
+
+One launch covers every task of a table. Program (t, s) takes pages `[s*P, (s+1)*P)` of task t's
+union page list (a page is 16 tokens; a block of `blk` tokens is `blk/16` pages) and runs
+online-softmax attention for all G query heads of the group over them, masking per head with the
+union entry's head bits. Each page is 16 consecutive rows of one chunk (4 KiB in bf16 at D=128),
+so a tile of `BLOCK_N` tokens is a few long contiguous runs: the PCIe reads are large and the
+many programs of the grid keep enough of them in flight to fill the link. Partials
+`(out, lse)` per (task, split) are reduced by `split_combine`.
+
+Why not one program per head: the G heads of a group share K and V; reading a union block once
+for all of them moves each byte over PCIe once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from cpu_kernels import layout
+from gpu_kernels import task_table as tt
+from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, next_pow2
+from gpu_kernels.block_scores import Selection, quest_scores, select_blocks
+from gpu_kernels.split_combine import combine_splits
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Launch shape of the sparse kernels, tuned on the H100 by benchmarks/gpu_attention.py --sweep.
+
+    Measured there and dropped: L2 bulk prefetch of each page (`cp.async.bulk.prefetch.L2`),
+    TMA and `ld.global.L2::256B` loads (none beat plain loads: SM-initiated reads of pinned host
+    memory top out near 92% of the copy engine), and running the tasks as two or more waves on
+    separate streams (slower: concurrent scoring and attention kernels interfere).
+    """
+
+    block_n: int = 64  # tokens per tile (a multiple of 16)
+    pages_per_split: int = 8  # pages each program attends; grid = T x ceil(pages_max / this)
+    num_warps: int = 4
+    num_stages: int = 2
+    score_block_b: int = 128  # blocks scored per program
+    score_num_warps: int = 8
+    score_paired: bool = False  # see `quest_scores`
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, stride_qb, stride_qh,
+    arena_ptr, table_ptr, chunks_ptr,
+    ublocks_ptr, uheads_ptr, counts_ptr,
+    part_out_ptr, part_lse_ptr,
+    STRIDE_UB, STRIDE_UH, N_SPLITS, PAGES_PER_SPLIT,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    row = table_ptr + t * N_COLS
+    bi = tl.load(row + 0)
+    kvh = tl.load(row + 1)
+    cpu_len = tl.load(row + 3)
+    coff = tl.load(row + 4)
+    ppb = tl.load(row + 8)
+    n_pages = tl.load(counts_ptr + t) * ppb
+    p_start = s * PAGES_PER_SPLIT
+    p_end = tl.minimum(p_start + PAGES_PER_SPLIT, n_pages)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gmask = g < G
+    q = tl.load(
+        q_ptr + bi.to(tl.int64) * stride_qb + (kvh * G + g)[:, None].to(tl.int64) * stride_qh + d[None, :],
+        mask=gmask[:, None], other=0.0,
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    j = tl.arange(0, BLOCK_N)
+    ub_base = ublocks_ptr + t.to(tl.int64) * STRIDE_UB
+
+    for p0 in tl.range(p_start * PAGE, p_end * PAGE, BLOCK_N, num_stages=NUM_STAGES):
+        tok = p0 + j  # token index within the task's union token list
+        page = tok // PAGE
+        pv = page < p_end
+        entry = page // ppb
+        blk_id = tl.load(ub_base + entry, mask=pv, other=0)
+        hbits = tl.load(uheads_ptr + t.to(tl.int64) * STRIDE_UH + entry, mask=pv, other=0)
+        pos = (blk_id * ppb + page % ppb) * PAGE + tok % PAGE  # position in the CPU segment
+        chunk = tl.load(chunks_ptr + coff + pos // CHUNK_TOKENS, mask=pv, other=0)
+        krow = chunk.to(tl.int64) * CHUNK_ROWS + pos % CHUNK_TOKENS
+        kptr = arena_ptr + krow[:, None] * D + d[None, :]
+        # Whole pages are loaded (rows past cpu_len are zero in the arena); the length mask is
+        # applied to the scores, which keeps every load a full contiguous page.
+        # tf32 tensor-core dots on fp32 operands: the kernel waits on PCIe, so the more precise
+        # dot is free (bf16 operands would round q and p to 8 bits for no speed).
+        k = tl.load(kptr, mask=pv[:, None], other=0.0).to(tl.float32)
+        v = tl.load(kptr + V_ROW * D, mask=pv[:, None], other=0.0).to(tl.float32)
+        sc = tl.dot(q, tl.trans(k), input_precision="tf32")  # [BLOCK_G, BLOCK_N]
+        member = ((hbits[None, :] >> g[:, None]) & 1) != 0
+        keep = member & (pv & (pos < cpu_len))[None, :]
+        sc = tl.where(keep, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        # A head with no key yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32")
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = (t.to(tl.int64) * N_SPLITS + s) * G
+    tl.store(part_out_ptr + (base + g)[:, None] * D + d[None, :], out, mask=gmask[:, None])
+    tl.store(part_lse_ptr + base + g, lse, mask=gmask)
+
+
+@dataclass
+class SparseResult:
+    """What one sparse launch did; `counts` is on the device until someone asks for bytes."""
+
+    selection: Selection
+    n_splits: int
+
+
+def sparse_attention_selected(
+    plan: tt.SparseTaskTable,
+    q: torch.Tensor,
+    arena: torch.Tensor,
+    selection: Selection,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config: SparseConfig = SparseConfig(),
+) -> int:
+    """Attend each task's selected blocks; write rows of `out [B,Hq,D]`, `lse [B,Hq]` (fp32).
+
+    Returns the number of splits used. Rows of heads that selected nothing get out 0, lse -inf.
+    """
+    dev = plan.device
+    check_tensor("q", q, dims=3, dtypes=(torch.float32,), device=dev)
+    b, hq, d = q.shape
+    check_head_dim(d)
+    check_tensor("arena", arena, shape=(None, layout.CHUNK_ROWS, d), dtypes=KV_DTYPES, device=dev, contiguous=True)
+    check_tensor("out", out, shape=(b, hq, d), dtypes=(torch.float32,), device=dev, contiguous=True)
+    check_tensor("lse", lse, shape=(b, hq), dtypes=(torch.float32,), device=dev, contiguous=True)
+    if config.block_n % layout.PAGE_SIZE or config.block_n < 16 or config.block_n & (config.block_n - 1):
+        raise ValueError(f"block_n {config.block_n} must be a power of two and a multiple of {layout.PAGE_SIZE}")
+    g = plan.group_size
+    if hq % g:
+        raise ValueError(f"q has {hq} heads, not a multiple of the group size {g}")
+    t = plan.n_tasks
+    pps = max(config.pages_per_split, config.block_n // layout.PAGE_SIZE)
+    n_splits = max(1, triton.cdiv(plan.pages_max, pps))
+    part_out = torch.empty((t, n_splits, g, d), dtype=torch.float32, device=dev)
+    part_lse = torch.empty((t, n_splits, g), dtype=torch.float32, device=dev)
+    _sparse_attn_kernel[(t, n_splits)](
+        q, q.stride(0), q.stride(1),
+        arena, plan.table, plan.chunks,
+        selection.blocks, selection.heads, selection.counts,
+        part_out, part_lse,
+        selection.blocks.stride(0), selection.heads.stride(0), n_splits, pps,
+        N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
+        BLOCK_N=config.block_n, CHUNK_ROWS=layout.CHUNK_ROWS, V_ROW=layout.V_ROW,
+        CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+    )
+    # Output rows: task t owns flat rows batch*Hq + kv_head*G + (0..G-1).
+    out_rows = plan.table[:, tt.COL_BATCH] * hq + plan.table[:, tt.COL_KV_HEAD] * g
+    combine_splits(part_out, part_lse, out_rows, out, lse)
+    return n_splits
+
+
+def sparse_attention(
+    plan: tt.SparseTaskTable,
+    q: torch.Tensor,
+    arena: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config: SparseConfig = SparseConfig(),
+) -> SparseResult:
+    """The whole task pipeline in launches queued on the current stream, no host sync:
+    Quest scores -> per-head top-k -> group union -> sparse attention -> split combine."""
+    scores = quest_scores(
+        plan, q, arena, block_b=config.score_block_b, num_warps=config.score_num_warps, paired=config.score_paired
+    )
+    selection = select_blocks(plan, scores)
+    n_splits = sparse_attention_selected(plan, q, arena, selection, out, lse, config)
+    return SparseResult(selection, n_splits)
+
+
+def bytes_read(plan: tt.SparseTaskTable, counts: np.ndarray, head_dim: int, element_size: int) -> np.ndarray:
+    """Per-task bytes over the link: all metadata of the granularity + the union's K and V."""
+    return plan.metadata_bytes(head_dim, element_size) + plan.kv_bytes(counts, head_dim, element_size)
