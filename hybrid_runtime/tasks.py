@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -47,6 +49,10 @@ class Task:
     worker: int = -1
     start_s: float = 0.0
     end_s: float = 0.0
+    # Scheduling cost attributed to this task (queue + dispatch + recording), set by the scheduler.
+    overhead_s: float = 0.0
+    # Row of the task in its step (the timeline's per-step columns); -1 when not built for a step.
+    index: int = -1
 
 
 @dataclass
@@ -99,3 +105,151 @@ def make_task(
         priority=volume,
         modeled_bytes=int(volume * store.head_dim * esize),
     )
+
+
+# ---------------------------------------------------------------------------- per-step queue
+class TaskQueue:
+    """The priority queue of one decode step at one layer: largest modeled volume `V` first.
+
+    Tasks are sorted once when the queue is made (O(T log T)); after that every acquisition is
+    one short critical section under a lock, so two workers can never take the same task and
+    every task is handed out at most once. A task counts as *in flight* from its acquisition
+    until its worker reports it finished; the queue is *done* when nothing is left to hand out
+    and nothing is in flight, which is when the step's buffers are safe to read and to reuse.
+
+    `pop` serves CPU workers one task at a time; `claim` serves the GPU worker a batch bounded
+    by modeled bytes (prefix sums make that O(log T)). `close` drops whatever was not handed out
+    (a failed or timed-out step); tasks already in flight still finish and are still counted.
+    """
+
+    def __init__(self, tasks: "Sequence[Task]", priorities: np.ndarray | None = None, nbytes: np.ndarray | None = None):
+        """`priorities`/`nbytes` (the tasks' `priority` and `modeled_bytes` as arrays) may be
+        given when the caller already has them; they save a pass over the task objects."""
+        tasks = list(tasks)
+        if priorities is None:
+            priorities = np.fromiter((t.priority for t in tasks), dtype=np.float64, count=len(tasks))
+        if nbytes is None:
+            nbytes = np.fromiter((t.modeled_bytes for t in tasks), dtype=np.float64, count=len(tasks))
+        if len(priorities) != len(tasks) or len(nbytes) != len(tasks):
+            raise ValueError(f"{len(tasks)} tasks but {len(priorities)} priorities and {len(nbytes)} byte counts")
+        # Stable sort on -V: equal volumes keep their construction order (deterministic runs).
+        order = np.argsort(-np.asarray(priorities, dtype=np.float64), kind="stable")
+        self._tasks = [tasks[i] for i in order.tolist()]
+        nbytes = np.asarray(nbytes, dtype=np.float64)[order]
+        # _cum[i] = modeled bytes of the first i tasks in queue order.
+        self._cum = np.concatenate([[0.0], np.cumsum(nbytes)])
+        self._n = len(self._tasks)
+        self._next = 0
+        self._in_flight = 0
+        self._finished = 0
+        self._dropped = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if self._n == 0:
+            self._done.set()
+
+    # -- state, read without the lock: single int/float reads are atomic in CPython and the
+    # values are only used as hints (batch sizing) or after `wait` returned.
+    def __len__(self) -> int:
+        """Tasks not yet handed out."""
+        return self._n - self._next
+
+    @property
+    def total(self) -> int:
+        return self._n
+
+    @property
+    def tasks(self) -> "list[Task]":
+        """All tasks of the queue in priority order (handed out or not)."""
+        return self._tasks
+
+    @property
+    def remaining_bytes(self) -> float:
+        """Modeled bytes of the tasks not yet handed out."""
+        return float(self._cum[self._n] - self._cum[self._next])
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def finished(self) -> int:
+        return self._finished
+
+    @property
+    def dropped(self) -> int:
+        """Tasks never handed out because the queue was closed."""
+        return self._dropped
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # -- acquisition
+    def pop(self, finished: int = 0) -> "Task | None":
+        """Report `finished` earlier tasks of the caller as done, then take the next task.
+
+        Returns None when nothing is left. Folding the report into the acquisition keeps one
+        lock round trip per task on the workers' hot path.
+        """
+        with self._lock:
+            if finished:
+                self._finish_locked(finished)
+            i = self._next
+            if i >= self._n:
+                return None
+            self._next = i + 1
+            self._in_flight += 1
+            return self._tasks[i]
+
+    def claim(self, max_bytes: float, finished: int = 0, max_tasks: int | None = None) -> "list[Task]":
+        """Take tasks from the head while their modeled bytes fit in `max_bytes` (at least one).
+
+        Returns [] when nothing is left.
+        """
+        with self._lock:
+            if finished:
+                self._finish_locked(finished)
+            i = self._next
+            if i >= self._n:
+                return []
+            # Largest j with cum[j] - cum[i] <= max_bytes; at least one task.
+            j = int(np.searchsorted(self._cum, self._cum[i] + max_bytes, side="right")) - 1
+            j = min(max(j, i + 1), self._n)
+            if max_tasks is not None:
+                j = min(j, i + max(1, max_tasks))
+            self._next = j
+            self._in_flight += j - i
+            return self._tasks[i:j]
+
+    def finish(self, n: int = 1) -> None:
+        """Report `n` handed-out tasks as done (successfully or not)."""
+        with self._lock:
+            self._finish_locked(n)
+
+    def _finish_locked(self, n: int) -> None:
+        if n > self._in_flight:
+            raise RuntimeError(f"TaskQueue: {n} tasks reported finished but only {self._in_flight} are in flight")
+        self._in_flight -= n
+        self._finished += n
+        if self._next >= self._n and self._in_flight == 0:
+            self._done.set()
+
+    def close(self) -> int:
+        """Drop the tasks not yet handed out; returns how many were dropped."""
+        with self._lock:
+            dropped = self._n - self._next
+            self._closed = True
+            self._dropped += dropped
+            self._next = self._n
+            if self._in_flight == 0:
+                self._done.set()
+            return dropped
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the queue is done (True) or `timeout` seconds passed (False)."""
+        return self._done.wait(timeout)

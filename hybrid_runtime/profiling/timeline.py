@@ -1,0 +1,317 @@
+"""Timeline recorder: what every task, worker and GPU stream did in every decode step.
+
+Hot-path cost is kept to a reference append per step: the decode call hands over the step's
+task objects (which the executors and workers already stamped with worker, lane, start, end and
+bytes) and its CUDA events. Turning those into arrays -- and CUDA events into host times --
+happens later, in batches, off the critical path of the step that produced them (`resolve`).
+The time spent is itself measured: `recording_s` on the decode path (`record`), `resolve_s` for
+the deferred conversion (which runs when a report asks for records, or in batches of
+`RESOLVE_EVERY` steps to bound what is held), so reports can show both against the step time.
+
+One clock: `time.perf_counter()` seconds. CUDA events are mapped onto it by `CudaClock`, which
+pairs one reference event with the host time at which the idle GPU executed it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+LANE_CPU = 0
+LANE_GPU = 1
+
+
+class CudaClock:
+    """Maps CUDA events to `perf_counter` seconds.
+
+    Calibration records an event on an idle device and brackets it with host timestamps; the
+    shortest of a few brackets bounds the error (a few microseconds). Event timestamps and the
+    host clock drift apart by parts per million, so `calibrate` again when a timeline is cleared.
+    """
+
+    def __init__(self, device: Any = None):
+        import torch
+
+        self._torch = torch
+        self.device = device
+        self.ref = None
+        self.t_ref = 0.0
+        self.error_s = float("inf")
+        self.calibrate()
+
+    def calibrate(self, tries: int = 5) -> None:
+        torch = self._torch
+        best = None
+        for _ in range(tries):
+            torch.cuda.synchronize(self.device)
+            ev = torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            ev.record()
+            ev.synchronize()
+            t1 = time.perf_counter()
+            if best is None or t1 - t0 < best[2]:
+                best = (ev, 0.5 * (t0 + t1), t1 - t0)
+        self.ref, self.t_ref, self.error_s = best[0], best[1], 0.5 * best[2]
+
+    def to_host(self, ev: Any) -> float:
+        """Host time of a completed event (floats pass through: host-timed intervals)."""
+        if isinstance(ev, float):
+            return ev
+        return self.t_ref + self.ref.elapsed_time(ev) * 1e-3
+
+
+@dataclass
+class StepRecord:
+    """One decode step at one layer, resolved to arrays on the host clock."""
+
+    index: int
+    layer: int
+    batch: int
+    policy: str
+    t_start: float  # first q available (decode entry, or the q-ready event on the GPU)
+    t_end: float  # merged output available
+    worker: np.ndarray  # [T] int16, index into Timeline.worker_names
+    lane: np.ndarray  # [T] int8, LANE_CPU or LANE_GPU
+    seq_id: np.ndarray  # [T] int64
+    kv_head: np.ndarray  # [T] int16
+    start: np.ndarray  # [T] float64 seconds
+    end: np.ndarray  # [T] float64 seconds
+    bytes_read: np.ndarray  # [T] int64
+    modeled_bytes: np.ndarray  # [T] int64
+    overhead: np.ndarray  # [T] float64 seconds of scheduling overhead per task
+    gpu_intervals: np.ndarray  # [n, 2] float64, busy intervals of the GPU (any stream)
+    gpu_labels: tuple = ()
+    has_gpu: bool = False
+
+    @property
+    def attention_s(self) -> float:
+        return self.t_end - self.t_start
+
+    @property
+    def n_tasks(self) -> int:
+        return int(self.worker.shape[0])
+
+    def gpu_busy_s(self) -> float:
+        return union_length(self.gpu_intervals, self.t_start, self.t_end)
+
+    def gpu_idle_s(self) -> float | None:
+        """GPU idle time inside the attention window (None without a GPU)."""
+        if not self.has_gpu:
+            return None
+        return max(0.0, self.attention_s - self.gpu_busy_s())
+
+    def gpu_idle_ratio(self) -> float | None:
+        idle = self.gpu_idle_s()
+        if idle is None or self.attention_s <= 0:
+            return None
+        return idle / self.attention_s
+
+
+def union_length(intervals: np.ndarray, lo: float, hi: float) -> float:
+    """Total length of the union of `[start, end]` intervals clipped to `[lo, hi]`."""
+    if len(intervals) == 0 or hi <= lo:
+        return 0.0
+    iv = np.clip(np.asarray(intervals, dtype=np.float64), lo, hi)
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    total = 0.0
+    cur_s, cur_e = iv[0]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    return total + (cur_e - cur_s)
+
+
+@dataclass
+class _Pending:
+    """A step as recorded on the hot path: references only, nothing converted yet."""
+
+    index: int
+    layer: int
+    batch: int
+    policy: str
+    t_entry: float
+    ev_entry: Any
+    tasks: list
+    columns: dict | None  # worker, start, end, bytes, overhead: arrays indexed by task.index
+    gpu_events: list  # [(label, start_event_or_time, end_event_or_time)]
+    gpu_batches: list  # [(start_event, end_event, [task indices])], one per GPU launch
+    t_end_host: float
+    ev_end: Any
+    has_gpu: bool
+
+
+class Timeline:
+    """All recorded steps of a runtime. `records` resolves and returns them."""
+
+    # Resolve in batches once this many steps are pending (bounds memory held by references).
+    RESOLVE_EVERY = 256
+
+    def __init__(self, worker_names: Sequence[str], worker_lanes: Sequence[int], clock: CudaClock | None = None,
+                 enabled: bool = True):
+        self.worker_names = list(worker_names)
+        self.worker_lanes = np.asarray(worker_lanes, dtype=np.int8)
+        self.clock = clock
+        self.enabled = enabled
+        self._pending: list[_Pending] = []
+        self._records: list[StepRecord] = []
+        self._next_index = 0
+        self.recording_s = 0.0  # host time `record` spent on the decode path
+        self.resolve_s = 0.0  # host time spent converting pending steps into records
+
+    # ------------------------------------------------------------------ hot path
+    def record(
+        self,
+        *,
+        layer: int,
+        batch: int,
+        policy: str,
+        t_entry: float,
+        ev_entry: Any,
+        tasks: list,
+        columns: dict | None = None,
+        gpu_events: list = (),
+        gpu_batches: list = (),
+        t_end_host: float = 0.0,
+        ev_end: Any = None,
+    ) -> None:
+        """Keep references to one step; conversion happens later.
+
+        `columns` are the per-task arrays the lanes filled (see `StepJob.columns`); without them
+        the fields are read from the task objects at resolution (slower, same result).
+        """
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        self._pending.append(
+            _Pending(self._next_index, layer, batch, policy, t_entry, ev_entry, tasks, columns, list(gpu_events),
+                     list(gpu_batches), t_end_host, ev_end, self.clock is not None)
+        )
+        self._next_index += 1
+        t1 = time.perf_counter()
+        self.recording_s += t1 - t0
+        if len(self._pending) >= self.RESOLVE_EVERY:
+            self._resolve(block=False)
+            self.resolve_s += time.perf_counter() - t1
+
+    # ------------------------------------------------------------------ resolution
+    def _resolve(self, block: bool) -> None:
+        keep = []
+        for i, p in enumerate(self._pending):
+            if p.ev_end is not None and not block and not p.ev_end.query():
+                # Events complete in order on a stream: later steps are not ready either.
+                keep = self._pending[i:]
+                break
+            if p.ev_end is not None and block:
+                p.ev_end.synchronize()
+            self._records.append(self._convert(p))
+        self._pending = keep
+
+    def _convert(self, p: _Pending) -> StepRecord:
+        clock = self.clock
+        to_host = clock.to_host if clock is not None else (lambda x: x)
+        tasks = p.tasks
+        n = len(tasks)
+
+        def attr(name: str, dtype: Any) -> np.ndarray:
+            return np.fromiter((getattr(t, name) for t in tasks), dtype=dtype, count=n)
+
+        if p.columns is not None:
+            c = p.columns
+            worker = np.asarray(c["worker"], dtype=np.int16)
+            start = np.array(c["start"], dtype=np.float64)
+            end = np.array(c["end"], dtype=np.float64)
+            nbytes = np.asarray(c["bytes"], dtype=np.int64)
+            overhead = np.asarray(c["overhead"], dtype=np.float64)
+        else:
+            worker, start, end = attr("worker", np.int16), attr("start_s", np.float64), attr("end_s", np.float64)
+            nbytes, overhead = attr("bytes_read", np.int64), attr("overhead_s", np.float64)
+        static = getattr(tasks, "seq_id", None) is not None
+        seq_id = np.asarray(tasks.seq_id, dtype=np.int64) if static else attr("seq_id", np.int64)
+        kv_head = np.asarray(tasks.kv_head, dtype=np.int16) if static else attr("kv_head", np.int16)
+        modeled = np.asarray(tasks.modeled_bytes, dtype=np.int64) if static else attr("modeled_bytes", np.int64)
+        gpu_iv = [(to_host(a), to_host(b)) for _, a, b in p.gpu_events]
+        labels = [lbl for lbl, _, _ in p.gpu_events]
+        for e0, e1, idx in p.gpu_batches:
+            if isinstance(e0, float):
+                continue  # a synchronous executor timed its tasks itself
+            # Tasks of one launch run together on the device: each gets the launch's interval.
+            t0, t1 = to_host(e0), to_host(e1)
+            start[idx], end[idx] = t0, t1
+            if p.has_gpu:
+                gpu_iv.append((t0, t1))
+                labels.append("sparse")
+        lane = self.worker_lanes[worker] if n else np.zeros(0, np.int8)
+        t_start = p.t_entry
+        if p.ev_entry is not None:
+            # The step starts when both the host called decode and the GPU produced q.
+            t_start = max(t_start, to_host(p.ev_entry))
+        t_end = to_host(p.ev_end) if p.ev_end is not None else p.t_end_host
+        return StepRecord(
+            index=p.index,
+            layer=p.layer,
+            batch=p.batch,
+            policy=p.policy,
+            t_start=t_start,
+            t_end=t_end,
+            worker=worker,
+            lane=lane,
+            seq_id=seq_id,
+            kv_head=kv_head,
+            start=start,
+            end=end,
+            bytes_read=nbytes,
+            modeled_bytes=modeled,
+            overhead=overhead,
+            gpu_intervals=np.asarray(gpu_iv, dtype=np.float64).reshape(-1, 2),
+            gpu_labels=tuple(labels),
+            has_gpu=p.has_gpu,
+        )
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """Every recorded step, resolved (waits for outstanding GPU events)."""
+        t0 = time.perf_counter()
+        self._resolve(block=True)
+        self.resolve_s += time.perf_counter() - t0
+        return self._records
+
+    def clear(self) -> None:
+        """Forget every record (and re-sync the CUDA clock)."""
+        self._resolve(block=True)
+        self._records = []
+        self.recording_s = 0.0
+        self.resolve_s = 0.0
+        if self.clock is not None:
+            self.clock.calibrate()
+
+    def __len__(self) -> int:
+        return len(self._records) + len(self._pending)
+
+    # ------------------------------------------------------------------ reports
+    def summary(self) -> dict:
+        from hybrid_runtime.profiling.analysis import summarize
+
+        return summarize(self)
+
+    def chrome_trace(self) -> dict:
+        from hybrid_runtime.profiling.chrome_trace import chrome_trace
+
+        return chrome_trace(self)
+
+    def write_summary(self, path: str) -> None:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.summary(), f, indent=1)
+
+    def write_chrome_trace(self, path: str) -> None:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)

@@ -1,0 +1,447 @@
+"""The public API a generation loop calls: prefill a prompt's KV, decode one layer at a time.
+
+    with HybridRuntime(cfg) as rt:
+        rt.prefill(seq_id, layer, k, v)            # [L, Hkv, D] per layer of the prompt
+        out = rt.decode(layer, seq_ids, q, k, v)   # q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq, D]
+        rt.release(seq_id)
+
+One `decode` call (DESIGN.md "one decode step"): append k, v to the GPU window; dense attention
+over the window (Triton on CUDA, torch otherwise); build the step's tasks from the head plan;
+the scheduler's workers run them (CPU lane writes pinned host buffers, GPU lane writes device
+buffers); one small host-to-device copy brings the CPU results over; log-sum-exp merge; return
+in q's dtype and device.
+
+Without CUDA everything runs on the host: the window attention and the merge use the torch
+reference, and the GPU lane (when `scheduler.gpu_worker` is true) is served by the torch
+reference executor on the CPU, so every policy keeps its meaning and its tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from hybrid_runtime.config import Config, ConfigError, GeometryConfig
+from hybrid_runtime.executors.cpu import CpuExecutor
+from hybrid_runtime.executors.torch_ref import TorchRefExecutor
+from hybrid_runtime.kvcache import KVStore
+from hybrid_runtime.profiling.timeline import CudaClock, Timeline
+from hybrid_runtime.reference import merge_attention as merge_reference
+from hybrid_runtime.scheduler import ConfigHeadPlanner, HeadPlan, Scheduler, StepJob, build_tasks
+from hybrid_runtime.tasks import Step
+
+log = logging.getLogger(__name__)
+
+HeadPlanner = Callable[[int, Sequence[int], KVStore], HeadPlan]
+
+
+def window_attention_torch(
+    q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of q `[B,Hq,D]` (fp32, pre-scaled) over rows `[:lengths[b]]` of window slot `slots[b]`.
+
+    The reference path for hosts without CUDA; vectorised over the batch (no per-token loop).
+    """
+    b, hq, d = q.shape
+    hkv = k_win.shape[1]
+    g = hq // hkv
+    w = max(1, min(int(max_len), k_win.shape[2]))
+    k = k_win[slots.long(), :, :w].float()  # [B, Hkv, w, D]
+    v = v_win[slots.long(), :, :w].float()
+    s = torch.einsum("bhgd,bhwd->bhgw", q.view(b, hkv, g, d), k)
+    invalid = torch.arange(w, device=q.device)[None, :] >= lengths.to(q.device).long()[:, None]  # [B, w]
+    s = s.masked_fill(invalid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G]; -inf for an empty window
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - safe[..., None])
+    out = torch.einsum("bhgw,bhwd->bhgd", p, v)
+    return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+class HybridRuntime:
+    """Embeddable decode-time sparse attention over a CPU-resident KV cache.
+
+    `geometry` overrides `cfg.geometry` (e.g. fewer layers for a benchmark). `cpu_executor` and
+    `gpu_executor` (an executor, or a factory `store -> executor`) and `head_planner` replace the
+    defaults (tests inject failing executors; the predictor will be a head planner).
+    `cpu_kernel` replaces the numba task kernel the native CPU workers call (same signature as
+    `cpu_kernels.sparse_attention.run_task`; tests inject a failing one). Workers start here and
+    live until `close()`.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        geometry: GeometryConfig | None = None,
+        *,
+        cpu_executor: Any | None = None,
+        gpu_executor: Any | None = None,
+        head_planner: HeadPlanner | None = None,
+        cpu_kernel: Any | None = None,
+    ):
+        geometry = cfg.geometry if geometry is None else geometry
+        for layer, heads in cfg.policy.streaming_heads.items():
+            if not 0 <= layer < geometry.layers or any(not 0 <= h < geometry.q_heads for h in heads):
+                raise ConfigError(
+                    f"policy.streaming_heads.{layer}: layer or heads {list(heads)} out of range for geometry "
+                    f"{geometry.name!r} ({geometry.layers} layers, {geometry.q_heads} q heads)"
+                )
+        self.cfg = cfg
+        self.geometry = geometry
+        self._closed = False
+        self.store = KVStore(cfg.kv_cache, geometry)
+        store = self.store
+        self.device = store.device
+        self.cuda = self.device.type == "cuda"
+        self.scale = 1.0 / math.sqrt(geometry.head_dim)
+        sc = cfg.scheduler
+        # An executor argument may also be a factory `store -> executor` (executors need the store).
+        if cpu_executor is not None and (isinstance(cpu_executor, type) or not hasattr(cpu_executor, "run")):
+            cpu_executor = cpu_executor(store)
+        if gpu_executor is not None and (isinstance(gpu_executor, type) or not hasattr(gpu_executor, "run")):
+            gpu_executor = gpu_executor(store)
+        if cpu_executor is None and sc.cpu_workers > 0:
+            cpu_executor = CpuExecutor(store)
+        if gpu_executor is None and sc.gpu_worker:
+            if torch.cuda.is_available():
+                from hybrid_runtime.executors.gpu_pipelined import PipelinedGpuExecutor
+
+                gpu_executor = PipelinedGpuExecutor(store, stream=torch.cuda.Stream())
+            else:
+                log.info("no CUDA device: the GPU lane runs the torch reference executor on the CPU")
+                gpu_executor = TorchRefExecutor(store, device="cpu")
+        self.cpu_executor = cpu_executor if sc.cpu_workers > 0 else None
+        self.gpu_executor = gpu_executor if sc.gpu_worker else None
+        # The GPU lane's buffers live where its executor computes.
+        lane_cuda = (
+            self.gpu_executor is not None and torch.cuda.is_available() and getattr(self.gpu_executor, "device", "") == "gpu"
+        )
+        self.gpu_lane_device = torch.device("cuda") if lane_cuda else torch.device("cpu")
+        self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.policy, geometry)
+        self._task_cache: dict = {}
+
+        # Step buffers, allocated once for the largest batch (the hot path allocates no pinned
+        # memory). The CPU lane's results are one flat buffer -- out then lse, packed for the
+        # step's batch -- so they reach the GPU in a single copy.
+        s, hq, d = cfg.kv_cache.max_sequences, geometry.q_heads, geometry.head_dim
+        pin = torch.cuda.is_available()
+        self._q_host = torch.zeros(s * hq * d, dtype=torch.float32, pin_memory=pin)
+        self._res_host = torch.zeros(s * hq * (d + 1), dtype=torch.float32, pin_memory=pin)
+        self._res_dev = torch.zeros(s * hq * (d + 1), dtype=torch.float32, device=self.device) if self.cuda else None
+        dev = self.gpu_lane_device
+        self._gq = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
+        self._gout = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
+        self._glse = torch.full((s, hq), float("-inf"), dtype=torch.float32, device=dev)
+
+        if self.cuda:
+            from gpu_kernels.lse_merge import merge_attention as merge_gpu
+            from gpu_kernels.window_attention import window_attention as window_gpu
+
+            self._merge_gpu, self._window_gpu = merge_gpu, window_gpu
+        native = {
+            "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
+            "q_flat": self._q_host.numpy(),
+            "res_flat": self._res_host.numpy(),
+            "hq": hq,
+            "d": d,
+            "g": geometry.group_size,
+            "max_tasks": s * geometry.kv_heads,
+            "max_chunks": store.n_chunks,
+            "kernel": cpu_kernel,
+        }
+        self.scheduler = Scheduler(sc, self.cpu_executor, self.gpu_executor, gpu_is_cuda=lane_cuda, native=native)
+        try:
+            clock = CudaClock() if self.cuda else None
+            # The scheduler's launch model reads GPU launch end times through the same clock.
+            self.scheduler.clock = clock if lane_cuda else None
+            self._timeline = Timeline(self.scheduler.worker_names, self.scheduler.worker_lanes,
+                                      clock if cfg.profiling.enabled else None, enabled=cfg.profiling.enabled)
+        except BaseException:
+            self.scheduler.close()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "HybridRuntime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop and join every worker thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("HybridRuntime is closed")
+
+    @property
+    def timeline(self) -> Timeline:
+        return self._timeline
+
+    # ------------------------------------------------------------------ prefill / release
+    def prefill(
+        self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor | None = None
+    ) -> None:
+        """Store one layer of a prompt's KV `[L, Hkv, D]` (sink and recent window, CPU pages, metadata).
+
+        `q_last` (`[Hq, D]` or `[n, Hq, D]`, the prompt's last queries) is validated and reserved for
+        the head-property predictor's statistics; nothing uses it yet.
+        """
+        self._check_open()
+        if q_last is not None:
+            g = self.geometry
+            if not isinstance(q_last, torch.Tensor) or q_last.dim() not in (2, 3) or tuple(q_last.shape[-2:]) != (g.q_heads, g.head_dim):
+                shape = tuple(q_last.shape) if isinstance(q_last, torch.Tensor) else type(q_last).__name__
+                raise ValueError(f"q_last has shape {shape}; expected [{g.q_heads}, {g.head_dim}] or [n, {g.q_heads}, {g.head_dim}]")
+        self.store.prefill(seq_id, layer, k, v)
+        self._forget_tasks(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Free a sequence's pages and window slot (memory stays pinned for reuse)."""
+        self._check_open()
+        self.store.release(seq_id)
+        self._forget_tasks(seq_id)
+
+    # ------------------------------------------------------------------ decode
+    def _check_decode(
+        self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> list[int]:
+        g = self.geometry
+        if not isinstance(layer, int) or not 0 <= layer < self.store.layers:
+            raise IndexError(f"layer {layer!r} out of range; the runtime has layers 0..{self.store.layers - 1}")
+        seq_ids = [int(s) for s in seq_ids]
+        if not seq_ids:
+            raise ValueError("seq_ids is empty; decode needs at least one sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids {seq_ids} repeat a sequence")
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or tuple(q.shape) != (len(seq_ids), g.q_heads, g.head_dim):
+            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(
+                f"q has shape {shape}; expected [{len(seq_ids)}, {g.q_heads}, {g.head_dim}] ([B, q_heads, head_dim])"
+            )
+        if not q.is_floating_point():
+            raise ValueError(f"q has dtype {q.dtype}; expected a floating-point tensor")
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (len(seq_ids), g.kv_heads, g.head_dim):
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"{name} has shape {shape}; expected [{len(seq_ids)}, {g.kv_heads}, {g.head_dim}] ([B, kv_heads, head_dim])"
+                )
+            if not x.is_floating_point():
+                raise ValueError(f"{name} has dtype {x.dtype}; expected a floating-point tensor")
+        for s in seq_ids:
+            self.store.slot(s)  # KeyError naming the sequence when it was never prefilled
+        return seq_ids
+
+    def _event(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _window(self, layer: int, seq_ids: list[int], qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        store = self.store
+        win_k, win_v = store.window(layer)
+        lens = [store.window_len(s, layer) for s in seq_ids]
+        slots = [store.slot(s) for s in seq_ids]
+        packed = torch.tensor(slots + lens, dtype=torch.int32)
+        if self.cuda:
+            packed = packed.to(self.device, non_blocking=True)  # one small copy for both
+            b = len(seq_ids)
+            return self._window_gpu(qs, win_k, win_v, packed[:b], packed[b:], max_len=max(lens))
+        b = len(seq_ids)
+        return window_attention_torch(qs, win_k, win_v, packed[:b], packed[b:], max(lens))
+
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+        if self.cuda:
+            return self._merge_gpu(out, lse, out_b, lse_b, out=out, lse=lse)
+        return merge_reference(out, lse, out_b, lse_b)
+
+    # Plans remembered per (layer, batch): a few, so alternating plans (benchmarks) still hit.
+    TASK_CACHE_PLANS = 4
+
+    def _tasks(self, layer: int, seq_ids: list[int], plan: HeadPlan):
+        """The step's tasks; reused while the batch, the plan and the CPU segments are unchanged.
+
+        A fixed head plan over unchanged CPU segments (no spill since the last step) gives the same
+        tasks every step, so building them -- O(tasks) Python on the step's critical path -- is
+        done once. Entries are dropped when a sequence is prefilled or released (its chunks
+        change); a spill changes `cpu_len`, which misses the cache.
+        """
+        store = self.store
+        key = (layer, tuple(seq_ids))
+        cpu_lens = [store.cpu_len(s, layer) for s in seq_ids]
+        entries = self._task_cache.get(key)
+        if entries is not None:
+            for c_plan, c_lens, c_tasks in entries:
+                if c_lens == cpu_lens and np.array_equal(c_plan.block_size, plan.block_size) and np.array_equal(
+                    c_plan.budgets, plan.budgets
+                ):
+                    return c_tasks
+        tasks = build_tasks(store, layer, seq_ids, plan)
+        if len(self._task_cache) >= 4 * store.layers:
+            self._task_cache.clear()  # batches changed: start over rather than track usage
+        entries = self._task_cache.setdefault(key, [])
+        if len(entries) >= self.TASK_CACHE_PLANS:
+            entries.pop(0)
+        # The plan's arrays are copied: a planner may reuse and overwrite its buffers.
+        entries.append((HeadPlan(np.array(plan.block_size), np.array(plan.budgets)), cpu_lens, tasks))
+        return tasks
+
+    def _forget_tasks(self, seq_id: int) -> None:
+        for key in [k for k in self._task_cache if seq_id in k[1]]:
+            del self._task_cache[key]
+
+    def _will_spill(self, layer: int, seq_ids: list[int]) -> bool:
+        """Whether appending one token spills window pages into the CPU segment (changes tasks)."""
+        will_spill = getattr(self.store, "will_spill", None)
+        if will_spill is not None:
+            return bool(will_spill(layer, seq_ids))
+        limit = self.store.cfg.local + self.store.cfg.generated_cap
+        return any(self.store._layer_state(s, layer).recent_len + 1 > limit for s in seq_ids)
+
+    @torch.no_grad()
+    def decode(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One layer of one decode step for a batch: q `[B,Hq,D]`, k/v `[B,Hkv,D]` -> out `[B,Hq,D]`.
+
+        `q` is not pre-scaled (the runtime applies 1/sqrt(D)). The output has q's dtype and device.
+        Inputs are validated before anything changes. If a worker fails or the step times out,
+        the error is raised here and the runtime stays usable; the step's k, v remain appended.
+        """
+        t_entry = time.perf_counter()
+        self._check_open()
+        seq_ids = self._check_decode(layer, seq_ids, q, k, v)
+        store, geo = self.store, self.geometry
+        cuda = self.cuda
+        prof = self._timeline.enabled
+        ev_entry = self._event() if cuda and prof else None
+        # A spill moves window pages into the CPU segment the tasks read: it must come first.
+        # Otherwise the append only touches the GPU window and runs while the tasks do.
+        spill = self._will_spill(layer, seq_ids)
+        if spill:
+            store.append(layer, seq_ids, k, v)
+
+        b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
+        n = b * hq * d
+        qs = q.to(device=self.device, dtype=torch.float32) * self.scale
+        has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
+        cpu_q = self._q_host[:n].view(b, hq, d)
+        res = self._res_host[: b * hq * (d + 1)]
+        cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
+        if has_cpu:
+            cpu_q.copy_(qs, non_blocking=True)  # device -> pinned host, ordered on the main stream
+        ev_qhost = self._event() if cuda and has_cpu else None
+        if has_gpu:
+            gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
+
+        def gpu_prep() -> None:
+            # After the CPU workers were released: these ops are not on their critical path.
+            gq.copy_(qs, non_blocking=True)
+            gout.zero_()
+            glse.fill_(float("-inf"))
+            if self.gpu_lane_device.type == "cuda":
+                job.gpu_ready = self._event()  # the GPU lane's stream starts after this point
+
+        window: dict = {}
+
+        def window_part() -> None:
+            if not spill:
+                store.append(layer, seq_ids, k, v)
+            window["ev0"] = self._event() if cuda and prof else None
+            window["out"], window["lse"] = self._window(layer, seq_ids, qs)
+            window["ev1"] = self._event() if cuda and prof else None
+
+        plan = self.planner(layer, seq_ids, store)
+        tasks = self._tasks(layer, seq_ids, plan)
+        job = None
+        if tasks:
+
+            def before_cpu() -> None:
+                if ev_qhost is not None:
+                    # q is on the host now, and the previous step's copy out of `res` is done.
+                    ev_qhost.synchronize()
+                cpu_out.zero_()
+                cpu_lse.fill_(float("-inf"))
+
+            job = StepJob(
+                layer,
+                tasks,
+                batch=b,
+                cpu_arrays=(cpu_q.numpy(), cpu_out.numpy(), cpu_lse.numpy()) if has_cpu else None,
+                gpu_step=Step(layer, gq, gout, glse, geo.group_size) if has_gpu else None,
+                record=prof,
+            )
+            # The CPU workers start first, then the first GPU launch; the window attention is
+            # launched after both and overlaps them.
+            self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False)
+        else:
+            window_part()
+        out_w, lse_w = window["out"], window["lse"]
+        cpu_used = job is not None and job.cpu_used
+        gpu_used = job is not None and job.gpu_used
+
+        ev_m0 = self._event() if cuda and prof else None
+        if cpu_used:
+            if cuda:
+                dev_res = self._res_dev[: res.numel()]
+                dev_res.copy_(res, non_blocking=True)  # the one host-to-device copy of CPU results
+                self._merge(out_w, lse_w, dev_res[:n].view(b, hq, d), dev_res[n:].view(b, hq))
+            else:
+                out_w, lse_w = self._merge(out_w, lse_w, cpu_out, cpu_lse)
+        if gpu_used and job.gpu_batches:
+            last_end = job.gpu_batches[-1][1]
+            if cuda and not isinstance(last_end, float):
+                torch.cuda.current_stream().wait_event(last_end)
+            gout_d, glse_d = gout.to(self.device, non_blocking=True), glse.to(self.device, non_blocking=True)
+            res_m = self._merge(out_w, lse_w, gout_d, glse_d)
+            if not cuda:
+                out_w, lse_w = res_m
+        ev_end = self._event() if cuda and prof else None
+        out = out_w.to(device=q.device, dtype=q.dtype)
+        if job is not None:
+            self.scheduler.collect(job)  # bookkeeping, after the merge is queued
+        if prof:
+            gpu_events = [("window", window["ev0"], window["ev1"]), ("merge", ev_m0, ev_end)] if cuda else []
+            self._timeline.record(
+                layer=layer,
+                batch=b,
+                policy=self.scheduler.policy,
+                t_entry=t_entry,
+                ev_entry=ev_entry,
+                tasks=tasks,
+                columns=job.columns if job is not None else None,
+                gpu_events=gpu_events,
+                gpu_batches=job.gpu_batches if job is not None else [],
+                t_end_host=time.perf_counter(),
+                ev_end=ev_end,
+            )
+        return out
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        """Scheduler estimates and placement, for reports."""
+        sch = self.scheduler
+        return {
+            "policy": sch.policy,
+            "cpu_workers": sch.n_cpu,
+            "gpu_worker": self.gpu_executor is not None,
+            "gpu_executor": type(self.gpu_executor).__name__ if self.gpu_executor is not None else None,
+            "pinning": sch.cores.note,
+            "tp_cpu_worker_GBps": sch.tp_cpu_worker / 1e9,
+            "tp_gpu_GBps": sch.tp_gpu / 1e9,
+            "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
+            "gpu_launch_GBps": sch.gpu_model.bw / 1e9,
+            "cpu_workers_native": sch.native is not None,
+            "gpu_share": sch.gpu_share(),
+        }
+
+
+__all__ = ["HybridRuntime", "window_attention_torch"]

@@ -1,0 +1,199 @@
+"""Timeline recording, GPU-idle analysis, Chrome trace and summary export."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_runtime.profiling import (
+    LANE_CPU,
+    LANE_GPU,
+    StepRecord,
+    Timeline,
+    layer_table,
+    step_stats,
+    union_length,
+)
+from hybrid_runtime.runtime import HybridRuntime
+from tests.test_runtime import prefill_all, rt_config
+
+CUDA = torch.cuda.is_available()
+
+
+def test_union_length_merges_overlaps_and_clips():
+    iv = np.array([[0.0, 1.0], [0.5, 2.0], [3.0, 4.0], [3.5, 3.7], [-1.0, -0.5], [4.5, 9.0]])
+    assert union_length(iv, 0.0, 5.0) == pytest.approx(2.0 + 1.0 + 0.5)
+    assert union_length(np.zeros((0, 2)), 0.0, 1.0) == 0.0
+    assert union_length(iv, 2.0, 2.0) == 0.0
+
+
+def synthetic_record(layer: int, t0: float, gpu_iv, has_gpu=True) -> StepRecord:
+    n = 3
+    return StepRecord(
+        index=0, layer=layer, batch=2, policy="fluxion", t_start=t0, t_end=t0 + 5.0,
+        worker=np.array([0, 1, 2], np.int16), lane=np.array([LANE_CPU, LANE_CPU, LANE_GPU], np.int8),
+        seq_id=np.arange(n), kv_head=np.zeros(n, np.int16),
+        start=t0 + np.array([0.1, 0.2, 1.0]), end=t0 + np.array([2.0, 4.0, 2.0]),
+        bytes_read=np.array([100, 200, 300]), modeled_bytes=np.array([100, 200, 300]),
+        overhead=np.array([1e-6, 2e-6, 0.0]),
+        gpu_intervals=t0 + np.asarray(gpu_iv, dtype=np.float64).reshape(-1, 2), has_gpu=has_gpu,
+    )
+
+
+def test_gpu_idle_per_layer_as_in_table_5():
+    r0 = synthetic_record(0, 10.0, [[0.0, 1.0], [0.5, 2.0], [3.0, 4.0]])  # busy 3 of 5
+    r1 = synthetic_record(0, 20.0, [[0.0, 5.0]])  # never idle
+    r2 = synthetic_record(1, 30.0, [])  # idle throughout
+    assert r0.gpu_busy_s() == pytest.approx(3.0)
+    assert r0.gpu_idle_s() == pytest.approx(2.0) and r0.gpu_idle_ratio() == pytest.approx(0.4)
+    assert r0.gpu_idle_s() + r0.gpu_busy_s() == pytest.approx(r0.attention_s)
+    rows = layer_table([r0, r1, r2])
+    assert [r["layer"] for r in rows] == [0, 1]
+    assert rows[0]["steps"] == 2 and rows[0]["attention_ms_mean"] == pytest.approx(5000.0)
+    assert rows[0]["gpu_idle_ms_mean"] == pytest.approx(1000.0)
+    assert rows[0]["gpu_idle_ratio"] == pytest.approx(2.0 / 10.0)
+    assert rows[1]["gpu_idle_ratio"] == pytest.approx(1.0)
+    no_gpu = synthetic_record(2, 0.0, [], has_gpu=False)
+    assert no_gpu.gpu_idle_s() is None and layer_table([no_gpu])[0]["gpu_idle_ratio"] is None
+    st = step_stats(r0)
+    assert st["bytes_cpu"] == 300 and st["bytes_gpu"] == 300 and st["tasks_gpu"] == 1
+    assert st["cpu_busy_s"] == pytest.approx(1.9 + 3.8)
+
+
+def run_steps(policy="fluxion", steps=3, plan="fixed", budget=0.2):
+    rt = HybridRuntime(rt_config(policy, plan=plan, budget=budget))
+    prefill_all(rt)
+    gen = torch.Generator().manual_seed(0)
+    bytes_before = sum(ex.bytes_read for ex in (rt.cpu_executor, rt.gpu_executor) if ex is not None)
+    n_tasks = 0
+    for _ in range(steps):
+        for layer in (0, 1):
+            q = torch.randn(3, 8, 32, generator=gen)
+            rt.decode(layer, [0, 1, 2], q, torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen))
+    bytes_after = sum(ex.bytes_read for ex in (rt.cpu_executor, rt.gpu_executor) if ex is not None)
+    return rt, bytes_after - bytes_before
+
+
+@pytest.mark.parametrize("policy", ["fluxion", "uniform"])
+def test_timeline_totals_add_up(policy):
+    rt, nbytes = run_steps(policy)
+    try:
+        recs = rt.timeline.records
+        assert len(recs) == 6 and [r.layer for r in recs] == [0, 1] * 3
+        # Every task is recorded once, with its worker, lane, interval and bytes.
+        assert sum(r.bytes_read.sum() for r in recs) == nbytes
+        for r in recs:
+            assert r.n_tasks == 6  # 3 sequences x 2 KV groups, budget 0.2 everywhere
+            assert (r.worker >= 0).all()
+            assert ((r.lane == LANE_GPU) == (r.worker == rt.scheduler.gpu_worker_id)).all()
+            # GPU launches are CUDA events mapped to the host clock (a few us of calibration error).
+            eps = 2e-4 if CUDA else 1e-6
+            assert (r.start >= r.t_start - eps).all() and (r.end <= r.t_end + eps).all()
+            assert (r.end >= r.start).all() and (r.bytes_read > 0).all()
+            # A CPU worker runs one task at a time: its busy time fits in the step. (Tasks of one
+            # GPU launch share the launch's interval, so the GPU lane's busy time is their union.)
+            for w in np.unique(r.worker[r.lane == LANE_CPU]):
+                assert (r.end - r.start)[r.worker == w].sum() <= r.attention_s + eps
+            gpu = r.lane == LANE_GPU
+            if gpu.any():
+                iv = np.stack([r.start[gpu], r.end[gpu]], 1)
+                assert union_length(iv, r.t_start - eps, r.t_end + eps) <= r.attention_s + 2 * eps
+        s = rt.timeline.summary()
+        assert s["steps"] == 6 and s["tasks"] == 36
+        assert s["bytes_cpu"] + s["bytes_gpu"] == nbytes
+        assert sum(w["tasks"] for w in s["workers"]) == 36
+        assert sum(w["bytes"] for w in s["workers"]) == nbytes
+        assert s["attention_s_total"] == pytest.approx(sum(r.attention_s for r in recs))
+        assert [row["steps"] for row in s["layers"]] == [3, 3]
+        assert s["gpu_idle_ratio"] is None if not CUDA else 0 <= s["gpu_idle_ratio"] <= 1
+    finally:
+        rt.close()
+
+
+def test_chrome_trace_and_summary_export(tmp_path):
+    rt, _ = run_steps("fluxion", steps=2)
+    try:
+        trace_path, summary_path = tmp_path / "trace.json", tmp_path / "summary.json"
+        rt.timeline.write_chrome_trace(str(trace_path))
+        rt.timeline.write_summary(str(summary_path))
+        trace = json.loads(trace_path.read_text())
+        events = trace["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        steps = [e for e in spans if e["pid"] == 1]
+        tasks = [e for e in spans if e["pid"] in (2, 3) and e["name"].startswith("s")]
+        assert len(steps) == 4 and len(tasks) == 24
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+        names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+        assert {"cpu0", "cpu1", "gpu"} <= names
+        summary = json.loads(summary_path.read_text())
+        assert summary["steps"] == 4 and len(summary["layers"]) == 2
+    finally:
+        rt.close()
+
+
+def test_recording_cost_is_small_and_clear_resets():
+    rt, _ = run_steps("fluxion", steps=4)
+    try:
+        tl = rt.timeline
+        total = sum(r.attention_s for r in tl.records)
+        frac = tl.recording_s / total
+        print(f"\ntimeline recording on the decode path: {tl.recording_s * 1e6:.0f} us over {len(tl)} steps = "
+              f"{frac:.2%} of attention time; deferred resolution {tl.resolve_s * 1e6:.0f} us = {tl.resolve_s / total:.2%}")
+        assert frac < 0.02
+        tl.clear()
+        assert len(tl) == 0 and tl.summary()["steps"] == 0
+    finally:
+        rt.close()
+
+
+def test_disabled_profiling_records_nothing():
+    from hybrid_runtime.config import config_from_dict
+
+    cfg = rt_config()
+    cfg = config_from_dict({**cfg.to_dict(), "profiling": {"enabled": False}})
+    with HybridRuntime(cfg) as rt:
+        prefill_all(rt, layers=(0,))
+        rt.decode(0, [0, 1, 2], torch.randn(3, 8, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32))
+        assert len(rt.timeline) == 0
+
+
+def test_timeline_resolves_in_batches():
+    tl = Timeline(["cpu0"], [LANE_CPU], clock=None)
+    tl.RESOLVE_EVERY = 4  # (256 by default)
+    for i in range(10):
+        tl.record(layer=0, batch=1, policy="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
+                  gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
+    assert len(tl._records) == 8 and len(tl._pending) == 2  # resolved in two batches of four
+    assert [r.attention_s for r in tl.records] == [0.5] * 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_clock_maps_events_onto_the_host_clock():
+    import time
+
+    from hybrid_runtime.profiling import CudaClock
+
+    clock = CudaClock()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    ev.synchronize()
+    t1 = time.perf_counter()
+    assert t0 - 50e-6 <= clock.to_host(ev) <= t1 + 50e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_idle_is_measured_on_cuda():
+    rt, _ = run_steps("fluxion", steps=3)
+    try:
+        for r in rt.timeline.records:
+            assert r.has_gpu and len(r.gpu_intervals) >= 2
+            assert 0.0 <= r.gpu_idle_ratio() <= 1.0
+    finally:
+        rt.close()

@@ -1,0 +1,369 @@
+"""HybridRuntime end to end on the CPU: every policy against the reference, failures, timeouts,
+lifecycle. Without CUDA the GPU lane is the torch reference executor, so the static and shared
+policies really split tasks between two lanes here."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_runtime.config import ConfigError, config_from_dict
+from hybrid_runtime.executors.cpu import CpuExecutor
+from hybrid_runtime.executors.torch_ref import TorchRefExecutor
+from hybrid_runtime.reference import dense_attention, merge_attention, sparse_reference
+from hybrid_runtime.runtime import HybridRuntime
+from hybrid_runtime.scheduler import POLICIES, HeadPlan, StepTimeoutError
+from tests.helpers import random_kv
+
+GEOM = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
+# With CUDA the window attention and merge are Triton kernels (fp32 dots may use tf32).
+TOL = dict(atol=2e-3, rtol=2e-3) if torch.cuda.is_available() else dict(atol=3e-5, rtol=1e-4)
+LENGTHS = [300, 1000, 2500]
+
+
+def rt_config(policy="fluxion", plan="full", block_size=32, budget=0.05, timeout=30.0, **kv):
+    kv_cache = {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192, "max_sequences": 4}
+    kv_cache.update(kv)
+    return config_from_dict({
+        "geometry": GEOM,
+        "kv_cache": kv_cache,
+        "policy": {"name": plan, "block_size": block_size, "budget": budget},
+        "scheduler": {"policy": policy, "cpu_workers": 2, "step_timeout_s": timeout},
+    })
+
+
+def prefill_all(rt, lengths=LENGTHS, layers=(0, 1)):
+    for s, n in enumerate(lengths):
+        for layer in layers:
+            rt.prefill(s, layer, *random_kv(n, GEOM["kv_heads"], GEOM["head_dim"], seed=100 * s + layer))
+
+
+def dense_reference(rt, layer, seq_ids, q):
+    outs = []
+    for b, s in enumerate(seq_ids):
+        k, v = rt.store.full_kv(s, layer)
+        outs.append(dense_attention(q[b].float(), k, v)[0])
+    return torch.stack(outs)
+
+
+class RandomPlanner:
+    """A fixed random head mix (streaming heads, budgets, block sizes), the same for every policy."""
+
+    def __init__(self, seed=0):
+        self.seed = seed
+
+    def __call__(self, layer, seq_ids, store):
+        rng = np.random.default_rng(self.seed + layer)
+        b, hkv, hq = len(seq_ids), store.kv_heads, store.geometry.q_heads
+        blk = rng.choice([16, 32, 64], size=(b, hkv))
+        budgets = rng.uniform(0.02, 0.3, size=(b, hq)).astype(np.float32)
+        budgets[rng.random((b, hq)) < 0.4] = 0.0  # streaming heads
+        return HeadPlan(blk, budgets)
+
+
+def sparse_step_reference(rt, layer, seq_ids, q, plan):
+    """Window dense + each head's own top-k blocks (Quest on stored metadata, ties to the lower index)."""
+    store = rt.store
+    g, d = store.geometry.group_size, store.head_dim
+    sink = store.cfg.sink
+    outs = []
+    for b, s in enumerate(seq_ids):
+        k, v = store.full_kv(s, layer)
+        cpu_len = store.cpu_len(s, layer)
+        keep = torch.cat([torch.arange(min(sink, k.shape[0])), torch.arange(sink + cpu_len, k.shape[0])])
+        out_w, lse_w = dense_attention(q[b].float(), k[keep], v[keep])
+        out_c = torch.zeros_like(out_w)
+        lse_c = torch.full_like(lse_w, float("-inf"))
+        qs = q[b].float() / math.sqrt(d)
+        for h in range(store.kv_heads):
+            blk = int(plan.block_size[b, h])
+            if cpu_len == 0:
+                continue
+            meta = store.block_metadata(s, layer, h, blk).float()
+            n_blocks = meta.shape[0]
+            sel = []
+            for gh in range(g):
+                bud = float(plan.budgets[b, h * g + gh])
+                n_sel = 0 if bud <= 0 else min(n_blocks, math.ceil(bud * cpu_len / blk - 1e-9))
+                qh = qs[h * g + gh]
+                sc = torch.maximum(qh * meta[:, 0], qh * meta[:, 1]).sum(-1).numpy()
+                order = np.lexsort((np.arange(n_blocks), -sc))
+                sel.append(torch.from_numpy(np.sort(order[:n_sel])))
+            o, l = sparse_reference(qs[h * g : (h + 1) * g], k[sink : sink + cpu_len, h], v[sink : sink + cpu_len, h],
+                                    sel, blk, scale=1.0)
+            out_c[h * g : (h + 1) * g], lse_c[h * g : (h + 1) * g] = o, l
+        outs.append(merge_attention(out_w, lse_w, out_c, lse_c)[0])
+    return torch.stack(outs)
+
+
+# ---------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("policy", POLICIES)
+def test_full_budget_equals_dense_attention_for_every_policy(policy):
+    with HybridRuntime(rt_config(policy, plan="full")) as rt:
+        prefill_all(rt)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(2):
+            for layer in (0, 1):
+                q = torch.randn(3, 8, 32, generator=gen)
+                k, v = torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen)
+                out = rt.decode(layer, [0, 1, 2], q, k, v)
+                torch.testing.assert_close(out, dense_reference(rt, layer, [0, 1, 2], q), **TOL)
+        lanes = {int(w) for r in rt.timeline.records for w in r.worker}
+        if policy in ("uniform", "length"):
+            assert len(lanes & {0, 1}) and 2 in lanes  # both lanes ran tasks
+        if policy == "cpu_only":
+            assert lanes <= {0, 1}
+        if policy == "gpu_only":
+            assert lanes == {2}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_matches_the_reference_on_the_same_task_set(policy):
+    planner = RandomPlanner(seed=3)
+    with HybridRuntime(rt_config(policy), head_planner=planner) as rt:
+        prefill_all(rt)
+        gen = torch.Generator().manual_seed(7)
+        for layer in (0, 1):
+            q = torch.randn(3, 8, 32, generator=gen)
+            k, v = torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen)
+            seq_ids = [2, 0, 1]
+            out = rt.decode(layer, seq_ids, q, k, v)
+            ref = sparse_step_reference(rt, layer, seq_ids, q, planner(layer, seq_ids, rt.store))
+            torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_streaming_policy_attends_the_window_only():
+    with HybridRuntime(rt_config("fluxion", plan="streaming")) as rt:
+        prefill_all(rt, layers=(0,))
+        q = torch.randn(3, 8, 32)
+        out = rt.decode(0, [0, 1, 2], q, torch.randn(3, 2, 32), torch.randn(3, 2, 32))
+        zero = HeadPlan(np.full((3, 2), 16), np.zeros((3, 8), np.float32))
+        torch.testing.assert_close(out, sparse_step_reference(rt, 0, [0, 1, 2], q, zero), **TOL)
+        assert rt.timeline.records[-1].n_tasks == 0
+
+
+def test_long_decode_with_spills_stays_exact():
+    with HybridRuntime(rt_config("fluxion", plan="full")) as rt:
+        prefill_all(rt, lengths=[200, 700], layers=(0,))
+        gen = torch.Generator().manual_seed(2)
+        cpu0 = rt.store.cpu_len(1, 0)
+        for step in range(40):  # generated_cap 16: spills every 16 tokens
+            q = torch.randn(2, 8, 32, generator=gen)
+            out = rt.decode(0, [0, 1], q, torch.randn(2, 2, 32, generator=gen), torch.randn(2, 2, 32, generator=gen))
+        assert rt.store.cpu_len(1, 0) > cpu0
+        torch.testing.assert_close(out, dense_reference(rt, 0, [0, 1], q), **TOL)
+
+
+def test_output_follows_q_dtype_and_batch_order():
+    with HybridRuntime(rt_config("fluxion", plan="full")) as rt:
+        prefill_all(rt, layers=(0,))
+        q = torch.randn(2, 8, 32).to(torch.bfloat16)
+        out = rt.decode(0, [1, 0], q, torch.randn(2, 2, 32), torch.randn(2, 2, 32))
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 8, 32) and out.device == q.device
+        torch.testing.assert_close(out.float(), dense_reference(rt, 0, [1, 0], q), atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------- failures
+class FlakyCpu(CpuExecutor):
+    def __init__(self, store):
+        super().__init__(store)
+        self.fail = False
+
+    def run_one(self, task, q, out, lse, ws):
+        if self.fail and task.seq_id == 1:
+            raise FloatingPointError("numba kernel blew up on sequence 1")
+        return super().run_one(task, q, out, lse, ws)
+
+
+class FlakyRef(TorchRefExecutor):
+    def __init__(self, store):
+        super().__init__(store, device="cpu")
+        self.fail = False
+
+    def run_one(self, task, step):
+        if self.fail:
+            raise MemoryError("GPU lane ran out of memory")
+        return super().run_one(task, step)
+
+
+@pytest.mark.parametrize("policy", ["cpu_only", "gpu_only", "fluxion"])
+def test_worker_failure_fails_decode_and_runtime_stays_usable(policy):
+    rt = HybridRuntime(rt_config(policy, plan="full"), cpu_executor=FlakyCpu, gpu_executor=FlakyRef)
+    try:
+        prefill_all(rt, layers=(0,))
+        q = torch.randn(3, 8, 32)
+        kv = (torch.randn(3, 2, 32), torch.randn(3, 2, 32))
+        rt.cpu_executor.fail = rt.gpu_executor.fail = True
+        with pytest.raises((FloatingPointError, MemoryError), match="blew up|out of memory"):
+            rt.decode(0, [0, 1, 2], q, *kv)
+        rt.cpu_executor.fail = rt.gpu_executor.fail = False
+        out = rt.decode(0, [0, 1, 2], q, *kv)
+        torch.testing.assert_close(out, dense_reference(rt, 0, [0, 1, 2], q), **TOL)
+    finally:
+        rt.close()
+    assert not any(t.is_alive() for t in rt.scheduler.threads)
+
+
+def test_step_timeout_fails_decode_clearly_and_next_step_works():
+    """Python CPU workers stalled in a kernel: the step times out, the next one waits for them."""
+
+    class SlowCpu(CpuExecutor):
+        delay = 0.0
+
+        def run_one(self, task, q, out, lse, ws):
+            time.sleep(self.delay)
+            return super().run_one(task, q, out, lse, ws)
+
+    cfg = rt_config("cpu_only", plan="full", timeout=0.2)
+    rt = HybridRuntime(cfg, cpu_executor=SlowCpu)
+    try:
+        assert rt.scheduler.native is None
+        prefill_all(rt, layers=(0,))
+        q = torch.randn(3, 8, 32)
+        kv = (torch.randn(3, 2, 32), torch.randn(3, 2, 32))
+        rt.cpu_executor.delay = 0.5
+        with pytest.raises(StepTimeoutError, match="step_timeout_s=0.2"):
+            rt.decode(0, [0, 1, 2], q, *kv)
+        rt.cpu_executor.delay = 0.0
+        out = rt.decode(0, [0, 1, 2], q, *kv)
+        torch.testing.assert_close(out, dense_reference(rt, 0, [0, 1, 2], q), **TOL)
+    finally:
+        rt.close()
+
+
+def test_bad_inputs_are_rejected_before_anything_changes():
+    with HybridRuntime(rt_config()) as rt:
+        prefill_all(rt, layers=(0,))
+        before = [rt.store.window_len(s, 0) for s in range(3)]
+        q, k, v = torch.randn(3, 8, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+        with pytest.raises(ValueError, match=r"q has shape \(3, 4, 32\)"):
+            rt.decode(0, [0, 1, 2], q[:, :4], k, v)
+        with pytest.raises(ValueError, match="k has shape"):
+            rt.decode(0, [0, 1, 2], q, k[:, :1], v)
+        with pytest.raises(ValueError, match="repeat"):
+            rt.decode(0, [0, 0, 2], q, k, v)
+        with pytest.raises(KeyError, match="sequence 9"):
+            rt.decode(0, [0, 9, 2], q, k, v)
+        with pytest.raises(IndexError, match="layer 5"):
+            rt.decode(5, [0, 1, 2], q, k, v)
+        with pytest.raises(ValueError, match="q_last"):
+            rt.prefill(3, 0, *random_kv(100, 2, 32), q_last=torch.randn(4, 32))
+        assert [rt.store.window_len(s, 0) for s in range(3)] == before
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="scheduler.gpu_worker"):
+        HybridRuntime(config_from_dict({"geometry": GEOM, "kv_cache": {"cpu_capacity_tokens": 4096},
+                                        "scheduler": {"policy": "uniform", "gpu_worker": False}}))
+
+
+def test_close_joins_every_thread_and_refuses_further_calls():
+    before = threading.active_count()
+    rt = HybridRuntime(rt_config())
+    threads = rt.scheduler.threads  # two CPU workers; the GPU lane runs on the calling thread
+    assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    with rt:
+        pass
+    assert not any(t.is_alive() for t in threads)
+    assert threading.active_count() == before
+    rt.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        rt.decode(0, [0], torch.randn(1, 8, 32), torch.randn(1, 2, 32), torch.randn(1, 2, 32))
+
+
+def test_reprefilled_sequence_is_not_served_stale_tasks():
+    """Tasks are reused across steps; a released and re-prefilled sequence (same length, new
+    chunks) must get new ones."""
+    with HybridRuntime(rt_config("fluxion", plan="full")) as rt:
+        prefill_all(rt, lengths=[900, 1200], layers=(0,))
+        q = torch.randn(2, 8, 32)
+        kv = (torch.randn(2, 2, 32), torch.randn(2, 2, 32))
+        rt.decode(0, [0, 1], q, *kv)
+        rt.decode(0, [0, 1], q, *kv)  # served from the task cache
+        rt.release(0)
+        rt.prefill(2, 0, *random_kv(1500, 2, 32, seed=5))  # takes over sequence 0's old chunks
+        rt.prefill(0, 0, *random_kv(900, 2, 32, seed=6))
+        out = rt.decode(0, [0, 1], q, *kv)
+        torch.testing.assert_close(out, dense_reference(rt, 0, [0, 1], q), **TOL)
+
+
+# ---------------------------------------------------------------------------- native CPU workers
+def _flaky_native_kernel():
+    """run_task wrapped by a kernel that raises (fail[0] == 1) or stalls 0.5 s (fail[0] == 2);
+    generated from run_task's own signature so it follows kernel changes."""
+    import inspect
+
+    import numba
+
+    from cpu_kernels.sparse_attention import run_task
+    from hybrid_runtime import native_pool
+
+    params = ", ".join(inspect.signature(run_task.py_func).parameters)
+    src = (
+        f"def flaky({params}, fail):\n"
+        "    if fail[0] == 1 and cpu_len > 1500:\n"
+        "        raise FloatingPointError('native kernel blew up')\n"
+        "    if fail[0] == 2:\n"
+        "        t0 = monotonic_ns()\n"
+        "        while monotonic_ns() - t0 < 500000000:\n"
+        "            pass\n"
+        f"    return run_task({params})\n"
+    )
+    ns = {"run_task": run_task, "monotonic_ns": native_pool.monotonic_ns}
+    exec(src, ns)
+    return numba.njit(nogil=True)(ns["flaky"])
+
+
+FAIL = np.zeros(1, dtype=np.int64)
+
+
+class FailFlagCpu(CpuExecutor):
+    """Stock run_one (so the workers are native); each workspace carries the shared fail flag."""
+
+    def workspace(self):
+        ws = super().workspace()
+        ws.fail = FAIL
+        return ws
+
+
+@pytest.mark.parametrize("mode", ["raise", "stall"])
+def test_native_kernel_failure_or_stall_fails_decode_and_runtime_stays_usable(mode):
+    cfg = rt_config("cpu_only", plan="full", timeout=0.2 if mode == "stall" else 30.0)
+    rt = HybridRuntime(cfg, cpu_executor=FailFlagCpu, cpu_kernel=_flaky_native_kernel())
+    try:
+        assert rt.scheduler.native is not None
+        prefill_all(rt, layers=(0,))
+        q = torch.randn(3, 8, 32)
+        kv = (torch.randn(3, 2, 32), torch.randn(3, 2, 32))
+        FAIL[0] = 1 if mode == "raise" else 2
+        expected = FloatingPointError if mode == "raise" else StepTimeoutError
+        with pytest.raises(expected, match="blew up|step_timeout_s=0.2"):
+            rt.decode(0, [0, 1, 2], q, *kv)
+        FAIL[0] = 0
+        out = rt.decode(0, [0, 1, 2], q, *kv)
+        torch.testing.assert_close(out, dense_reference(rt, 0, [0, 1, 2], q), **TOL)
+    finally:
+        FAIL[0] = 0
+        rt.close()
+    assert not any(t.is_alive() for t in rt.scheduler.threads)
+
+
+def test_native_scheduling_overhead_per_task():
+    """Queue + dispatch + recording per task with the native workers; printed for the report."""
+    with HybridRuntime(rt_config("cpu_only", plan="fixed", budget=0.1)) as rt:
+        assert rt.scheduler.native is not None
+        prefill_all(rt, lengths=[2500, 2500, 2500])
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(20):
+            for layer in (0, 1):
+                rt.decode(layer, [0, 1, 2], torch.randn(3, 8, 32, generator=gen), torch.randn(3, 2, 32, generator=gen),
+                          torch.randn(3, 2, 32, generator=gen))
+        over = np.concatenate([r.overhead for r in rt.timeline.records[4:]])
+        med = float(np.median(over)) * 1e6
+        print(f"\nnative scheduling overhead per task: median {med:.2f} us over {over.size} tasks")
+        assert med < 50.0  # 10 us is the target on the device; CI runners are oversubscribed
