@@ -909,6 +909,11 @@ class Scheduler:
     def _native_failed(self, wid: int, exc: BaseException) -> None:
         """A kernel raised inside the native loop: count its task as finished, fail the step."""
         buf = self.native
+        # Fail the job before counting the task done: the launcher returns as soon as every task
+        # is counted, and must then already see the error.
+        job = self._job
+        if job is not None:
+            job.fail(exc)
         i = int(buf.cur[wid, 0])
         if i >= 0:
             now = time.perf_counter_ns()
@@ -916,9 +921,6 @@ class Scheduler:
             buf.rec[i, native_pool.R_START] = buf.rec[i, native_pool.R_END] = now
             buf.cur[wid, 0] = -1
             native_pool.add_done(buf.ctrl, 1)
-        job = self._job
-        if job is not None:
-            job.fail(exc)
 
     # ------------------------------------------------------------------ Python CPU workers
     def _cpu_main(self, wid: int, core: int | None) -> None:

@@ -1,0 +1,648 @@
+"""Hugging Face transformers backend: `model.generate` of a Llama-style model decodes through `HybridRuntime`.
+
+    rt = enable_hybrid_attention(model, cfg)    # validates, starts the runtime, switches the model
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    disable_hybrid_attention(model)             # the model is exactly as before; the runtime is closed
+
+How it plugs in (transformers >= 5; the model's attention modules call `past_key_values.update` and
+then the function registered in `AttentionInterface` under `config._attn_implementation`):
+
+* `HybridCache` (a `Cache`) replaces `DynamicCache` in `generate`. It keeps no KV itself: its
+  `update` only counts tokens and marks the layer for the attention function, returning the new
+  key/value states unchanged -- so no whole-sequence KV is concatenated or copied per step.
+* `hybrid_attention_forward` (registered as ``"hybrid_runtime"``) serves that layer:
+  - prefill (the first forward through a cache layer): the model's own dense attention (sdpa or
+    eager) over the prompt, then each sequence's real tokens (left padding stripped) are handed to
+    `rt.prefill` as post-RoPE keys and values;
+  - decode: one `rt.decode(layer, seq_ids, q, k, v)` per layer and step for the whole batch (the
+    runtime appends k, v and attends over everything before plus the new token).
+  Called without a `HybridCache` (a plain `model(...)` forward, a user `DynamicCache`) it runs the
+  model's own dense attention, so the switched model still computes what the original computes.
+* The mask function registered under the same name is transformers' `sdpa_mask`, so prefill gets
+  the causal + padding mask the dense kernel expects, and the padding of each sequence is read
+  from it.
+
+Left padding keeps positions right without any help: `generate` derives `position_ids` from the
+attention mask, RoPE is applied by the model before the cache sees the keys, and padded tokens
+never reach the runtime, so decode needs no mask at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import itertools
+import logging
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hybrid_runtime.config import GEOMETRIES, Config, GeometryConfig
+from hybrid_runtime.kvcache import CapacityError
+from hybrid_runtime.runtime import HybridRuntime
+
+try:  # transformers is an optional dependency (extra `models`)
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "hybrid_runtime.integrations.transformers needs transformers >= 5: "
+        'pip install "hybrid-runtime[models]"'
+    ) from exc
+
+log = logging.getLogger(__name__)
+
+#: The name under which the attention and mask functions are registered with transformers.
+ATTN_IMPLEMENTATION = "hybrid_runtime"
+
+#: Model types whose attention modules are known to follow the Llama pattern this backend serves:
+#: q/k/v projections, RoPE applied before `past_key_values.update`, GQA, full causal attention,
+#: and a call into `ALL_ATTENTION_FUNCTIONS` with `(module, q, k, v, mask, scaling=..., ...)`.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DENSE_IMPLEMENTATIONS = ("sdpa", "eager")
+_HEAD_DIMS = (16, 32, 64, 128, 256)  # what GeometryConfig.head_dim allows
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be served by the hybrid runtime (architecture, attention variant, settings)."""
+
+
+# ---------------------------------------------------------------------------- per-model state
+@dataclass(eq=False)
+class _HybridState:
+    """Everything `enable_hybrid_attention` set up for one model, and what it must restore."""
+
+    runtime: HybridRuntime
+    geometry: GeometryConfig
+    attn_modules: list  # weak references to the model's attention modules (no cycle through the registry)
+    dense_impl: str  # the model's own implementation: "sdpa" or "eager"
+    eager_fn: Callable | None
+    saved_attn_implementation: Any
+    saved_prepare_cache: Any  # instance attribute `_prepare_cache_for_generation` before, or _MISSING
+    model_ref: Any = None
+    seq_counter: Any = field(default_factory=itertools.count)
+    owns_runtime: bool = True
+
+
+_MISSING = object()
+# Model -> state, and attention module -> state (to find the model's dense attention in fallbacks).
+_MODEL_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _HybridState]" = weakref.WeakKeyDictionary()
+_ATTN_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _HybridState]" = weakref.WeakKeyDictionary()
+# The layer a `HybridCache.update` just marked: `(cache, layer_idx)`. The model calls the attention
+# function right after `update`, in the same thread, so a thread-local hand-off is enough.
+_PENDING = threading.local()
+
+
+# ---------------------------------------------------------------------------- validation
+def model_geometry(model: torch.nn.Module) -> GeometryConfig:
+    """The attention geometry of a transformers model (layers, q heads, KV heads, head dim)."""
+    cfg = model.config
+    n_q = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_q)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    dims = (int(cfg.num_hidden_layers), n_q, n_kv, int(head_dim))
+    # A reference geometry with the same shape lends its name (reports then say "smollm2-135m").
+    name = next((g.name for g in GEOMETRIES.values() if (g.layers, g.q_heads, g.kv_heads, g.head_dim) == dims),
+                str(getattr(cfg, "model_type", None) or "model"))
+    return GeometryConfig(name, *dims)
+
+
+def _attention_modules(model: torch.nn.Module) -> list:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no decoder layers found at `{getattr(model, 'base_model_prefix', 'model')}.layers`; "
+            f"the hybrid backend serves decoder-only models of types {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    mods = []
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        missing = [a for a in ("layer_idx", "head_dim", "num_key_value_groups", "scaling") if not hasattr(attn, a)]
+        if attn is None or missing:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: layer {i} has no Llama-style `self_attn` (missing {missing or ['self_attn']}); "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if attn.layer_idx != i:
+            raise UnsupportedModelError(f"{type(model).__name__}: layer {i} has attention layer_idx {attn.layer_idx}")
+        if getattr(attn, "sliding_window", None) is not None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: layer {i} uses sliding-window attention (window {attn.sliding_window}); "
+                "the hybrid runtime serves full causal attention only"
+            )
+        if not getattr(attn, "is_causal", True):
+            raise UnsupportedModelError(f"{type(model).__name__}: layer {i} attention is not causal")
+        mods.append(attn)
+    return mods
+
+
+def _check_model(model: torch.nn.Module) -> tuple[list, str, GeometryConfig]:
+    """Every reason the backend cannot serve `model`, raised before anything changes."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "generate"):
+        raise UnsupportedModelError(f"{type(model).__name__} is not a transformers generative model")
+    if _MODEL_STATES.get(model) is not None:
+        raise ValueError("hybrid attention is already enabled on this model; call disable_hybrid_attention first")
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(decoder-only, RoPE, GQA, full causal attention)"
+        )
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{mtype}: encoder-decoder models are not supported")
+    if getattr(cfg, "sliding_window", None) is not None:
+        raise UnsupportedModelError(
+            f"{mtype}: config.sliding_window={cfg.sliding_window}; the hybrid runtime serves full causal attention "
+            "only (set sliding_window=None, or use_sliding_window=False where the model has it, if that is what you want)"
+        )
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        kinds = sorted(set(layer_types) - {"full_attention"})
+        raise UnsupportedModelError(f"{mtype}: layers of type {kinds}; only full_attention layers are supported")
+    for attr in ("attention_chunk_size", "attn_logit_softcapping"):
+        if getattr(cfg, attr, None) is not None:
+            raise UnsupportedModelError(f"{mtype}: config.{attr}={getattr(cfg, attr)} is not supported")
+    impl = cfg._attn_implementation
+    if impl not in _DENSE_IMPLEMENTATIONS:
+        raise UnsupportedModelError(
+            f"the model's attention implementation is {impl!r}; the hybrid backend runs the prefill with the "
+            f"model's own dense attention and supports {', '.join(map(repr, _DENSE_IMPLEMENTATIONS))}: load the "
+            "model with attn_implementation='sdpa' (or 'eager')"
+        )
+    if hasattr(type(model), "_can_set_attn_implementation") and not type(model)._can_set_attn_implementation():
+        raise UnsupportedModelError(f"{type(model).__name__} does not dispatch attention through AttentionInterface")
+    geometry = model_geometry(model)
+    if geometry.q_heads % geometry.kv_heads:
+        raise UnsupportedModelError(f"{geometry.q_heads} query heads are not a multiple of {geometry.kv_heads} KV heads")
+    if geometry.head_dim not in _HEAD_DIMS:
+        raise UnsupportedModelError(f"head_dim {geometry.head_dim} is not supported; allowed: {list(_HEAD_DIMS)}")
+    mods = _attention_modules(model)
+    if len(mods) != geometry.layers:
+        raise UnsupportedModelError(f"config says {geometry.layers} layers but the model has {len(mods)}")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise UnsupportedModelError("the model has parameters on the meta device; load its weights first")
+    return mods, impl, geometry
+
+
+def _check_geometry(cfg: Config, geometry: GeometryConfig) -> None:
+    """`cfg.geometry` left at its default is replaced by the model's; a named one must match it."""
+    g = cfg.geometry
+    if g == GeometryConfig():
+        return
+    ours = (g.layers, g.q_heads, g.kv_heads, g.head_dim)
+    theirs = (geometry.layers, geometry.q_heads, geometry.kv_heads, geometry.head_dim)
+    if ours != theirs:
+        raise ValueError(
+            f"geometry: cfg.geometry {g.name!r} has (layers, q_heads, kv_heads, head_dim) = {ours} but the model has "
+            f"{theirs}; leave geometry unset to take the model's"
+        )
+
+
+# ---------------------------------------------------------------------------- enable / disable
+def enable_hybrid_attention(model: torch.nn.Module, cfg: Config, runtime: HybridRuntime | None = None) -> HybridRuntime:
+    """Make `model.generate` decode through a `HybridRuntime`; returns the runtime.
+
+    `cfg` configures the runtime (KV store dtype and window, policy, scheduler); its geometry is
+    taken from the model. Pass `runtime` to use one you made (its geometry must match; it is then
+    not closed by `disable_hybrid_attention`). Raises `UnsupportedModelError` for a model it
+    cannot serve, before anything changes.
+    """
+    mods, impl, geometry = _check_model(model)
+    eager_fn = getattr(sys.modules.get(type(mods[0]).__module__), "eager_attention_forward", None)
+    if impl == "eager" and eager_fn is None:  # pragma: no cover - every supported type has one
+        raise UnsupportedModelError(f"{type(mods[0]).__module__} has no eager_attention_forward")
+    if runtime is None:
+        _check_geometry(cfg, geometry)
+        # The runtime's config carries the model's geometry so every report names what was served.
+        runtime = HybridRuntime(dataclasses.replace(cfg, geometry=geometry), geometry=geometry)
+        owns = True
+    else:
+        g = runtime.geometry
+        if (g.layers, g.q_heads, g.kv_heads, g.head_dim) != (geometry.layers, geometry.q_heads, geometry.kv_heads, geometry.head_dim):
+            raise ValueError(f"runtime geometry {g} does not match the model's {geometry}")
+        owns = False
+    _register()
+    state = _HybridState(
+        runtime=runtime,
+        geometry=geometry,
+        attn_modules=[weakref.ref(m) for m in mods],
+        dense_impl=impl,
+        eager_fn=eager_fn,
+        saved_attn_implementation=model.config._attn_implementation_internal,
+        saved_prepare_cache=model.__dict__.get("_prepare_cache_for_generation", _MISSING),
+        model_ref=weakref.ref(model),
+        owns_runtime=owns,
+    )
+    _warn_oversubscribed(runtime)
+    # From here on the model changes; nothing below can fail on a validated model.
+    _MODEL_STATES[model] = state
+    for m in mods:
+        _ATTN_STATES[m] = state
+    # LlamaForCausalLM and its LlamaModel share one config object: one assignment switches both.
+    model.config._attn_implementation_internal = ATTN_IMPLEMENTATION
+    model._prepare_cache_for_generation = _make_prepare_cache(model)
+    return runtime
+
+
+def disable_hybrid_attention(model: torch.nn.Module) -> None:
+    """Undo `enable_hybrid_attention`: the model's attention, config and attributes are as before.
+
+    Closes the runtime when `enable_hybrid_attention` made it. Caches made while enabled become
+    unusable (their sequences are released with the runtime).
+    """
+    state = _MODEL_STATES.pop(model, None)
+    if state is None:
+        raise ValueError("hybrid attention is not enabled on this model")
+    for ref in state.attn_modules:
+        m = ref()
+        if m is not None:
+            _ATTN_STATES.pop(m, None)
+    model.config._attn_implementation_internal = state.saved_attn_implementation
+    if state.saved_prepare_cache is _MISSING:
+        model.__dict__.pop("_prepare_cache_for_generation", None)
+    else:
+        model.__dict__["_prepare_cache_for_generation"] = state.saved_prepare_cache
+    if state.owns_runtime:
+        state.runtime.close()
+
+
+def hybrid_runtime_of(model: torch.nn.Module) -> HybridRuntime | None:
+    """The runtime serving `model`, or None when hybrid attention is not enabled on it."""
+    state = _MODEL_STATES.get(model)
+    return state.runtime if state is not None else None
+
+
+def _free_cores(runtime: HybridRuntime) -> int:
+    """Cores this process may use minus the runtime's CPU workers (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - int(getattr(runtime.scheduler, "n_cpu", 0)))
+
+
+_warned_oversubscribed = False
+
+
+def _warn_oversubscribed(runtime: HybridRuntime) -> None:
+    global _warned_oversubscribed
+    if not _warned_oversubscribed and runtime.scheduler.n_cpu and torch.get_num_threads() > _free_cores(runtime):
+        _warned_oversubscribed = True
+        log.warning(
+            "torch uses %d intra-op threads and the runtime %d CPU workers on %d free cores: when the model "
+            "runs on the CPU, its threads take the workers' cores and decode steps stall (measured on 2 cores: "
+            "p90 70 ms per layer instead of 2 ms); wrap decoding in `with cores_for_runtime(rt):` or lower "
+            "torch.set_num_threads", torch.get_num_threads(), runtime.scheduler.n_cpu, _free_cores(runtime),
+        )
+
+
+@contextlib.contextmanager
+def cores_for_runtime(runtime: HybridRuntime) -> Iterator[int]:
+    """Within the block torch uses only the cores the runtime's CPU workers leave free; yields that count.
+
+    For models computed on the CPU: torch's intra-op threads otherwise compete with the workers
+    for cores, and every decode step waits for a worker to be scheduled. The thread count is
+    restored on exit.
+    """
+    saved = torch.get_num_threads()
+    n = min(saved, _free_cores(runtime))
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _make_prepare_cache(model: torch.nn.Module) -> Callable:
+    """`generate`'s cache set-up, bound to the instance: a `HybridCache` where it would make a `DynamicCache`."""
+    original = type(model)._prepare_cache_for_generation
+    model_ref = weakref.ref(model)  # no reference cycle model -> closure -> model
+
+    def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
+        m = model_ref()
+        user_cache = model_kwargs.get("past_key_values")
+        if user_cache is None and generation_config.use_cache is not False:
+            if getattr(generation_config, "num_beams", 1) > 1:
+                raise NotImplementedError(
+                    "beam search reorders the KV cache every step; the hybrid runtime does not support it "
+                    "(use greedy or sampling, or disable_hybrid_attention first)"
+                )
+            if generation_config.cache_implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"cache_implementation={generation_config.cache_implementation!r} conflicts with hybrid attention, "
+                    "which brings its own cache; leave cache_implementation unset"
+                )
+            if getattr(generation_config, "prefill_chunk_size", None):
+                raise NotImplementedError("chunked prefill (prefill_chunk_size) is not supported with hybrid attention")
+            model_kwargs["past_key_values"] = HybridCache(m)
+            return None
+        return original(m, generation_config, model_kwargs, *args, **kwargs)
+
+    return _prepare_cache_for_generation
+
+
+_registered = False
+
+
+def _register() -> None:
+    """Register the attention and mask functions with transformers once per process."""
+    global _registered
+    if _registered:
+        return
+    ALL_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, hybrid_attention_forward)
+    # sdpa's boolean mask (None when it is plain causal): the dense prefill and the padding of
+    # each sequence are read from it; the eager path converts it.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    _registered = True
+
+
+# ---------------------------------------------------------------------------- the attention function
+def _dense(
+    state: _HybridState | None,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's own dense attention, given the boolean mask (or None) of `sdpa_mask`."""
+    if state is None or state.dense_impl == "sdpa":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and q_len > 1:
+        # sdpa_mask skips a plain causal mask (sdpa's is_causal covers it); eager needs it written out.
+        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        attention_mask = (torch.arange(kv_len, device=query.device)[None, :] <= rows)[None, None]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        # What transformers' eager_mask makes from the same boolean mask.
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
+    return state.eager_fn(module, query, key, value, attention_mask, **kwargs)
+
+
+def hybrid_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`AttentionInterface` entry: q `[B,Hq,T,D]`, k/v `[B,Hkv,T,D]` -> (out `[B,T,Hq,D]`, None)."""
+    pending = getattr(_PENDING, "entry", None)
+    _PENDING.entry = None
+    state = _ATTN_STATES.get(module)
+    if kwargs.get("sliding_window") is not None:
+        raise UnsupportedModelError(f"layer {getattr(module, 'layer_idx', '?')}: sliding-window attention is not supported")
+    if pending is None or pending[0]._state is not state or pending[1] != module.layer_idx:
+        # Not driven by a HybridCache (plain forward, DynamicCache): exactly the model's attention.
+        return _dense(state, module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    cache, layer = pending
+    return cache._attend(module, layer, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+# ---------------------------------------------------------------------------- the cache
+class _HybridLayer(CacheLayerMixin):
+    """Length bookkeeping of one layer; the KV itself lives in the runtime's store."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0  # tokens seen, padding included (what transformers sizes masks by)
+        self.prefilled = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a HybridCache cannot be reset; make a new one (generate does)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported with hybrid attention")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("cropping (assisted decoding) is not supported with hybrid attention")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.length:
+            raise NotImplementedError("a prefilled HybridCache cannot be expanded along the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("batch selection is not supported with hybrid attention")
+
+    def offload(self) -> None:  # the runtime decides where KV lives
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+def _release_sequences(runtime: HybridRuntime, seq_ids: list) -> None:
+    """Free a cache's sequences in the runtime (finalizer: runs when the cache is collected)."""
+    if not getattr(runtime, "_closed", False):
+        for s in seq_ids:
+            try:
+                runtime.release(s)
+            except (KeyError, RuntimeError):
+                pass
+    seq_ids.clear()
+
+
+class HybridCache(Cache):
+    """A transformers `Cache` whose KV lives in the model's `HybridRuntime`.
+
+    `generate` makes one per call once `enable_hybrid_attention` was called; make one yourself
+    to drive `model(...)` step by step (`past_key_values=cache`). Each batch row becomes one
+    runtime sequence at the first forward; the sequences are released by `release()` or when
+    the cache is garbage-collected. Batch rows must be left-padded.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        state = _MODEL_STATES.get(model)
+        if state is None:
+            raise ValueError("call enable_hybrid_attention(model, cfg) before making a HybridCache")
+        super().__init__(layers=[_HybridLayer() for _ in range(state.geometry.layers)])
+        self._state = state
+        self.runtime = state.runtime
+        self.seq_ids: list[int] = []
+        self._real_lengths: list[int] | None = None  # prompt tokens per row, padding excluded
+        self._finalizer = weakref.finalize(self, _release_sequences, self.runtime, self.seq_ids)
+
+    # -- transformers entry points
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Count the tokens and mark the layer for `hybrid_attention_forward`, which does the work.
+
+        Returns the new states unchanged: during prefill the dense attention needs exactly these;
+        during decode the runtime already holds everything before them.
+        """
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        _PENDING.entry = (self, layer_idx)
+        return keys, values
+
+    def release(self) -> None:
+        """Free this cache's sequences in the runtime now (also done when the cache is collected)."""
+        _release_sequences(self.runtime, self.seq_ids)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids) if self.seq_ids else -1
+
+    # -- prefill
+    def _allocate(self, real_lengths: list[int]) -> None:
+        """Reserve one runtime sequence per batch row (checks capacity before any state changes)."""
+        rt = self.runtime
+        b = len(real_lengths)
+        if any(n < 1 for n in real_lengths):
+            raise ValueError(f"every batch row needs at least one real (unpadded) token; got lengths {real_lengths}")
+        limit = rt.store.cfg.max_sequences
+        if len(rt.store.sequences()) + b > limit:
+            gc.collect()  # finished generate() caches nobody holds free their sequences when collected
+        if len(rt.store.sequences()) + b > limit:
+            raise CapacityError(
+                f"batch of {b} needs {b} runtime sequences but {len(rt.store.sequences())} of "
+                f"kv_cache.max_sequences={limit} are in use; release caches (HybridCache.release) or raise max_sequences"
+            )
+        self.seq_ids.extend(next(self._state.seq_counter) for _ in range(b))
+        self._real_lengths = list(real_lengths)
+
+    def _prefill_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None) -> None:
+        """Hand one layer's prompt KV `[B,Hkv,T,D]` to the runtime, real tokens only (left padding)."""
+        rt = self.runtime
+        t = key.shape[2]
+        for b, (s, n) in enumerate(zip(self.seq_ids, self._real_lengths)):
+            k_b = key[b, :, t - n :].transpose(0, 1)  # [n, Hkv, D]
+            v_b = value[b, :, t - n :].transpose(0, 1)
+            q_last = query[b, :, -1] if query is not None else None  # [Hq, D]
+            rt.prefill(s, layer, k_b, v_b, q_last=q_last)
+        self.layers[layer].prefilled = True
+
+    @staticmethod
+    def _real_lengths_from_mask(mask: torch.Tensor | None, batch: int, t: int) -> list[int]:
+        """Prompt tokens per row from sdpa's boolean mask; checks the padding is on the left."""
+        if mask is None:
+            return [t] * batch
+        if mask.dtype != torch.bool or mask.dim() != 4:
+            raise ValueError(f"expected sdpa's boolean 4D mask in the prefill, got {mask.dtype} {tuple(mask.shape)}")
+        keys = mask[:, 0, -1, -t:].expand(batch, t)  # the last query sees every real key of its row
+        ok = bool(keys[:, -1].all()) and bool((keys[:, 1:].int() >= keys[:, :-1].int()).all())
+        if not ok:
+            raise ValueError(
+                "hybrid attention needs left padding (every row ends in a real token and has no holes); "
+                "set tokenizer.padding_side = 'left'"
+            )
+        return keys.sum(dim=1).tolist()
+
+    def load_prompt(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+    ) -> None:
+        """Prefill every layer from KV computed elsewhere: `keys[l]`, `values[l]` `[B,Hkv,T,D]`, post-RoPE.
+
+        Equivalent to running the prompt through the model with this cache (the dense prefill),
+        for callers that already have the prompt's KV (e.g. a quality harness comparing policies).
+        `attention_mask` `[B, T]` marks real tokens (left padding); None means all real.
+        """
+        if self.seq_ids or any(layer.length for layer in self.layers):
+            raise ValueError("this HybridCache already holds a prompt")
+        if len(keys) != len(self.layers) or len(values) != len(self.layers):
+            raise ValueError(f"need KV for all {len(self.layers)} layers, got {len(keys)} keys and {len(values)} values")
+        b, _, t, _ = keys[0].shape
+        if attention_mask is None:
+            lengths = [t] * b
+        else:
+            am = attention_mask.bool()
+            lengths = self._real_lengths_from_mask(am[:, None, None, :], b, t)
+        self._allocate(lengths)
+        try:
+            for layer, (k, v) in enumerate(zip(keys, values)):
+                self._prefill_layer(layer, k, v, None)
+                self.layers[layer].update(k, v)
+        except BaseException:
+            self.release()
+            raise
+
+    # -- the per-layer work, called from hybrid_attention_forward
+    def _attend(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        state = self._state
+        lyr = self.layers[layer]
+        if not lyr.prefilled:
+            # Prefill: the model's own dense attention over the prompt, then the KV to the runtime.
+            out = _dense(state, module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            if not self.seq_ids:
+                self._allocate(self._real_lengths_from_mask(attention_mask, query.shape[0], key.shape[2]))
+            elif query.shape[0] != len(self.seq_ids):
+                raise ValueError(f"batch of {query.shape[0]} rows but the cache holds {len(self.seq_ids)} sequences")
+            try:
+                self._prefill_layer(layer, key, value, query)
+            except BaseException:
+                self.release()
+                raise
+            return out
+        b, _, t, d = query.shape
+        if b != len(self.seq_ids):
+            raise ValueError(f"batch of {b} rows but the cache holds {len(self.seq_ids)} sequences")
+        # The runtime scales q by 1/sqrt(D); a model with another softmax scale gets q rescaled.
+        if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-6:
+            query = query * (scaling * d**0.5)
+        rt = self.runtime
+        if t == 1:
+            out = rt.decode(layer, self.seq_ids, query[:, :, 0], key[:, :, 0], value[:, :, 0])  # [B, Hq, D]
+            return out.unsqueeze(1), None
+        # Several new tokens after the prompt (continuing from a cache): one runtime step each, which
+        # is causal attention among them since every step appends before it attends.
+        outs = [rt.decode(layer, self.seq_ids, query[:, :, i], key[:, :, i], value[:, :, i]) for i in range(t)]
+        return torch.stack(outs, dim=1), None
+
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SUPPORTED_MODEL_TYPES",
+    "HybridCache",
+    "UnsupportedModelError",
+    "cores_for_runtime",
+    "disable_hybrid_attention",
+    "enable_hybrid_attention",
+    "hybrid_attention_forward",
+    "hybrid_runtime_of",
+    "model_geometry",
+]
