@@ -5,10 +5,13 @@ sequence's CPU segment with the Quest bound, take each head's top-k blocks, and 
 over its own blocks. Every kernel runs on one core with the GIL released; parallelism comes from
 several worker threads calling them on different tasks.
 
-Storage is read as it is: bf16 arenas arrive as uint16 and each element is widened in registers
-as it is loaded (zero-extend, shift by 16, bitcast to float32), so the inner loops vectorise
-without a staging tile; fp32 arenas are read directly. Scratch comes from a `Workspace` owned by
-the caller, so nothing is allocated per task.
+Storage is read as it is: bf16 arenas arrive as uint16 and are widened in registers as they are
+loaded; fp32 arenas are read directly. When D is a multiple of 32 (every reference geometry) the
+per-page work (16 q.k products, the online-softmax update, the V accumulation) and the blk-16
+metadata scores are LLVM vector intrinsics (see "vector intrinsics" below): one 32-bit load holds
+two bf16 values, widened by one shift and one mask, with q and the accumulator kept in a matching
+"pair layout". Other D take plain numba loops. Scratch comes from a `Workspace` owned by the
+caller, so nothing is allocated per task.
 """
 
 from __future__ import annotations
@@ -43,46 +46,33 @@ PREFETCH_LOCALITY = int(os.environ.get("HYBRID_CPU_PREFETCH_LOCALITY", "3"))
 
 
 @intrinsic
-def _prefetch_col(typingctx, arena, chunk, row, col):
-    """Hint the cache to fetch the line holding `arena[chunk, row, col]`."""
-    sig = types.void(arena, chunk, row, col)
+def _prefetch_span(typingctx, arena, chunk, row0, n_rows):
+    """Hint the cache to fetch every line of rows `[row0, row0 + n_rows)` of a chunk.
+
+    An intrinsic rather than a numba loop: a numba helper taking the arena costs reference-count
+    calls per use, and per-line index arithmetic; this is one pointer and a strided loop.
+    """
+    sig = types.void(arena, chunk, row0, n_rows)
 
     def codegen(context, builder, signature, args):
-        arena_ty = signature.args[0]
-        arr = context.make_array(arena_ty)(context, builder, args[0])
-        idx = [context.cast(builder, a, t, types.intp) for a, t in zip(args[1:], signature.args[1:])]
-        ptr = cgutils.get_item_pointer(context, builder, arena_ty, arr, idx)
+        at, ct, rt, nt = signature.args
+        intp = context.get_value_type(types.intp)
+        zero = ir.Constant(intp, 0)
+        ptr = _item_ptr(context, builder, at, args[0], [args[1], args[2], zero], [ct, rt, types.intp])
         i8p = ir.IntType(8).as_pointer()
+        base = builder.bitcast(ptr, i8p)
+        row_bytes = builder.mul(_row_len(context, builder, at, args[0]), ir.Constant(intp, at.dtype.bitwidth // 8))
+        nbytes = builder.mul(row_bytes, context.cast(builder, args[3], nt, types.intp))
+        n_lines = builder.sdiv(builder.add(nbytes, ir.Constant(intp, 63)), ir.Constant(intp, 64))
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(PREFETCH_LOCALITY), i32(1)])
+        with cgutils.for_range(builder, n_lines) as loop:
+            addr = builder.gep(base, [builder.mul(loop.index, ir.Constant(intp, 64))])
+            builder.call(fn, [addr, i32(0), i32(PREFETCH_LOCALITY), i32(1)])
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-
-
-@numba.njit(inline="always")
-def _prefetch_block(arena, chunks, cpu_len, block_size, per_chunk, b):
-    chunk = chunks[b // per_chunk]
-    row = (b % per_chunk) * block_size
-    n_tok = min(block_size, cpu_len - b * block_size)
-    _prefetch_rows(arena, chunk, _K_ROW + row, n_tok)
-    _prefetch_rows(arena, chunk, _V_ROW + row, n_tok)
-
-
-@numba.njit(inline="always")
-def _prefetch_rows(arena, chunk, row0, n_rows):
-    """Prefetch every cache line of rows `[row0, row0+n_rows)` of a chunk."""
-    row_bytes = arena.shape[2] * arena.itemsize
-    step = max(1, 64 // row_bytes)
-    lines_per_row = max(1, row_bytes // 64)
-    per_line = arena.shape[2] // lines_per_row
-    for t in range(0, n_rows, step):
-        for c in range(lines_per_row):
-            _prefetch_col(arena, chunk, row0 + t, c * per_line)
 
 
 @intrinsic
@@ -121,6 +111,281 @@ def _load_impl(arena, chunk, row, col):
 
 _NEG_INF = np.float32(-np.inf)
 
+# ----------------------------------------------------------------------------- vector intrinsics
+# The page kernels below are written as LLVM vector IR. Numba's loops over a page need one
+# pointer per token row (the row stride is a runtime value), which spills, and one horizontal
+# reduction per token for q.k; here the row offsets are constants, bf16 pairs are widened with one
+# shift or one mask each, and the 16 dot products of a page are reduced together by a shuffle tree.
+#
+# "Pair layout" of a D-vector (D % 32 == 0): per 32 dimensions, the 16 even ones, then the 16 odd
+# ones. A 32-bit load of two bf16 values gives the even one by `<< 16` and the odd one by masking
+# the low half, so q and the attention accumulator are kept in this layout.
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_V16F = ir.VectorType(_F32, 16)
+_V16I = ir.VectorType(_I32, 16)
+_V16F_ZERO = ir.Constant(_V16F, [0.0] * 16)
+_SHIFT16 = ir.Constant(_V16I, [16] * 16)
+_HIGH_HALF = ir.Constant(_V16I, [-65536] * 16)
+
+
+def _mask(idx):
+    return ir.Constant(ir.VectorType(_I32, len(idx)), list(idx))
+
+
+_EVEN = _mask(range(0, 32, 2))
+_ODD = _mask(range(1, 32, 2))
+
+
+def _fma16(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _load16(builder, ptr):
+    """16 float32 at a float* (no alignment assumed)."""
+    return builder.load(builder.bitcast(ptr, _V16F.as_pointer()), align=4)
+
+
+def _store16(builder, value, ptr):
+    builder.store(value, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
+
+
+def _load_pair(builder, ptr, dtype):
+    """32 consecutive arena elements at ptr as (even, odd) <16 x float>."""
+    if dtype == types.uint16:
+        w = builder.load(builder.bitcast(ptr, _V16I.as_pointer()), align=2)
+        even = builder.bitcast(builder.shl(w, _SHIFT16), _V16F)
+        odd = builder.bitcast(builder.and_(w, _HIGH_HALF), _V16F)
+        return even, odd
+    lo = _load16(builder, ptr)
+    hi = _load16(builder, builder.gep(ptr, [ir.Constant(ir.IntType(64), 16)]))
+    return builder.shuffle_vector(lo, hi, _EVEN), builder.shuffle_vector(lo, hi, _ODD)
+
+
+def _splat(builder, vec, lane):
+    return builder.shuffle_vector(vec, ir.Constant(_V16F, ir.Undefined), _mask([lane] * 16))
+
+
+def _tree_sum16(builder, vecs):
+    """16 vectors a_t -> one vector whose lane t is sum(a_t): 15 adds and 30 shuffles."""
+    stages = [
+        (list(range(0, 8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))),
+        ([0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27],
+         [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]),
+        ([0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29],
+         [2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31]),
+        (list(range(0, 32, 2)), list(range(1, 32, 2))),
+    ]
+    for lo_idx, hi_idx in stages:
+        lo_m, hi_m = _mask(lo_idx), _mask(hi_idx)
+        vecs = [
+            builder.fadd(builder.shuffle_vector(a, b, lo_m), builder.shuffle_vector(a, b, hi_m))
+            for a, b in zip(vecs[0::2], vecs[1::2])
+        ]
+    return vecs[0]
+
+
+def _item_ptr(context, builder, ary_ty, ary_val, idx_vals, idx_tys):
+    ary = context.make_array(ary_ty)(context, builder, ary_val)
+    idx = [context.cast(builder, v, t, types.intp) for v, t in zip(idx_vals, idx_tys)]
+    return cgutils.get_item_pointer(context, builder, ary_ty, ary, idx)
+
+
+def _row_len(context, builder, ary_ty, ary_val):
+    ary = context.make_array(ary_ty)(context, builder, ary_val)
+    return cgutils.unpack_tuple(builder, ary.shape, ary_ty.ndim)[ary_ty.ndim - 1]
+
+
+def _for_row_len(builder, d, body):
+    """Emit `body(stride, n_pairs)` once with D = 128 as a constant (row offsets fold into
+    addressing modes) and once for any other D (a multiple of 32)."""
+    intp = d.type
+    with builder.if_else(builder.icmp_signed("==", d, ir.Constant(intp, 128))) as (then, other):
+        with then:
+            body(ir.Constant(intp, 128), ir.Constant(intp, 4))
+        with other:
+            body(d, builder.sdiv(d, ir.Constant(intp, 32)))
+
+
+def _check_arena(arena):
+    if not isinstance(arena, types.Array) or arena.ndim != 3 or arena.dtype not in (types.uint16, types.float32):
+        raise numba.TypingError(f"arena must be a 3-d uint16 (bf16 bits) or float32 array, got {arena}")
+
+
+def _emit_dot16(builder, intp, kptr, qa_ptr, qb_ptr, d, dtype):
+    """<16 x float> of the 16 dot products `q_t . row t` (q_t = qa for even t, qb for odd t)."""
+    accs = [cgutils.alloca_once_value(builder, _V16F_ZERO) for _ in range(16)]
+
+    def body(stride, n_pairs):
+        for a in accs:
+            builder.store(_V16F_ZERO, a)
+        with cgutils.for_range(builder, n_pairs) as loop:
+            off = builder.mul(loop.index, ir.Constant(intp, 32))
+            off16 = builder.add(off, ir.Constant(intp, 16))
+            qs = [
+                (_load16(builder, builder.gep(p, [off])), _load16(builder, builder.gep(p, [off16])))
+                for p in (qa_ptr, qb_ptr)
+            ]
+            for t in range(16):
+                row_off = builder.add(builder.mul(ir.Constant(intp, t), stride), off)
+                even, odd = _load_pair(builder, builder.gep(kptr, [row_off]), dtype)
+                q_even, q_odd = qs[t % 2]
+                acc = _fma16(builder, q_even, even, builder.load(accs[t]))
+                builder.store(_fma16(builder, q_odd, odd, acc), accs[t])
+
+    _for_row_len(builder, d, body)
+    return _tree_sum16(builder, [builder.load(a) for a in accs])
+
+
+def _emit_accumulate16(builder, intp, vptr, aptr, splats, alpha_v, d, dtype):
+    """acc (pair layout, at aptr) = alpha * acc + sum_t splats[t] * row t."""
+
+    def body(stride, n_pairs):
+        with cgutils.for_range(builder, n_pairs) as loop:
+            off = builder.mul(loop.index, ir.Constant(intp, 32))
+            off16 = builder.add(off, ir.Constant(intp, 16))
+            e_ptr = builder.gep(aptr, [off])
+            o_ptr = builder.gep(aptr, [off16])
+            # Four independent chains per half, so the FMAs of one page overlap.
+            ce = [builder.fmul(_load16(builder, e_ptr), alpha_v), None, None, None]
+            co = [builder.fmul(_load16(builder, o_ptr), alpha_v), None, None, None]
+            for t in range(16):
+                row_off = builder.add(builder.mul(ir.Constant(intp, t), stride), off)
+                even, odd = _load_pair(builder, builder.gep(vptr, [row_off]), dtype)
+                c = t % 4
+                if ce[c] is None:
+                    ce[c] = builder.fmul(splats[t], even)
+                    co[c] = builder.fmul(splats[t], odd)
+                else:
+                    ce[c] = _fma16(builder, splats[t], even, ce[c])
+                    co[c] = _fma16(builder, splats[t], odd, co[c])
+            _store16(builder, builder.fadd(builder.fadd(ce[0], ce[1]), builder.fadd(ce[2], ce[3])), e_ptr)
+            _store16(builder, builder.fadd(builder.fadd(co[0], co[1]), builder.fadd(co[2], co[3])), o_ptr)
+
+    _for_row_len(builder, d, body)
+
+
+def _vcall(builder, name, *vals):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * len(vals)), name)
+    return builder.call(fn, list(vals))
+
+
+def _fsplat(value):
+    return ir.Constant(_V16F, [float(np.float32(value))] * 16)
+
+
+def _splat_scalar(builder, x):
+    return _splat(builder, builder.insert_element(ir.Constant(_V16F, ir.Undefined), x, ir.Constant(_I32, 0)), 0)
+
+
+def _emit_exp16(builder, x):
+    """`_exp` on 16 lanes (same polynomial, same result per lane)."""
+    y = _vcall(builder, "llvm.maxnum.v16f32", builder.fmul(x, _fsplat(1.4426950408889634)), _fsplat(-126.0))
+    n = _vcall(builder, "llvm.floor.v16f32", y)
+    f = builder.fsub(y, n)
+    p = _fsplat(1.8775767e-3)
+    for c in (8.9893397e-3, 5.5826318e-2, 2.4015361e-1, 6.9315308e-1, 9.9999994e-1):
+        p = _fma16(builder, p, f, _fsplat(c))
+    bits = builder.shl(builder.add(builder.fptosi(n, _V16I), ir.Constant(_V16I, [127] * 16)), ir.Constant(_V16I, [23] * 16))
+    r = builder.fmul(p, builder.bitcast(bits, _V16F))
+    return builder.select(builder.fcmp_ordered("<", x, _fsplat(-87.0)), _V16F_ZERO, r)
+
+
+_BUTTERFLY = [
+    _mask([(i + 8) % 16 for i in range(16)]),
+    _mask([i ^ 4 for i in range(16)]),
+    _mask([i ^ 2 for i in range(16)]),
+    _mask([i ^ 1 for i in range(16)]),
+]
+
+
+def _all_lanes(builder, v, combine):
+    """Every lane = the reduction of v's 16 lanes by `combine(builder, a, b)`."""
+    for m in _BUTTERFLY:
+        v = combine(builder, v, builder.shuffle_vector(v, v, m))
+    return v
+
+
+@intrinsic
+def _page_dot16(typingctx, arena, chunk, row, qm, qa, qb, out, orow, ocol):
+    """`out[orow, ocol + t] = qm[qa if t even else qb] . arena[chunk, row + t]` for t < 16.
+
+    qm rows are in pair layout; the arena's last dimension D (a multiple of 32) is the dot length.
+    The 16 rows must lie inside the arena (a page of keys, or the 8 blk-16 metadata entries).
+    """
+    _check_arena(arena)
+    sig = types.void(arena, chunk, row, qm, qa, qb, out, orow, ocol)
+
+    def codegen(context, builder, signature, args):
+        at, ct, rt, qmt, qat, qbt, ot, ort, oct_ = signature.args
+        intp = context.get_value_type(types.intp)
+        zero = ir.Constant(intp, 0)
+        kptr = _item_ptr(context, builder, at, args[0], [args[1], args[2], zero], [ct, rt, types.intp])
+        qa_ptr = _item_ptr(context, builder, qmt, args[3], [args[4], zero], [qat, types.intp])
+        qb_ptr = _item_ptr(context, builder, qmt, args[3], [args[5], zero], [qbt, types.intp])
+        optr = _item_ptr(context, builder, ot, args[6], [args[7], args[8]], [ort, oct_])
+        d = _row_len(context, builder, at, args[0])
+        _store16(builder, _emit_dot16(builder, intp, kptr, qa_ptr, qb_ptr, d, at.dtype), optr)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _page_attend16(typingctx, arena, chunk, k_row, v_row, qm, qrow, state, g):
+    """One full page (16 tokens) of online-softmax attention for head g, all in registers.
+
+    q is `qm[qrow]` (pair layout, pre-scaled); `state[g]` is [running max, running sum,
+    accumulator (D, pair layout), ...]: scores, page max, exp, page sum and the V accumulation
+    happen without leaving vector registers.
+    """
+    _check_arena(arena)
+    sig = types.void(arena, chunk, k_row, v_row, qm, qrow, state, g)
+
+    def codegen(context, builder, signature, args):
+        at, ct, kt, vt, qmt, qrt, st, gt = signature.args
+        intp = context.get_value_type(types.intp)
+        zero = ir.Constant(intp, 0)
+        kptr = _item_ptr(context, builder, at, args[0], [args[1], args[2], zero], [ct, kt, types.intp])
+        vptr = _item_ptr(context, builder, at, args[0], [args[1], args[3], zero], [ct, vt, types.intp])
+        q_ptr = _item_ptr(context, builder, qmt, args[4], [args[5], zero], [qrt, types.intp])
+        m_ptr = _item_ptr(context, builder, st, args[6], [args[7], zero], [gt, types.intp])
+        l_ptr = builder.gep(m_ptr, [ir.Constant(intp, 1)])
+        acc_ptr = builder.gep(m_ptr, [ir.Constant(intp, 2)])
+        d = _row_len(context, builder, at, args[0])
+        scores = _emit_dot16(builder, intp, kptr, q_ptr, q_ptr, d, at.dtype)
+        maxnum = lambda b, x, y: _vcall(b, "llvm.maxnum.v16f32", x, y)  # noqa: E731
+        m_old = _splat_scalar(builder, builder.load(m_ptr))
+        m_new = maxnum(builder, m_old, _all_lanes(builder, scores, maxnum))
+        alpha = _emit_exp16(builder, builder.fsub(m_old, m_new))
+        probs = _emit_exp16(builder, builder.fsub(scores, m_new))
+        page_sum = _all_lanes(builder, probs, lambda b, x, y: b.fadd(x, y))
+        i0 = ir.Constant(_I32, 0)
+        builder.store(builder.extract_element(m_new, i0), m_ptr)
+        l_new = builder.fadd(builder.fmul(builder.load(l_ptr), builder.extract_element(alpha, i0)),
+                             builder.extract_element(page_sum, i0))
+        builder.store(l_new, l_ptr)
+        splats = [_splat(builder, probs, t) for t in range(16)]
+        _emit_accumulate16(builder, intp, vptr, acc_ptr, splats, alpha, d, at.dtype)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(inline="always")
+def _to_pairs(src, si, dst, di, scale_pos, scale_neg):
+    """dst[di] = src[si] in pair layout, each element x mapped to max(x, 0) * scale_pos + min(x, 0) * scale_neg."""
+    d = src.shape[1]
+    for j0 in range(0, d, 32):
+        for l in range(16):
+            a = src[si, j0 + 2 * l]
+            b = src[si, j0 + 2 * l + 1]
+            dst[di, j0 + l] = max(a, np.float32(0.0)) * scale_pos + min(a, np.float32(0.0)) * scale_neg
+            dst[di, j0 + 16 + l] = max(b, np.float32(0.0)) * scale_pos + min(b, np.float32(0.0)) * scale_neg
+
+
 
 @numba.njit(inline="always", fastmath=FASTMATH)
 def _exp(x):
@@ -148,15 +413,10 @@ def block_scores(arena, chunks, cpu_len, block_size, q, scores, scratch):
 
     q `[G, D]` fp32, scores `[G, >= n_blocks]` fp32, scratch `[2G + 2, D]` fp32; returns n_blocks.
     Since max_d >= min_d, the bound is `q+ . max + q- . min` with q+ = max(q, 0), q- = min(q, 0):
-    two FMAs per dimension. Each block's (min, max) rows are widened once and shared by all heads.
+    two FMAs per dimension. At blk 16 (D a multiple of 32) the 16 metadata rows of a chunk (8
+    blocks x min, max) go through one page dot product per head; other granularities loop.
     """
     n_heads, d = q.shape
-    q_pos = scratch[:n_heads]
-    q_neg = scratch[n_heads : 2 * n_heads]
-    for g in range(n_heads):
-        for j in range(d):
-            q_pos[g, j] = max(q[g, j], np.float32(0.0))
-            q_neg[g, j] = min(q[g, j], np.float32(0.0))
     per_chunk = _CHUNK // block_size
     if block_size == 16:
         entry0 = 0
@@ -167,13 +427,40 @@ def block_scores(arena, chunks, cpu_len, block_size, q, scores, scratch):
     else:
         entry0 = 14
     n_blocks = (cpu_len + block_size - 1) // block_size
+    if block_size == 16 and d % 32 == 0:
+        # scratch rows 2g / 2g+1: q+ / q- of head g in pair layout; row 2G: the 16 row dot products.
+        for g in range(n_heads):
+            _to_pairs(q, g, scratch, 2 * g, np.float32(1.0), np.float32(0.0))
+            _to_pairs(q, g, scratch, 2 * g + 1, np.float32(0.0), np.float32(1.0))
+        tmp = 2 * n_heads
+        n_chunks = (n_blocks + per_chunk - 1) // per_chunk
+        for ci in range(n_chunks):
+            if ci + 2 < n_chunks:
+                _prefetch_span(arena, chunks[ci + 2], _META_ROW, 2 * per_chunk)
+            elif ci == 0 and n_chunks > 1:
+                _prefetch_span(arena, chunks[1], _META_ROW, 2 * per_chunk)
+            chunk = chunks[ci]
+            b0 = ci * per_chunk
+            nb = min(per_chunk, n_blocks - b0)
+            for g in range(n_heads):
+                # even rows are key minima (q- applies), odd rows maxima (q+)
+                _page_dot16(arena, chunk, _META_ROW, scratch, 2 * g + 1, 2 * g, scratch, tmp, 0)
+                for i in range(nb):
+                    scores[g, b0 + i] = scratch[tmp, 2 * i] + scratch[tmp, 2 * i + 1]
+        return n_blocks
+    q_pos = scratch[:n_heads]
+    q_neg = scratch[n_heads : 2 * n_heads]
+    for g in range(n_heads):
+        for j in range(d):
+            q_pos[g, j] = max(q[g, j], np.float32(0.0))
+            q_neg[g, j] = min(q[g, j], np.float32(0.0))
     for b in range(n_blocks):
         chunk = chunks[b // per_chunk]
         sub = b % per_chunk
         if sub == 0 and b + 2 * per_chunk < n_blocks:
-            _prefetch_rows(arena, chunks[b // per_chunk + 2], _META_ROW + 2 * entry0, 2 * per_chunk)
+            _prefetch_span(arena, chunks[b // per_chunk + 2], _META_ROW + 2 * entry0, 2 * per_chunk)
         elif b == 0 and per_chunk < n_blocks:
-            _prefetch_rows(arena, chunks[1], _META_ROW + 2 * entry0, 2 * per_chunk)
+            _prefetch_span(arena, chunks[1], _META_ROW + 2 * entry0, 2 * per_chunk)
         row = _META_ROW + 2 * (entry0 + sub)
         for g in range(n_heads):
             s = np.float32(0.0)
@@ -341,6 +628,54 @@ def _page_accumulate16(arena, c, r, probs, acc):
 
 
 @numba.njit(**_JIT)
+def _page_fallback(arena, chunk, k_row, v_row, n_rows, q, g, state, pairs):
+    """One page of attention for head g, scalar loops: partial pages, or D not a multiple of 32.
+
+    Kept out of `sparse_attention`'s loop: its array slices cost reference counting there.
+    """
+    d = q.shape[1]
+    probs = state[g, 2 + d : 2 + d + _PAGE]
+    if n_rows == _PAGE:
+        _page_scores16(arena, chunk, k_row, q, g, probs)
+    else:
+        for t in range(n_rows):
+            s = np.float32(0.0)
+            for j in range(d):
+                s += q[g, j] * _load(arena, chunk, k_row + t, j)
+            probs[t] = s
+    page_max = _NEG_INF
+    for t in range(n_rows):
+        page_max = max(page_max, probs[t])
+    m_old = state[g, 0]
+    m_new = max(m_old, page_max)
+    alpha = _exp(m_old - m_new)
+    page_sum = np.float32(0.0)
+    for t in range(n_rows):
+        p = _exp(probs[t] - m_new)
+        probs[t] = p
+        page_sum += p
+    state[g, 0] = m_new
+    state[g, 1] = state[g, 1] * alpha + page_sum
+    acc = state[g, 2 : 2 + d]
+    for j in range(d):
+        acc[j] *= alpha
+    if pairs:  # a partial page, accumulator in pair layout
+        for t in range(n_rows):
+            p = probs[t]
+            for j0 in range(0, d, 32):
+                for l in range(16):
+                    acc[j0 + l] += p * _load(arena, chunk, v_row + t, j0 + 2 * l)
+                    acc[j0 + 16 + l] += p * _load(arena, chunk, v_row + t, j0 + 2 * l + 1)
+    elif n_rows == _PAGE:
+        _page_accumulate16(arena, chunk, v_row, probs, acc)
+    else:
+        for t in range(n_rows):
+            p = probs[t]
+            for j in range(d):
+                acc[j] += p * _load(arena, chunk, v_row + t, j)
+
+
+@numba.njit(**_JIT)
 def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state):
     """Each head attends its own selected blocks; returns bytes of KV read.
 
@@ -348,10 +683,12 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
     of the heads that chose block b), so a block two heads share is read from memory once; while
     one block is computed the next one is prefetched. Per page of 16 tokens and interested head:
     16 scores, one online-softmax update, then the V accumulation, all contiguous over D.
-    q `[G, D]` pre-scaled fp32; out `[G, D]`, lse `[G]` fp32; state `[G, 2 + D + 16]` scratch
-    (running max, running sum, accumulator, page probabilities).
+    q `[G, D]` pre-scaled fp32; out `[G, D]`, lse `[G]` fp32; state `[2G, 2 + D + 16]` scratch:
+    rows g < G hold head g's running max, running sum, accumulator (pair layout when D % 32 == 0)
+    and page probabilities; rows G + g hold q of head g in pair layout.
     """
     n_heads, d = q.shape
+    pairs = d % 32 == 0
     per_chunk = _CHUNK // block_size
     n_blocks = (cpu_len + block_size - 1) // block_size
     for b in range(n_blocks):
@@ -363,6 +700,8 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
         state[g, 1] = 0.0
         for j in range(d):
             state[g, 2 + j] = 0.0
+        if pairs:
+            _to_pairs(q, g, state, n_heads + g, np.float32(1.0), np.float32(1.0))
     tokens_read = 0
     # `ahead` walks the union PREFETCH_BLOCKS blocks in front of `b`, so that many selected
     # blocks are in flight while one is computed: one core alone cannot fill DRAM bandwidth
@@ -372,7 +711,11 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
         while ahead < n_blocks and block_heads[ahead] == 0:
             ahead += 1
         if ahead < n_blocks:
-            _prefetch_block(arena, chunks, cpu_len, block_size, per_chunk, ahead)
+            a_chunk = chunks[ahead // per_chunk]
+            a_row = (ahead % per_chunk) * block_size
+            a_tok = min(block_size, cpu_len - ahead * block_size)
+            _prefetch_span(arena, a_chunk, _K_ROW + a_row, a_tok)
+            _prefetch_span(arena, a_chunk, _V_ROW + a_row, a_tok)
             ahead += 1
     next_b = 0
     while next_b < n_blocks and block_heads[next_b] == 0:
@@ -386,7 +729,11 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
         while ahead < n_blocks and block_heads[ahead] == 0:
             ahead += 1
         if ahead < n_blocks:
-            _prefetch_block(arena, chunks, cpu_len, block_size, per_chunk, ahead)
+            a_chunk = chunks[ahead // per_chunk]
+            a_row = (ahead % per_chunk) * block_size
+            a_tok = min(block_size, cpu_len - ahead * block_size)
+            _prefetch_span(arena, a_chunk, _K_ROW + a_row, a_tok)
+            _prefetch_span(arena, a_chunk, _V_ROW + a_row, a_tok)
             ahead += 1
         chunk = chunks[b // per_chunk]
         row0 = (b % per_chunk) * block_size
@@ -399,43 +746,21 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
             for g in range(n_heads):
                 if not (heads >> np.uint32(g)) & np.uint32(1):
                     continue
-                acc = state[g, 2 : 2 + d]
-                probs = state[g, 2 + d : 2 + d + _PAGE]
-                if n_rows == _PAGE:
-                    _page_scores16(arena, chunk, k_row, q, g, probs)
-                else:
-                    for t in range(n_rows):
-                        s = np.float32(0.0)
-                        for j in range(d):
-                            s += q[g, j] * _load(arena, chunk, k_row + t, j)
-                        probs[t] = s
-                page_max = _NEG_INF
-                for t in range(n_rows):
-                    page_max = max(page_max, probs[t])
-                m_old = state[g, 0]
-                m_new = max(m_old, page_max)
-                alpha = _exp(m_old - m_new)
-                page_sum = np.float32(0.0)
-                for t in range(n_rows):
-                    p = _exp(probs[t] - m_new)
-                    probs[t] = p
-                    page_sum += p
-                state[g, 0] = m_new
-                state[g, 1] = state[g, 1] * alpha + page_sum
-                for j in range(d):
-                    acc[j] *= alpha
-                if n_rows == _PAGE:
-                    _page_accumulate16(arena, chunk, v_row, probs, acc)
-                else:
-                    for t in range(n_rows):
-                        p = probs[t]
-                        for j in range(d):
-                            acc[j] += p * _load(arena, chunk, v_row + t, j)
+                if pairs and n_rows == _PAGE:  # the common case, in registers
+                    _page_attend16(arena, chunk, k_row, v_row, state, n_heads + g, state, g)
+                    continue
+                _page_fallback(arena, chunk, k_row, v_row, n_rows, q, g, state, pairs)
     for g in range(n_heads):
         if state[g, 1] > 0.0:
             inv = np.float32(1.0) / state[g, 1]
-            for j in range(d):
-                out[g, j] = state[g, 2 + j] * inv
+            if pairs:
+                for j0 in range(0, d, 32):
+                    for l in range(16):
+                        out[g, j0 + 2 * l] = state[g, 2 + j0 + l] * inv
+                        out[g, j0 + 2 * l + 1] = state[g, 2 + j0 + 16 + l] * inv
+            else:
+                for j in range(d):
+                    out[g, j] = state[g, 2 + j] * inv
             lse[g] = state[g, 0] + np.log(state[g, 1])
         else:
             for j in range(d):
@@ -472,9 +797,10 @@ class Workspace:
         self.n_selected = np.empty(group_size, dtype=np.int32)
         self.block_heads = np.zeros(max_blocks, dtype=np.uint32)
         self.topk_scratch = np.empty(max_blocks + 256, dtype=np.int32)
-        # Attention state per head [max, sum, acc(D), page probabilities(16)]; before attention
-        # the same memory holds block_scores' scratch ([2G + 2, D] fits in it for every G >= 1).
-        rows = max(group_size, 2 * group_size + 2)
+        # Attention state per head [max, sum, acc(D), page probabilities(16)] and, in rows G..2G-1,
+        # q in pair layout; before attention the same memory holds block_scores' scratch
+        # ([2G + 2, D] fits in it for every G >= 1).
+        rows = 2 * group_size + 2
         self.state = np.empty((rows, 2 + head_dim + _PAGE), dtype=np.float32)
 
     def check(self, n_blocks: int) -> None:

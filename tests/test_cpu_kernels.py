@@ -57,6 +57,24 @@ def test_budget_one_equals_dense(dtype, geometry, block_size):
     assert sum(t.bytes_read for t in tasks) > 0
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_budget_one_equals_dense_at_every_head_dim_path(dtype, head_dim):
+    """D = 128 has its own constant-offset page kernels, other multiples of 32 the generic ones,
+    and D = 16 the scalar loops; all must equal dense attention."""
+    store = make_store(dtype=dtype, geometry={"layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": head_dim})
+    lengths = [37, 1111]
+    for s, n in enumerate(lengths):
+        store.prefill(s, 0, *random_kv(n, 2, head_dim, seed=n))
+    q = torch.randn(len(lengths), 8, head_dim)
+    for block_size in (16, 64):
+        out, _, _ = hybrid_decode(store, 0, [0, 1], q, np.ones(8), block_size)
+        for b in range(len(lengths)):
+            k, v = store.full_kv(b, 0)
+            ref, _ = dense_attention(q[b], k, v)
+            torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
+
+
 def test_random_budgets_match_reference_on_selected_blocks():
     store = make_store(geometry={"layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 32})
     store.prefill(0, 0, *random_kv(2000, 2, 32))
@@ -102,11 +120,12 @@ def test_topk_matches_bruteforce_with_ties():
         assert np.array_equal(selected[g, : n_selected[g]], expected)
 
 
-def test_block_scores_are_quest_bound():
-    store = make_store(geometry={"layers": 1, "q_heads": 4, "kv_heads": 1, "head_dim": 32})
-    store.prefill(0, 0, *random_kv(700, 1, 32))
-    q = np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)
-    ws = Workspace(4, 32, 64)
+@pytest.mark.parametrize("head_dim", [16, 32, 128])
+def test_block_scores_are_quest_bound(head_dim):
+    store = make_store(geometry={"layers": 1, "q_heads": 4, "kv_heads": 1, "head_dim": head_dim})
+    store.prefill(0, 0, *random_kv(700, 1, head_dim))
+    q = np.random.default_rng(2).standard_normal((4, head_dim)).astype(np.float32)
+    ws = Workspace(4, head_dim, 64)
     cpu_len = store.cpu_len(0, 0)
     for block_size in layout.BLOCK_SIZES:
         n = block_scores(store.arena_numpy(0), store.chunk_table(0, 0)[0], cpu_len, block_size, q, ws.scores, ws.state)
