@@ -74,3 +74,13 @@ def dot_in_fp32(kv_dtype: torch.dtype) -> bool:
     device tests check the bf16 one.
     """
     return kv_dtype == torch.float32 or interpreted()
+
+
+def dot_precision(kv_dtype: torch.dtype) -> str:
+    """`input_precision` of the kernels' fp32-operand dots.
+
+    fp32 storage is the exactness path (budget 1.0 must reproduce dense attention), so its dots
+    are full fp32 ("ieee"); bf16 and fp16 values are exact in tf32, so theirs run on tensor
+    cores ("tf32") and only q and the softmax weights round to tf32's 10-bit mantissa.
+    """
+    return "ieee" if kv_dtype == torch.float32 else "tf32"

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from cpu_kernels import layout
 from gpu_kernels import task_table as tt
-from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, next_pow2
+from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_precision, next_pow2
 from gpu_kernels.block_scores import Selection, quest_scores, select_blocks
 from gpu_kernels.split_combine import combine_splits
 
@@ -56,7 +56,7 @@ def _sparse_attn_kernel(
     STRIDE_UB, STRIDE_UH, N_SPLITS, PAGES_PER_SPLIT,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
-    CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
     s = tl.program_id(1)
@@ -96,11 +96,12 @@ def _sparse_attn_kernel(
         kptr = arena_ptr + krow[:, None] * D + d[None, :]
         # Whole pages are loaded (rows past cpu_len are zero in the arena); the length mask is
         # applied to the scores, which keeps every load a full contiguous page.
-        # tf32 tensor-core dots on fp32 operands: the kernel waits on PCIe, so the more precise
-        # dot is free (bf16 operands would round q and p to 8 bits for no speed).
+        # fp32-operand dots: tf32 tensor cores for bf16 storage (the kernel waits on PCIe, so the
+        # more precise dot is free; bf16 operands would round q and p to 8 bits for no speed),
+        # full fp32 for fp32 storage, the exactness path (`dot_precision`).
         k = tl.load(kptr, mask=pv[:, None], other=0.0).to(tl.float32)
         v = tl.load(kptr + V_ROW * D, mask=pv[:, None], other=0.0).to(tl.float32)
-        sc = tl.dot(q, tl.trans(k), input_precision="tf32")  # [BLOCK_G, BLOCK_N]
+        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         member = ((hbits[None, :] >> g[:, None]) & 1) != 0
         keep = member & (pv & (pos < cpu_len))[None, :]
         sc = tl.where(keep, sc, float("-inf"))
@@ -110,7 +111,7 @@ def _sparse_attn_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has = l_i > 0.0
@@ -168,6 +169,7 @@ def sparse_attention_selected(
         N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
         BLOCK_N=config.block_n, CHUNK_ROWS=layout.CHUNK_ROWS, V_ROW=layout.V_ROW,
         CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
+        DOT_PRECISION=dot_precision(arena.dtype),
         num_warps=config.num_warps,
     )
     # Output rows: task t owns flat rows batch*Hq + kv_head*G + (0..G-1).

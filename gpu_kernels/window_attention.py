@@ -13,14 +13,12 @@ microseconds), so saving the second launch of a separate combine matters as much
 from __future__ import annotations
 
 import functools
-import os
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_in_fp32, next_pow2
+from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_in_fp32, dot_precision, next_pow2
 
 
 @triton.jit
@@ -29,10 +27,10 @@ def _window_attn_kernel(
     k_ptr, v_ptr, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     slots_ptr, lens_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    HKV, SPLIT_LEN, SPAN, N_SPLITS,
-    SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
+    HKV, SPLIT_LEN, SPAN,
+    N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0)  # batch row * HKV + kv head
     s = tl.program_id(1)
@@ -67,7 +65,7 @@ def _window_attn_kernel(
         k = tl.load(k_base + idx[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_base + idx[:, None] * stride_vn + d[None, :], mask=valid[:, None], other=0.0)
         if DOT_FP32:
-            sc = tl.dot(q_mm, tl.trans(k.to(tl.float32)), input_precision="tf32")
+            sc = tl.dot(q_mm, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
         else:
             sc = tl.dot(q_mm, tl.trans(k))
         sc = tl.where(valid[None, :], sc, float("-inf"))
@@ -77,7 +75,7 @@ def _window_attn_kernel(
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="tf32")
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -86,7 +84,7 @@ def _window_attn_kernel(
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     final = r.to(tl.int64) * G + g  # == b * Hq + kvh * G + g
-    if not SPLIT:
+    if N_SPLITS == 1:
         tl.store(out_ptr + final[:, None] * D + d[None, :], o, mask=gmask[:, None])
         tl.store(lse_ptr + final, lse, mask=gmask)
     else:
@@ -110,7 +108,7 @@ def _window_attn_kernel(
             lse_fin = tl.where(has_all, m_all_safe + tl.log(tl.where(has_all, tot, 1.0)), float("-inf"))
             lse_fin_safe = tl.where(has_all, lse_fin, 0.0)
             o_fin = tl.zeros([BLOCK_G, D], tl.float32)
-            for si in range(N_SPLITS):
+            for si in tl.static_range(N_SPLITS):
                 prow = (r.to(tl.int64) * N_SPLITS + si) * G + g
                 ls = tl.load(part_lse_ptr + prow, mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 w = tl.where(has_all, tl.exp(ls - lse_fin_safe), 0.0)
@@ -173,102 +171,6 @@ def split_count(dev: torch.device, rows: int, span: int, block_n: int, min_tiles
     return max(1, min(sms // max(rows, 1), n_tiles // min_tiles, 64))
 
 
-class WindowLaunch(NamedTuple):
-    """Launch configuration of the window kernel."""
-
-    block_n: int
-    n_splits: int
-    num_warps: int
-    num_stages: int
-
-
-# Defaults when nothing is tuned (CPU interpreter, CUDA-graph capture, tuning off).
-DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 64, 4, 3
-# Compiled variants the tuner tries; each is timed with every split count in TUNE_SPLITS.
-TUNE_VARIANTS = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 3))
-TUNE_SPLITS = (1, 2, 3, 4, 6, 8)
-_TUNED: dict[tuple, WindowLaunch] = {}
-
-
-def _tune_key(dev: torch.device, rows: int, span: int, g: int, d: int, dtype: torch.dtype) -> tuple:
-    # Windows grow by one token per step: one tuning per power-of-two bucket of 64-token tiles.
-    return (str(dev), rows, next_pow2(_cdiv(span, 64)), g, d, dtype)
-
-
-def tuning_enabled() -> bool:
-    """Launch-config tuning on first use of a shape (off with HYBRID_WINDOW_TUNE=0)."""
-    return os.environ.get("HYBRID_WINDOW_TUNE", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
-
-def tuned_launches() -> dict[tuple, WindowLaunch]:
-    """The configurations chosen so far, by (device, rows, span bucket, G, D, dtype)."""
-    return dict(_TUNED)
-
-
-def _gpu_time_per_call(fn, calls: int = 20, rounds: int = 3) -> float:
-    """Median GPU seconds per call, host launch cost excluded.
-
-    A microsecond-scale kernel launched back to back is bound by the host's launch rate; a
-    sleep kernel queued first lets every launch of the round enqueue before the GPU reaches
-    them, so the events bracket GPU time alone.
-    """
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        torch.cuda._sleep(5_000_000)  # a few ms at H100 clocks: longer than `calls` host launches
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / calls)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _launch(q, k_win, v_win, slots, lengths, out, lse, rows, g, span, cfg: WindowLaunch, workspace) -> None:
-    split_len = _cdiv(_cdiv(span, cfg.block_n), max(1, cfg.n_splits)) * cfg.block_n
-    n_splits = _cdiv(span, split_len)
-    if n_splits == 1:
-        part_out, part_lse, counters = out, lse, lse  # unused by the kernel
-    else:
-        ws = workspace if workspace is not None else default_workspace(q.device)
-        counters, part_out, part_lse = ws.get(rows, rows * n_splits * g, q.shape[2])
-    _window_attn_kernel[(rows, n_splits)](
-        q, q.stride(0), q.stride(1),
-        k_win, v_win, k_win.stride(0), k_win.stride(1), k_win.stride(2),
-        v_win.stride(0), v_win.stride(1), v_win.stride(2),
-        slots, lengths,
-        out, lse, part_out, part_lse, counters,
-        k_win.shape[1], split_len, span, n_splits,
-        SPLIT=n_splits > 1, BLOCK_S=16 if n_splits <= 16 else 64,
-        G=g, BLOCK_G=max(16, next_pow2(g)), D=q.shape[2], BLOCK_N=cfg.block_n, DOT_FP32=dot_in_fp32(k_win.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
-def _tune(args: tuple, rows: int, g: int, span: int, workspace) -> WindowLaunch | None:
-    """Time every candidate on the caller's own inputs; the fastest, or None if none compiles."""
-    from triton.runtime.errors import OutOfResources
-
-    best, best_s = None, float("inf")
-    for block_n, num_warps, num_stages in TUNE_VARIANTS:
-        n_tiles = _cdiv(span, block_n)
-        for n_splits in TUNE_SPLITS:
-            if n_splits > n_tiles:
-                break
-            cfg = WindowLaunch(block_n, n_splits, num_warps, num_stages)
-            fn = functools.partial(_launch, *args, rows, g, span, cfg, workspace)
-            try:
-                fn()  # compile (first split count only) and warm up
-            except OutOfResources:  # e.g. fp32 windows with large tiles and deep pipelines
-                break
-            t = _gpu_time_per_call(fn)
-            if t < best_s:
-                best, best_s = cfg, t
-    return best
-
-
 def window_attention(
     q: torch.Tensor,
     k_win: torch.Tensor,
@@ -279,9 +181,9 @@ def window_attention(
     lse: torch.Tensor | None = None,
     *,
     max_len: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
     n_splits: int | None = None,
     workspace: WindowWorkspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,12 +194,6 @@ def window_attention(
     not attended); it sizes the split grid. Returns (out `[B,Hq,D]` fp32, lse `[B,Hq]` fp32, natural
     log); a row of length 0 gets out 0, lse -inf. `workspace`: see `WindowWorkspace` (default:
     one per device, for calls from one stream at a time).
-
-    Launch configuration: the arguments given win; with none given, the first call of a shape on
-    a CUDA device times `TUNE_VARIANTS` x `TUNE_SPLITS` on its own inputs (a few seconds, once per
-    process, rows and span bucket) and later calls reuse the fastest (`tuned_launches()`). Inside
-    CUDA-graph capture, under the interpreter or with HYBRID_WINDOW_TUNE=0, the defaults and
-    `split_count` are used instead.
     """
     dev = q.device
     check_tensor("q", q, dims=3, dtypes=(torch.float32,))
@@ -311,11 +207,6 @@ def window_attention(
     check_tensor("lengths", lengths, shape=(bsz,), dtypes=(torch.int32, torch.int64), device=dev)
     if hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the window's {hkv} KV heads")
-    for name, v in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("n_splits", n_splits)):
-        if v is not None and v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     g = hq // hkv
     if out is None:
         out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)
@@ -327,19 +218,25 @@ def window_attention(
         return out, lse
     rows = bsz * hkv
     span = w if max_len is None else max(1, min(int(max_len), w))
-    args = (q, k_win, v_win, slots, lengths, out, lse)
-    bn = DEFAULT_BLOCK_N if block_n is None else block_n
-    cfg = WindowLaunch(
-        bn,
-        split_count(dev, rows, span, bn) if n_splits is None else n_splits,
-        DEFAULT_NUM_WARPS if num_warps is None else num_warps,
-        DEFAULT_NUM_STAGES if num_stages is None else num_stages,
+    if n_splits is None:
+        n_splits = split_count(dev, rows, span, block_n)
+    split_len = _cdiv(_cdiv(span, block_n), max(1, n_splits)) * block_n
+    n_splits = _cdiv(span, split_len)
+    if n_splits == 1:
+        part_out, part_lse, counters = out, lse, lse  # unused by the kernel
+    else:
+        ws = workspace if workspace is not None else default_workspace(dev)
+        counters, part_out, part_lse = ws.get(rows, rows * n_splits * g, d)
+    _window_attn_kernel[(rows, n_splits)](
+        q, q.stride(0), q.stride(1),
+        k_win, v_win, k_win.stride(0), k_win.stride(1), k_win.stride(2),
+        v_win.stride(0), v_win.stride(1), v_win.stride(2),
+        slots, lengths,
+        out, lse, part_out, part_lse, counters,
+        hkv, split_len, span,
+        N_SPLITS=n_splits, BLOCK_S=next_pow2(n_splits),
+        G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n, DOT_FP32=dot_in_fp32(k_win.dtype),
+        DOT_PRECISION=dot_precision(k_win.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
-    if block_n is None and num_warps is None and num_stages is None and n_splits is None and dev.type == "cuda":
-        key = _tune_key(dev, rows, span, g, d, k_win.dtype)
-        tuned = _TUNED.get(key)
-        if tuned is None and tuning_enabled() and not torch.cuda.is_current_stream_capturing():
-            tuned = _TUNED[key] = _tune(args, rows, g, span, workspace) or cfg
-        cfg = tuned or cfg
-    _launch(*args, rows, g, span, cfg, workspace)
     return out, lse

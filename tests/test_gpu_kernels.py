@@ -360,36 +360,6 @@ def test_window_attention_large():
                  lengths=[848, 320, 321, 1, 600, 0, 847, 64], n_splits=None)
 
 
-@_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_window_attention_tuned_launch(dtype):
-    from gpu_kernels import window_attention as wa
-
-    before = set(wa.tuned_launches())
-    # No launch argument: the first call tunes on these inputs, the repeat reuses the choice.
-    check_window(b=8, hkv=8, g=4, d=128, w=848, dtype=dtype,
-                 lengths=[848, 320, 321, 1, 600, 0, 847, 64], n_splits=None, block_n=None)
-    new = {k: v for k, v in wa.tuned_launches().items() if k not in before}
-    assert len(new) == 1
-    cfg = next(iter(new.values()))
-    assert (cfg.block_n, cfg.num_warps, cfg.num_stages) in wa.TUNE_VARIANTS and cfg.n_splits in wa.TUNE_SPLITS
-
-
-def test_window_attention_untuned_off_cuda_and_bad_launch_args():
-    from gpu_kernels import window_attention as wa
-
-    if not CUDA:
-        assert not wa.tuning_enabled()  # the interpreter runs the defaults, nothing is timed
-    gen = torch.Generator().manual_seed(0)
-    k = torch.randn((1, 1, 32, 16), generator=gen).to(DEV)
-    q = torch.randn((1, 2, 16), generator=gen).to(DEV)
-    one = torch.zeros(1, dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="block_n must be a power of two"):
-        wa.window_attention(q, k, k, one, one + 32, block_n=48)
-    with pytest.raises(ValueError, match="n_splits must be >= 1"):
-        wa.window_attention(q, k, k, one, one + 32, n_splits=0)
-
-
 # ---------------------------------------------------------------------------- merge
 def check_merge(rows, d):
     gen = torch.Generator().manual_seed(rows)
