@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for everything the open issues measure there, in priority order,
+# each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
+# land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
+#   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
+#   steps: gpu_tests gpu_attention cpu_attention layer_attention (default: all four)
+set -u
+commit=${1:?commit sha under test (the device copy has no .git)}
+shift
+steps=${*:-gpu_tests gpu_attention cpu_attention layer_attention}
+out=${OUT:?run this through the device tool, which sets OUT}
+export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; pip install -q --no-deps --no-build-isolation -e .; } \
+    >"$out/setup.log" 2>&1
+for step in $steps; do
+    case $step in
+        gpu_tests) timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests ;;
+        gpu_attention) timeout 150 python benchmarks/gpu_attention.py --rounds 7 --out-dir "$out" ;;
+        cpu_attention) timeout 150 python benchmarks/cpu_attention.py --out "$out" ;;
+        layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-h100.json" ;;
+        *) echo "unknown step $step"; false ;;
+    esac >"$out/$step.log" 2>&1
+    echo "$step rc=$?"
+    tail -n 6 "$out/$step.log"
+done
