@@ -907,7 +907,7 @@ class Scheduler:
                     return
 
     def _native_failed(self, wid: int, exc: BaseException) -> None:
-        """A kernel raised inside the native loop: count its task as finished, fail the step."""
+        """A kernel raised inside the native loop: fail the step, then count its task as finished."""
         buf = self.native
         # Fail the job before counting the task done: the launcher returns as soon as every task
         # is counted, and must then already see the error.
