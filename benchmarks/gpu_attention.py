@@ -35,12 +35,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import write_results  # noqa: E402
+from benchmarks.machine_limits import _gather_pages_kernel  # noqa: E402
 from cpu_kernels import layout  # noqa: E402
 from gpu_kernels.block_scores import quest_scores, select_blocks  # noqa: E402
 from gpu_kernels.sparse_attention import SparseConfig, sparse_attention, sparse_attention_selected  # noqa: E402
@@ -106,18 +106,6 @@ def build_arena(batch: int, hkv: int, d: int, cpu_len: int, seed: int, dev: str 
         host[dst] = block.cpu()
     chunk_ids = perm.view(batch, hkv, n_per).cpu().numpy().astype(np.int32)
     return host, chunk_ids
-
-
-# ----------------------------------------------------------------------------- a plain gather (ceiling of SM reads over PCIe)
-@triton.jit
-def _gather_pages_kernel(src_ptr, pages_ptr, dst_ptr, PAGE_ELEMS: tl.constexpr, PAGES_PER_PROG: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = tl.arange(0, PAGE_ELEMS)
-    acc = tl.zeros([PAGE_ELEMS], tl.float32)
-    for i in tl.static_range(PAGES_PER_PROG):
-        p = tl.load(pages_ptr + pid * PAGES_PER_PROG + i).to(tl.int64)
-        acc += tl.load(src_ptr + p * PAGE_ELEMS + offs).to(tl.float32)
-    tl.store(dst_ptr + pid * PAGE_ELEMS + offs, acc)
 
 
 # ----------------------------------------------------------------------------- naive path

@@ -1,35 +1,48 @@
 """Per-layer decode attention time, GPU idle and achieved bandwidth per scheduling policy (device).
 
 Llama-3.1-8B geometry (32 q heads, 8 KV heads, D 128), KV drawn at random, a few layers. At every
-(batch, context) point one runtime holds the KV; the policies run one after another on the same
-store and the same head plan (identical task sets):
+(batch, context) point one runtime holds the KV; the policies run on the same store and the same
+head plan (identical task sets), interleaved step by step so that drifts of the host's memory
+bandwidth over the run hit every policy alike:
 
     cpu_only_fixed   cpu_only with every head at the fixed (blk, bgt) = (16, 0.05) baseline
     cpu_only         cpu_only on the head mix below
     gpu_only, uniform, length, fluxion   on the head mix
 
+Each policy runs as on a fresh scheduler: `rt.scheduler.set_policy(policy)`, called before every
+step, switches to that policy's own lane-rate estimates, which learn only from that policy's
+steps (cpu_only and cpu_only_fixed are one scheduler policy and share them). The reported
+estimates (tp_*, gpu_launch_*) are each policy's own.
+
 Head mix (configurable): `--streaming` of the query heads streaming (no task), retrieval heads
 with budgets uniform in `--budget-range`, one block size per KV group from `--blocks`.
 
-Machine limits are measured in the same run: host read bandwidth (numba, as many threads as CPU
-workers, pinned like them) and pinned host -> GPU copy bandwidth. Writes
-`benchmarks/results/layer_attention-<device>.json` (results contract in DESIGN.md) and a
+Per point and policy: attention time per layer-step (median, mean, p90, p99, max; with ~20 steps
+x 2 layers p99 is close to the max), achieved bandwidth (median of per-step bytes/time, and
+time-weighted) and its fraction of the concurrent ceiling, GPU byte share, GPU idle (median
+per-step ratio, and time-weighted), generation-2 garbage collections during the measured steps.
+At every point the GPU lane is also probed alone (`rt.probe_gpu_lane`: claims of 1 .. all tasks)
+and time = fixed cost + bytes / bandwidth fitted over the claims.
+
+Machine limits are measured in the same run, before the first point and after the last (the
+best of the two is the denominator; see benchmarks/machine_limits.py): host read bandwidth
+(numba, as many threads as CPU workers, pinned like them), pinned H2D copy, and the concurrent
+ceiling (CPU threads and a GPU UVA page gather reading two halves of one pinned buffer at once).
+Writes `benchmarks/results/layer_attention-<device>.json` (results contract in DESIGN.md) and a
 markdown table beside it.
 
-    python benchmarks/layer_attention.py                       # all points, ~3-5 minutes on an H100 host
+    python benchmarks/layer_attention.py                       # all points, ~5-6 minutes on an H100 host
     python benchmarks/layer_attention.py --points 4x32768 --steps 10   # quick look
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import gc
 import json
 import os
-import platform
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,10 +52,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import write_results  # noqa: E402
+from benchmarks.machine_limits import concurrent_ceiling, h2d_bandwidth, host_read_bandwidth  # noqa: E402
 from hybrid_runtime.config import GEOMETRIES, config_from_dict  # noqa: E402
 from hybrid_runtime.profiling import LANE_CPU, LANE_GPU  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
-from hybrid_runtime.scheduler import HeadPlan  # noqa: E402
+from hybrid_runtime.scheduler import HeadPlan, plan_cores  # noqa: E402
 
 POINTS = [(4, 32768), (8, 32768), (16, 32768), (4, 65536), (4, 131072)]
 RUNS = [  # (name, scheduler policy, head plan)
@@ -53,64 +68,41 @@ RUNS = [  # (name, scheduler policy, head plan)
     ("cpu_only", "cpu_only", "mix"),
     ("cpu_only_fixed", "cpu_only", "fixed"),
 ]
+METRIC_POINT = (8, 32768)  # the point the *_8x32k metrics and the GPU lane fixed cost come from
 
 
 # ---------------------------------------------------------------------------- machine limits
-def host_read_bandwidth(n_threads: int, cores: list, gib: float = 2.0, reps: int = 3) -> float:
-    """GB/s of `n_threads` numba threads (GIL released) each reading its slice of a pinned buffer."""
-    import numba
-
-    @numba.njit(nogil=True, fastmath=True, cache=False)
-    def _xor(a):
-        acc = np.uint64(0)
-        for i in range(a.size):
-            acc ^= a[i]
-        return acc
-
-    n = int(gib * 2**30) // 8
-    buf = torch.ones(n, dtype=torch.int64, pin_memory=torch.cuda.is_available()).numpy().view(np.uint64)
-    _xor(buf[:1024])
-    parts = np.array_split(buf, n_threads)
-    best = 0.0
-    for _ in range(reps):
-        barrier = threading.Barrier(n_threads + 1)
-        done = threading.Barrier(n_threads + 1)
-
-        def work(i: int) -> None:
-            if cores[i] is not None:
-                os.sched_setaffinity(0, {cores[i]})
-            barrier.wait()
-            _xor(parts[i])
-            done.wait()
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
-        for t in threads:
-            t.start()
-        barrier.wait()
-        t0 = time.perf_counter()
-        done.wait()
-        dt = time.perf_counter() - t0
-        for t in threads:
-            t.join()
-        best = max(best, buf.nbytes / dt / 1e9)
-    return best
+def measure_limits(n_threads: int, cores: list, launcher_core: int | None) -> dict:
+    """Host read, pinned H2D and the concurrent ceiling, with the runtime's worker threads and cores."""
+    lim = {
+        "host_read_GBps": host_read_bandwidth(n_threads, cores),
+        "h2d_GBps": h2d_bandwidth(),
+        "ceiling": concurrent_ceiling(n_threads, cores, launcher_core=launcher_core),
+    }
+    c = lim["ceiling"]
+    print(f"machine limits: host read {lim['host_read_GBps']:.1f} GB/s ({n_threads} threads), pinned H2D "
+          f"{lim['h2d_GBps']:.1f} GB/s; alone CPU {c['cpu_alone_GBps']:.1f} / GPU gather {c['gpu_alone_GBps']:.1f} GB/s, "
+          f"together {c['cpu_concurrent_GBps']:.1f} + {c['gpu_concurrent_GBps']:.1f} = {c['concurrent_GBps']:.1f} GB/s "
+          f"({c['window_ms']:.1f} ms window, {c['gpu_launches_in_window']} launches)", flush=True)
+    return lim
 
 
-def h2d_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    n = int(gib * 2**30)
-    src = torch.ones(n, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    best = 0.0
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src, non_blocking=True)
-        e1.record()
-        e1.synchronize()
-        best = max(best, n / (e0.elapsed_time(e1) * 1e-3) / 1e9)
-    return best
+def best_limits(measured: list[dict]) -> dict:
+    """The best figures seen over the run (the strict denominators), flat name -> GB/s.
+
+    The concurrent triple comes from the one measurement with the highest sum, so
+    cpu_concurrent + gpu_concurrent = concurrent_ceiling.
+    """
+    ceil = max((m["ceiling"] for m in measured), key=lambda c: c["concurrent_GBps"])
+    return {
+        "host_read_GBps": max(m["host_read_GBps"] for m in measured),
+        "h2d_GBps": max(m["h2d_GBps"] for m in measured),
+        "cpu_alone_GBps": max(m["ceiling"]["cpu_alone_GBps"] for m in measured),
+        "gpu_alone_GBps": max(m["ceiling"]["gpu_alone_GBps"] for m in measured),
+        "cpu_concurrent_GBps": ceil["cpu_concurrent_GBps"],
+        "gpu_concurrent_GBps": ceil["gpu_concurrent_GBps"],
+        "concurrent_ceiling_GBps": ceil["concurrent_GBps"],
+    }
 
 
 # ---------------------------------------------------------------------------- head plans
@@ -146,7 +138,39 @@ class FixedPlanner:
 
 
 # ---------------------------------------------------------------------------- one point
-def run_point(args, batch: int, context: int) -> list[dict]:
+class GcWatch:
+    """Counts generation-2 collections and their total duration per label (via gc.callbacks).
+
+    `label` is set by the caller to the policy whose step runs, so a collection is charged to
+    the steps it stalled (whichever thread triggered it).
+    """
+
+    def __init__(self):
+        self.label = None
+        self.count: dict = {}
+        self.ms: dict = {}
+        self._t0 = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.count[self.label] = self.count.get(self.label, 0) + 1
+            self.ms[self.label] = self.ms.get(self.label, 0.0) + (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
+    """Rows (one per policy) and the GPU lane probe (None with --no-gpu-probe) of one point."""
     geo = GEOMETRIES["llama-3.1-8b"]
     geo = type(geo)(geo.name, args.layers, geo.q_heads, geo.kv_heads, geo.head_dim)
     cfg = config_from_dict({
@@ -175,14 +199,11 @@ def run_point(args, batch: int, context: int) -> list[dict]:
         prefill_s = time.perf_counter() - t0
         print(f"  prefill {batch}x{context} x {geo.layers} layers: {prefill_s:.1f} s; {rt.stats()['pinning']}", flush=True)
         seq_ids = list(range(batch))
-        rows = []
-        if args.gpu_probe and (batch, context) == (8, 32768):
-            probe_gpu_lane(rt, seq_ids, mix, args.gpu_probe_out)
         runs = {name: (policy, plan) for name, policy, plan in RUNS}
 
         def one_step(name: str) -> None:
             policy, plan = runs[name]
-            rt.scheduler.set_policy(policy)
+            rt.scheduler.set_policy(policy)  # this policy's own lane-rate estimates
             rt.planner = mix if plan == "mix" else fixed
             for layer in range(geo.layers):
                 q = torch.randn((batch, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -190,7 +211,7 @@ def run_point(args, batch: int, context: int) -> list[dict]:
                 v = torch.randn((batch, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
                 rt.decode(layer, seq_ids, q, k, v)
 
-        for name in runs:  # warm-up: JIT variants, throughput estimates
+        for name in runs:  # warm-up: JIT variants, each policy's throughput estimates
             for _ in range(args.warmup):
                 one_step(name)
         torch.cuda.synchronize()
@@ -198,63 +219,86 @@ def run_point(args, batch: int, context: int) -> list[dict]:
         # Measured steps interleave the policies (one step of each in turn), so drifts of the
         # host's memory bandwidth over the run hit every policy alike.
         owner: list[str] = []
-        for _ in range(args.steps):
-            for name in runs:
-                n0 = len(rt.timeline)
-                one_step(name)
-                owner += [name] * (len(rt.timeline) - n0)
-        torch.cuda.synchronize()
+        with GcWatch() as gcw:
+            for _ in range(args.steps):
+                for name in runs:
+                    gcw.label = name
+                    n0 = len(rt.timeline)
+                    one_step(name)
+                    owner += [name] * (len(rt.timeline) - n0)
+            torch.cuda.synchronize()
         recs = rt.timeline.records
+        rows = []
         for name, (policy, plan) in runs.items():
             row = summarize_run(rt, [r for r, o in zip(recs, owner) if o == name], name, policy, plan, batch, context)
+            row["gc_gen2_collections"] = gcw.count.get(name, 0)
+            row["gc_gen2_ms"] = gcw.ms.get(name, 0.0)
+            row["point_gc_gen2_collections"] = sum(gcw.count.values())
+            row["point_gc_gen2_ms"] = sum(gcw.ms.values())
             rows.append(row)
-            print(f"  {name:15s} attn {row['attention_ms_median']:7.3f} ms  idle {row['gpu_idle_ratio']:.1%}  "
-                  f"{row['achieved_GBps']:6.1f} GB/s  gpu bytes {row['gpu_byte_share']:.0%}  tasks {row['tasks_per_step']:.0f}  "
-                  f"ovh {fmt(row['task_overhead_us_median'])} us  first cpu/gpu {fmt(row['cpu_first_task_ms'])}/"
-                  f"{fmt(row['gpu_first_launch_ms'])} ms  tail {fmt(row['tail_after_last_task_ms'])} ms", flush=True)
-        st = rt.stats()
-        print(f"  launch model: {st['gpu_launch_latency_us']:.0f} us + bytes / {st['gpu_launch_GBps']:.1f} GB/s; "
-              f"CPU worker {st['tp_cpu_worker_GBps']:.2f} GB/s", flush=True)
-        if args.trace_dir and (batch, context) == (8, 32768):
+            print(f"  {name:15s} attn med {row['attention_ms_median']:7.3f} mean {row['attention_ms_mean']:7.3f} "
+                  f"p99 {row['attention_ms_p99']:7.3f} max {row['attention_ms_max']:7.3f} ms  "
+                  f"idle {row['gpu_idle_ratio']:.1%}  {row['achieved_GBps']:6.1f} GB/s  gpu bytes {row['gpu_byte_share']:.0%}  "
+                  f"tasks {row['tasks_per_step']:.0f}  ovh {fmt(row['task_overhead_us_median'])} us  first cpu/gpu "
+                  f"{fmt(row['cpu_first_task_ms'])}/{fmt(row['gpu_first_launch_ms'])} ms  "
+                  f"tail {fmt(row['tail_after_last_task_ms'])} ms  gc2 {row['gc_gen2_collections']}/{row['gc_gen2_ms']:.1f} ms",
+                  flush=True)
+        f = next(r for r in rows if r["policy"] == "fluxion")
+        print(f"  fluxion's launch model: {f['gpu_launch_latency_us']:.0f} us + bytes / {f['gpu_launch_GBps']:.1f} GB/s; "
+              f"CPU worker {f['tp_cpu_worker_GBps']:.2f} GB/s", flush=True)
+        if args.trace_dir and (batch, context) == METRIC_POINT:
             rt.timeline.write_chrome_trace(os.path.join(args.trace_dir, "layer_attention-trace-8x32k.json"))
-        return rows
+        # After the measured steps: the probe's launches neither disturb nor teach the policies.
+        probe = probe_gpu_lane(rt, mix, batch, context) if args.gpu_probe else None
+        return rows, probe
     finally:
         rt.close()
         del rt
         torch.cuda.empty_cache()
 
 
-def probe_gpu_lane(rt, seq_ids, planner, out: dict) -> None:
-    """GPU lane alone: launch time of the first k tasks of the step's queue, k = 1 .. all."""
-    from hybrid_runtime.scheduler import _sorted_by_priority
-    from hybrid_runtime.tasks import Step
+def fit_fixed_cost(claims: list[dict], key: str) -> dict | None:
+    """Least squares `time = intercept + bytes / bw` over the probe's claims (`key`: "wall_s" or
+    "gpu_s"). The intercept is kept raw (noise can put a small one below 0); GBps is None when
+    the fitted slope is not positive. None with fewer than two distinct byte counts."""
+    x = np.array([c["bytes"] for c in claims], dtype=np.float64) / 1e9  # GB: a well-scaled column
+    y = np.array([c[key] for c in claims], dtype=np.float64)
+    if np.unique(x).size < 2:
+        return None
+    (c0, c1), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), y, rcond=None)
+    return {"intercept_us": float(c0 * 1e6), "GBps": float(1.0 / c1) if c1 > 0 else None, "claims": int(x.size)}
 
-    ex = rt.gpu_executor
-    b = len(seq_ids)
-    tasks = rt._tasks(0, seq_ids, planner(0, seq_ids, rt.store))
-    ordered, _ = _sorted_by_priority(tasks)
-    step = Step(0, rt._gq[:b], rt._gout[:b], rt._glse[:b], rt.geometry.group_size)
-    step.q.normal_()
-    torch.cuda.synchronize()
-    rows = []
-    for k in sorted({1, 2, 4, 8, 16, 32, len(ordered)}):
-        if k > len(ordered):
-            continue
-        batch_tasks = ordered[:k]
-        times = []
-        for _ in range(4):
-            h = ex.launch(batch_tasks, step)
-            h.wait()
-            times.append(h.start.elapsed_time(h.end) * 1e-3)
-        t = float(np.median(times[1:]))
-        nbytes = sum(x.bytes_read for x in batch_tasks)
-        rows.append({"tasks": k, "ms": t * 1e3, "bytes": int(nbytes), "GBps": nbytes / t / 1e9})
-        print(f"  gpu probe: {k:3d} tasks {t * 1e3:8.3f} ms {nbytes / 1e6:8.1f} MB {nbytes / t / 1e9:6.1f} GB/s", flush=True)
-    out["gpu_lane_probe_8x32k"] = rows
+
+def probe_gpu_lane(rt, planner, batch: int, context: int) -> dict:
+    """The GPU lane alone on layer 0's tasks: claims of 1, 2, 4, ... all tasks (runtime probe),
+    and the line through (bytes, time): its intercept is the lane's fixed cost per claim."""
+    rt.planner = planner
+    claims = rt.probe_gpu_lane(0, list(range(batch)), repeats=5)
+    claims = [{k: v.item() if isinstance(v, np.generic) else v for k, v in c.items()} for c in claims]
+    probe = {"batch": batch, "context": context, "claims": claims,
+             "fit_wall": fit_fixed_cost(claims, "wall_s"), "fit_gpu": fit_fixed_cost(claims, "gpu_s")}
+    w, g = probe["fit_wall"], probe["fit_gpu"]
+    if w and g:
+        print(f"  gpu lane probe ({len(claims)} claims, {claims[0]['tasks']}..{claims[-1]['tasks']} tasks): fixed cost "
+              f"{max(0.0, w['intercept_us']):.0f} us wall / {max(0.0, g['intercept_us']):.0f} us GPU, "
+              f"{fmt(w['GBps'])} / {fmt(g['GBps'])} GB/s", flush=True)
+    return probe
 
 
 def fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def attention_stats(att_s: np.ndarray) -> dict:
+    """Median, mean, p90, p99 and max of per-step attention times (seconds in, ms out)."""
+    ms = np.asarray(att_s, dtype=np.float64) * 1e3
+    return {
+        "attention_ms_median": float(np.median(ms)),
+        "attention_ms_mean": float(ms.mean()),
+        "attention_ms_p90": float(np.percentile(ms, 90)),
+        "attention_ms_p99": float(np.percentile(ms, 99)),
+        "attention_ms_max": float(ms.max()),
+    }
 
 
 def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
@@ -268,6 +312,7 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
     gpu_bytes = sum(int(r.bytes_read[r.lane == LANE_GPU].sum()) for r in recs)
     over = np.concatenate([r.overhead[(r.lane == LANE_CPU)] for r in recs])
     over = over[over > 0]
+    rt.scheduler.set_policy(policy)  # stats() then shows this policy's own estimates
     sched = rt.stats()
 
     def lane_start(lane):  # from q available to the lane's first task start
@@ -275,6 +320,7 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
         return float(np.median(v) * 1e3) if v else None
 
     tails = [r.t_end - r.end.max() for r in recs if r.n_tasks]
+    stats = attention_stats(att)
     return {
         "batch": batch,
         "context": context,
@@ -282,9 +328,9 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
         "scheduler_policy": policy,
         "head_plan": plan,
         "steps": len(recs),
-        "attention_ms_median": float(np.median(att) * 1e3),
-        "attention_ms_mean": float(att.mean() * 1e3),
-        "attention_ms_p90": float(np.percentile(att, 90) * 1e3),
+        **stats,
+        "step_mean_over_median": stats["attention_ms_mean"] / stats["attention_ms_median"],
+        "step_p99_over_median": stats["attention_ms_p99"] / stats["attention_ms_median"],
         "gpu_idle_ms_median": float(np.median(idle) * 1e3),
         # Per-step idle / attention, median over steps: robust to the odd step that pays a JIT
         # compile or an OS hiccup. The time-weighted ratio (sums) is kept beside it.
@@ -313,24 +359,55 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
 
 
 # ---------------------------------------------------------------------------- report
-def host_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def annotate_points(points: list[dict], ceiling_GBps: float) -> None:
+    """Add to every row its fraction of the concurrent ceiling and its time vs the point's
+    cpu_only and cpu_only_fixed medians (where those ran)."""
+    ref = {(p["batch"], p["context"], p["policy"]): p["attention_ms_median"] for p in points}
+    for p in points:
+        p["concurrent_bw_fraction"] = p["achieved_GBps"] / ceiling_GBps
+        p["concurrent_bw_fraction_time_weighted"] = p["achieved_GBps_time_weighted"] / ceiling_GBps
+        for base in ("cpu_only", "cpu_only_fixed"):
+            t = ref.get((p["batch"], p["context"], base))
+            if t is not None:
+                p[f"vs_{base}"] = p["attention_ms_median"] / t
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        sha = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return (sha or "uncommitted") + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> dict:
+    """Flat name -> number, from annotated rows, `best_limits` and the GPU lane probes. A figure
+    whose point, policy or probe did not run is left out (never defaulted)."""
+    m = dict(limits)
+    flux = [p for p in points if p["policy"] == "fluxion"]
+    by = {(p["batch"], p["context"], p["policy"]): p for p in points}
+    for key, name in (("vs_cpu_only", "fluxion_vs_cpu_only_time_ratio_max"),
+                      ("vs_cpu_only_fixed", "fluxion_vs_cpu_only_fixed_time_ratio_max"),
+                      ("gpu_idle_ratio", "fluxion_gpu_idle_ratio_max")):
+        v = [p[key] for p in flux if p.get(key) is not None]
+        if v:
+            m[name] = max(v)
+    f8, c8 = by.get((*METRIC_POINT, "fluxion")), by.get((*METRIC_POINT, "cpu_only"))
+    if f8:
+        m["fluxion_achieved_GBps_8x32k"] = f8["achieved_GBps"]
+        m["fluxion_concurrent_bw_fraction_8x32k"] = f8["achieved_GBps"] / limits["concurrent_ceiling_GBps"]
+        m["fluxion_bw_fraction_8x32k"] = f8["achieved_GBps"] / (limits["host_read_GBps"] + limits["h2d_GBps"])
+    if c8:
+        m["cpu_only_achieved_GBps_8x32k"] = c8["achieved_GBps"]
+    overheads = [p["task_overhead_us_median"] for p in flux if p["task_overhead_us_median"] is not None]
+    if overheads:
+        m["task_overhead_us_median"] = float(np.median(overheads))
+    if points:
+        m["step_mean_over_median_max"] = max(p["step_mean_over_median"] for p in points)
+        m["step_p99_over_median_max"] = max(p["step_p99_over_median"] for p in points)
+        m["timeline_recording_fraction_max"] = max(p["recording_fraction"] for p in points)
+        m["timeline_resolve_fraction_max"] = max(p["resolve_fraction"] for p in points)
+        m["gc_gen2_collections"] = sum(p["gc_gen2_collections"] for p in points)
+        m["gc_gen2_ms"] = sum(p["gc_gen2_ms"] for p in points)
+    probe = next((p for p in probes if (p["batch"], p["context"]) == METRIC_POINT), None)
+    for fit, suffix in (("fit_wall", ""), ("fit_gpu", "_gpu")):
+        if probe and probe[fit]:
+            m[f"gpu_lane_fixed_cost{suffix}_us"] = probe[fit]["intercept_us"]
+            if probe[fit]["GBps"] is not None:
+                m[f"gpu_lane_fit{suffix}_GBps"] = probe[fit]["GBps"]
+    return {k: v if isinstance(v, int) else float(v) for k, v in m.items()}
 
 
 def markdown(result: dict) -> str:
@@ -339,108 +416,93 @@ def markdown(result: dict) -> str:
         f"# layer_attention on {result['device']}",
         "",
         f"host: {result['host_cpu']}; commit {result['commit']}; {result['created']}",
-        f"machine limits (same run): host read {m['host_read_GBps']:.1f} GB/s ({result['config']['cpu_workers']} threads), "
-        f"pinned H2D {m['h2d_GBps']:.1f} GB/s",
         "",
-        "| batch | context | policy | attention ms (median) | GPU idle | achieved GB/s | GPU byte share | tasks/step | vs cpu_only | vs cpu_only_fixed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"machine limits (same run, best of before and after the points): host read {m['host_read_GBps']:.1f} GB/s "
+        f"({result['config']['cpu_workers']} threads), pinned H2D {m['h2d_GBps']:.1f} GB/s; concurrent ceiling "
+        f"{m['concurrent_ceiling_GBps']:.1f} GB/s = CPU {m['cpu_concurrent_GBps']:.1f} + GPU {m['gpu_concurrent_GBps']:.1f} "
+        f"while both read (alone: CPU {m['cpu_alone_GBps']:.1f}, GPU UVA gather {m['gpu_alone_GBps']:.1f} GB/s)",
+        "",
+        "| batch | context | policy | median ms | mean ms | p99 ms | max ms | GB/s | of ceiling | GPU bytes "
+        "| GPU idle (median / time-w.) | tasks/step | gc2 (n / ms) | vs cpu_only | vs cpu_only_fixed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    by_point: dict = {}
     for p in result["points"]:
-        by_point.setdefault((p["batch"], p["context"]), {})[p["policy"]] = p
-    for (b, c), runs in by_point.items():
-        for name, p in runs.items():
-            r1 = p["attention_ms_median"] / runs["cpu_only"]["attention_ms_median"] if "cpu_only" in runs else float("nan")
-            r2 = p["attention_ms_median"] / runs["cpu_only_fixed"]["attention_ms_median"] if "cpu_only_fixed" in runs else float("nan")
-            lines.append(f"| {b} | {c // 1024}K | {name} | {p['attention_ms_median']:.3f} | {p['gpu_idle_ratio']:.1%} | "
-                         f"{p['achieved_GBps']:.1f} | {p['gpu_byte_share']:.0%} | {p['tasks_per_step']:.0f} | {r1:.2f} | {r2:.2f} |")
+        lines.append(
+            f"| {p['batch']} | {p['context'] // 1024}K | {p['policy']} | {p['attention_ms_median']:.3f} | "
+            f"{p['attention_ms_mean']:.3f} | {p['attention_ms_p99']:.3f} | {p['attention_ms_max']:.3f} | "
+            f"{p['achieved_GBps']:.1f} | {p['concurrent_bw_fraction']:.1%} | {p['gpu_byte_share']:.0%} | "
+            f"{p['gpu_idle_ratio']:.1%} / {p['gpu_idle_ratio_time_weighted']:.1%} | {p['tasks_per_step']:.0f} | "
+            f"{p['gc_gen2_collections']} / {p['gc_gen2_ms']:.1f} | {p.get('vs_cpu_only', float('nan')):.2f} | "
+            f"{p.get('vs_cpu_only_fixed', float('nan')):.2f} |")
+    if result["gpu_lane_probes"]:
+        lines += ["", "GPU lane alone (probe: claims of 1 .. all tasks of layer 0), fit time = fixed cost + bytes / bw; "
+                  "fixed costs shown clipped at 0 (raw values in the JSON):", "",
+                  "| batch | context | claims | fixed cost us (wall) | GB/s (wall) | fixed cost us (GPU) | GB/s (GPU) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for pr in result["gpu_lane_probes"]:
+            w, g = pr["fit_wall"] or {}, pr["fit_gpu"] or {}
+            cells = [f"{max(0.0, f['intercept_us']):.0f} | " + ("-" if f["GBps"] is None else f"{f['GBps']:.1f}")
+                     if f else "- | -" for f in (w, g)]
+            lines.append(f"| {pr['batch']} | {pr['context'] // 1024}K | {len(pr['claims'])} | {cells[0]} | {cells[1]} |")
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in m.items()]
     return "\n".join(lines) + "\n"
+
+
+def write(metrics: dict, points: list, extra: dict, out: str | None) -> Path:
+    """`write_results` (benchmarks/results/layer_attention-<device_slug()>.json), or to `out`:
+    written in a scratch directory beside it, then renamed, so no other results file is touched."""
+    if out is None:
+        return write_results("layer_attention", metrics, points, extra=extra)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        write_results("layer_attention", metrics, points, out_dir=tmp, extra=extra).replace(path)
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in POINTS), help="BxCONTEXT list")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=15, help="measured decode steps per policy (each over every layer)")
+    ap.add_argument("--steps", type=int, default=20, help="measured decode steps per policy (each over every layer)")
     ap.add_argument("--warmup", type=int, default=8, help="unmeasured steps per policy (JIT, estimates settle)")
     ap.add_argument("--cpu-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--streaming", type=float, default=0.5, help="fraction of query heads that are streaming")
     ap.add_argument("--budget-range", type=float, nargs=2, default=(0.02, 0.08))
     ap.add_argument("--blocks", type=int, nargs="+", default=(16, 32, 64))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device-slug", default="h100")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/layer_attention-<slug>.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/layer_attention-<device slug>.json); "
+                    "the markdown table goes beside it (.md)")
     ap.add_argument("--trace-dir", default=None, help="write the (8, 32K) Chrome trace (all policies) here")
     ap.add_argument("--no-gpu-probe", dest="gpu_probe", action="store_false",
-                    help="skip timing the GPU lane alone per batch size at (8, 32K)")
+                    help="skip probing the GPU lane alone at every point (no gpu_lane_* metrics)")
     args = ap.parse_args()
-    args.gpu_probe_out = {}
     if not torch.cuda.is_available():
         sys.exit("layer_attention needs a CUDA device (it measures the GPU lane and GPU idle time)")
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
 
-    cores = sorted(os.sched_getaffinity(0))
-    worker_cores = cores[1 : 1 + args.cpu_workers] if len(cores) > args.cpu_workers else [None] * args.cpu_workers
-    host_bw = host_read_bandwidth(args.cpu_workers, worker_cores)
-    h2d_bw = h2d_bandwidth()
-    print(f"machine limits: host read {host_bw:.1f} GB/s ({args.cpu_workers} threads), pinned H2D {h2d_bw:.1f} GB/s", flush=True)
-
-    points_out = []
+    # The cores the runtime's scheduler will use: launcher first, then one per CPU worker.
+    cores = plan_cores(args.cpu_workers, gpu_lane=True, pin=True)
+    measured = [measure_limits(args.cpu_workers, cores.cpu, cores.gpu)]
+    points_out, probes = [], []
     for b, c in points:
         print(f"point batch={b} context={c}", flush=True)
-        points_out += run_point(args, b, c)
-    host_bw_end = host_read_bandwidth(args.cpu_workers, worker_cores)
-    h2d_bw_end = h2d_bandwidth()
-    print(f"machine limits at the end: host read {host_bw_end:.1f} GB/s, pinned H2D {h2d_bw_end:.1f} GB/s", flush=True)
-    host_bw, h2d_bw = max(host_bw, host_bw_end), max(h2d_bw, h2d_bw_end)  # the best seen: the strict denominator
-
-    def get(b, c, name):
-        return next((p for p in points_out if (p["batch"], p["context"], p["policy"]) == (b, c, name)), None)
-
-    ratios, ratios_fixed, idles = [], [], []
-    for b, c in points:
-        f, co, cf = get(b, c, "fluxion"), get(b, c, "cpu_only"), get(b, c, "cpu_only_fixed")
-        ratios.append(f["attention_ms_median"] / co["attention_ms_median"])
-        ratios_fixed.append(f["attention_ms_median"] / cf["attention_ms_median"])
-        idles.append(f["gpu_idle_ratio"])
-        f["vs_cpu_only"], f["vs_cpu_only_fixed"] = ratios[-1], ratios_fixed[-1]
-    f8 = get(8, 32768, "fluxion")
-    flux = [p for p in points_out if p["policy"] == "fluxion"]
-    overheads = [p["task_overhead_us_median"] for p in flux if p["task_overhead_us_median"] is not None]
-    metrics = {
-        "fluxion_vs_cpu_only_time_ratio_max": float(max(ratios)),
-        "fluxion_vs_cpu_only_fixed_time_ratio_max": float(max(ratios_fixed)),
-        "fluxion_gpu_idle_ratio_max": float(max(idles)),
-        "fluxion_bw_fraction_8x32k": float(f8["achieved_GBps"] / (host_bw + h2d_bw)) if f8 else None,
-        "task_overhead_us_median": float(np.median(overheads)) if overheads else None,
-        "timeline_recording_fraction_max": float(max(p["recording_fraction"] for p in points_out)),
-        "timeline_resolve_fraction_max": float(max(p["resolve_fraction"] for p in points_out)),
-        "host_read_GBps": float(host_bw),
-        "h2d_GBps": float(h2d_bw),
-        "fluxion_achieved_GBps_8x32k": float(f8["achieved_GBps"]) if f8 else None,
-        "cpu_only_achieved_GBps_8x32k": float(get(8, 32768, "cpu_only")["achieved_GBps"]) if f8 else None,
-    }
-    result = {
-        "benchmark": "layer_attention",
-        "device": torch.cuda.get_device_name(),
-        "host_cpu": host_cpu(),
-        "commit": git_commit(),
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {"layers": args.layers, "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers,
-                   "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
-                   "seed": args.seed, "torch": torch.__version__},
-        "metrics": metrics,
-        "points": points_out,
-        "diagnostics": args.gpu_probe_out,
-    }
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"layer_attention-{args.device_slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out}")
+        rows, probe = run_point(args, b, c)
+        points_out += rows
+        if probe is not None:
+            probes.append(probe)
+    measured.append(measure_limits(args.cpu_workers, cores.cpu, cores.gpu))
+    limits = best_limits(measured)
+    annotate_points(points_out, limits["concurrent_ceiling_GBps"])
+    metrics = assemble_metrics(points_out, limits, probes)
+    config = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers,
+              "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
+              "seed": args.seed, "torch": torch.__version__, "pinning": cores.note}
+    path = write(metrics, points_out, {"config": config, "machine_limits": measured, "gpu_lane_probes": probes}, args.out)
+    md = markdown(json.loads(path.read_text()))
+    path.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

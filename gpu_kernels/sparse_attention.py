@@ -25,6 +25,7 @@ from cpu_kernels import layout
 from gpu_kernels import task_table as tt
 from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_precision, next_pow2
 from gpu_kernels.block_scores import Selection, quest_scores, select_blocks
+from gpu_kernels.launch import CachedLaunch
 from gpu_kernels.split_combine import combine_splits
 
 
@@ -48,28 +49,15 @@ class SparseConfig:
 
 
 @triton.jit
-def _sparse_attn_kernel(
-    q_ptr, stride_qb, stride_qh,
-    arena_ptr, table_ptr, chunks_ptr,
-    ublocks_ptr, uheads_ptr, counts_ptr,
-    part_out_ptr, part_lse_ptr,
-    STRIDE_UB, STRIDE_UH, N_SPLITS, PAGES_PER_SPLIT,
-    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
-    CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _attend_split(
+    q_ptr, stride_qb, stride_qh, arena_ptr, chunks_ptr, ub_base, uh_base,
+    bi, kvh, cpu_len, coff, ppb, p_start, p_end,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+    V_ROW: tl.constexpr, CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    s = tl.program_id(1)
-    row = table_ptr + t * N_COLS
-    bi = tl.load(row + 0)
-    kvh = tl.load(row + 1)
-    cpu_len = tl.load(row + 3)
-    coff = tl.load(row + 4)
-    ppb = tl.load(row + 8)
-    n_pages = tl.load(counts_ptr + t) * ppb
-    p_start = s * PAGES_PER_SPLIT
-    p_end = tl.minimum(p_start + PAGES_PER_SPLIT, n_pages)
-
+    """Online-softmax attention of a group's G heads over pages `[p_start, p_end)` of its union
+    page list -> (out [BLOCK_G, D], lse [BLOCK_G]); a head that saw no key gets out 0, lse -inf."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     gmask = g < G
@@ -81,15 +69,13 @@ def _sparse_attn_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     j = tl.arange(0, BLOCK_N)
-    ub_base = ublocks_ptr + t.to(tl.int64) * STRIDE_UB
-
     for p0 in tl.range(p_start * PAGE, p_end * PAGE, BLOCK_N, num_stages=NUM_STAGES):
         tok = p0 + j  # token index within the task's union token list
         page = tok // PAGE
         pv = page < p_end
         entry = page // ppb
         blk_id = tl.load(ub_base + entry, mask=pv, other=0)
-        hbits = tl.load(uheads_ptr + t.to(tl.int64) * STRIDE_UH + entry, mask=pv, other=0)
+        hbits = tl.load(uh_base + entry, mask=pv, other=0)
         pos = (blk_id * ppb + page % ppb) * PAGE + tok % PAGE  # position in the CPU segment
         chunk = tl.load(chunks_ptr + coff + pos // CHUNK_TOKENS, mask=pv, other=0)
         krow = chunk.to(tl.int64) * CHUNK_ROWS + pos % CHUNK_TOKENS
@@ -113,13 +99,114 @@ def _sparse_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
-
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, stride_qb, stride_qh,
+    arena_ptr, table_ptr, chunks_ptr,
+    ublocks_ptr, uheads_ptr, counts_ptr,
+    part_out_ptr, part_lse_ptr,
+    STRIDE_UB, STRIDE_UH, N_SPLITS, PAGES_PER_SPLIT,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    row = table_ptr + t * N_COLS
+    ppb = tl.load(row + 8)
+    n_pages = tl.load(counts_ptr + t) * ppb
+    p_start = s * PAGES_PER_SPLIT
+    p_end = tl.minimum(p_start + PAGES_PER_SPLIT, n_pages)
+    out, lse = _attend_split(
+        q_ptr, stride_qb, stride_qh, arena_ptr, chunks_ptr,
+        ublocks_ptr + t.to(tl.int64) * STRIDE_UB, uheads_ptr + t.to(tl.int64) * STRIDE_UH,
+        tl.load(row + 0), tl.load(row + 1), tl.load(row + 3), tl.load(row + 4), ppb, p_start, p_end,
+        G, BLOCK_G, D, BLOCK_N, CHUNK_ROWS, V_ROW, CHUNK_TOKENS, PAGE, NUM_STAGES, DOT_PRECISION,
+    )
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gmask = g < G
     base = (t.to(tl.int64) * N_SPLITS + s) * G
     tl.store(part_out_ptr + (base + g)[:, None] * D + d[None, :], out, mask=gmask[:, None])
     tl.store(part_lse_ptr + base + g, lse, mask=gmask)
+
+
+@triton.jit(do_not_specialize=["row0", "N_SPLITS", "PAGES_PER_SPLIT"],
+            do_not_specialize_on_alignment=["table_ptr", "chunks_ptr", "ticket_ptr"])
+def _sparse_attn_combine_kernel(
+    q_ptr, stride_qb, stride_qh,
+    arena_ptr, table_ptr, chunks_ptr,
+    ublocks_ptr, uheads_ptr, counts_ptr,
+    part_out_ptr, part_lse_ptr, ticket_ptr, out_ptr, lse_ptr,
+    row0, NB_CAP, HQ, N_SPLITS, PAGES_PER_SPLIT,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GC: tl.constexpr, MAX_S: tl.constexpr, SB: tl.constexpr,
+):
+    """`_sparse_attn_kernel` for claim tasks `row0 + t` whose union came from `score_select`
+    (row t of the scratch), with the split combine fused: the program that takes the task's last
+    ticket reduces the task's partials by log-sum-exp and writes the final `out/lse` rows."""
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    row = table_ptr + (row0 + t).to(tl.int64) * N_COLS
+    bi = tl.load(row + 0)
+    kvh = tl.load(row + 1)
+    ppb = tl.load(row + 8)
+    n_pages = tl.load(counts_ptr + t) * ppb
+    n_used = tl.maximum(1, tl.cdiv(n_pages, PAGES_PER_SPLIT))  # splits that have pages
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gmask = g < G
+    base = (t.to(tl.int64) * N_SPLITS + s) * G
+    if s < n_used:
+        p_start = s * PAGES_PER_SPLIT
+        p_end = tl.minimum(p_start + PAGES_PER_SPLIT, n_pages)
+        out, lse = _attend_split(
+            q_ptr, stride_qb, stride_qh, arena_ptr, chunks_ptr,
+            ublocks_ptr + t.to(tl.int64) * NB_CAP, uheads_ptr + t.to(tl.int64) * NB_CAP,
+            bi, kvh, tl.load(row + 3), tl.load(row + 4), ppb, p_start, p_end,
+            G, BLOCK_G, D, BLOCK_N, CHUNK_ROWS, V_ROW, CHUNK_TOKENS, PAGE, NUM_STAGES, DOT_PRECISION,
+        )
+        tl.store(part_out_ptr + (base + g)[:, None] * D + d[None, :], out, mask=gmask[:, None])
+        tl.store(part_lse_ptr + base + g, lse, mask=gmask)
+    tl.debug_barrier()  # every thread's partial stores are issued before the release below
+    ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
+    if ticket == N_SPLITS - 1:
+        tl.store(ticket_ptr + t, 0)
+        # The task's partials are in L2: one wide load of every split's lse, then the weighted
+        # outputs SB splits at a time (a loop over single splits waits on L2 once per split).
+        pbase = t.to(tl.int64) * N_SPLITS * G
+        gc = tl.arange(0, GC)
+        gcm = gc < G
+        si = tl.arange(0, MAX_S)
+        sm = (si < n_used)[:, None] & gcm[None, :]
+        x = tl.load(part_lse_ptr + pbase + si[:, None] * G + gc[None, :], mask=sm, other=float("-inf"),
+                    cache_modifier=".cg")
+        m = tl.max(x, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.exp(x - m_safe[None, :]), axis=0)  # a split that saw no key adds exp(-inf) = 0
+        o = tl.zeros([GC, D], tl.float32)
+        sb = tl.arange(0, SB)
+        for i0 in range(0, n_used, SB):
+            sv = ((i0 + sb) < n_used)[:, None] & gcm[None, :]
+            off = pbase + (i0 + sb)[:, None] * G + gc[None, :]  # [SB, GC]
+            w = tl.exp(tl.load(part_lse_ptr + off, mask=sv, other=float("-inf"), cache_modifier=".cg") - m_safe[None, :])
+            po = tl.load(part_out_ptr + off[:, :, None] * D + d[None, None, :], mask=sv[:, :, None], other=0.0,
+                         cache_modifier=".cg")
+            o += tl.sum(tl.where(w[:, :, None] > 0.0, w[:, :, None] * po, 0.0), axis=0)
+        has = total > 0.0
+        inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
+        lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+        orow = bi.to(tl.int64) * HQ + kvh * G + gc
+        tl.store(out_ptr + orow[:, None] * D + d[None, :], o * inv[:, None], mask=gcm[:, None])
+        tl.store(lse_ptr + orow, lse, mask=gcm)
 
 
 @dataclass
@@ -199,3 +286,44 @@ def sparse_attention(
 def bytes_read(plan: tt.SparseTaskTable, counts: np.ndarray, head_dim: int, element_size: int) -> np.ndarray:
     """Per-task bytes over the link: all metadata of the granularity + the union's K and V."""
     return plan.metadata_bytes(head_dim, element_size) + plan.kv_bytes(counts, head_dim, element_size)
+
+
+# Most splits of one task in a claim: long unions get longer splits instead of more partials,
+# which bounds the partial buffer and the combine's work.
+MAX_SPLITS = 64
+
+
+def claim_splits(pages_max: int, config: SparseConfig = SparseConfig()) -> tuple[int, int]:
+    """(n_splits, pages_per_split) of a claim whose largest union has at most `pages_max` pages."""
+    pps = max(config.pages_per_split, config.block_n // layout.PAGE_SIZE, triton.cdiv(max(1, pages_max), MAX_SPLITS))
+    return max(1, triton.cdiv(pages_max, pps)), pps
+
+
+def sparse_attention_claim(
+    table, chunks, row0: int, n_tasks: int, pages_max: int,
+    q, arena, ublocks, uheads, counts, part_out, part_lse, tickets, out, lse,
+    config: SparseConfig = SparseConfig(),
+) -> int:
+    """Queue the attention+combine launch for table rows `[row0, row0 + n_tasks)` whose unions
+    `score_select` left in rows `0..n_tasks-1` of ublocks/uheads/counts; returns the split count.
+
+    Buffers are the caller's contract, checked once when they are made: part_out
+    `[>= n_tasks, MAX_SPLITS, G, D]` and part_lse `[>= n_tasks, MAX_SPLITS, G]` fp32, tickets
+    `[>= n_tasks]` int32 (zero), out `[B, Hq, D]` / lse `[B, Hq]` fp32 contiguous.
+    """
+    g = part_out.shape[2]
+    d = q.shape[2]
+    n_splits, pps = claim_splits(pages_max, config)
+    args = (q, q.stride(0), q.stride(1), arena, table, chunks, ublocks, uheads, counts, part_out, part_lse, tickets,
+            out, lse, row0, ublocks.shape[1], q.shape[1], n_splits, pps)
+    constexprs = dict(
+        N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
+        BLOCK_N=config.block_n, CHUNK_ROWS=layout.CHUNK_ROWS, V_ROW=layout.V_ROW,
+        CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
+        DOT_PRECISION=dot_precision(arena.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
+    )
+    _claim_launch((n_tasks, n_splits), args, constexprs, (arena.dtype, *constexprs.values()), config.num_warps)
+    return n_splits
+
+
+_claim_launch = CachedLaunch(_sparse_attn_combine_kernel)

@@ -176,3 +176,121 @@ class SparseTaskTable:
     def kv_bytes(self, union_counts: np.ndarray, head_dim: int, element_size: int) -> np.ndarray:
         """Bytes of K and V each task's attention reads: whole selected blocks (union over heads)."""
         return np.asarray(union_counts, dtype=np.int64) * self.block_size * 2 * head_dim * element_size
+
+
+# ---------------------------------------------------------------------------- one step, many claims
+@dataclass
+class StepTable:
+    """The step's tasks in queue order as device arrays, plus the host sizes that shape claims.
+
+    Uploaded once per step (`StepTableBuffer.upload`); a claim of rows `[start, stop)` is then a
+    pair of integers, and its launch needs only `n_blocks_max` and `pages_max` of those rows.
+    """
+
+    table: torch.Tensor  # [T, N_COLS] int32 (device)
+    n_select: torch.Tensor  # [T, G] int32 (device)
+    chunks: torch.Tensor  # flat int32 chunk ids (device)
+    n_blocks: np.ndarray  # [T] int64 (host)
+    union_pages: np.ndarray  # [T] int64: most pages a task's union can hold (host)
+    block_size: np.ndarray  # [T] int64 (host)
+    group_size: int
+
+    @property
+    def n_tasks(self) -> int:
+        return int(self.n_blocks.shape[0])
+
+    def claim_shape(self, start: int, stop: int) -> tuple[int, int]:
+        """(n_blocks_max, pages_max) of rows `[start, stop)`: the grids of the claim's launches."""
+        return int(self.n_blocks[start:stop].max()), int(self.union_pages[start:stop].max())
+
+
+def pack_step_table(
+    batch_index: np.ndarray, kv_head: np.ndarray, block_size: np.ndarray, cpu_len: np.ndarray,
+    chunk_off: np.ndarray, n_chunks: np.ndarray, n_select: np.ndarray, n_arena_chunks: int,
+    chunk_ids: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Validate the step's task arrays (queue order) and pack them into one int32 array.
+
+    Vectorised (no per-task Python): done once per task set and cached by the caller. Returns
+    (packed, n_blocks, union_pages, block_size); `packed` is table rows, then n_select, then chunk ids.
+    """
+    t = int(batch_index.shape[0])
+    blk = np.asarray(block_size, dtype=np.int64)
+    clen = np.asarray(cpu_len, dtype=np.int64)
+    nsel = np.asarray(n_select, dtype=np.int64)
+    if nsel.ndim != 2 or nsel.shape[0] != t:
+        raise ValueError(f"n_select has shape {nsel.shape}; expected [{t}, G]")
+    bad = ~np.isin(blk, layout.BLOCK_SIZES)
+    if bad.any():
+        raise ValueError(f"block_size {blk[bad][0]} is not one of {layout.BLOCK_SIZES}")
+    short = np.asarray(n_chunks, dtype=np.int64) * layout.CHUNK_TOKENS < clen
+    if short.any():
+        i = int(np.argmax(short))
+        raise ValueError(f"task {i}: {n_chunks[i]} chunks hold fewer tokens than its cpu_len {clen[i]}")
+    ids = np.asarray(chunk_ids, dtype=np.int32).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_arena_chunks):
+        raise ValueError(f"chunk ids must lie in [0, {n_arena_chunks}) (the arena's chunks)")
+    n_blocks = -(-clen // blk)
+    if (nsel < 0).any() or (nsel > n_blocks[:, None]).any():
+        i = int(np.argmax(((nsel < 0) | (nsel > n_blocks[:, None])).any(1)))
+        raise ValueError(f"task {i}: n_select {nsel[i].tolist()} must lie in [0, n_blocks={n_blocks[i]}]")
+    bpc = layout.CHUNK_TOKENS // blk
+    table = np.empty((t, N_COLS), dtype=np.int32)
+    table[:, COL_BATCH] = batch_index
+    table[:, COL_KV_HEAD] = kv_head
+    table[:, COL_BLOCK] = blk
+    table[:, COL_CPU_LEN] = clen
+    table[:, COL_CHUNK_OFF] = chunk_off
+    table[:, COL_N_BLOCKS] = n_blocks
+    table[:, COL_META_OFF] = 2 * layout.PAGES_PER_CHUNK - 2 * bpc  # == layout.META_ENTRY_OFFSET[blk]
+    table[:, COL_BPC] = bpc
+    table[:, COL_PPB] = blk // layout.PAGE_SIZE
+    union_pages = np.minimum(n_blocks, nsel.sum(1)) * (blk // layout.PAGE_SIZE)
+    packed = np.concatenate([table.reshape(-1), nsel.astype(np.int32).reshape(-1), ids, np.zeros(1, np.int32)])
+    return packed, n_blocks, union_pages, blk
+
+
+class StepTableBuffer:
+    """Pinned staging and device memory for the step tables, allocated once and grown rarely.
+
+    The upload is one host copy into pinned memory and one asynchronous host-to-device copy on
+    the caller's stream (the kernels that read the table follow it on that stream). The staging
+    buffer is reused only after the previous upload's copy finished (an event), so a step never
+    overwrites bytes still in flight.
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 16):
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self._host = torch.empty(self.capacity, dtype=torch.int32, pin_memory=self._cuda)
+        self._dev = torch.empty(self.capacity, dtype=torch.int32, device=self.device) if self._cuda else self._host
+        self._copied = None  # event of the last upload's copy
+
+    def upload(self, packed: np.ndarray, n_blocks: np.ndarray, union_pages: np.ndarray, block_size: np.ndarray,
+               group_size: int) -> StepTable:
+        n = packed.shape[0]
+        if self._copied is not None:
+            self._copied.synchronize()
+        if n > self.capacity:
+            self._alloc(max(n, 2 * self.capacity))  # rare: a step with more tasks or chunks than before
+        t = int(n_blocks.shape[0])
+        self._host.numpy()[:n] = packed
+        if self._cuda:
+            self._dev[:n].copy_(self._host[:n], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        dev = self._dev
+        n_tab = t * N_COLS
+        return StepTable(
+            table=dev[:n_tab].view(t, N_COLS),
+            n_select=dev[n_tab : n_tab + t * group_size].view(t, group_size),
+            chunks=dev[n_tab + t * group_size : n],
+            n_blocks=n_blocks,
+            union_pages=union_pages,
+            block_size=block_size,
+            group_size=group_size,
+        )

@@ -29,10 +29,13 @@ import torch
 from hybrid_runtime.config import Config, ConfigError, GeometryConfig
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
+from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
 from hybrid_runtime.kvcache import KVStore
 from hybrid_runtime.profiling.timeline import CudaClock, Timeline
 from hybrid_runtime.reference import merge_attention as merge_reference
-from hybrid_runtime.scheduler import ConfigHeadPlanner, HeadPlan, Scheduler, StepJob, build_tasks
+from hybrid_runtime.scheduler import Scheduler
+from hybrid_runtime.step_job import StepJob
+from hybrid_runtime.task_building import build_tasks
 from hybrid_runtime.tasks import Step
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,26 @@
-"""The executor protocol: something that runs a list of tasks against a step's buffers."""
+"""The executor protocols: what the scheduler's lanes call to run tasks against a step's buffers.
+
+`Executor` is the plain form (`run` a list of tasks, return when their results are written).
+The scheduler needs more from each lane, so each lane has its own protocol:
+
+* CPU workers call `CpuTaskExecutor.run_one` one task at a time from their own threads, or --
+  when the executor names a numba kernel in `native_kernel` -- run that kernel inside the native
+  worker loop (`native_pool.worker_loop`) with no Python per task.
+* The GPU lane calls `GpuLaunchExecutor.launch` and keeps launches queued on the executor's
+  stream; an executor that only has `run` is wrapped once by the scheduler
+  (`gpu_lane.as_launch_executor`) and then runs synchronously.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
 
 from hybrid_runtime.tasks import Step, Task
+
+if TYPE_CHECKING:
+    import torch
 
 
 @runtime_checkable
@@ -15,3 +31,70 @@ class Executor(Protocol):
     def run(self, tasks: Sequence[Task], step: Step) -> None:
         """Run `tasks`, writing each task's `out, lse` rows into `step`; set `task.bytes_read`."""
         ...
+
+
+class CpuTaskExecutor(Protocol):
+    """What the scheduler's CPU workers call (`device = "cpu"`).
+
+    `native_kernel`: the numba kernel (signature of `cpu_kernels.sparse_attention.run_task`)
+    that native workers call with the GIL released in place of `run_one`, or None when the
+    executor must run on Python worker threads that call `run_one` per task (an executor whose
+    `run_one` does more than that kernel). An executor that does not define the attribute counts
+    as None (`native_kernel_of`), so a test double needs only `workspace` and `run_one`. Native
+    workers record bytes and times in shared arrays; the scheduler adds them to `bytes_read`
+    after the step.
+    """
+
+    device: str
+    bytes_read: int
+    native_kernel: Callable[..., int] | None
+
+    def workspace(self) -> Any:
+        """The calling thread's scratch buffers; made once per worker thread, before any task."""
+        ...
+
+    def run_one(self, task: Task, q: np.ndarray, out: np.ndarray, lse: np.ndarray, ws: Any) -> int:
+        """Run one task on the step's numpy views (`[B, Hq, D]`, `[B, Hq]`); set `task.start_s`,
+        `task.end_s`, `task.bytes_read`, `task.device`; return the bytes read."""
+        ...
+
+
+def native_kernel_of(executor: Any) -> Callable[..., int] | None:
+    """`executor.native_kernel`, with the protocol's default (None: Python workers) when it is missing."""
+    return getattr(executor, "native_kernel", None)
+
+
+class LaunchHandle(Protocol):
+    """One queued GPU launch.
+
+    `start`/`end` are CUDA events bracketing it on the stream, or host `perf_counter` seconds
+    (a float) for a launch that already ran. `wait` blocks until it finished and settles
+    `task.bytes_read`. A handle may also have `query() -> bool` (finished yet, without blocking);
+    without it the lane treats the launch as finished and calls `wait`.
+    """
+
+    start: Any
+    end: Any
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class GpuLaunchExecutor(Protocol):
+    """What the GPU lane calls (`device = "gpu"`).
+
+    `stream`: the CUDA stream the launches run on; the lane makes it wait for `job.gpu_ready`
+    (q and the lane's buffers written on the caller's stream) before the first launch. None: the
+    executor orders its work after the caller's stream itself, and the lane adds no wait.
+    """
+
+    device: str
+    bytes_read: int
+    stream: "torch.cuda.Stream | None"
+
+    def launch(self, tasks: Sequence[Task], step: Step) -> LaunchHandle:
+        """Queue `tasks` (at least one) and return at once with a handle."""
+        ...
+
+
+__all__ = ["CpuTaskExecutor", "Executor", "GpuLaunchExecutor", "LaunchHandle", "native_kernel_of"]

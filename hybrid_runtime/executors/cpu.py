@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -17,8 +17,9 @@ from hybrid_runtime.tasks import Step, Task
 class CpuExecutor:
     """Runs tasks on host memory. Thread-safe: each thread uses its own `Workspace`.
 
-    The scheduler's CPU workers call `run_one` from their own threads; `run` is the simple
-    sequential form used by tests and single-threaded callers.
+    The scheduler's CPU workers call `run_one` from their own threads, or, given the runtime's
+    shared buffers, run `native_kernel` in the native worker loop (`CpuTaskExecutor`); `run` is
+    the simple sequential form used by tests and single-threaded callers.
     """
 
     device = "cpu"
@@ -31,6 +32,12 @@ class CpuExecutor:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.bytes_read = 0
+
+    @property
+    def native_kernel(self) -> Callable[..., int] | None:
+        """The stock numba kernel, which native workers run in place of `run_one`; None for a
+        subclass that replaces `run_one`, whose Python must then run per task (Python workers)."""
+        return run_task if type(self).run_one is CpuExecutor.run_one else None
 
     def workspace(self) -> Workspace:
         """This thread's workspace, made on first use (so never inside a task)."""

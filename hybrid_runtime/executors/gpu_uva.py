@@ -1,102 +1,226 @@
-"""GPU executor: runs a list of tasks in a few Triton launches that read the pinned CPU store
-through a UVA view (no staging copies, no whole-sequence transfers).
+"""GPU executor: tasks read the pinned CPU store through a UVA view, two kernel launches a claim.
 
-Per `run`: the tasks become one int32 task table (host, O(tasks)), copied to the device once;
-then Quest scoring, per-head top-k, group union, sparse attention and the split combine are queued
-on the executor's stream without host synchronisation; finally one small device-to-host copy of
-the union sizes gives the bytes each task read and marks the work complete.
+Plan once per step, run many claims (FlashInfer's plan/run split): `upload` copies the step's
+task table (rows in queue order, packed once per task set by the caller) to the device in one
+copy; a claim of rows `[start, stop)` is then two launches on the executor's stream --
+`score_select` (Quest scores, exact per-head top-k, group union) and `sparse_attention_claim`
+(attention over the union with the split combine fused) -- and one small copy of the union
+sizes back to a pinned landing slot for byte accounting. No host synchronisation, no per-task
+Python, no allocation: scratch buffers grow only at `upload`, when a step needs more than any
+step before it. Every kernel variant is compiled by `warm_up`, before the first decode step.
+
+`run(tasks, step)` is the synchronous form of the same path for callers holding `Task` objects.
+Without CUDA the kernels run under Triton's interpreter on the host arena (tests only; slow).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from gpu_kernels.sparse_attention import SparseConfig, bytes_read, sparse_attention
-from gpu_kernels.task_table import SparseTaskTable
+from cpu_kernels import layout
+from gpu_kernels.score_select import score_select
+from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, sparse_attention_claim
+from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table
 from hybrid_runtime.tasks import Step, Task
 
 
-class GpuUvaExecutor:
-    """Executor protocol (`device = "gpu"`) over a `KVStore`'s arenas.
+@dataclass
+class GpuLaunch:
+    """One queued claim: CUDA events around its launches and its byte accounting.
 
-    `stream`: the CUDA stream the kernels run on (default: the caller's current stream). It first
-    waits for the work already queued on the caller's current stream, which must have produced
-    `step.q`. `run` returns when the results are in `step.out/lse`. Without CUDA the kernels run
-    under Triton's interpreter on the host arena (tests only; slow).
+    `start`/`end` are CUDA events on CUDA (host floats under the interpreter). `wait` blocks until
+    the claim finished and returns the bytes each of its tasks read, in claim order.
     """
+
+    executor: "GpuUvaExecutor"
+    n_tasks: int
+    meta_bytes: np.ndarray  # [n] bytes of metadata the scoring read
+    kv_bytes_per_block: np.ndarray  # [n] bytes of K+V per selected block
+    counts_host: torch.Tensor  # [n] union sizes, landing in pinned memory
+    start: object
+    end: object
+    bytes_read: np.ndarray | None = None
+
+    def query(self) -> bool:
+        return self.bytes_read is not None or isinstance(self.end, float) or self.end.query()
+
+    def wait(self) -> np.ndarray:
+        if self.bytes_read is None:
+            if not isinstance(self.end, float):
+                self.end.synchronize()
+            counts = self.counts_host.numpy().astype(np.int64)
+            self.bytes_read = self.meta_bytes + counts * self.kv_bytes_per_block
+            self.executor.bytes_read += int(self.bytes_read.sum())
+        return self.bytes_read
+
+
+class GpuUvaExecutor:
+    """Executor protocol (`device = "gpu"`) over a `KVStore`'s arenas, with claim launches."""
 
     device = "gpu"
 
     def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None):
         self.store = store
-        self.stream = stream
+        self.cuda = torch.cuda.is_available()
+        self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
+        self.stream = stream if stream is not None or not self.cuda else torch.cuda.Stream()
         self.config = config or SparseConfig()
         self.bytes_read = 0
         self.launches = 0
+        self.group_size = store.geometry.group_size
+        self.head_dim = store.head_dim
+        self.esize = torch.tensor([], dtype=store.dtype).element_size()
+        self._tables = StepTableBuffer(self.dev)
+        self._tasks_cap = 0
+        self._blocks_cap = 0
+        self._grow(max(1, store.cfg.max_sequences * store.kv_heads), 256)
+
+    # ------------------------------------------------------------------ buffers
+    # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
+    RING = 8
+
+    def _grow(self, tasks: int, blocks: int) -> None:
+        """Scratch for claims of up to `tasks` tasks of up to `blocks` blocks (at plan time only)."""
+        # Powers of two: few regrowths, and the block capacity (a kernel argument) stays a
+        # multiple of 16, so Triton's specialisation -- and the compiled kernel -- never changes.
+        tasks = max(tasks, self._tasks_cap)
+        blocks = max(1 << max(0, int(blocks) - 1).bit_length(), 16, self._blocks_cap)
+        if (tasks, blocks) == (self._tasks_cap, self._blocks_cap):
+            return
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.stream)  # old scratch may still be read
+        g, d, dev = self.group_size, self.head_dim, self.dev
+        self._scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
+        self._ublocks = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
+        self._uheads = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
+        self._counts = torch.zeros(tasks, dtype=torch.int32, device=dev)
+        self._tickets = torch.zeros((2, tasks), dtype=torch.int32, device=dev)
+        self._part_out = torch.empty((tasks, MAX_SPLITS, g, d), dtype=torch.float32, device=dev)
+        self._part_lse = torch.empty((tasks, MAX_SPLITS, g), dtype=torch.float32, device=dev)
+        self._ring = torch.zeros((self.RING, tasks), dtype=torch.int32, pin_memory=self.cuda)
+        self._ring_users: list[GpuLaunch | None] = [None] * self.RING
+        self._tasks_cap, self._blocks_cap = tasks, blocks
 
     def _arena(self, layer: int) -> torch.Tensor:
-        if torch.cuda.is_available():
-            return self.store.arena_cuda(layer)  # the store's cached UVA view
-        return self.store.arena(layer)
+        return self.store.arena_cuda(layer) if self.cuda else self.store.arena(layer)
+
+    # ------------------------------------------------------------------ plan
+    def pack(self, batch_index, kv_head, block_size, cpu_len, chunk_off, n_chunks, n_select, chunk_ids) -> tuple:
+        """The step's table in queue order, validated and packed (cache it with the task set)."""
+        return pack_step_table(batch_index, kv_head, block_size, cpu_len, chunk_off, n_chunks, n_select,
+                               self.store.n_chunks, chunk_ids)
+
+    def upload(self, packed: tuple) -> StepTable:
+        """One copy of a packed table to the device, ordered on the executor's stream."""
+        data, n_blocks, union_pages, block_size = packed
+        if n_blocks.shape[0]:
+            self._grow(int(n_blocks.shape[0]), int(n_blocks.max()))
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
+        return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
+
+    # ------------------------------------------------------------------ run
+    def launch(self, table: StepTable, start: int, stop: int, step: Step) -> GpuLaunch:
+        """Queue rows `[start, stop)` of `table` on the executor's stream; returns at once.
+
+        The stream must already wait for `step.q` (the caller records that dependency once per
+        step). Results land in `step.out/lse` rows of the claimed tasks' heads.
+        """
+        n = stop - start
+        if not 0 <= start < stop <= table.n_tasks:
+            raise ValueError(f"claim [{start}, {stop}) of a table of {table.n_tasks} tasks")
+        if n > self._tasks_cap:
+            raise ValueError(f"claim of {n} tasks; the executor was planned for {self._tasks_cap}")
+        slot = self.launches % self.RING
+        prev = self._ring_users[slot]
+        if prev is not None and prev.bytes_read is None:
+            raise RuntimeError(f"more than {self.RING} launches in flight; wait for earlier launches first")
+        nb_max, pages_max = table.claim_shape(start, stop)
+        arena = self._arena(step.layer)
+        counts_host = self._ring[slot, :n]
+        if self.cuda:
+            # Fresh events: the timeline resolves them after later launches have run.
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                ev0.record()
+                self._kernels(table, start, n, nb_max, pages_max, step, arena)
+                counts_host.copy_(self._counts[:n], non_blocking=True)
+                ev1.record()
+        else:
+            import time
+
+            ev0 = time.perf_counter()
+            self._kernels(table, start, n, nb_max, pages_max, step, arena)
+            counts_host.copy_(self._counts[:n])
+            ev1 = time.perf_counter()
+        blk = table.block_size[start:stop]
+        row_bytes = 2 * self.head_dim * self.esize
+        handle = GpuLaunch(self, n, table.n_blocks[start:stop] * row_bytes, blk * row_bytes, counts_host, ev0, ev1)
+        self._ring_users[slot] = handle
+        self.launches += 1
+        return handle
+
+    def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena) -> None:
+        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, arena,
+                     self._scores, self._tickets[0], self._ublocks, self._uheads, self._counts)
+        sparse_attention_claim(table.table, table.chunks, start, n, pages_max, step.q, arena, self._ublocks,
+                               self._uheads, self._counts, self._part_out, self._part_lse, self._tickets[1],
+                               step.out, step.lse, self.config)
 
     def run(self, tasks: Sequence[Task], step: Step) -> None:
-        """Run `tasks` (any mix of sequences, KV heads and block sizes of `step.layer`) in one launch set."""
+        """Run `tasks` (any mix of sequences, KV heads and block sizes of `step.layer`) and wait."""
         if not tasks:
             return
         g = step.group_size
-        bad = [t for t in tasks if t.layer != step.layer]
-        if bad:
-            raise ValueError(f"task for layer {bad[0].layer} given to a step of layer {step.layer}")
+        if any(t.layer != step.layer for t in tasks):
+            raise ValueError(f"a task of another layer was given to a step of layer {step.layer}")
         n_select = np.stack([np.asarray(t.n_select, dtype=np.int32).reshape(-1) for t in tasks])
         if n_select.shape[1] != g:
             raise ValueError(f"tasks carry n_select of {n_select.shape[1]} heads; the step's group size is {g}")
-        arena = self._arena(step.layer)
-        dev = arena.device
-        fields = dict(
-            batch_index=[t.batch_index for t in tasks],
-            kv_head=[t.kv_head for t in tasks],
-            block_size=[t.block_size for t in tasks],
-            cpu_len=[t.cpu_len for t in tasks],
-            chunks=[t.chunks for t in tasks],
-            n_select=n_select,
-            n_arena_chunks=arena.shape[0],
-            device=dev,
+        for name, x in (("q", step.q), ("out", step.out), ("lse", step.lse)):
+            if x.device.type != self.dev.type or x.dtype != torch.float32 or not x.is_contiguous():
+                raise ValueError(f"step.{name} must be a contiguous float32 tensor on {self.dev}, got {x.dtype} on {x.device}")
+        lens = np.fromiter((len(t.chunks) for t in tasks), dtype=np.int64, count=len(tasks))
+        packed = self.pack(
+            np.fromiter((t.batch_index for t in tasks), np.int64, len(tasks)),
+            np.fromiter((t.kv_head for t in tasks), np.int64, len(tasks)),
+            np.fromiter((t.block_size for t in tasks), np.int64, len(tasks)),
+            np.fromiter((t.cpu_len for t in tasks), np.int64, len(tasks)),
+            np.concatenate([[0], np.cumsum(lens)[:-1]]),
+            lens,
+            n_select,
+            np.concatenate([np.asarray(t.chunks, dtype=np.int32).reshape(-1) for t in tasks]),
         )
-        if dev.type == "cuda":
-            stream = self.stream if self.stream is not None else torch.cuda.current_stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))  # step.q is ready
-            with torch.cuda.stream(stream):
-                # The table's host-to-device copy is queued on this stream, before its readers.
-                plan = SparseTaskTable.build(**fields)
-                counts = self._launch(plan, arena, step, dev)
-        else:
-            plan = SparseTaskTable.build(**fields)
-            counts = self._launch(plan, arena, step, dev)
-        per_task = bytes_read(plan, counts, arena.shape[2], arena.element_size())
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())  # step.q is ready
+        table = self.upload(packed)
+        per_task = self.launch(table, 0, len(tasks), step).wait()
         for task, nbytes in zip(tasks, per_task.tolist()):
             task.bytes_read = int(nbytes)
             task.device = self.device
-        self.bytes_read += int(per_task.sum())
-        self.launches += 1
 
-    def _launch(self, plan: SparseTaskTable, arena: torch.Tensor, step: Step, dev: torch.device) -> np.ndarray:
-        direct = step.out.device == dev and step.lse.device == dev
-        q = step.q if step.q.device == dev else step.q.to(dev)
-        if direct:
-            out, lse = step.out, step.lse
-        else:
-            out = torch.empty(step.out.shape, dtype=torch.float32, device=dev)
-            lse = torch.empty(step.lse.shape, dtype=torch.float32, device=dev)
-        result = sparse_attention(plan, q.float(), arena, out, lse, self.config)
-        if not direct:
-            # Copy back only the rows the tasks own (O(tasks * G) rows).
-            hq = step.q.shape[1]
-            base = plan.table[:, 0].long() * hq + plan.table[:, 1].long() * plan.group_size
-            rows = (base[:, None] + torch.arange(plan.group_size, device=dev)).reshape(-1)
-            step.out.view(-1, out.shape[-1])[rows.to(step.out.device)] = out.view(-1, out.shape[-1])[rows].to(step.out.device)
-            step.lse.view(-1)[rows.to(step.lse.device)] = lse.view(-1)[rows].to(step.lse.device)
-        # Also the completion point: this copy waits for every launch above on this stream.
-        return result.selection.counts.cpu().numpy()
+    def warm_up(self) -> None:
+        """Compile every kernel variant now (one tiny claim on chunk 0 of layer 0's arena)."""
+        g, d, hq = self.group_size, self.head_dim, self.store.geometry.q_heads
+        packed = self.pack(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, 16, np.int64),
+                           np.full(1, layout.CHUNK_TOKENS, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64),
+                           np.ones((1, g), np.int32), np.zeros(1, np.int32))
+        q = torch.zeros((1, hq, d), dtype=torch.float32, device=self.dev)
+        step = Step.empty(0, q, g)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        for layer in range(self.store.layers):  # one variant per arena dtype; all layers share it
+            step.layer = layer
+            self.launch(self.upload(packed), 0, 1, step).wait()
+            break
+        self.bytes_read = 0
+        self.launches = 0
+
+
+# The runtime's GPU lane executor (kept under its earlier name for callers that import it).
+PipelinedGpuExecutor = GpuUvaExecutor

@@ -1,0 +1,60 @@
+"""Launch a Triton kernel through its compiled handle once it has been compiled.
+
+`kernel[grid](*args)` binds every argument, recomputes the specialization key and looks the kernel
+up on every call: tens of microseconds of host time per launch, which on the GPU lane's critical
+path is the larger part of a small claim's fixed cost. `CachedLaunch` goes through the JIT once per
+variant (that call compiles it, at warm-up) and afterwards hands the arguments straight to the
+compiled kernel's launcher, as the JIT itself does after its lookup.
+
+Safe only for kernels whose specialization cannot drift between calls with the same `variant`
+key: every integer argument that varies is in `do_not_specialize`, every pointer whose alignment
+varies is in `do_not_specialize_on_alignment`, and the variant key names everything else that
+selects a compiled kernel (constexprs, pointer dtypes). Under the interpreter, or with a launch
+hook installed (a profiler), every call goes through the JIT.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu_kernels._checks import interpreted
+
+log = logging.getLogger(__name__)
+
+
+class CachedLaunch:
+    """One Triton kernel; `__call__(grid, args, constexprs, variant)` launches it on the current stream."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._compiled: dict = {}
+        self._broken = False
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, variant: tuple, num_warps: int) -> None:
+        key = (variant, num_warps)
+        kernel = None if self._broken or interpreted() else self._compiled.get(key)
+        if kernel is None or _hooks_installed():
+            kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+            if not interpreted() and kernel is not None:
+                self._compiled[key] = kernel
+            return
+        try:
+            stream = torch.cuda.current_stream().cuda_stream
+            g1 = grid[1] if len(grid) > 1 else 1
+            kernel.run(grid[0], g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, *constexprs.values())
+        except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
+            log.warning("cached Triton launch unavailable (%s); launching through the JIT", exc)
+            self._broken = True
+            self.fn[grid](*args, **constexprs, num_warps=num_warps)
+
+
+def _hooks_installed() -> bool:
+    try:
+        from triton import knobs
+
+        return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    except (ImportError, AttributeError):
+        return True

@@ -1,0 +1,183 @@
+"""Block selection of a claim in one launch: Quest scores, exact per-head top-k, group union.
+
+Program (t, p) scores blocks `[p*BLOCK_B, (p+1)*BLOCK_B)` of claim task t for all G heads of its
+KV group (each block's (min, max) metadata rows read once, straight from the arena through the
+UVA view) and writes them to a scratch row. It then takes a ticket from the task's counter; the
+program that takes the last ticket has every score of its task visible (release/acquire on the
+counter) and selects:
+
+* per head g, the exact `n_select[g]` best blocks: a radix select on the scores' order-preserving
+  integer keys finds the k-th largest key in 32 counting passes (all G heads at once; the row in
+  registers when it fits one tile, else re-read from L2), then keys above it plus the
+  lowest-index ties make exactly k;
+* the union over the heads in ascending block order, each entry with a G-bit mask of the heads
+  that chose it, and the union size.
+
+Why one launch instead of scores -> torch.topk -> scatter -> union: each launch costs host time on
+the critical path of a claim (Python argument handling, the driver call) and a gap on the GPU in
+which nothing reads the PCIe link; the selection of one task overlaps the scoring of the others.
+The last program resets the counter, so the scratch needs no clearing launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from cpu_kernels import layout
+from gpu_kernels import task_table as tt
+from gpu_kernels.launch import CachedLaunch
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 with the same order under signed comparison (IEEE bits, negatives flipped).
+
+    int32, not int64: the selection tile stays in registers (32 keys per thread at 8 warps).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _as_key(ans):
+    """An unsigned candidate in [0, 2**32) (int64, built bit by bit) as the signed int32 key."""
+    return (ans - 2147483648).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["row0"], do_not_specialize_on_alignment=["table_ptr", "nsel_ptr", "chunks_ptr", "ticket_ptr"])
+def _score_select_kernel(
+    q_ptr, stride_qb, stride_qh,
+    arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
+    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr,
+    row0, NB_CAP,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    r = row0 + t
+    row = table_ptr + r.to(tl.int64) * N_COLS
+    bi = tl.load(row + 0)
+    kvh = tl.load(row + 1)
+    coff = tl.load(row + 4)
+    n_blocks = tl.load(row + 5)
+    meta_off = tl.load(row + 6)
+    bpc = tl.load(row + 7)
+    srow = scores_ptr + t.to(tl.int64) * G * NB_CAP
+
+    # ---- scores of this program's blocks
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    valid = b < n_blocks
+    d = tl.arange(0, D)
+    q_row = q_ptr + bi.to(tl.int64) * stride_qb + (kvh * G).to(tl.int64) * stride_qh
+    chunk = tl.load(chunks_ptr + coff + b // bpc, mask=valid, other=0)
+    # int64: arenas of long contexts exceed 2**31 elements.
+    min_row = chunk.to(tl.int64) * CHUNK_ROWS + META_ROW + 2 * (meta_off + b % bpc)
+    ptr = arena_ptr + min_row[:, None] * D + d[None, :]
+    kmin = tl.load(ptr, mask=valid[:, None], other=0.0).to(tl.float32)
+    kmax = tl.load(ptr + D, mask=valid[:, None], other=0.0).to(tl.float32)
+    for h in tl.static_range(G):
+        qh = tl.load(q_row + h * stride_qh + d)[None, :]
+        s = tl.sum(tl.maximum(qh * kmax, qh * kmin), axis=1)
+        tl.store(srow + h * NB_CAP + b, s, mask=valid)
+
+    # ---- the last program of the task selects
+    tl.debug_barrier()  # every thread's score stores are issued before the release below
+    ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
+    if ticket == tl.num_programs(1) - 1:
+        tl.store(ticket_ptr + t, 0)
+        g = tl.arange(0, BLOCK_G)
+        gmask = g < G
+        k = tl.load(nsel_ptr + r.to(tl.int64) * G + g, mask=gmask, other=0)
+        ub = ublocks_ptr + t.to(tl.int64) * NB_CAP
+        uh = uheads_ptr + t.to(tl.int64) * NB_CAP
+        base = tl.zeros([], tl.int32)
+        if tl.max(k, axis=0) > 0:
+            eq_seen = tl.zeros([BLOCK_G], tl.int32)
+            if n_blocks <= SEL_CHUNK:
+                # The common case: the whole row stays in registers for all 32 passes.
+                bb = tl.arange(0, SEL_CHUNK)
+                m = gmask[:, None] & (bb < n_blocks)[None, :]
+                u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                ans = tl.zeros([BLOCK_G], tl.int64)
+                for i in range(32):
+                    cand = ans | (tl.full([BLOCK_G], 1, tl.int64) << (31 - i))
+                    cnt = tl.sum((m & (u >= _as_key(cand)[:, None])).to(tl.int32), axis=1)
+                    ans = tl.where(cnt >= k, cand, ans)
+                n_gt = tl.sum((m & (u > _as_key(ans)[:, None])).to(tl.int32), axis=1)
+                eq_seen, base = _emit_union(u, m, bb, g, k, ans, k - n_gt, eq_seen, base, ub, uh)
+            else:
+                n_chunks = tl.cdiv(n_blocks, SEL_CHUNK)
+                ans = tl.zeros([BLOCK_G], tl.int64)
+                for i in range(32):
+                    cand = ans | (tl.full([BLOCK_G], 1, tl.int64) << (31 - i))
+                    cnt = tl.zeros([BLOCK_G], tl.int32)
+                    for c in range(0, n_chunks):
+                        bb = c * SEL_CHUNK + tl.arange(0, SEL_CHUNK)
+                        m = gmask[:, None] & (bb < n_blocks)[None, :]
+                        u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                        cnt += tl.sum((m & (u >= _as_key(cand)[:, None])).to(tl.int32), axis=1)
+                    ans = tl.where(cnt >= k, cand, ans)
+                n_gt = tl.zeros([BLOCK_G], tl.int32)
+                for c in range(0, n_chunks):
+                    bb = c * SEL_CHUNK + tl.arange(0, SEL_CHUNK)
+                    m = gmask[:, None] & (bb < n_blocks)[None, :]
+                    u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                    n_gt += tl.sum((m & (u > _as_key(ans)[:, None])).to(tl.int32), axis=1)
+                for c in range(0, n_chunks):
+                    bb = c * SEL_CHUNK + tl.arange(0, SEL_CHUNK)
+                    m = gmask[:, None] & (bb < n_blocks)[None, :]
+                    u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                    eq_seen, base = _emit_union(u, m, bb, g, k, ans, k - n_gt, eq_seen, base, ub, uh)
+        tl.store(counts_ptr + t, base)
+
+
+@triton.jit
+def _emit_union(u, m, bb, g, k, ans, need_eq, eq_seen, base, ub, uh):
+    """Append this chunk's union entries (blocks any head chose, with head bits) at `base`.
+
+    A head keeps keys above its k-th key `ans` plus the first `need_eq` ties in block order;
+    `eq_seen` counts the ties met in earlier chunks.
+    """
+    key = _as_key(ans)[:, None]
+    eq = (m & (u == key)).to(tl.int32)
+    eq_rank = eq_seen[:, None] + tl.cumsum(eq, axis=1) - eq
+    chosen = m & (k[:, None] > 0) & ((u > key) | ((eq != 0) & (eq_rank < need_eq[:, None])))
+    bits = tl.sum(chosen.to(tl.int32) << g[:, None], axis=0)  # heads own distinct bits: sum == or
+    any_head = bits != 0
+    pos = base + tl.cumsum(any_head.to(tl.int32), axis=0) - 1
+    tl.store(ub + pos, bb, mask=any_head)
+    tl.store(uh + pos, bits, mask=any_head)
+    return eq_seen + tl.sum(eq, axis=1), base + tl.sum(any_head.to(tl.int32), axis=0)
+
+
+# Launch shape, tuned with benchmarks/gpu_attention.py on the H100 (see SparseConfig there).
+BLOCK_B = 128
+SEL_ELEMS = 8192  # scores of one selection tile (all heads): 32 per thread at 8 warps
+NUM_WARPS = 8
+
+
+def score_select(
+    table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int,
+    q, arena, scores, tickets, ublocks, uheads, counts,
+) -> None:
+    """Queue the score+select launch for table rows `[row0, row0 + n_tasks)` on the current stream.
+
+    Shapes are the caller's contract (checked once when the buffers are made, not per launch):
+    table `[>= row0+n_tasks, N_COLS]` int32, nsel `[rows, G]` int32, q `[B, Hq, D]` fp32, arena
+    `[n_chunks, CHUNK_ROWS, D]`, scores `[>= n_tasks, G, NB_CAP]` fp32, tickets `[>= n_tasks]` int32
+    (zero), ublocks/uheads `[>= n_tasks, NB_CAP]` int32, counts `[>= n_tasks]` int32, with
+    `n_blocks_max <= NB_CAP`. Claim task t's union lands in row t of ublocks/uheads/counts.
+    """
+    g = nsel.shape[1]
+    block_g = max(2, triton.next_power_of_2(g))
+    grid = (n_tasks, max(1, triton.cdiv(n_blocks_max, BLOCK_B)))
+    args = (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts,
+            row0, scores.shape[2])
+    constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,
+                      SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=layout.CHUNK_ROWS, META_ROW=layout.META_ROW)
+    _launch(grid, args, constexprs, (arena.dtype, *constexprs.values()), NUM_WARPS)
+
+
+_launch = CachedLaunch(_score_select_kernel)

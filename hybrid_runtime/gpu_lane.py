@@ -1,0 +1,293 @@
+"""The GPU lane, driven from the thread that called `decode` (the launcher), and the step's end.
+
+CPU workers leave the launcher's core free. Per step the lane claims batches from its queue sized
+from the measured throughputs (`GpuLane.claim_bytes`), keeps up to two launches queued on the GPU
+executor's own CUDA stream, and meanwhile polls for the end of the step. Driving the GPU lane
+from the calling thread avoids two thread hand-offs per step (a GIL hand-off costs a ~50 us
+thread wake-up on the reference VM). Steps without a GPU lane use the same loop to wait for the
+CPU workers and to enforce the step timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from hybrid_runtime.executors.base import Executor, GpuLaunchExecutor
+from hybrid_runtime.lane_rates import LaunchModel, Throughput
+from hybrid_runtime.step_job import StepJob, StepTimeoutError
+from hybrid_runtime.tasks import Step, Task
+
+
+class HostLaunch:
+    """A synchronous executor's batch, already complete; host-timed."""
+
+    def __init__(self, start: float, end: float):
+        self.start, self.end = start, end
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class SyncLaunch:
+    """`GpuLaunchExecutor` over an executor that only has `run`: each launch runs to completion.
+
+    `stream` is None: `run` orders its work after the caller's stream itself.
+    """
+
+    stream = None
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+
+    @property
+    def device(self) -> str:
+        return self.executor.device
+
+    @property
+    def bytes_read(self) -> int:
+        return self.executor.bytes_read
+
+    def launch(self, tasks: Sequence[Task], step: Step) -> HostLaunch:
+        ts = time.perf_counter()
+        self.executor.run(tasks, step)
+        return HostLaunch(ts, time.perf_counter())
+
+
+def as_launch_executor(executor: Any) -> GpuLaunchExecutor:
+    """`executor` itself when it has `launch` (and the protocol's other members), else wrapped."""
+    return executor if isinstance(executor, GpuLaunchExecutor) else SyncLaunch(executor)
+
+
+class GpuLane:
+    """Claims, launches and retires GPU batches of each step; learns the launch model.
+
+    `cpu_rate` and `n_cpu` (the CPU lane's per-worker rate and size) let a shared-queue claim
+    leave the CPU workers their part; `rate` and `model` are the GPU lane's own estimates.
+    `wait_on_cpu_queue`: the CPU workers are Python threads, so an idle round blocks on their
+    queue (releasing the GIL) instead of spinning. `clock` maps CUDA events to host time (set by
+    the runtime; without it the host time at which a finished launch is noticed stands in).
+    """
+
+    # The GPU's first claim of a step takes this fraction of its fair share; later claims take
+    # GUIDED_FRACTION of what is left of it (guided self-scheduling).
+    FIRST_FRACTION = 0.8
+    GUIDED_FRACTION = 0.5
+    # Launches the GPU lane keeps queued on its stream.
+    PIPELINE_DEPTH = 2
+    # Shared-queue steps in a row in which the model kept the GPU out; after EXPLORE_AFTER of
+    # them one small launch re-measures it (a model gone wrong must be able to recover).
+    EXPLORE_AFTER = 8
+
+    def __init__(
+        self,
+        executor: GpuLaunchExecutor | None,
+        *,
+        cpu_rate: Throughput,
+        n_cpu: int,
+        rate: Throughput,
+        model: LaunchModel,
+        worker_id: int,
+        poll_sleep: float,
+        wait_on_cpu_queue: bool,
+    ):
+        self.executor = executor
+        self.cpu_rate = cpu_rate
+        self.n_cpu = n_cpu
+        self.rate = rate
+        self.model = model
+        self.worker_id = worker_id
+        self.poll_sleep = poll_sleep
+        self.wait_on_cpu_queue = wait_on_cpu_queue
+        self.clock = None
+        self.skipped = 0
+        # A timed-out step whose running tasks could not be interrupted: the next step waits for
+        # them before reusing the step buffers.
+        self.orphan: StepJob | None = None
+
+    def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None) -> None:
+        """The GPU lane and the wait for the step's end, on the calling thread."""
+        gq = job.gpu_queue if job.gpu_used else None
+        ex = self.executor
+        if gq is not None and job.gpu_ready is not None and ex.stream is not None:
+            ex.stream.wait_event(job.gpu_ready)
+        pipeline: deque = deque()  # (handle, tasks, modeled bytes, claim seconds, host time of the claim)
+        w_bytes = 0.0
+        free_at = 0.0  # host time the GPU lane is expected to finish what it has queued
+        prev_done = None  # host time the previous launch ended
+        launched = False
+        side_pending = side_work is not None
+        timed_out = False
+        grace_end = None
+        while True:
+            progressed = False
+            # Retire finished launches first, so the claim below sees the stream as it is.
+            while pipeline:
+                handle = pipeline[0][0]
+                query = getattr(handle, "query", None)
+                if query is not None and not query() and not (job.error is not None and timed_out):
+                    break
+                handle, batch, nb, per_task, t_claim = pipeline.popleft()
+                try:
+                    handle.wait()
+                except BaseException as exc:
+                    job.fail(exc)
+                finally:
+                    gq.finish(len(batch))
+                t_done = time.perf_counter()
+                if self.clock is not None and not isinstance(handle.end, float):
+                    t_done = self.clock.to_host(handle.end)  # when it ended, not when it was noticed
+                w_bytes -= nb
+                self._record(job, handle, batch, per_task)
+                if job.error is None:
+                    self._learn(handle, nb, t_claim, t_done, prev_done)
+                prev_done = t_done
+                progressed = True
+            if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH:
+                t0 = time.perf_counter()
+                busy_s = max(0.0, free_at - t0) if pipeline else 0.0
+                want = self.claim_bytes(job, gq, busy_s, idle_stream=not pipeline)
+                if want <= 0 and job.shared and not launched and self.skipped >= self.EXPLORE_AFTER:
+                    want = 1.0  # one task: re-measure the GPU lane
+                batch = gq.claim(want) if want > 0 else []
+                if batch:
+                    launched = True
+                if batch:
+                    t1 = time.perf_counter()
+                    nb = float(sum(t.modeled_bytes for t in batch))
+                    try:
+                        handle = ex.launch(batch, job.gpu_step)
+                        m = self.model
+                        free_at = max(t0, free_at) + (0.0 if pipeline else m.lat) + nb / m.bw
+                        pipeline.append((handle, batch, nb, (t1 - t0) / len(batch), t0))
+                        w_bytes += nb
+                    except BaseException as exc:
+                        gq.finish(len(batch))
+                        job.fail(exc)
+                    progressed = True
+            if side_pending:
+                side_pending = False
+                try:
+                    side_work()
+                except BaseException as exc:
+                    job.fail(exc)
+                continue
+            if job.done() and not pipeline:
+                if job.shared:
+                    self.skipped = 0 if launched else self.skipped + 1
+                return
+            now = time.monotonic()
+            if not timed_out and now > deadline:
+                timed_out = True
+                state = job.describe()
+                job.fail(StepTimeoutError(
+                    f"decode step at layer {job.layer} did not finish within scheduler.step_timeout_s={timeout:g} s "
+                    f"({state}); its remaining tasks were dropped"
+                ))
+                grace_end = now + min(1.0, timeout)
+            if timed_out and now > grace_end:
+                # Tasks still running cannot be interrupted: remember the job so the next step
+                # waits for them before reusing the step buffers.
+                self.orphan = job
+                return
+            if not progressed:
+                self._idle(job)
+
+    def _idle(self, job: StepJob) -> None:
+        """Nothing to do this round: spin (native workers, own core) or block briefly (GIL-bound)."""
+        if self.wait_on_cpu_queue and job.cpu_queue is not None and not job.cpu_queue.done():
+            job.cpu_queue.wait(self.poll_sleep or 100e-6)  # releases the GIL for Python workers
+        elif self.poll_sleep:
+            time.sleep(self.poll_sleep)
+
+    def await_orphan(self, timeout: float) -> None:
+        """Before a step: wait for the tasks of an earlier timed-out step that were still running."""
+        job = self.orphan
+        if job is None:
+            return
+        end = time.monotonic() + timeout
+        while not job.done():
+            if time.monotonic() > end:
+                raise StepTimeoutError(
+                    f"tasks of an earlier timed-out step (layer {job.layer}) are still running after another "
+                    f"{timeout:g} s ({job.describe()}); the runtime cannot start a new step"
+                )
+            time.sleep(1e-4)
+        self.orphan = None
+
+    def claim_bytes(self, job: StepJob, queue: Any, busy_s: float = 0.0, idle_stream: bool = True) -> float:
+        """Modeled bytes to claim now (0: claim nothing).
+
+        Shared queue: the GPU's fair share `g` makes both lanes finish together,
+        `busy + lat + g/bw = (R - g)/tp_c` (busy: time the GPU still needs for what it has
+        queued, R: bytes left in the queue, tp_c: the CPU workers' aggregate rate, lat/bw: the
+        launch model; `lat` only when the stream is idle -- a launch queued behind another hides
+        its host cost). g <= 0 means the CPUs finish the rest sooner than a launch would. A
+        launch's fixed cost (~0.5 ms of host work on the reference machine) is paid per launch,
+        so the first claim takes most of g at once (`FIRST_FRACTION`), later ones half
+        (guided self-scheduling: a short tail), never less than a batch whose fixed cost is half
+        its time unless that is all of g. A GPU-only queue is split the same way with nothing
+        competing for it.
+        """
+        remaining = queue.remaining_bytes
+        if remaining <= 0:
+            return 0.0
+        m = self.model
+        min_batch = m.lat * m.bw
+        if not job.shared:
+            return max(self.GUIDED_FRACTION * remaining, min_batch)
+        tp_c = self.cpu_rate.bytes_per_s * self.n_cpu
+        lat = m.lat if idle_stream else 0.0
+        g = (remaining / tp_c - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c)
+        if g <= 0:
+            return 0.0
+        frac = self.FIRST_FRACTION if idle_stream else self.GUIDED_FRACTION
+        return max(frac * g, min(g, min_batch))
+
+    def _record(self, job: StepJob, handle: Any, batch: list, per_task: float) -> None:
+        """Timeline rows of a retired launch; CUDA-event intervals are resolved later."""
+        rows = job.rows(batch)
+        job.gpu_batches.append((handle.start, handle.end, rows))
+        wid = self.worker_id
+        for t in batch:
+            t.worker = wid
+            t.overhead_s = per_task
+        cols = job.columns
+        if cols is None:
+            return
+        host_timed = isinstance(handle.start, float)
+        for t, i in zip(batch, rows):
+            cols["worker"][i] = wid
+            cols["bytes"][i] = t.bytes_read
+            cols["overhead"][i] = per_task
+            if host_timed:
+                cols["start"][i] = t.start_s if t.start_s else handle.start
+                cols["end"][i] = t.end_s if t.end_s else handle.end
+
+    def _learn(self, handle: Any, nbytes: float, t_claim: float, t_done: float, prev_done: float | None) -> None:
+        """Fit the launch model on host times: from the claim (or the previous launch's end, when
+        this one was queued behind it) to the launch's end event -- the fixed host cost of
+        planning and launching included, since that is what delays the step."""
+        queued = prev_done is not None and prev_done > t_claim
+        dur = t_done - (prev_done if queued else t_claim)
+        if dur <= 0 or nbytes <= 0:
+            return
+        if queued and not isinstance(handle.start, float) and self.clock is not None:
+            # Its host cost overlapped the previous launch; it ran from its start event or the
+            # previous end, whichever came later.
+            dur = t_done - max(prev_done, self.clock.to_host(handle.start))
+            if dur <= 0:
+                return
+        self.rate.update(nbytes, dur)
+        if queued:
+            # Its host cost overlapped the previous launch: a pure bandwidth sample.
+            self.model.update(nbytes, dur + self.model.lat)
+        else:
+            self.model.update(nbytes, dur)
+
+
+__all__ = ["GpuLane", "HostLaunch", "SyncLaunch", "as_launch_executor"]

@@ -1,0 +1,57 @@
+"""Head plans: per sequence of a step, which granularity each KV group reads and how much of it.
+
+A head planner is called once per decode step and layer; the tasks of the step are built from its
+plan (`task_building.build_tasks`). `ConfigHeadPlanner` reads the plan from config; the predictor
+will replace it with per-head plans learned from prompt statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from hybrid_runtime.config import GeometryConfig, PolicyConfig
+
+
+@dataclass
+class HeadPlan:
+    """Per sequence of the batch: block size per KV group and budget per query head (0 = streaming)."""
+
+    block_size: np.ndarray  # [B, Hkv] int
+    budgets: np.ndarray  # [B, Hq] float32
+
+
+class ConfigHeadPlanner:
+    """The head plan from config until the predictor exists.
+
+    `fixed`: every head `(policy.block_size, policy.budget)`; `full`: budget 1.0; `streaming`: no
+    head has a task. In all three, `policy.streaming_heads[layer]` marks query heads streaming.
+    """
+
+    def __init__(self, policy: PolicyConfig, geometry: GeometryConfig):
+        self.policy = policy
+        self.geometry = geometry
+        self._per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._per_layer.get(layer)
+        if cached is None:
+            p, g = self.policy, self.geometry
+            budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0}[p.name]
+            budgets = np.full(g.q_heads, budget, dtype=np.float32)
+            heads = list(p.streaming_heads.get(layer, ()))
+            budgets[heads] = 0.0
+            blk = np.full(g.kv_heads, p.block_size, dtype=np.int64)
+            cached = self._per_layer[layer] = (blk, budgets)
+        return cached
+
+    def __call__(self, layer: int, seq_ids: Sequence[int], store: Any) -> HeadPlan:
+        blk, budgets = self._layer(layer)
+        b = len(seq_ids)
+        # Read-only broadcasts of the cached per-layer rows: no per-step allocation.
+        return HeadPlan(np.broadcast_to(blk, (b, blk.shape[0])), np.broadcast_to(budgets, (b, budgets.shape[0])))
+
+
+__all__ = ["ConfigHeadPlanner", "HeadPlan"]

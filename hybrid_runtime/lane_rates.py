@@ -1,0 +1,82 @@
+"""What the scheduler knows about how fast each lane is, learned from the steps it ran.
+
+The fluxion policy sizes the GPU lane's claims so both lanes finish a step together, and the
+static policies split by the lanes' throughput ratio; both need current rates. Every estimate
+starts from a prior and moves towards measurements, so a machine unlike the reference host is
+learned within a few steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Weight of the newest measurement in the throughput estimates.
+EMA = 0.3
+
+
+class Throughput:
+    """Modeled bytes per second of one lane (or one CPU worker): an exponential moving average."""
+
+    def __init__(self, bytes_per_s: float, weight: float = EMA):
+        self.bytes_per_s = bytes_per_s
+        self.weight = weight
+
+    def update(self, nbytes: float, seconds: float) -> None:
+        """Fold in `nbytes` modeled bytes done in `seconds` busy time; empty samples are skipped."""
+        if seconds > 0 and nbytes > 0:
+            self.bytes_per_s += self.weight * (nbytes / seconds - self.bytes_per_s)
+
+
+class LaunchModel:
+    """GPU launch time `lat + bytes / bw`, fitted online (least squares with exponential forgetting).
+
+    One throughput number cannot size batches here: a launch has a fixed cost (planning the
+    table, five kernels, the tail of the last wave) that dominates small batches, so the rate
+    measured on small batches undersells large ones and vice versa.
+    """
+
+    def __init__(self, lat: float = 200e-6, bw: float = 10e9, forget: float = 0.9):
+        self.forget = forget
+        self.lat, self.bw = lat, bw
+        # Two pseudo-observations encode the prior (lat, bw) at 1 MB and 64 MB; they fade as
+        # real launches come in (a fit from launches of similar sizes alone is ill-conditioned).
+        self._s = np.zeros(5)  # sum w, w*x, w*y, w*x*x, w*x*y  (x: MB, y: seconds)
+        for mb in (1.0, 64.0):
+            self._add(mb, lat + mb * 1e6 / bw, 1.0)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._s += w * np.array([1.0, x, y, x * x, x * y])
+
+    # A sample this many times the prediction is clipped (a JIT compile, an OS hiccup) unless
+    # OUTLIER_RUN of them come in a row (then the machine really changed).
+    OUTLIER = 2.0
+    OUTLIER_RUN = 3
+
+    def update(self, nbytes: float, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        limit = self.OUTLIER * self.time(nbytes)
+        if seconds > limit:
+            self._outliers = getattr(self, "_outliers", 0) + 1
+            if self._outliers < self.OUTLIER_RUN:
+                seconds = limit
+        else:
+            self._outliers = 0
+        self._s *= self.forget
+        self._add(nbytes / 1e6, seconds, 1.0)
+        s0, sx, sy, sxx, sxy = self._s
+        den = s0 * sxx - sx * sx
+        if den > 1e-12 * max(1.0, s0 * sxx):
+            slope = (s0 * sxy - sx * sy) / den
+            icpt = (sy - slope * sx) / s0
+            if slope > 0:
+                self.lat, self.bw = max(0.0, icpt), 1e6 / slope
+                return
+        # Degenerate (equal sizes) or non-physical fit: keep the latency, refit the rate.
+        self.bw = max(1e6, nbytes / max(seconds - self.lat, 0.1 * seconds))
+
+    def time(self, nbytes: float) -> float:
+        return self.lat + nbytes / self.bw
+
+
+__all__ = ["EMA", "LaunchModel", "Throughput"]

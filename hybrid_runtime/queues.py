@@ -1,0 +1,102 @@
+"""The step's priority queue as native CPU workers see it, and a status line for any queue.
+
+With native CPU workers the queue lives in shared memory (`native_pool`): workers pop positions
+with an atomic compare-and-swap inside their numba loop, without the GIL, while the GPU lane
+claims ranges of positions from the same control word -- so the fluxion policy's two devices still
+pull from one queue. Python workers use `tasks.TaskQueue` instead; both serve the GPU lane
+through the same interface.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from hybrid_runtime import native_pool as native
+
+
+class NativeQueue:
+    """The step's priority queue in shared memory, popped by native CPU workers without the GIL.
+
+    Same interface as `TaskQueue` for the GPU lane (`claim`, `finish`, `remaining_bytes`,
+    `close`, `done`), which claims ranges of positions from the same control word.
+    """
+
+    def __init__(self, pool: "Any", ordered: list, table: tuple):
+        self.pool = pool
+        self.tasks = ordered
+        self.tab, self.nsel, self.chunks, self._cum = table
+        self.total = len(ordered)
+        self.job = -1
+        self.gpu_done = 0
+        self.closed_at: int | None = None
+        self._close_lock = threading.Lock()
+
+    def publish(self, layer: int, batch: int) -> None:
+        buf = self.pool
+        t, c = self.total, len(self.chunks)
+        buf.tab[:t] = self.tab
+        buf.nsel[:t] = self.nsel
+        buf.chunks[:c] = self.chunks
+        buf.rec[:t] = 0
+        buf.rec[:t, native.R_WORKER] = -1
+        self.job = native.publish(buf.ctrl, layer, batch, t)
+
+    def __len__(self) -> int:
+        return self.total - native.head(self.pool.ctrl, self.job, self.total)
+
+    @property
+    def remaining_bytes(self) -> float:
+        h = native.head(self.pool.ctrl, self.job, self.total)
+        return float(self._cum[self.total] - self._cum[h])
+
+    def claim(self, max_bytes: float) -> list:
+        h = native.head(self.pool.ctrl, self.job, self.total)
+        if h >= self.total:
+            return []
+        j = int(np.searchsorted(self._cum, self._cum[h] + max_bytes, side="right")) - 1
+        k = max(1, j - h)
+        start = native.claim(self.pool.ctrl, self.job, k, self.total)
+        if start < 0:
+            return []
+        return self.tasks[start : start + min(k, self.total - start)]
+
+    def finish(self, n: int = 1) -> None:
+        self.gpu_done += n
+
+    def finished(self) -> int:
+        return int(native.done(self.pool.ctrl)) + self.gpu_done
+
+    def close(self) -> int:
+        with self._close_lock:
+            if self.closed_at is None:
+                self.closed_at = int(native.close(self.pool.ctrl, self.job, self.total))
+            return self.total - self.closed_at
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_at is not None
+
+    def done(self) -> bool:
+        target = self.total if self.closed_at is None else self.closed_at
+        return self.finished() >= target
+
+    @property
+    def in_flight(self) -> int:
+        handed = native.head(self.pool.ctrl, self.job, self.total) if self.closed_at is None else self.closed_at
+        return handed - self.finished()
+
+    def describe(self) -> str:
+        return f"{self.finished()}/{self.total} finished, {self.in_flight} running, {len(self)} waiting"
+
+
+def describe_queue(q: Any) -> str:
+    """Progress of a `NativeQueue` or `TaskQueue`, for timeout messages."""
+    if isinstance(q, NativeQueue):
+        return q.describe()
+    return f"{q.finished}/{q.total} finished, {q.in_flight} running, {len(q)} waiting"
+
+
+__all__ = ["NativeQueue", "describe_queue"]

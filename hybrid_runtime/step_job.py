@@ -1,0 +1,102 @@
+"""One decode step at one layer as the lanes see it: its tasks, queues, buffers and outcome.
+
+The scheduler fills in the queues (`Scheduler.split`); the CPU workers and the GPU lane take
+tasks from them, write the timeline columns and report the first failure through `fail`, which
+closes every queue so that no new task starts.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from hybrid_runtime.queues import describe_queue
+from hybrid_runtime.tasks import Task
+
+
+class StepTimeoutError(TimeoutError):
+    """A decode step did not finish within `scheduler.step_timeout_s`."""
+
+
+@dataclass
+class StepJob:
+    """One decode step at one layer: its tasks, the step buffers, and what the lanes report back.
+
+    `columns` are the timeline's per-task rows in the order of `tasks` (worker, kernel start and
+    end in perf_counter seconds, bytes, scheduling overhead in seconds), filled as tasks finish.
+    """
+
+    layer: int
+    tasks: Sequence[Task]
+    batch: int = 0
+    cpu_arrays: tuple | None = None  # numpy (q, out, lse) of the CPU step buffers (Python workers)
+    gpu_step: Any = None  # Step on the GPU lane's device
+    gpu_ready: Any = None  # CUDA event the GPU lane's stream waits for (q and buffers ready)
+    record: bool = True
+    # Filled by the scheduler.
+    cpu_queue: Any = None
+    gpu_queue: Any = None
+    shared: bool = False
+    error: BaseException | None = None
+    gpu_batches: list = field(default_factory=list)  # [(start, end, [task rows])] of every GPU launch
+    columns: dict | None = None
+    cpu_bytes: float = 0.0  # modeled bytes and busy seconds of CPU tasks (throughput estimate)
+    cpu_busy: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.record and self.columns is None:
+            n = len(self.tasks)
+            self.columns = {
+                "worker": np.full(n, -1, dtype=np.int64),
+                "start": np.zeros(n, dtype=np.float64),
+                "end": np.zeros(n, dtype=np.float64),
+                "bytes": np.zeros(n, dtype=np.int64),
+                "overhead": np.zeros(n, dtype=np.float64),
+            }
+
+    @property
+    def cpu_used(self) -> bool:
+        return self.cpu_queue is not None and self.cpu_queue.total > 0
+
+    @property
+    def gpu_used(self) -> bool:
+        return self.gpu_queue is not None and self.gpu_queue.total > 0
+
+    def rows(self, tasks: Sequence[Task]) -> list[int]:
+        """Rows (indices into `self.tasks`) of `tasks`: `task.index` for tasks from build_tasks."""
+        mine = self.tasks
+        if all(0 <= t.index < len(mine) and mine[t.index] is t for t in tasks):
+            return [t.index for t in tasks]
+        pos = getattr(self, "_pos", None)
+        if pos is None:
+            pos = self._pos = {id(t): i for i, t in enumerate(mine)}
+        return [pos[id(t)] for t in tasks]
+
+    def queues(self) -> list:
+        qs = [q for q in (self.cpu_queue, self.gpu_queue) if q is not None]
+        return qs[:1] if self.shared else qs
+
+    def fail(self, exc: BaseException) -> None:
+        """First failure wins; every queue is closed so all workers stop taking tasks."""
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+        for q in self.queues():
+            q.close()
+
+    def done(self) -> bool:
+        return all(q.done() for q in self.queues())
+
+    def describe(self) -> str:
+        parts = []
+        for name, q in (("cpu", self.cpu_queue), ("gpu", self.gpu_queue)):
+            if q is not None and not (self.shared and name == "gpu"):
+                parts.append(f"{'shared' if self.shared else name} queue: {describe_queue(q)}")
+        return "; ".join(parts)
+
+
+__all__ = ["StepJob", "StepTimeoutError"]

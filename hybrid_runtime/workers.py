@@ -1,0 +1,270 @@
+"""The CPU worker threads: started once per runtime, each pinned to its own core.
+
+With an executor that names a native kernel (`CpuTaskExecutor.native_kernel`, the stock
+`CpuExecutor`) and the runtime's shared buffers, they are *native* workers: one call into a
+numba loop (`native_pool.worker_loop`) that waits for jobs, pops queue positions atomically and
+runs the kernel with the GIL released, so no Python runs per task. Any other CPU executor (test
+doubles, subclasses that replace `run_one`) runs on plain Python worker threads that call
+`executor.run_one` per task.
+
+Threads start, pin themselves and make their workspaces (native ones also compile their loop)
+before the constructor of the scheduler returns, so the first step does not pay for start-up and
+a start failure surfaces there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from hybrid_runtime import native_pool
+from hybrid_runtime.executors.base import CpuTaskExecutor
+from hybrid_runtime.pinning import pin_current_thread
+from hybrid_runtime.queues import NativeQueue
+from hybrid_runtime.step_job import StepJob
+from hybrid_runtime.task_building import TaskList, native_table, queue_order
+from hybrid_runtime.tasks import Task, TaskQueue
+
+_FAILED = object()  # a worker thread's start-up state after a start error
+
+
+class CpuWorkers:
+    """The CPU lane: worker threads, the job they serve and the native job buffers.
+
+    `native`: what native workers need (`arenas`, `q_flat`, `res_flat`, `hq`, `d`, `g`,
+    `max_tasks`, `max_chunks`, optional `kernel`; without `kernel` the executor's
+    `native_kernel` runs), or None for Python workers. `job` is the step in progress, set by the
+    scheduler for every step (a failing native task fails it; `stop` closes its queues).
+    """
+
+    def __init__(self, executor: CpuTaskExecutor | None, cores: Sequence[int | None], native: dict | None, spin_ns: int):
+        self.executor = executor
+        self.cores = list(cores)
+        self.n = len(self.cores)
+        # Idle native workers spin this long for the next job before blocking.
+        self.spin_ns = spin_ns
+        self.native = None
+        if native is not None:
+            native_pool.warm_up()
+            self.native = native_pool.NativeJobBuffers(native["max_tasks"], native["g"], native["max_chunks"], self.n)
+            self._native_args = native
+        self.job: StepJob | None = None
+        self._cv = threading.Condition()
+        self._gen = 0
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._started = threading.Barrier(self.n + 1)
+        self._start_errors: list[BaseException] = []
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return list(self._threads)
+
+    def start(self, stop_timeout: float) -> None:
+        """Start the threads and wait until each pinned itself, made its workspace (and compiled
+        its loop); on a start failure stop them all and raise the first error."""
+        target = self._native_main if self.native is not None else self._python_main
+        for i in range(self.n):
+            self._threads.append(threading.Thread(target=target, args=(i, self.cores[i]), name=f"hybrid-cpu{i}", daemon=True))
+        for t in self._threads:
+            t.start()
+        self._started.wait()
+        if self._start_errors:
+            self.stop(stop_timeout)
+            raise self._start_errors[0]
+
+    def queue(self, tasks: Sequence[Task], whole: bool) -> TaskQueue | NativeQueue:
+        """The CPU lane's queue of `tasks`; `whole`: they are the step's whole task list, whose
+        queue order and native table are then cached on it (a reused `TaskList`)."""
+        if self.native is None:
+            if whole and isinstance(tasks, TaskList) and getattr(tasks, "priority", None) is not None:
+                return TaskQueue(tasks, tasks.priority, tasks.modeled_bytes)
+            return TaskQueue(tasks)
+        ordered, _ = queue_order(tasks)
+        table = getattr(tasks, "_native", None) if whole else None
+        if table is None:
+            table = native_table(ordered, self._native_args["g"])
+            if whole and isinstance(tasks, TaskList):
+                tasks._native = table  # reused while the runtime reuses this task list
+        return NativeQueue(self.native, ordered, table)
+
+    def wake(self) -> None:
+        """Hand `self.job`'s CPU queue to the workers (published to the native ones)."""
+        job = self.job
+        if self.native is not None:
+            job.cpu_queue.publish(job.layer, job.batch)
+        with self._cv:
+            self._gen += 1
+            self._cv.notify_all()
+
+    def stop(self, timeout: float) -> None:
+        """Stop and join every thread; raises if one does not stop within `timeout`."""
+        self._stopping = True
+        if self.job is not None:
+            for q in self.job.queues():
+                q.close()
+        if self.native is not None:
+            native_pool.set_stop(self.native.ctrl, 1)
+        with self._cv:
+            self._cv.notify_all()
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            raise RuntimeError(f"scheduler.close: worker threads {alive} did not stop within {timeout:g} s")
+
+    def _ready(self, wid: int, core: int | None) -> Any:
+        """In a new worker thread: pin it, make its workspace (native: its loop's arguments, and
+        compile the loop now), then wait at the start barrier. `_FAILED` after a start error,
+        which `start` raises; the barrier is reached either way so `start` never hangs."""
+        state = _FAILED
+        try:
+            pin_current_thread(core)
+            ws = self.executor.workspace()
+            if self.native is None:
+                state = ws
+            else:
+                args = self._loop_args(ws)
+                native_pool.worker_loop(self.native.ctrl, wid, 0, native_pool.LOOP_WARM, *args)
+                state = args
+        except BaseException as exc:
+            self._start_errors.append(exc)
+        self._started.wait()
+        return state
+
+    # ------------------------------------------------------------------ native workers
+    def _loop_args(self, ws: Any) -> tuple:
+        a, buf = self._native_args, self.native
+        kernel = a.get("kernel") or self.executor.native_kernel
+        return (a["arenas"], a["q_flat"], a["res_flat"], a["hq"], a["d"], a["g"], buf.tab, buf.nsel, buf.chunks,
+                buf.rec, buf.cur, kernel, native_pool.scratch_of(kernel, ws))
+
+    def _native_main(self, wid: int, core: int | None) -> None:
+        args = self._ready(wid, core)
+        if args is _FAILED:
+            return
+        ctrl, cur = self.native.ctrl, self.native.cur
+        while True:
+            try:
+                status = native_pool.worker_loop(ctrl, wid, self.spin_ns, 0, *args)
+            except BaseException as exc:
+                self._native_failed(wid, exc)
+                continue
+            if status == native_pool.LOOP_STOPPED:
+                return
+            with self._cv:  # idle: block until the next job (or stop)
+                while not self._stopping and (ctrl[native_pool.C_SEQ] & 1 or ctrl[native_pool.C_SEQ] >> 1 == cur[wid, 1]):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+
+    def _native_failed(self, wid: int, exc: BaseException) -> None:
+        """A kernel raised inside the native loop: fail the step, then count its task as finished."""
+        buf = self.native
+        # Fail the job before counting the task done: the launcher returns as soon as every task
+        # is counted, and must then already see the error.
+        job = self.job
+        if job is not None:
+            job.fail(exc)
+        i = int(buf.cur[wid, 0])
+        if i >= 0:
+            now = time.perf_counter_ns()
+            buf.rec[i, native_pool.R_WORKER] = wid
+            buf.rec[i, native_pool.R_START] = buf.rec[i, native_pool.R_END] = now
+            buf.cur[wid, 0] = -1
+            native_pool.add_done(buf.ctrl, 1)
+
+    def collect(self, job: StepJob) -> None:
+        """After a successful step: native records into the job's columns, tasks and CPU totals."""
+        q = job.cpu_queue
+        if not (isinstance(q, NativeQueue) and q.total):
+            return
+        rec = self.native.rec[: q.total]
+        mine = rec[:, native_pool.R_WORKER] >= 0  # positions a CPU worker ran (the GPU lane's stay -1)
+        start = rec[:, native_pool.R_START] * 1e-9
+        end = rec[:, native_pool.R_END] * 1e-9
+        nbytes = rec[:, native_pool.R_BYTES]
+        if job.columns is not None:
+            cols = job.columns
+            r = np.asarray(job.rows(q.tasks), dtype=np.int64)[mine]  # row in job.tasks of each queue position
+            cols["worker"][r] = rec[mine, native_pool.R_WORKER]
+            cols["start"][r] = start[mine]
+            cols["end"][r] = end[mine]
+            cols["bytes"][r] = nbytes[mine]
+            cols["overhead"][r] = rec[mine, native_pool.R_OVERHEAD] * 1e-9
+        for t, m, b in zip(q.tasks, mine.tolist(), nbytes.tolist()):
+            if m:
+                t.bytes_read = b
+                t.device = "cpu"
+        job.cpu_busy = float((end - start)[mine].sum())
+        job.cpu_bytes = float(np.diff(q._cum)[mine].sum())
+        if self.executor is not None:
+            self.executor.bytes_read += int(nbytes[mine].sum())
+
+    # ------------------------------------------------------------------ Python workers
+    def _python_main(self, wid: int, core: int | None) -> None:
+        ws = self._ready(wid, core)
+        if ws is _FAILED:
+            return
+        seen = 0
+        while True:
+            with self._cv:
+                while self._gen == seen and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                seen = self._gen
+                job = self.job
+            if job is not None and job.cpu_queue is not None and not isinstance(job.cpu_queue, NativeQueue):
+                self._drain(job, job.cpu_queue, wid, ws)
+
+    def _drain(self, job: StepJob, queue: TaskQueue, wid: int, ws: Any) -> None:
+        run_one = self.executor.run_one
+        qn, on, ln = job.cpu_arrays
+        cols = job.columns
+        pc = time.perf_counter
+        finished = 0
+        nbytes = 0.0
+        busy = 0.0
+        try:
+            while True:
+                t0 = pc()
+                task = queue.pop(finished)
+                finished = 0
+                if task is None:
+                    break
+                finished = 1  # reported with the next pop, or below if the task raises
+                run_one(task, qn, on, ln, ws)
+                task.worker = wid
+                start, end = task.start_s, task.end_s
+                i = task.index if cols is not None else -1
+                if cols is not None and not (0 <= i < len(job.tasks) and job.tasks[i] is task):
+                    i = job.rows((task,))[0]
+                if i >= 0:
+                    cols["worker"][i] = wid
+                    cols["start"][i] = start
+                    cols["end"][i] = end
+                    cols["bytes"][i] = task.bytes_read
+                t1 = pc()
+                # Queue + dispatch before the kernel, recording after it.
+                task.overhead_s = over = (start - t0) + (t1 - end)
+                if i >= 0:
+                    cols["overhead"][i] = over
+                nbytes += task.modeled_bytes
+                busy += end - start
+        except BaseException as exc:
+            job.fail(exc)
+        finally:
+            if nbytes:
+                with job._lock:
+                    job.cpu_bytes += nbytes
+                    job.cpu_busy += busy
+            if finished:
+                queue.finish(finished)
+
+
+__all__ = ["CpuWorkers"]

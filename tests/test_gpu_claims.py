@@ -1,0 +1,225 @@
+"""The GPU lane's claim path: a step table uploaded once, claims of rows as two launches.
+
+Checked against float64 references: exact per-head top-k of the Quest scores (ties broken by the
+lowest block id), the group union, attention over each head's own blocks, and the fused split
+combine. Claims that cover the table in pieces must give the same result as one claim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from cpu_kernels import layout  # noqa: E402
+from gpu_kernels.score_select import score_select  # noqa: E402
+from gpu_kernels.task_table import StepTableBuffer, pack_step_table  # noqa: E402
+from tests.test_gpu_kernels import CUDA, DEV, _gpu, attend_blocks, make_case, quest_reference, rel_err  # noqa: E402
+
+
+def pack_case(c):
+    """The case's tasks as the queue-order arrays the runtime packs."""
+    lens = np.array([len(c.ar.chunks[(s, h)]) for s, h, _ in c.tasks])
+    return pack_step_table(
+        np.array([s for s, _, _ in c.tasks]), np.array([h for _, h, _ in c.tasks]),
+        np.array([b for _, _, b in c.tasks]), np.array([c.ar.cpu_lens[s] for s, _, _ in c.tasks]),
+        np.concatenate([[0], np.cumsum(lens)[:-1]]), lens, c.n_select, c.ar.arena.shape[0],
+        np.concatenate([c.ar.chunks[(s, h)] for s, h, _ in c.tasks]),
+    )
+
+
+class Scratch:
+    def __init__(self, t: int, g: int, nb: int, d: int):
+        from gpu_kernels.sparse_attention import MAX_SPLITS
+
+        self.scores = torch.empty((t, g, nb), dtype=torch.float32, device=DEV)
+        self.ublocks = torch.empty((t, nb), dtype=torch.int32, device=DEV)
+        self.uheads = torch.empty((t, nb), dtype=torch.int32, device=DEV)
+        self.counts = torch.empty(t, dtype=torch.int32, device=DEV)
+        self.tickets = torch.zeros((2, t), dtype=torch.int32, device=DEV)
+        self.part_out = torch.empty((t, MAX_SPLITS, g, d), dtype=torch.float32, device=DEV)
+        self.part_lse = torch.empty((t, MAX_SPLITS, g), dtype=torch.float32, device=DEV)
+
+
+def upload(c):
+    packed = pack_case(c)
+    return StepTableBuffer(DEV).upload(*packed, group_size=c.g)
+
+
+def select(c, table, start, stop, sc):
+    nb_max, _ = table.claim_shape(start, stop)
+    score_select(table.table, table.n_select, table.chunks, start, stop - start, nb_max, c.q, c.ar.arena,
+                 sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts)
+
+
+def check_selection(c, start, stop, sc):
+    for j, i in enumerate(range(start, stop)):
+        s, h, blk = c.tasks[i]
+        ref = quest_reference(c.q[s, h * c.g : (h + 1) * c.g].cpu(), c.ar.keys[(s, h)], blk)
+        nb = ref.shape[1]
+        got = sc.scores[j, :, :nb].cpu().double()
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), f"task {i}: scores differ"
+        cnt = int(sc.counts[j])
+        blocks = sc.ublocks[j, :cnt].cpu()
+        bits = sc.uheads[j, :cnt].cpu()
+        assert (blocks[1:] > blocks[:-1]).all(), "union not in ascending block order"
+        assert (bits != 0).all()
+        for gg in range(c.g):
+            mine = blocks[((bits >> gg) & 1) != 0]
+            k = int(c.n_select[i, gg])
+            assert mine.numel() == k, f"task {i} head {gg}: {mine.numel()} blocks, wants {k}"
+            if 0 < k < nb:
+                chosen = torch.zeros(nb, dtype=torch.bool)
+                chosen[mine.long()] = True
+                # Ranked by the kernel's own fp32 scores: exact top-k with lowest-index ties.
+                s32 = sc.scores[j, gg, :nb].cpu()
+                assert s32[chosen].min() >= s32[~chosen].max()
+                kth = s32[chosen].min()
+                ties = torch.nonzero(s32 == kth).flatten()
+                n_above = int((s32 > kth).sum())
+                assert chosen[ties[: k - n_above]].all(), "ties must go to the lowest block ids"
+    assert (sc.tickets == 0).all(), "the last program of every task resets its ticket"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_score_select_exact_topk_and_union(dtype):
+    c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=2, d=32, dtype=dtype, blks=(16, 32, 64, 128),
+                  budget="random", streaming=True)
+    table = upload(c)
+    sc = Scratch(len(c.tasks), c.g, int(table.n_blocks.max()), 32)
+    select(c, table, 0, len(c.tasks), sc)
+    check_selection(c, 0, len(c.tasks), sc)
+
+
+def test_score_select_rows_longer_than_one_selection_tile_and_ties():
+    # 2600 blocks of 16 tokens, more than one selection tile (SEL_ELEMS / BLOCK_G): the chunked path. Duplicated
+    # keys make equal scores, so the tie rule decides which blocks complete each head's k.
+    import gpu_kernels.score_select as ss
+
+    g = 2
+    c = make_case(cpu_lens=[2600 * 16], hkv=1, g=g, d=16, dtype=torch.float32, blks=(16,), budget=0.1, seed=5)
+    old = ss.SEL_ELEMS
+    try:
+        ss.SEL_ELEMS = 1024  # a smaller tile so the interpreter runs the chunked path quickly
+        host = c.ar.host
+        ids = c.ar.chunks[(0, 0)]
+        # Every chunk's metadata equal to the first chunk's: scores repeat every 8 blocks.
+        host[torch.from_numpy(ids[1:]).long(), layout.META_ROW :] = host[int(ids[0]), layout.META_ROW :]
+        sc = Scratch(1, g, 2600, 16)
+        c.n_select[:] = [[37, 260]]
+        table = StepTableBuffer(DEV).upload(*pack_case(c), group_size=g)
+        nb_max, _ = table.claim_shape(0, 1)
+        score_select(table.table, table.n_select, table.chunks, 0, 1, nb_max, c.q, c.ar.arena,
+                     sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts)
+    finally:
+        ss.SEL_ELEMS = old
+    cnt = int(sc.counts[0])
+    blocks, bits = sc.ublocks[0, :cnt].cpu(), sc.uheads[0, :cnt].cpu()
+    for gg, k in enumerate((37, 260)):
+        mine = blocks[((bits >> gg) & 1) != 0]
+        assert mine.numel() == k
+        s32 = sc.scores[0, gg, :2600].cpu()
+        kth = s32[mine.long()].min()
+        assert (s32[mine.long()] >= kth).all() and int((s32 > kth).sum()) <= k
+        ties = torch.nonzero(s32 == kth).flatten()
+        assert torch.equal(mine[s32[mine.long()] == kth], ties[: mine.numel() - int((s32 > kth).sum())])
+
+
+def run_claims(c, bounds, pps=None):
+    from gpu_kernels.sparse_attention import SparseConfig, sparse_attention_claim
+
+    config = SparseConfig(block_n=32, pages_per_split=pps or 3)
+    table = upload(c)
+    b, d = len(c.ar.cpu_lens), c.q.shape[2]
+    out = torch.full((b, c.hq, d), 7.0, device=DEV)
+    lse = torch.full((b, c.hq), 3.0, device=DEV)
+    sc = Scratch(len(c.tasks), c.g, int(table.n_blocks.max()), d)
+    unions = {}
+    for start, stop in bounds:
+        select(c, table, start, stop, sc)
+        _, pages_max = table.claim_shape(start, stop)
+        sparse_attention_claim(table.table, table.chunks, start, stop - start, pages_max, c.q, c.ar.arena,
+                               sc.ublocks, sc.uheads, sc.counts, sc.part_out, sc.part_lse, sc.tickets[1],
+                               out, lse, config)
+        for j, i in enumerate(range(start, stop)):
+            cnt = int(sc.counts[j])
+            unions[i] = (sc.ublocks[j, :cnt].cpu().clone(), sc.uheads[j, :cnt].cpu().clone())
+    assert (sc.tickets == 0).all()
+    return out.cpu(), lse.cpu(), unions
+
+
+def check_attention(c, out, lse, unions, tol):
+    for i, (s, h, blk) in enumerate(c.tasks):
+        ub, uh = unions[i]
+        blocks = [ub[((uh >> gg) & 1) != 0] for gg in range(c.g)]
+        ro, rl = attend_blocks(c.q[s, h * c.g : (h + 1) * c.g].cpu(), c.ar.keys[(s, h)], c.ar.values[(s, h)], blocks, blk)
+        go, gl = out[s, h * c.g : (h + 1) * c.g], lse[s, h * c.g : (h + 1) * c.g]
+        for gg in range(c.g):
+            if blocks[gg].numel() == 0:
+                assert gl[gg] == float("-inf") and (go[gg] == 0).all(), f"task {i} head {gg}: empty head"
+            else:
+                assert rel_err(go[gg], ro[gg]) < tol, f"task {i} head {gg}: out err {rel_err(go[gg], ro[gg])}"
+                assert abs(float(gl[gg]) - float(rl[gg])) < tol * max(1.0, abs(float(rl[gg])))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_claims_attend_each_heads_own_blocks(dtype):
+    c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=2, d=32, dtype=dtype, blks=(16, 32, 64, 128),
+                  budget="random", streaming=True, seed=1)
+    out, lse, unions = run_claims(c, [(0, len(c.tasks))])
+    check_attention(c, out, lse, unions, tol=5e-3)
+
+
+def test_claims_in_pieces_equal_one_claim():
+    c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=2, d=32, dtype=torch.float32, blks=(16, 32),
+                  budget="random", seed=2)
+    n = len(c.tasks)
+    whole = run_claims(c, [(0, n)])
+    parts = run_claims(c, [(0, 1), (1, 4), (4, n)])
+    assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
+
+
+def test_claim_with_many_splits_combines_them():
+    # budget 1.0 and one page per split: every task's union spans many splits (capped at
+    # MAX_SPLITS, beyond which splits grow longer); the combine must reproduce dense attention.
+    from hybrid_runtime import reference
+
+    c = make_case(cpu_lens=[1200], hkv=1, g=2, d=16, dtype=torch.float32, blks=(16,), budget=1.0, seed=3)
+    out, lse, _ = run_claims(c, [(0, 1)], pps=1)
+    ro, rl = reference.dense_attention(c.q[0].cpu(), c.ar.keys[(0, 0)][:, None], c.ar.values[(0, 0)][:, None], scale=1.0)
+    assert rel_err(out[0], ro) < 1e-5
+    assert torch.allclose(lse[0], rl, atol=1e-5)
+
+
+@_gpu
+def test_claims_large_llama_geometry():
+    c = make_case(cpu_lens=[8000, 5003, 3072, 700], hkv=8, g=4, d=128, dtype=torch.bfloat16,
+                  blks=(16, 32, 64, 128), budget="random", streaming=True, seed=3)
+    table = upload(c)
+    sc = Scratch(len(c.tasks), c.g, int(table.n_blocks.max()), 128)
+    select(c, table, 0, len(c.tasks), sc)
+    check_selection(c, 0, len(c.tasks), sc)
+    out, lse, unions = run_claims(c, [(0, 5), (5, len(c.tasks))], pps=8)
+    check_attention(c, out, lse, unions, tol=5e-3)
+
+
+def test_pack_step_table_rejects_bad_rows():
+    ok = dict(batch_index=np.zeros(1), kv_head=np.zeros(1), block_size=np.array([16]), cpu_len=np.array([100]),
+              chunk_off=np.zeros(1), n_chunks=np.ones(1), n_select=np.ones((1, 2)), n_arena_chunks=4,
+              chunk_ids=np.zeros(1, np.int32))
+    pack_step_table(**ok)
+    with pytest.raises(ValueError, match="block_size 48"):
+        pack_step_table(**{**ok, "block_size": np.array([48])})
+    with pytest.raises(ValueError, match="chunk ids"):
+        pack_step_table(**{**ok, "chunk_ids": np.array([9], np.int32)})
+    with pytest.raises(ValueError, match="cpu_len"):
+        pack_step_table(**{**ok, "cpu_len": np.array([200])})
+    with pytest.raises(ValueError, match="n_select"):
+        pack_step_table(**{**ok, "n_select": np.full((1, 2), 9)})
+
