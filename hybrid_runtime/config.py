@@ -115,6 +115,12 @@ class SchedulerConfig:
     gpu_worker: bool = True
     pin_cores: bool = True
     step_timeout_s: float = field(default=60.0, metadata=_range(0.001, None))
+    # Static GPU share of the `uniform` and `length` policies; 0: the measured throughput ratio.
+    gpu_share: float = field(default=0.0, metadata=_range(0.0, 0.999))
+    # How long idle pinned CPU workers spin for the next step before they block (microseconds).
+    spin_us: float = field(default=20000.0, metadata=_range(0.0, None))
+    # Freeze the objects alive at runtime start out of the collector's walks (gc_control.py).
+    gc_freeze: bool = True
 
 
 @dataclass(frozen=True)

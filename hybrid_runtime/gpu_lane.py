@@ -14,32 +14,38 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from hybrid_runtime.executors.base import Executor, GpuLaunchExecutor
-from hybrid_runtime.lane_rates import LaunchModel, Throughput
+from hybrid_runtime.lane_rates import LaneRates
+from hybrid_runtime.task_building import TaskList, queue_arrays
 from hybrid_runtime.step_job import StepJob, StepTimeoutError
 from hybrid_runtime.tasks import Step, Task
 
 
 class HostLaunch:
-    """A synchronous executor's batch, already complete; host-timed."""
+    """A synchronous executor's claim, already complete; host-timed."""
 
-    def __init__(self, start: float, end: float):
+    def __init__(self, start: float, end: float, bytes_read: np.ndarray):
         self.start, self.end = start, end
+        self.bytes_read = bytes_read
 
     def query(self) -> bool:
         return True
 
-    def wait(self) -> None:
-        return None
+    def wait(self) -> np.ndarray:
+        return self.bytes_read
 
 
 class SyncLaunch:
-    """`GpuLaunchExecutor` over an executor that only has `run`: each launch runs to completion.
+    """`GpuLaunchExecutor` over an executor that only has `run`: each claim runs to completion.
 
-    `stream` is None: `run` orders its work after the caller's stream itself.
+    Its step plan is the queue's ordered task list; `stream` is None (`run` orders its work after
+    the caller's stream itself) and the link is unknown.
     """
 
     stream = None
+    link_bytes_per_s = None
 
     def __init__(self, executor: Executor):
         self.executor = executor
@@ -52,22 +58,34 @@ class SyncLaunch:
     def bytes_read(self) -> int:
         return self.executor.bytes_read
 
-    def launch(self, tasks: Sequence[Task], step: Step) -> HostLaunch:
+    def pack(self, tab: np.ndarray, nsel: np.ndarray, chunks: np.ndarray) -> None:
+        return None
+
+    def upload(self, packed: Any, ordered: Sequence[Task]) -> Sequence[Task]:
+        return ordered
+
+    def launch(self, plan: Sequence[Task], start: int, stop: int, step: Step) -> HostLaunch:
+        tasks = plan[start:stop]
         ts = time.perf_counter()
         self.executor.run(tasks, step)
-        return HostLaunch(ts, time.perf_counter())
+        nbytes = np.fromiter((t.bytes_read for t in tasks), dtype=np.int64, count=len(tasks))
+        return HostLaunch(ts, time.perf_counter(), nbytes)
 
 
 def as_launch_executor(executor: Any) -> GpuLaunchExecutor:
-    """`executor` itself when it has `launch` (and the protocol's other members), else wrapped."""
+    """`executor` itself when it has the claim interface (`pack`, `upload`, `launch`), else wrapped."""
     return executor if isinstance(executor, GpuLaunchExecutor) else SyncLaunch(executor)
 
 
 class GpuLane:
-    """Claims, launches and retires GPU batches of each step; learns the launch model.
+    """Claims, launches and retires GPU claims of each step; learns the launch model.
 
-    `cpu_rate` and `n_cpu` (the CPU lane's per-worker rate and size) let a shared-queue claim
-    leave the CPU workers their part; `rate` and `model` are the GPU lane's own estimates.
+    Plan once per step, run many claims: at the step's start the executor uploads the queue's
+    table (rows in queue order; packed once per task set and cached on the task list); a claim is
+    then a range of queue positions, and recording it touches arrays only, never task objects.
+    `rates` (the current policy's `LaneRates`, swapped by the scheduler) holds the CPU lane's
+    per-worker rate, which with `n_cpu` lets a shared-queue claim leave the CPU workers their
+    part, and the GPU lane's own estimates.
     `wait_on_cpu_queue`: the CPU workers are Python threads, so an idle round blocks on their
     queue (releasing the GIL) instead of spinning. `clock` maps CUDA events to host time (set by
     the runtime; without it the host time at which a finished launch is noticed stands in).
@@ -87,19 +105,15 @@ class GpuLane:
         self,
         executor: GpuLaunchExecutor | None,
         *,
-        cpu_rate: Throughput,
+        rates: LaneRates,
         n_cpu: int,
-        rate: Throughput,
-        model: LaunchModel,
         worker_id: int,
         poll_sleep: float,
         wait_on_cpu_queue: bool,
     ):
         self.executor = executor
-        self.cpu_rate = cpu_rate
+        self.rates = rates
         self.n_cpu = n_cpu
-        self.rate = rate
-        self.model = model
         self.worker_id = worker_id
         self.poll_sleep = poll_sleep
         self.wait_on_cpu_queue = wait_on_cpu_queue
@@ -113,10 +127,16 @@ class GpuLane:
         """The GPU lane and the wait for the step's end, on the calling thread."""
         gq = job.gpu_queue if job.gpu_used else None
         ex = self.executor
-        if gq is not None and job.gpu_ready is not None and ex.stream is not None:
-            ex.stream.wait_event(job.gpu_ready)
-        pipeline: deque = deque()  # (handle, tasks, modeled bytes, claim seconds, host time of the claim)
-        w_bytes = 0.0
+        plan, rows = None, None
+        if gq is not None:
+            if job.gpu_ready is not None and ex.stream is not None:
+                ex.stream.wait_event(job.gpu_ready)
+            try:
+                plan = self._plan(job, gq)
+                rows = job.queue_rows(gq)
+            except BaseException as exc:
+                job.fail(exc)
+        pipeline: deque = deque()  # (handle, start, stop, modeled bytes, claim seconds per task, host time of the claim)
         free_at = 0.0  # host time the GPU lane is expected to finish what it has queued
         prev_done = None  # host time the previous launch ended
         launched = False
@@ -131,20 +151,20 @@ class GpuLane:
                 query = getattr(handle, "query", None)
                 if query is not None and not query() and not (job.error is not None and timed_out):
                     break
-                handle, batch, nb, per_task, t_claim = pipeline.popleft()
+                handle, i, j, nb, per_task, t_claim = pipeline.popleft()
+                nbytes = None
                 try:
-                    handle.wait()
+                    nbytes = handle.wait()
                 except BaseException as exc:
                     job.fail(exc)
                 finally:
-                    gq.finish(len(batch))
+                    gq.finish(j - i)
                 t_done = time.perf_counter()
                 if self.clock is not None and not isinstance(handle.end, float):
                     t_done = self.clock.to_host(handle.end)  # when it ended, not when it was noticed
-                w_bytes -= nb
-                self._record(job, handle, batch, per_task)
+                self._record(job, handle, rows[i:j], per_task, nbytes)
                 if job.error is None:
-                    self._learn(handle, nb, t_claim, t_done, prev_done)
+                    self._learn(handle, nb, t_claim, t_done, prev_done, nbytes)
                 prev_done = t_done
                 progressed = True
             if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH:
@@ -153,20 +173,17 @@ class GpuLane:
                 want = self.claim_bytes(job, gq, busy_s, idle_stream=not pipeline)
                 if want <= 0 and job.shared and not launched and self.skipped >= self.EXPLORE_AFTER:
                     want = 1.0  # one task: re-measure the GPU lane
-                batch = gq.claim(want) if want > 0 else []
-                if batch:
+                i, j = gq.claim_range(want) if want > 0 else (0, 0)
+                if j > i:
                     launched = True
-                if batch:
-                    t1 = time.perf_counter()
-                    nb = float(sum(t.modeled_bytes for t in batch))
+                    nb = gq.range_bytes(i, j)
                     try:
-                        handle = ex.launch(batch, job.gpu_step)
-                        m = self.model
+                        handle = ex.launch(plan, i, j, job.gpu_step)
+                        m = self.rates.model
                         free_at = max(t0, free_at) + (0.0 if pipeline else m.lat) + nb / m.bw
-                        pipeline.append((handle, batch, nb, (t1 - t0) / len(batch), t0))
-                        w_bytes += nb
+                        pipeline.append((handle, i, j, nb, (time.perf_counter() - t0) / (j - i), t0))
                     except BaseException as exc:
-                        gq.finish(len(batch))
+                        gq.finish(j - i)
                         job.fail(exc)
                     progressed = True
             if side_pending:
@@ -227,7 +244,7 @@ class GpuLane:
         queued, R: bytes left in the queue, tp_c: the CPU workers' aggregate rate, lat/bw: the
         launch model; `lat` only when the stream is idle -- a launch queued behind another hides
         its host cost). g <= 0 means the CPUs finish the rest sooner than a launch would. A
-        launch's fixed cost (~0.5 ms of host work on the reference machine) is paid per launch,
+        launch's fixed cost (~0.15 ms on the reference machine) is paid per launch,
         so the first claim takes most of g at once (`FIRST_FRACTION`), later ones half
         (guided self-scheduling: a short tail), never less than a batch whose fixed cost is half
         its time unless that is all of g. A GPU-only queue is split the same way with nothing
@@ -236,11 +253,11 @@ class GpuLane:
         remaining = queue.remaining_bytes
         if remaining <= 0:
             return 0.0
-        m = self.model
+        m = self.rates.model
         min_batch = m.lat * m.bw
         if not job.shared:
             return max(self.GUIDED_FRACTION * remaining, min_batch)
-        tp_c = self.cpu_rate.bytes_per_s * self.n_cpu
+        tp_c = self.rates.cpu.bytes_per_s * self.n_cpu
         lat = m.lat if idle_stream else 0.0
         g = (remaining / tp_c - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c)
         if g <= 0:
@@ -248,30 +265,39 @@ class GpuLane:
         frac = self.FIRST_FRACTION if idle_stream else self.GUIDED_FRACTION
         return max(frac * g, min(g, min_batch))
 
-    def _record(self, job: StepJob, handle: Any, batch: list, per_task: float) -> None:
-        """Timeline rows of a retired launch; CUDA-event intervals are resolved later."""
-        rows = job.rows(batch)
+    def _plan(self, job: StepJob, gq: Any) -> Any:
+        """The executor's table of the GPU queue for this step: packed once per task set, uploaded once per step."""
+        ex = self.executor
+        whole = isinstance(job.tasks, TaskList) and len(gq.tasks) == len(job.tasks)
+        packed = getattr(job.tasks, "_gpu_packed", None) if whole else None
+        if packed is None:
+            packed = ex.pack(*queue_arrays(gq, job.tasks if whole else None))
+            if whole:
+                job.tasks._gpu_packed = packed  # reused while the runtime reuses this task list
+        return ex.upload(packed, gq.tasks)
+
+    def _record(self, job: StepJob, handle: Any, rows: np.ndarray, per_task: float, nbytes: np.ndarray | None) -> None:
+        """Timeline columns of a retired claim (arrays; CUDA-event intervals are resolved later)."""
         job.gpu_batches.append((handle.start, handle.end, rows))
-        wid = self.worker_id
-        for t in batch:
-            t.worker = wid
-            t.overhead_s = per_task
+        if nbytes is not None:
+            job.gpu_bytes += float(np.sum(nbytes))
         cols = job.columns
         if cols is None:
             return
-        host_timed = isinstance(handle.start, float)
-        for t, i in zip(batch, rows):
-            cols["worker"][i] = wid
-            cols["bytes"][i] = t.bytes_read
-            cols["overhead"][i] = per_task
-            if host_timed:
-                cols["start"][i] = t.start_s if t.start_s else handle.start
-                cols["end"][i] = t.end_s if t.end_s else handle.end
+        cols["worker"][rows] = self.worker_id
+        cols["overhead"][rows] = per_task
+        if nbytes is not None:
+            cols["bytes"][rows] = nbytes
+        if isinstance(handle.start, float):
+            cols["start"][rows] = handle.start
+            cols["end"][rows] = handle.end
 
-    def _learn(self, handle: Any, nbytes: float, t_claim: float, t_done: float, prev_done: float | None) -> None:
+    def _learn(self, handle: Any, nbytes: float, t_claim: float, t_done: float, prev_done: float | None,
+               bytes_read: np.ndarray | None) -> None:
         """Fit the launch model on host times: from the claim (or the previous launch's end, when
         this one was queued behind it) to the launch's end event -- the fixed host cost of
-        planning and launching included, since that is what delays the step."""
+        planning and launching included, since that is what delays the step. Only this lane's
+        own launches under the current policy reach its model."""
         queued = prev_done is not None and prev_done > t_claim
         dur = t_done - (prev_done if queued else t_claim)
         if dur <= 0 or nbytes <= 0:
@@ -282,12 +308,12 @@ class GpuLane:
             dur = t_done - max(prev_done, self.clock.to_host(handle.start))
             if dur <= 0:
                 return
-        self.rate.update(nbytes, dur)
-        if queued:
-            # Its host cost overlapped the previous launch: a pure bandwidth sample.
-            self.model.update(nbytes, dur + self.model.lat)
-        else:
-            self.model.update(nbytes, dur)
+        read = float(np.sum(bytes_read)) if bytes_read is not None else None
+        model = self.rates.model
+        self.rates.gpu.update(nbytes, dur)
+        # A queued launch's host cost overlapped the previous one: a bandwidth sample, to which
+        # the model's own latency is added so that it fits the same line.
+        model.update(nbytes, dur + model.lat if queued else dur, read)
 
 
 __all__ = ["GpuLane", "HostLaunch", "SyncLaunch", "as_launch_executor"]

@@ -35,9 +35,16 @@ class LaunchModel:
     measured on small batches undersells large ones and vice versa.
     """
 
-    def __init__(self, lat: float = 200e-6, bw: float = 10e9, forget: float = 0.9):
+    def __init__(self, lat: float = 200e-6, bw: float = 10e9, forget: float = 0.9, link_bw: float | None = None):
         self.forget = forget
         self.lat, self.bw = lat, bw
+        # The measured host-to-GPU link bandwidth (bytes/s) bounds the fitted rate: a fit above
+        # it would be an artefact of the samples, never the machine. The model counts modeled
+        # bytes (Eq. 3), which overstate what a launch reads (a group reads a block once for all
+        # its heads), so the bound scales by the modeled/read ratio seen on this lane.
+        self.link_bw = link_bw
+        self.modeled_per_read = 1.0
+        self._outliers = 0
         # Two pseudo-observations encode the prior (lat, bw) at 1 MB and 64 MB; they fade as
         # real launches come in (a fit from launches of similar sizes alone is ill-conditioned).
         self._s = np.zeros(5)  # sum w, w*x, w*y, w*x*x, w*x*y  (x: MB, y: seconds)
@@ -52,12 +59,15 @@ class LaunchModel:
     OUTLIER = 2.0
     OUTLIER_RUN = 3
 
-    def update(self, nbytes: float, seconds: float) -> None:
+    def update(self, nbytes: float, seconds: float, bytes_read: float | None = None) -> None:
+        """Fold in one launch: `nbytes` modeled bytes in `seconds`; `bytes_read`: what it really read."""
         if nbytes <= 0 or seconds <= 0:
             return
+        if bytes_read:
+            self.modeled_per_read += EMA * (nbytes / bytes_read - self.modeled_per_read)
         limit = self.OUTLIER * self.time(nbytes)
         if seconds > limit:
-            self._outliers = getattr(self, "_outliers", 0) + 1
+            self._outliers += 1
             if self._outliers < self.OUTLIER_RUN:
                 seconds = limit
         else:
@@ -71,12 +81,40 @@ class LaunchModel:
             icpt = (sy - slope * sx) / s0
             if slope > 0:
                 self.lat, self.bw = max(0.0, icpt), 1e6 / slope
+                self._bound()
                 return
         # Degenerate (equal sizes) or non-physical fit: keep the latency, refit the rate.
         self.bw = max(1e6, nbytes / max(seconds - self.lat, 0.1 * seconds))
+        self._bound()
+
+    def _bound(self) -> None:
+        """Cap the rate at the link's; the latency is then the intercept at that slope."""
+        if self.link_bw is None:
+            return
+        cap = self.link_bw * self.modeled_per_read
+        if self.bw > cap:
+            self.bw = cap
+            s0, sx, sy = self._s[:3]
+            self.lat = max(0.0, (sy - sx * 1e6 / cap) / s0)
 
     def time(self, nbytes: float) -> float:
         return self.lat + nbytes / self.bw
 
 
-__all__ = ["EMA", "LaunchModel", "Throughput"]
+class LaneRates:
+    """Everything one policy has learned about both lanes.
+
+    Each policy keeps its own (the scheduler swaps them in `set_policy`): a policy's launches and
+    task mix differ, and one policy's samples must not size another's claims.
+    `cpu`: one CPU worker's rate while the lanes run together; `gpu`: the GPU lane's average
+    rate per launch (static shares, reports); `model`: the GPU launch model (fluxion claims).
+    """
+
+    def __init__(self, link_bw: float | None = None):
+        # Priors from the reference H100 host; measurements replace them within a few steps.
+        self.cpu = Throughput(4e9)
+        self.gpu = Throughput(30e9)
+        self.model = LaunchModel(lat=150e-6, bw=45e9, link_bw=link_bw)
+
+
+__all__ = ["EMA", "LaneRates", "LaunchModel", "Throughput"]

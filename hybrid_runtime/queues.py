@@ -24,9 +24,11 @@ class NativeQueue:
     `close`, `done`), which claims ranges of positions from the same control word.
     """
 
-    def __init__(self, pool: "Any", ordered: list, table: tuple):
+    def __init__(self, pool: "Any", ordered: list, table: tuple, order: np.ndarray | None = None):
         self.pool = pool
         self.tasks = ordered
+        self.order = order  # position in the queue -> index in the tasks it was made from
+        self.rows: np.ndarray | None = None  # position -> row of the step's task list (StepJob.queue_rows)
         self.tab, self.nsel, self.chunks, self._cum = table
         self.total = len(ordered)
         self.job = -1
@@ -52,16 +54,26 @@ class NativeQueue:
         h = native.head(self.pool.ctrl, self.job, self.total)
         return float(self._cum[self.total] - self._cum[h])
 
-    def claim(self, max_bytes: float) -> list:
+    def claim_range(self, max_bytes: float) -> tuple[int, int]:
+        """Queue positions `[i, j)` whose modeled bytes fit `max_bytes` (at least one; empty when
+        nothing is left), taken from the same atomic word the CPU workers pop."""
         h = native.head(self.pool.ctrl, self.job, self.total)
         if h >= self.total:
-            return []
+            return h, h
         j = int(np.searchsorted(self._cum, self._cum[h] + max_bytes, side="right")) - 1
         k = max(1, j - h)
         start = native.claim(self.pool.ctrl, self.job, k, self.total)
         if start < 0:
-            return []
-        return self.tasks[start : start + min(k, self.total - start)]
+            return self.total, self.total
+        return start, start + min(k, self.total - start)
+
+    def claim(self, max_bytes: float) -> list:
+        i, j = self.claim_range(max_bytes)
+        return self.tasks[i:j]
+
+    def range_bytes(self, i: int, j: int) -> float:
+        """Modeled bytes of queue positions `[i, j)`."""
+        return float(self._cum[j] - self._cum[i])
 
     def finish(self, n: int = 1) -> None:
         self.gpu_done += n

@@ -29,6 +29,7 @@ import torch
 from hybrid_runtime.config import Config, ConfigError, GeometryConfig
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
+from hybrid_runtime.gc_control import freeze_collector, thaw_collector
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
 from hybrid_runtime.kvcache import KVStore
 from hybrid_runtime.profiling.timeline import CudaClock, Timeline
@@ -112,9 +113,11 @@ class HybridRuntime:
             cpu_executor = CpuExecutor(store)
         if gpu_executor is None and sc.gpu_worker:
             if torch.cuda.is_available():
-                from hybrid_runtime.executors.gpu_pipelined import PipelinedGpuExecutor
+                from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 
-                gpu_executor = PipelinedGpuExecutor(store, stream=torch.cuda.Stream())
+                gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream())
+                # Compile the claim kernels and measure the link now, not in the first decode step.
+                gpu_executor.warm_up()
             else:
                 log.info("no CUDA device: the GPU lane runs the torch reference executor on the CPU")
                 gpu_executor = TorchRefExecutor(store, device="cpu")
@@ -164,9 +167,24 @@ class HybridRuntime:
             self.scheduler.clock = clock if lane_cuda else None
             self._timeline = Timeline(self.scheduler.worker_names, self.scheduler.worker_lanes,
                                       clock if cfg.profiling.enabled else None, enabled=cfg.profiling.enabled)
+            if self.cuda:
+                self._warm_up_step_kernels()
         except BaseException:
             self.scheduler.close()
             raise
+        self._froze_gc = bool(sc.gc_freeze)
+        if self._froze_gc:
+            freeze_collector()
+
+    def _warm_up_step_kernels(self) -> None:
+        """Compile the window and merge kernels of a one-sequence step (the usual first variant)."""
+        g = self.geometry
+        q = torch.zeros((1, g.q_heads, g.head_dim), dtype=torch.float32, device=self.device)
+        win_k, win_v = self.store.window(0)
+        zero = torch.zeros(2, dtype=torch.int32, device=self.device)
+        out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2])
+        self._merge_gpu(out, lse, out.clone(), lse.clone(), out=out, lse=lse)
+        torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "HybridRuntime":
@@ -180,7 +198,11 @@ class HybridRuntime:
         if self._closed:
             return
         self._closed = True
-        self.scheduler.close()
+        try:
+            self.scheduler.close()
+        finally:
+            if self._froze_gc:
+                thaw_collector()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -429,6 +451,53 @@ class HybridRuntime:
         return out
 
     # ------------------------------------------------------------------ introspection
+    def probe_gpu_lane(
+        self, layer: int, seq_ids: Sequence[int], claim_sizes: Sequence[int] | None = None, repeats: int = 5
+    ) -> list[dict]:
+        """Time the GPU lane alone on this step's tasks: one claim of the first k queue positions.
+
+        For each k (default 1, 2, 4, ... and all tasks): `wall_s`, the median host time from the
+        claim to its completion (planning and launch included: what delays a step), `gpu_s`, the
+        median CUDA-event time of its launches, and `bytes` it read. A benchmark fits
+        `time = fixed cost + bytes / rate` over k. Uses the runtime's GPU-lane buffers: call it
+        between decode steps, never during one.
+        """
+        from hybrid_runtime.task_building import native_table, queue_order
+
+        self._check_open()
+        ex = self.scheduler.lane.executor
+        if ex is None:
+            raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker: false)")
+        seq_ids = [int(s) for s in seq_ids]
+        tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
+        if not tasks:
+            return []
+        ordered, _ = queue_order(tasks)
+        tab, nsel, chunks, _ = native_table(ordered, self.geometry.group_size)
+        b = len(seq_ids)
+        step = Step(layer, self._gq[:b], self._gout[:b], self._glse[:b], self.geometry.group_size)
+        step.q.normal_()
+        n = len(ordered)
+        sizes = claim_sizes or sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)} | {n})
+        rows = []
+        for k in sizes:
+            if not 1 <= k <= n:
+                raise ValueError(f"claim size {k} outside 1..{n} (the step's tasks)")
+            walls, gpus, nbytes = [], [], 0
+            for r in range(repeats + 1):
+                if self.cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                plan = ex.upload(ex.pack(tab, nsel, chunks), ordered)
+                handle = ex.launch(plan, 0, k, step)
+                nbytes = int(np.sum(handle.wait()))
+                t1 = time.perf_counter()
+                if r:  # the first round warms caches
+                    walls.append(t1 - t0)
+                    gpus.append(t1 - t0 if isinstance(handle.end, float) else handle.start.elapsed_time(handle.end) * 1e-3)
+            rows.append({"tasks": k, "bytes": nbytes, "wall_s": float(np.median(walls)), "gpu_s": float(np.median(gpus))})
+        return rows
+
     def stats(self) -> dict:
         """Scheduler estimates and placement, for reports."""
         sch = self.scheduler
@@ -442,6 +511,7 @@ class HybridRuntime:
             "tp_gpu_GBps": sch.tp_gpu / 1e9,
             "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
             "gpu_launch_GBps": sch.gpu_model.bw / 1e9,
+            "gpu_link_GBps": sch.link_bw / 1e9 if sch.link_bw else None,
             "cpu_workers_native": sch.native is not None,
             "gpu_share": sch.gpu_share(),
         }

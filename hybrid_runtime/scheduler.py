@@ -29,7 +29,7 @@ from hybrid_runtime.config import ConfigError, SchedulerConfig
 from hybrid_runtime.executors.base import CpuTaskExecutor, Executor, GpuLaunchExecutor, native_kernel_of
 from hybrid_runtime.gpu_lane import GpuLane, as_launch_executor
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
-from hybrid_runtime.lane_rates import LaunchModel, Throughput
+from hybrid_runtime.lane_rates import LaneRates, LaunchModel
 from hybrid_runtime.pinning import CorePlan, plan_cores
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU
 from hybrid_runtime.queues import NativeQueue
@@ -80,6 +80,11 @@ class Scheduler:
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         if not (has_cpu or has_gpu):
             raise ConfigError("scheduler: no worker at all; set scheduler.cpu_workers >= 1 or scheduler.gpu_worker: true")
+        # What each policy has learned about the lanes (its own samples only), bounded by the
+        # GPU executor's measured link bandwidth when it has one.
+        self.link_bw = getattr(self.gpu_executor, "link_bytes_per_s", None) if has_gpu else None
+        self._rates: dict[str, LaneRates] = {}
+        self.lane: GpuLane | None = None
         self.set_policy(cfg.policy)
         self.n_cpu = cfg.cpu_workers if has_cpu else 0
         self.gpu_is_cuda = gpu_is_cuda
@@ -87,12 +92,9 @@ class Scheduler:
         pinned = self.n_cpu > 0 and self.cores.cpu[0] is not None
         # Idle native workers spin this long for the next job before blocking (only when they
         # own their cores; oversubscribed, spinning would steal the cores from real work).
-        spin_ns = int(float(getattr(cfg, "spin_us", 20000.0)) * 1e3) if pinned else 0
-        # Static GPU share; 0 means "from the measured throughputs". Suggested config key.
-        self.gpu_share_cfg = float(getattr(cfg, "gpu_share", 0.0))
-        # Throughput estimates in modeled bytes per second: one CPU worker, and the whole GPU
-        # lane. Priors from the reference H100 host; measurements replace them within a few steps.
-        self.cpu_rate = Throughput(4e9)
+        spin_ns = int(cfg.spin_us * 1e3) if pinned else 0
+        # Static GPU share; 0 means "from the measured throughputs".
+        self.gpu_share_cfg = cfg.gpu_share
         self.worker_names = [f"cpu{i}" for i in range(self.n_cpu)] + (["gpu"] if has_gpu else [])
         self.worker_lanes = [LANE_CPU] * self.n_cpu + ([LANE_GPU] if has_gpu else [])
         self.gpu_worker_id = self.n_cpu if has_gpu else -1
@@ -101,10 +103,8 @@ class Scheduler:
         self.workers = CpuWorkers(self.cpu_executor, self.cores.cpu, native if use_native else None, spin_ns)
         self.lane = GpuLane(
             as_launch_executor(self.gpu_executor) if has_gpu else None,
-            cpu_rate=self.cpu_rate,
+            rates=self.rates,
             n_cpu=self.n_cpu,
-            rate=Throughput(30e9),  # per-launch average, for the static shares and reports
-            model=LaunchModel(lat=500e-6, bw=45e9),  # sizes the fluxion GPU claims
             worker_id=self.gpu_worker_id,
             poll_sleep=0.0 if pinned else 50e-6,
             wait_on_cpu_queue=self.workers.native is None,
@@ -122,27 +122,30 @@ class Scheduler:
 
     @property
     def tp_cpu_worker(self) -> float:
-        return self.cpu_rate.bytes_per_s
+        """The current policy's estimate of one CPU worker's rate (modeled bytes/s)."""
+        return self.rates.cpu.bytes_per_s
 
     @tp_cpu_worker.setter
     def tp_cpu_worker(self, value: float) -> None:
-        self.cpu_rate.bytes_per_s = value
+        self.rates.cpu.bytes_per_s = value
 
     @property
     def tp_gpu(self) -> float:
-        return self.lane.rate.bytes_per_s
+        """The current policy's estimate of the GPU lane's rate per launch (modeled bytes/s)."""
+        return self.rates.gpu.bytes_per_s
 
     @tp_gpu.setter
     def tp_gpu(self, value: float) -> None:
-        self.lane.rate.bytes_per_s = value
+        self.rates.gpu.bytes_per_s = value
 
     @property
     def gpu_model(self) -> LaunchModel:
-        return self.lane.model
+        """The current policy's GPU launch model."""
+        return self.rates.model
 
     @gpu_model.setter
     def gpu_model(self, model: LaunchModel) -> None:
-        self.lane.model = model
+        self.rates.model = model
 
     @property
     def clock(self) -> Any:
@@ -159,7 +162,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policies
     def set_policy(self, policy: str) -> None:
-        """Switch the policy between steps (benchmarks compare policies on one KV store)."""
+        """Switch the policy between steps (benchmarks compare policies on one KV store).
+
+        Each policy keeps its own lane estimates: switching back resumes what that policy learned
+        from its own steps, and nothing learned under another policy sizes its claims.
+        """
         if policy not in POLICIES:
             raise ConfigError(f"scheduler.policy: {policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
         need_cpu, need_gpu = NEEDS[policy]
@@ -171,6 +178,9 @@ class Scheduler:
                 "(without CUDA the GPU lane runs the torch reference executor)"
             )
         self.policy = policy
+        self.rates = self._rates.setdefault(policy, LaneRates(self.link_bw))
+        if self.lane is not None:
+            self.lane.rates = self.rates
 
     def gpu_share(self) -> float:
         """The static policies' GPU share: configured, else measured throughput ratio."""
@@ -260,7 +270,7 @@ class Scheduler:
     def collect(self, job: StepJob) -> None:
         """After a successful step: native records into the job's columns; CPU throughput."""
         self.workers.collect(job)
-        self.cpu_rate.update(job.cpu_bytes, job.cpu_busy)
+        self.rates.cpu.update(job.cpu_bytes, job.cpu_busy)
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:

@@ -41,8 +41,9 @@ class StepJob:
     gpu_queue: Any = None
     shared: bool = False
     error: BaseException | None = None
-    gpu_batches: list = field(default_factory=list)  # [(start, end, [task rows])] of every GPU launch
+    gpu_batches: list = field(default_factory=list)  # [(start, end, task rows)] of every GPU launch
     columns: dict | None = None
+    gpu_bytes: float = 0.0  # bytes the GPU lane's claims read
     cpu_bytes: float = 0.0  # modeled bytes and busy seconds of CPU tasks (throughput estimate)
     cpu_busy: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,6 +76,18 @@ class StepJob:
         if pos is None:
             pos = self._pos = {id(t): i for i, t in enumerate(mine)}
         return [pos[id(t)] for t in tasks]
+
+    def queue_rows(self, q: Any) -> np.ndarray:
+        """Row in `self.tasks` of each position of queue `q` (made once per queue and step)."""
+        rows = getattr(q, "rows", None)
+        if rows is None:
+            order = getattr(q, "order", None)
+            if order is not None and len(q.tasks) == len(self.tasks):
+                rows = np.asarray(order, dtype=np.int64)  # a queue over the whole task list
+            else:
+                rows = np.asarray(self.rows(q.tasks), dtype=np.int64)
+            q.rows = rows
+        return rows
 
     def queues(self) -> list:
         qs = [q for q in (self.cpu_queue, self.gpu_queue) if q is not None]

@@ -110,4 +110,21 @@ def native_table(ordered: Sequence[Task], group_size: int) -> tuple:
     return tab, nsel, chunks, cum
 
 
-__all__ = ["TaskList", "build_tasks", "native_table", "queue_order"]
+def queue_arrays(q: Any, whole: "TaskList | None" = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tab, nsel, chunks) of a queue's tasks in queue order (`native_table` columns).
+
+    A `NativeQueue` already holds them; a queue over a whole task list (`whole`) takes the table
+    cached on that list; any other queue (a static split's share) builds it.
+    """
+    if getattr(q, "tab", None) is not None:
+        return q.tab, q.nsel, q.chunks
+    g = len(q.tasks[0].n_select) if len(q.tasks) else 1
+    if whole is not None:
+        table = getattr(whole, "_native", None)
+        if table is None:
+            table = whole._native = native_table(q.tasks, g)
+        return table[:3]
+    return native_table(q.tasks, g)[:3]
+
+
+__all__ = ["TaskList", "build_tasks", "native_table", "queue_arrays", "queue_order"]

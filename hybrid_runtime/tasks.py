@@ -134,6 +134,8 @@ class TaskQueue:
             raise ValueError(f"{len(tasks)} tasks but {len(priorities)} priorities and {len(nbytes)} byte counts")
         # Stable sort on -V: equal volumes keep their construction order (deterministic runs).
         order = np.argsort(-np.asarray(priorities, dtype=np.float64), kind="stable")
+        self.order = order  # position in the queue -> index in `tasks`
+        self.rows: np.ndarray | None = None  # position -> row of the step's task list (StepJob.queue_rows)
         self._tasks = [tasks[i] for i in order.tolist()]
         nbytes = np.asarray(nbytes, dtype=np.float64)[order]
         # _cum[i] = modeled bytes of the first i tasks in queue order.
@@ -211,12 +213,17 @@ class TaskQueue:
 
         Returns [] when nothing is left.
         """
+        i, j = self.claim_range(max_bytes, finished, max_tasks)
+        return self._tasks[i:j]
+
+    def claim_range(self, max_bytes: float, finished: int = 0, max_tasks: int | None = None) -> tuple[int, int]:
+        """`claim` as queue positions `[i, j)` (empty when nothing is left): no list is built."""
         with self._lock:
             if finished:
                 self._finish_locked(finished)
             i = self._next
             if i >= self._n:
-                return []
+                return i, i
             # Largest j with cum[j] - cum[i] <= max_bytes; at least one task.
             j = int(np.searchsorted(self._cum, self._cum[i] + max_bytes, side="right")) - 1
             j = min(max(j, i + 1), self._n)
@@ -224,7 +231,11 @@ class TaskQueue:
                 j = min(j, i + max(1, max_tasks))
             self._next = j
             self._in_flight += j - i
-            return self._tasks[i:j]
+            return i, j
+
+    def range_bytes(self, i: int, j: int) -> float:
+        """Modeled bytes of queue positions `[i, j)`."""
+        return float(self._cum[j] - self._cum[i])
 
     def finish(self, n: int = 1) -> None:
         """Report `n` handed-out tasks as done (successfully or not)."""

@@ -83,13 +83,13 @@ class CpuWorkers:
             if whole and isinstance(tasks, TaskList) and getattr(tasks, "priority", None) is not None:
                 return TaskQueue(tasks, tasks.priority, tasks.modeled_bytes)
             return TaskQueue(tasks)
-        ordered, _ = queue_order(tasks)
+        ordered, order = queue_order(tasks)
         table = getattr(tasks, "_native", None) if whole else None
         if table is None:
             table = native_table(ordered, self._native_args["g"])
             if whole and isinstance(tasks, TaskList):
                 tasks._native = table  # reused while the runtime reuses this task list
-        return NativeQueue(self.native, ordered, table)
+        return NativeQueue(self.native, ordered, table, order)
 
     def wake(self) -> None:
         """Hand `self.job`'s CPU queue to the workers (published to the native ones)."""
@@ -179,7 +179,10 @@ class CpuWorkers:
             native_pool.add_done(buf.ctrl, 1)
 
     def collect(self, job: StepJob) -> None:
-        """After a successful step: native records into the job's columns, tasks and CPU totals."""
+        """After a successful step: native records into the job's columns and the CPU totals.
+
+        Vectorised over the queue; task objects are not touched (their results live in columns).
+        """
         q = job.cpu_queue
         if not (isinstance(q, NativeQueue) and q.total):
             return
@@ -190,16 +193,12 @@ class CpuWorkers:
         nbytes = rec[:, native_pool.R_BYTES]
         if job.columns is not None:
             cols = job.columns
-            r = np.asarray(job.rows(q.tasks), dtype=np.int64)[mine]  # row in job.tasks of each queue position
+            r = job.queue_rows(q)[mine]
             cols["worker"][r] = rec[mine, native_pool.R_WORKER]
             cols["start"][r] = start[mine]
             cols["end"][r] = end[mine]
             cols["bytes"][r] = nbytes[mine]
             cols["overhead"][r] = rec[mine, native_pool.R_OVERHEAD] * 1e-9
-        for t, m, b in zip(q.tasks, mine.tolist(), nbytes.tolist()):
-            if m:
-                t.bytes_read = b
-                t.device = "cpu"
         job.cpu_busy = float((end - start)[mine].sum())
         job.cpu_bytes = float(np.diff(q._cum)[mine].sum())
         if self.executor is not None:

@@ -205,34 +205,44 @@ class CountingCpu:
 
 
 class _Handle:
-    def __init__(self, start, end):
+    def __init__(self, start, end, nbytes):
         self.start, self.end = start, end
+        self.nbytes = nbytes
 
     def wait(self):
-        return None
+        return self.nbytes
 
 
 class CountingGpu:
-    """GPU executor double with the pipelined `launch` interface."""
+    """GPU executor double with the lane's plan-once, claim-many interface (`pack`, `upload`, `launch`)."""
 
     device = "gpu"
     stream = None
+    link_bytes_per_s = None
 
     def __init__(self, fail_on: int | None = None):
         self.runs: list[int] = []
         self.batches: list[int] = []
+        self.uploads = 0
         self.fail_on = fail_on
         self.bytes_read = 0
 
-    def launch(self, tasks, step):
+    def pack(self, tab, nsel, chunks):
+        return ("packed", len(tab))
+
+    def upload(self, packed, ordered):
+        self.uploads += 1
+        assert packed == ("packed", len(ordered))
+        return ordered
+
+    def launch(self, plan, start, stop, step):
         t0 = time.perf_counter()
-        for t in tasks:
+        for t in plan[start:stop]:
             if self.fail_on is not None and t.seq_id == self.fail_on:
                 raise RuntimeError(f"launch failed on task {t.seq_id}")
             self.runs.append(t.seq_id)
-            t.bytes_read = 1
-        self.batches.append(len(tasks))
-        return _Handle(t0, time.perf_counter() + 1e-6)
+        self.batches.append(stop - start)
+        return _Handle(t0, time.perf_counter() + 1e-6, np.ones(stop - start, dtype=np.int64))
 
 
 def sched_cfg(policy="fluxion", cpu_workers=4, gpu_worker=True, timeout=120.0):
@@ -241,7 +251,7 @@ def sched_cfg(policy="fluxion", cpu_workers=4, gpu_worker=True, timeout=120.0):
 
 
 def run_job(s: Scheduler, tasks, timeout=None) -> StepJob:
-    job = StepJob(0, tasks, cpu_arrays=(None, None, None), record=False)
+    job = StepJob(0, tasks, cpu_arrays=(None, None, None))
     s.run(job, timeout)
     return job
 
@@ -265,7 +275,9 @@ def test_every_task_runs_exactly_once_under_contention(policy):
                 assert not cpu.runs
             if policy in ("uniform", "length"):  # static splits give both lanes work
                 assert cpu.runs and gpu.runs
-            assert all(t.worker >= 0 for t in tasks)
+            assert (job.columns["worker"] >= 0).all()  # every task recorded by the lane that ran it
+            if policy != "cpu_only":
+                assert gpu.uploads == step + 1  # the GPU lane's table: once per step
     finally:
         s.close()
     assert not any(t.is_alive() for t in s.threads)

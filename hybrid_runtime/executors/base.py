@@ -6,9 +6,10 @@ The scheduler needs more from each lane, so each lane has its own protocol:
 * CPU workers call `CpuTaskExecutor.run_one` one task at a time from their own threads, or --
   when the executor names a numba kernel in `native_kernel` -- run that kernel inside the native
   worker loop (`native_pool.worker_loop`) with no Python per task.
-* The GPU lane calls `GpuLaunchExecutor.launch` and keeps launches queued on the executor's
+* The GPU lane uploads the step's table once (`GpuLaunchExecutor.upload`), then claims ranges
+  of queue positions and calls `launch` for each, keeping launches queued on the executor's
   stream; an executor that only has `run` is wrapped once by the scheduler
-  (`gpu_lane.as_launch_executor`) and then runs synchronously.
+  (`gpu_lane.as_launch_executor`) and then runs each claim synchronously.
 """
 
 from __future__ import annotations
@@ -65,35 +66,48 @@ def native_kernel_of(executor: Any) -> Callable[..., int] | None:
 
 
 class LaunchHandle(Protocol):
-    """One queued GPU launch.
+    """One queued GPU claim.
 
     `start`/`end` are CUDA events bracketing it on the stream, or host `perf_counter` seconds
-    (a float) for a launch that already ran. `wait` blocks until it finished and settles
-    `task.bytes_read`. A handle may also have `query() -> bool` (finished yet, without blocking);
-    without it the lane treats the launch as finished and calls `wait`.
+    (a float) for a claim that already ran. `wait` blocks until it finished and returns the
+    bytes each of its tasks read, in claim order. A handle may also have `query() -> bool`
+    (finished yet, without blocking); without it the lane treats the claim as finished.
     """
 
     start: Any
     end: Any
 
-    def wait(self) -> None: ...
+    def wait(self) -> np.ndarray: ...
 
 
 @runtime_checkable
 class GpuLaunchExecutor(Protocol):
-    """What the GPU lane calls (`device = "gpu"`).
+    """What the GPU lane calls (`device = "gpu"`): plan once per step, run many claims.
+
+    `pack(tab, nsel, chunks)` turns a queue's tasks in queue order (`task_building.native_table`
+    columns) into the executor's own table; the lane caches the result with the task set.
+    `upload(packed, ordered)` makes it the step's plan (for a CUDA executor, one copy to the
+    device; `ordered` is the queue's task list, for executors that run `Task` objects).
+    `launch(plan, start, stop, step)` queues queue positions `[start, stop)` and returns at once.
 
     `stream`: the CUDA stream the launches run on; the lane makes it wait for `job.gpu_ready`
-    (q and the lane's buffers written on the caller's stream) before the first launch. None: the
+    (q and the lane's buffers written on the caller's stream) before the step's upload. None: the
     executor orders its work after the caller's stream itself, and the lane adds no wait.
+    `link_bytes_per_s`: the measured host-to-GPU bandwidth that bounds the lane's rate model, or
+    None when unknown.
     """
 
     device: str
     bytes_read: int
     stream: "torch.cuda.Stream | None"
+    link_bytes_per_s: float | None
 
-    def launch(self, tasks: Sequence[Task], step: Step) -> LaunchHandle:
-        """Queue `tasks` (at least one) and return at once with a handle."""
+    def pack(self, tab: np.ndarray, nsel: np.ndarray, chunks: np.ndarray) -> Any: ...
+
+    def upload(self, packed: Any, ordered: Sequence[Task]) -> Any: ...
+
+    def launch(self, plan: Any, start: int, stop: int, step: Step) -> LaunchHandle:
+        """Queue positions `[start, stop)` (at least one) of the step's plan; return a handle."""
         ...
 
 

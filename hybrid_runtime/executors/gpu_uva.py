@@ -25,6 +25,8 @@ from cpu_kernels import layout
 from gpu_kernels.score_select import score_select
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, sparse_attention_claim
 from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table
+from hybrid_runtime import native_pool
+from hybrid_runtime.task_building import native_table
 from hybrid_runtime.tasks import Step, Task
 
 
@@ -71,6 +73,7 @@ class GpuUvaExecutor:
         self.config = config or SparseConfig()
         self.bytes_read = 0
         self.launches = 0
+        self.link_bytes_per_s: float | None = None  # measured by warm_up (CUDA only)
         self.group_size = store.geometry.group_size
         self.head_dim = store.head_dim
         self.esize = torch.tensor([], dtype=store.dtype).element_size()
@@ -109,12 +112,14 @@ class GpuUvaExecutor:
         return self.store.arena_cuda(layer) if self.cuda else self.store.arena(layer)
 
     # ------------------------------------------------------------------ plan
-    def pack(self, batch_index, kv_head, block_size, cpu_len, chunk_off, n_chunks, n_select, chunk_ids) -> tuple:
-        """The step's table in queue order, validated and packed (cache it with the task set)."""
-        return pack_step_table(batch_index, kv_head, block_size, cpu_len, chunk_off, n_chunks, n_select,
-                               self.store.n_chunks, chunk_ids)
+    def pack(self, tab: np.ndarray, nsel: np.ndarray, chunks: np.ndarray) -> tuple:
+        """A queue's tasks in queue order (`native_table` columns), validated and packed; the
+        caller caches it with the task set."""
+        return pack_step_table(tab[:, native_pool.T_BATCH], tab[:, native_pool.T_KVHEAD], tab[:, native_pool.T_BLOCK],
+                               tab[:, native_pool.T_CPULEN], tab[:, native_pool.T_CHUNK_OFF],
+                               tab[:, native_pool.T_N_CHUNKS], nsel, self.store.n_chunks, chunks)
 
-    def upload(self, packed: tuple) -> StepTable:
+    def upload(self, packed: tuple, ordered: Sequence[Task] = ()) -> StepTable:
         """One copy of a packed table to the device, ordered on the executor's stream."""
         data, n_blocks, union_pages, block_size = packed
         if n_blocks.shape[0]:
@@ -185,17 +190,8 @@ class GpuUvaExecutor:
         for name, x in (("q", step.q), ("out", step.out), ("lse", step.lse)):
             if x.device.type != self.dev.type or x.dtype != torch.float32 or not x.is_contiguous():
                 raise ValueError(f"step.{name} must be a contiguous float32 tensor on {self.dev}, got {x.dtype} on {x.device}")
-        lens = np.fromiter((len(t.chunks) for t in tasks), dtype=np.int64, count=len(tasks))
-        packed = self.pack(
-            np.fromiter((t.batch_index for t in tasks), np.int64, len(tasks)),
-            np.fromiter((t.kv_head for t in tasks), np.int64, len(tasks)),
-            np.fromiter((t.block_size for t in tasks), np.int64, len(tasks)),
-            np.fromiter((t.cpu_len for t in tasks), np.int64, len(tasks)),
-            np.concatenate([[0], np.cumsum(lens)[:-1]]),
-            lens,
-            n_select,
-            np.concatenate([np.asarray(t.chunks, dtype=np.int32).reshape(-1) for t in tasks]),
-        )
+        tab, nsel, chunks, _ = native_table(tasks, g)
+        packed = self.pack(tab, nsel, chunks)
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())  # step.q is ready
         table = self.upload(packed)
@@ -205,21 +201,38 @@ class GpuUvaExecutor:
             task.device = self.device
 
     def warm_up(self) -> None:
-        """Compile every kernel variant now (one tiny claim on chunk 0 of layer 0's arena)."""
-        g, d, hq = self.group_size, self.head_dim, self.store.geometry.q_heads
-        packed = self.pack(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, 16, np.int64),
-                           np.full(1, layout.CHUNK_TOKENS, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64),
-                           np.ones((1, g), np.int32), np.zeros(1, np.int32))
-        q = torch.zeros((1, hq, d), dtype=torch.float32, device=self.dev)
-        step = Step.empty(0, q, g)
+        """Compile every kernel variant now (one tiny claim on chunk 0 of layer 0's arena) and
+        measure the host-to-GPU link, which bounds the scheduler's model of this lane."""
+        g, hq, d = self.group_size, self.store.geometry.q_heads, self.head_dim
+        tab = np.zeros((1, native_pool.T_COLS), dtype=np.int64)
+        tab[0, native_pool.T_BLOCK] = 16
+        tab[0, native_pool.T_CPULEN] = layout.CHUNK_TOKENS
+        tab[0, native_pool.T_N_CHUNKS] = 1
+        packed = self.pack(tab, np.ones((1, g), np.int32), np.zeros(1, np.int32))
+        step = Step.empty(0, torch.zeros((1, hq, d), dtype=torch.float32, device=self.dev), g)
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
-        for layer in range(self.store.layers):  # one variant per arena dtype; all layers share it
-            step.layer = layer
-            self.launch(self.upload(packed), 0, 1, step).wait()
-            break
+        # One variant per arena dtype and geometry; every layer's arena shares it.
+        self.launch(self.upload(packed), 0, 1, step).wait()
         self.bytes_read = 0
         self.launches = 0
+        if self.cuda:
+            self.link_bytes_per_s = link_bandwidth(self.dev)
+
+
+def link_bandwidth(device: torch.device, nbytes: int = 64 << 20, reps: int = 3) -> float:
+    """Pinned host -> device copy rate (bytes/s), best of `reps`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = 0.0
+    for _ in range(reps + 1):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src, non_blocking=True)
+        e1.record()
+        e1.synchronize()
+        best = max(best, nbytes / (e0.elapsed_time(e1) * 1e-3))
+    return best
 
 
 # The runtime's GPU lane executor (kept under its earlier name for callers that import it).
