@@ -123,6 +123,17 @@ class GpuLane:
         # them before reusing the step buffers.
         self.orphan: StepJob | None = None
 
+    def reserve_first(self, job: StepJob) -> None:
+        """The GPU's first claim of a shared step, taken from the queue's head before the CPU
+        workers are woken: sized from the lanes' rates so both finish together, it cannot be
+        eaten by workers that start popping the moment the step is published."""
+        gq = job.gpu_queue
+        want = self.claim_bytes(job, gq, 0.0, idle_stream=True)
+        if want <= 0 and self.skipped >= self.EXPLORE_AFTER:
+            want = 1.0  # one task: re-measure the GPU lane
+        if want > 0:
+            job.gpu_first = gq.reserve_head(want)
+
     def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None) -> None:
         """The GPU lane and the wait for the step's end, on the calling thread."""
         gq = job.gpu_queue if job.gpu_used else None
@@ -170,10 +181,13 @@ class GpuLane:
             if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH:
                 t0 = time.perf_counter()
                 busy_s = max(0.0, free_at - t0) if pipeline else 0.0
-                want = self.claim_bytes(job, gq, busy_s, idle_stream=not pipeline)
+                want = 0.0 if job.gpu_first is not None else self.claim_bytes(job, gq, busy_s, idle_stream=not pipeline)
                 if want <= 0 and job.shared and not launched and self.skipped >= self.EXPLORE_AFTER:
                     want = 1.0  # one task: re-measure the GPU lane
-                i, j = gq.claim_range(want) if want > 0 else (0, 0)
+                if job.gpu_first is not None:
+                    (i, j), job.gpu_first = job.gpu_first, None
+                else:
+                    i, j = gq.claim_range(want) if want > 0 else (0, 0)
                 if j > i:
                     launched = True
                     nb = gq.range_bytes(i, j)

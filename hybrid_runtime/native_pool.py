@@ -213,8 +213,12 @@ def worker_loop(ctrl, wid, spin_ns, mode, arenas, q_flat, res_flat, hq, d, g, ta
 
 
 @numba.njit(nogil=True, cache=True)
-def publish(ctrl, layer, b, n):
-    """Make the job (tables already written) visible; returns its id."""
+def publish(ctrl, layer, b, n, start=0):
+    """Make the job (tables already written) visible; returns its id.
+
+    Positions `[0, start)` are already taken (the GPU lane's first claim, made before the CPU
+    workers can pop anything): the first pop gets position `start`.
+    """
     s = atomic_load(ctrl, C_SEQ)
     atomic_store(ctrl, C_SEQ, s + 1)
     atomic_store(ctrl, C_LAYER, layer)
@@ -222,7 +226,7 @@ def publish(ctrl, layer, b, n):
     atomic_store(ctrl, C_N, n)
     job = (s + 2) >> 1
     atomic_store(ctrl, C_DONE, 0)
-    atomic_store(ctrl, C_WORD, job << 32)
+    atomic_store(ctrl, C_WORD, (job << 32) | start)
     atomic_store(ctrl, C_SEQ, s + 2)
     return job
 

@@ -32,6 +32,7 @@ class NativeQueue:
         self.tab, self.nsel, self.chunks, self._cum = table
         self.total = len(ordered)
         self.job = -1
+        self.reserved = 0  # head positions taken by the GPU lane before publishing
         self.gpu_done = 0
         self.closed_at: int | None = None
         self._close_lock = threading.Lock()
@@ -44,15 +45,26 @@ class NativeQueue:
         buf.chunks[:c] = self.chunks
         buf.rec[:t] = 0
         buf.rec[:t, native.R_WORKER] = -1
-        self.job = native.publish(buf.ctrl, layer, batch, t)
+        self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved)
 
     def __len__(self) -> int:
         return self.total - native.head(self.pool.ctrl, self.job, self.total)
 
     @property
     def remaining_bytes(self) -> float:
+        if self.job < 0:  # not published yet
+            return float(self._cum[self.total] - self._cum[self.reserved])
         h = native.head(self.pool.ctrl, self.job, self.total)
         return float(self._cum[self.total] - self._cum[h])
+
+    def reserve_head(self, max_bytes: float) -> tuple[int, int]:
+        """Before `publish`: take head positions `[0, k)` whose modeled bytes fit `max_bytes` (at
+        least one) for the GPU lane, so its first claim is made before any CPU worker pops."""
+        if self.job >= 0:
+            raise RuntimeError("reserve_head after publish: the CPU workers may already hold the head")
+        k = int(np.searchsorted(self._cum, max_bytes, side="right")) - 1
+        self.reserved = min(max(1, k), self.total)
+        return 0, self.reserved
 
     def claim_range(self, max_bytes: float) -> tuple[int, int]:
         """Queue positions `[i, j)` whose modeled bytes fit `max_bytes` (at least one; empty when

@@ -457,8 +457,10 @@ class HybridRuntime:
         """Time the GPU lane alone on this step's tasks: one claim of the first k queue positions.
 
         For each k (default 1, 2, 4, ... and all tasks): `wall_s`, the median host time from the
-        claim to its completion (planning and launch included: what delays a step), `gpu_s`, the
-        median CUDA-event time of its launches, and `bytes` it read. A benchmark fits
+        claim to its completion (the launch's host work included: what delays a step), `gpu_s`,
+        the median CUDA-event time of its launches, `bytes` it read, and `upload_s`, the median
+        host time of the step's table upload that precedes the claims (once per step, not per
+        claim; packing is once per task set and not timed). A benchmark fits
         `time = fixed cost + bytes / rate` over k. Uses the runtime's GPU-lane buffers: call it
         between decode steps, never during one.
         """
@@ -483,19 +485,26 @@ class HybridRuntime:
         for k in sizes:
             if not 1 <= k <= n:
                 raise ValueError(f"claim size {k} outside 1..{n} (the step's tasks)")
-            walls, gpus, nbytes = [], [], 0
+            walls, gpus, uploads, nbytes = [], [], [], 0
+            packed = ex.pack(tab, nsel, chunks)
             for r in range(repeats + 1):
                 if self.cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                plan = ex.upload(ex.pack(tab, nsel, chunks), ordered)
+                plan = ex.upload(packed, ordered)
+                if self.cuda:
+                    torch.cuda.synchronize()
+                t_up = time.perf_counter()
+                uploads.append(t_up - t0)
+                t0 = t_up
                 handle = ex.launch(plan, 0, k, step)
                 nbytes = int(np.sum(handle.wait()))
                 t1 = time.perf_counter()
                 if r:  # the first round warms caches
                     walls.append(t1 - t0)
                     gpus.append(t1 - t0 if isinstance(handle.end, float) else handle.start.elapsed_time(handle.end) * 1e-3)
-            rows.append({"tasks": k, "bytes": nbytes, "wall_s": float(np.median(walls)), "gpu_s": float(np.median(gpus))})
+            rows.append({"tasks": k, "bytes": nbytes, "wall_s": float(np.median(walls)), "gpu_s": float(np.median(gpus)),
+                         "upload_s": float(np.median(uploads))})
         return rows
 
     def stats(self) -> dict:

@@ -237,8 +237,9 @@ class Scheduler:
     ) -> None:
         """Split `job`, run it on both lanes and return when every task finished.
 
-        Order on the calling thread: `before_cpu` (the host waits for q, clears the CPU result
-        buffer), release the CPU workers, `before_gpu` (the GPU lane's buffers), first GPU launch,
+        Order on the calling thread: the GPU lane reserves its first claim from the head of a
+        shared queue, `before_cpu` (the host waits for q, clears the CPU result buffer), release
+        the CPU workers, `before_gpu` (the GPU lane's buffers), first GPU launch,
         `side_work` (the caller's own GPU work, e.g. the window attention, which then overlaps
         the tasks), then keep the GPU lane fed while polling for the end of the step. With
         `collect=False` the caller calls `collect(job)` itself, off the step's critical path. A worker's exception is re-raised here; on a
@@ -251,6 +252,8 @@ class Scheduler:
         deadline = time.monotonic() + timeout
         self.lane.await_orphan(timeout)
         self.split(job)
+        if job.shared:
+            self.lane.reserve_first(job)
         self.workers.job = job
         if job.cpu_used:
             if before_cpu is not None:

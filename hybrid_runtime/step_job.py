@@ -40,6 +40,7 @@ class StepJob:
     cpu_queue: Any = None
     gpu_queue: Any = None
     shared: bool = False
+    gpu_first: tuple | None = None  # queue positions the GPU lane reserved before the CPU workers woke
     error: BaseException | None = None
     gpu_batches: list = field(default_factory=list)  # [(start, end, task rows)] of every GPU launch
     columns: dict | None = None
