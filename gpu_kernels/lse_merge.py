@@ -14,7 +14,7 @@ import triton.language as tl
 from gpu_kernels._checks import check_tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # the row count follows the batch: no variant per batch size
 def _merge_kernel(
     out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr,
     R, D: tl.constexpr, BLOCK_R: tl.constexpr,

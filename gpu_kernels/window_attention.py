@@ -21,14 +21,19 @@ import triton.language as tl
 from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_in_fp32, dot_precision, next_pow2
 
 
-@triton.jit
+# The split count, span and split length change from step to step (the window grows), and the
+# scratch and index views move with the batch: none of them may pick a compiled variant, or a
+# decode step would stop to compile one (hundreds of ms). `MULTI` (one split or several) is the
+# only shape choice; both variants are compiled at the runtime's warm-up.
+@triton.jit(do_not_specialize=["SPLIT_LEN", "SPAN", "N_SPLITS"],
+            do_not_specialize_on_alignment=["slots_ptr", "lens_ptr", "part_out_ptr", "part_lse_ptr", "counter_ptr"])
 def _window_attn_kernel(
     q_ptr, stride_qb, stride_qh,
     k_ptr, v_ptr, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     slots_ptr, lens_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    HKV, SPLIT_LEN, SPAN,
-    N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HKV, SPLIT_LEN, SPAN, N_SPLITS,
+    MULTI: tl.constexpr, BLOCK_S: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -84,7 +89,7 @@ def _window_attn_kernel(
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     final = r.to(tl.int64) * G + g  # == b * Hq + kvh * G + g
-    if N_SPLITS == 1:
+    if not MULTI:
         tl.store(out_ptr + final[:, None] * D + d[None, :], o, mask=gmask[:, None])
         tl.store(lse_ptr + final, lse, mask=gmask)
     else:
@@ -108,7 +113,7 @@ def _window_attn_kernel(
             lse_fin = tl.where(has_all, m_all_safe + tl.log(tl.where(has_all, tot, 1.0)), float("-inf"))
             lse_fin_safe = tl.where(has_all, lse_fin, 0.0)
             o_fin = tl.zeros([BLOCK_G, D], tl.float32)
-            for si in tl.static_range(N_SPLITS):
+            for si in range(0, N_SPLITS):
                 prow = (r.to(tl.int64) * N_SPLITS + si) * G + g
                 ls = tl.load(part_lse_ptr + prow, mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 w = tl.where(has_all, tl.exp(ls - lse_fin_safe), 0.0)
@@ -168,7 +173,11 @@ def split_count(dev: torch.device, rows: int, span: int, block_n: int, min_tiles
     programs beat many short ones here, since each split adds partial writes and a reduction."""
     n_tiles = _cdiv(span, block_n)
     sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 2
-    return max(1, min(sms // max(rows, 1), n_tiles // min_tiles, 64))
+    return max(1, min(sms // max(rows, 1), n_tiles // min_tiles, MAX_SPLITS))
+
+
+# Most splits of a row (a power of two: the combine reads every split's lse in one load).
+MAX_SPLITS = 64
 
 
 def window_attention(
@@ -220,6 +229,7 @@ def window_attention(
     span = w if max_len is None else max(1, min(int(max_len), w))
     if n_splits is None:
         n_splits = split_count(dev, rows, span, block_n)
+    n_splits = max(1, min(n_splits, MAX_SPLITS))
     split_len = _cdiv(_cdiv(span, block_n), max(1, n_splits)) * block_n
     n_splits = _cdiv(span, split_len)
     if n_splits == 1:
@@ -233,8 +243,8 @@ def window_attention(
         v_win.stride(0), v_win.stride(1), v_win.stride(2),
         slots, lengths,
         out, lse, part_out, part_lse, counters,
-        hkv, split_len, span,
-        N_SPLITS=n_splits, BLOCK_S=next_pow2(n_splits),
+        hkv, split_len, span, n_splits,
+        MULTI=n_splits > 1, BLOCK_S=MAX_SPLITS,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n, DOT_FP32=dot_in_fp32(k_win.dtype),
         DOT_PRECISION=dot_precision(k_win.dtype),
         num_warps=num_warps, num_stages=num_stages,

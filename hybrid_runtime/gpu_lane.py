@@ -134,8 +134,13 @@ class GpuLane:
         if want > 0:
             job.gpu_first = gq.reserve_head(want)
 
-    def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None) -> None:
-        """The GPU lane and the wait for the step's end, on the calling thread."""
+    def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None,
+              start_cpu: Callable[[], None] | None = None) -> None:
+        """The GPU lane and the wait for the step's end, on the calling thread.
+
+        `start_cpu` (wake the CPU workers) runs right after the GPU lane's reserved first claim is
+        launched, or first thing when there is none; then `side_work`, once.
+        """
         gq = job.gpu_queue if job.gpu_used else None
         ex = self.executor
         plan, rows = None, None
@@ -151,11 +156,15 @@ class GpuLane:
         free_at = 0.0  # host time the GPU lane is expected to finish what it has queued
         prev_done = None  # host time the previous launch ended
         launched = False
+        cpu_pending = start_cpu is not None
         side_pending = side_work is not None
         timed_out = False
         grace_end = None
         while True:
             progressed = False
+            if cpu_pending and (job.gpu_first is None or job.error is not None):
+                cpu_pending = False
+                self._call(job, start_cpu)
             # Retire finished launches first, so the claim below sees the stream as it is.
             while pipeline:
                 handle = pipeline[0][0]
@@ -200,12 +209,12 @@ class GpuLane:
                         gq.finish(j - i)
                         job.fail(exc)
                     progressed = True
+            if cpu_pending:
+                cpu_pending = False
+                self._call(job, start_cpu)
             if side_pending:
                 side_pending = False
-                try:
-                    side_work()
-                except BaseException as exc:
-                    job.fail(exc)
+                self._call(job, side_work)
                 continue
             if job.done() and not pipeline:
                 if job.shared:
@@ -227,6 +236,13 @@ class GpuLane:
                 return
             if not progressed:
                 self._idle(job)
+
+    @staticmethod
+    def _call(job: StepJob, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            job.fail(exc)
 
     def _idle(self, job: StepJob) -> None:
         """Nothing to do this round: spin (native workers, own core) or block briefly (GIL-bound)."""

@@ -91,11 +91,15 @@ class NativeQueue:
         self.gpu_done += n
 
     def finished(self) -> int:
+        if self.job < 0:  # never published: only the GPU lane's reserved head ran
+            return self.gpu_done
         return int(native.done(self.pool.ctrl)) + self.gpu_done
 
     def close(self) -> int:
         with self._close_lock:
-            if self.closed_at is None:
+            if self.closed_at is None and self.job < 0:
+                self.closed_at = self.reserved  # the step failed before the CPU workers saw it
+            elif self.closed_at is None:
                 self.closed_at = int(native.close(self.pool.ctrl, self.job, self.total))
             return self.total - self.closed_at
 

@@ -177,12 +177,14 @@ class HybridRuntime:
             freeze_collector()
 
     def _warm_up_step_kernels(self) -> None:
-        """Compile the window and merge kernels of a one-sequence step (the usual first variant)."""
+        """Compile the window kernel's two variants (one split, several) and the merge kernel now:
+        their arguments never select another variant, so no decode step compiles."""
         g = self.geometry
         q = torch.zeros((1, g.q_heads, g.head_dim), dtype=torch.float32, device=self.device)
         win_k, win_v = self.store.window(0)
         zero = torch.zeros(2, dtype=torch.int32, device=self.device)
-        out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2])
+        for n_splits in (1, 2):
+            out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2], n_splits=n_splits)
         self._merge_gpu(out, lse, out.clone(), lse.clone(), out=out, lse=lse)
         torch.cuda.synchronize()
 
