@@ -35,26 +35,30 @@ class CachedLaunch:
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, variant: tuple, num_warps: int) -> None:
         key = (variant, num_warps)
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
-        if kernel is None or _hooks_installed():
+        if kernel is None:
             kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
-            if not interpreted() and kernel is not None:
+            if not interpreted() and kernel is not None and _KNOBS is not None:
                 self._compiled[key] = kernel
             return
         try:
             stream = torch.cuda.current_stream().cuda_stream
             g1 = grid[1] if len(grid) > 1 else 1
-            kernel.run(grid[0], g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       *args, *constexprs.values())
+            rt = _KNOBS.runtime
+            enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+            argv = (*args, *constexprs.values())
+            # Launch hooks (profilers) get the metadata the JIT would give them.
+            meta = kernel.launch_metadata(grid, stream, *argv) if enter is not None else None
+            kernel.run(grid[0], g1, 1, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *argv)
+            self.fast_launches += 1
         except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
             log.warning("cached Triton launch unavailable (%s); launching through the JIT", exc)
             self._broken = True
             self.fn[grid](*args, **constexprs, num_warps=num_warps)
 
+    fast_launches = 0
 
-def _hooks_installed() -> bool:
-    try:
-        from triton import knobs
 
-        return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
-    except (ImportError, AttributeError):
-        return True
+try:  # the JIT reads its launch hooks here too (Triton >= 3.3)
+    from triton import knobs as _KNOBS
+except ImportError:  # older Triton: always launch through the JIT
+    _KNOBS = None

@@ -277,20 +277,25 @@ class StepTableBuffer:
             self._copied.synchronize()
         if n > self.capacity:
             self._alloc(max(n, 2 * self.capacity))  # rare: a step with more tasks or chunks than before
-        t = int(n_blocks.shape[0])
         self._host.numpy()[:n] = packed
         if self._cuda:
             self._dev[:n].copy_(self._host[:n], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
-        dev = self._dev
-        n_tab = t * N_COLS
-        return StepTable(
-            table=dev[:n_tab].view(t, N_COLS),
-            n_select=dev[n_tab : n_tab + t * group_size].view(t, group_size),
-            chunks=dev[n_tab + t * group_size : n],
-            n_blocks=n_blocks,
-            union_pages=union_pages,
-            block_size=block_size,
-            group_size=group_size,
-        )
+        return step_table_views(self._dev[:n], n_blocks, union_pages, block_size, group_size)
+
+
+def step_table_views(dev: torch.Tensor, n_blocks: np.ndarray, union_pages: np.ndarray, block_size: np.ndarray,
+                     group_size: int) -> StepTable:
+    """The `StepTable` over a device copy of a packed table (`pack_step_table` layout)."""
+    t = int(n_blocks.shape[0])
+    n_tab = t * N_COLS
+    return StepTable(
+        table=dev[:n_tab].view(t, N_COLS),
+        n_select=dev[n_tab : n_tab + t * group_size].view(t, group_size),
+        chunks=dev[n_tab + t * group_size :],
+        n_blocks=n_blocks,
+        union_pages=union_pages,
+        block_size=block_size,
+        group_size=group_size,
+    )

@@ -61,7 +61,7 @@ class SyncLaunch:
     def pack(self, tab: np.ndarray, nsel: np.ndarray, chunks: np.ndarray) -> None:
         return None
 
-    def upload(self, packed: Any, ordered: Sequence[Task]) -> Sequence[Task]:
+    def upload(self, packed: Any, ordered: Sequence[Task], resident: bool = False) -> Sequence[Task]:
         return ordered
 
     def launch(self, plan: Sequence[Task], start: int, stop: int, step: Step) -> HostLaunch:
@@ -133,14 +133,11 @@ class GpuLane:
             want = 1.0  # one task: re-measure the GPU lane
         if want > 0:
             job.gpu_first = gq.reserve_head(want)
+            job.gpu_first_t = time.perf_counter()
 
-    def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None,
-              start_cpu: Callable[[], None] | None = None) -> None:
-        """The GPU lane and the wait for the step's end, on the calling thread.
-
-        `start_cpu` (wake the CPU workers) runs right after the GPU lane's reserved first claim is
-        launched, or first thing when there is none; then `side_work`, once.
-        """
+    def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None) -> None:
+        """The GPU lane and the wait for the step's end, on the calling thread; `side_work` (the
+        caller's own GPU work) runs once, after the first launch."""
         gq = job.gpu_queue if job.gpu_used else None
         ex = self.executor
         plan, rows = None, None
@@ -156,15 +153,11 @@ class GpuLane:
         free_at = 0.0  # host time the GPU lane is expected to finish what it has queued
         prev_done = None  # host time the previous launch ended
         launched = False
-        cpu_pending = start_cpu is not None
         side_pending = side_work is not None
         timed_out = False
         grace_end = None
         while True:
             progressed = False
-            if cpu_pending and (job.gpu_first is None or job.error is not None):
-                cpu_pending = False
-                self._call(job, start_cpu)
             # Retire finished launches first, so the claim below sees the stream as it is.
             while pipeline:
                 handle = pipeline[0][0]
@@ -194,7 +187,10 @@ class GpuLane:
                 if want <= 0 and job.shared and not launched and self.skipped >= self.EXPLORE_AFTER:
                     want = 1.0  # one task: re-measure the GPU lane
                 if job.gpu_first is not None:
+                    # The reserved claim: the launch model learns from the reservation on, since
+                    # everything between (waking the CPU workers, the upload) delays it too.
                     (i, j), job.gpu_first = job.gpu_first, None
+                    t0 = job.gpu_first_t
                 else:
                     i, j = gq.claim_range(want) if want > 0 else (0, 0)
                 if j > i:
@@ -209,9 +205,6 @@ class GpuLane:
                         gq.finish(j - i)
                         job.fail(exc)
                     progressed = True
-            if cpu_pending:
-                cpu_pending = False
-                self._call(job, start_cpu)
             if side_pending:
                 side_pending = False
                 self._call(job, side_work)
@@ -304,7 +297,7 @@ class GpuLane:
             packed = ex.pack(*queue_arrays(gq, job.tasks if whole else None))
             if whole:
                 job.tasks._gpu_packed = packed  # reused while the runtime reuses this task list
-        return ex.upload(packed, gq.tasks)
+        return ex.upload(packed, gq.tasks, resident=whole)
 
     def _record(self, job: StepJob, handle: Any, rows: np.ndarray, per_task: float, nbytes: np.ndarray | None) -> None:
         """Timeline columns of a retired claim (arrays; CUDA-event intervals are resolved later)."""

@@ -238,9 +238,8 @@ class Scheduler:
         """Split `job`, run it on both lanes and return when every task finished.
 
         Order on the calling thread: the GPU lane reserves its first claim from the head of a
-        shared queue, `before_gpu` (the GPU lane's buffers, device work), the GPU lane's table
-        upload and first launch, `before_cpu` (the host waits for q, clears the CPU result
-        buffer: this wait overlaps the launch's host work), release the CPU workers,
+        shared queue, `before_cpu` (the host waits for q, clears the CPU result buffer), release
+        the CPU workers, `before_gpu` (the GPU lane's buffers), the reserved first GPU launch,
         `side_work` (the caller's own GPU work, e.g. the window attention, which then overlaps
         the tasks), then keep the GPU lane fed while polling for the end of the step. With
         `collect=False` the caller calls `collect(job)` itself, off the step's critical path. A worker's exception is re-raised here; on a
@@ -254,21 +253,19 @@ class Scheduler:
         self.lane.await_orphan(timeout)
         self.split(job)
         if job.shared:
+            # Before any CPU worker can pop: the reserved head is the GPU's whatever the order below.
             self.lane.reserve_first(job)
         self.workers.job = job
+        if job.cpu_used:
+            if before_cpu is not None:
+                before_cpu()
+            self.workers.wake()
         if before_gpu is not None and job.gpu_used:
             try:
-                before_gpu()  # device work only: q into the lane's buffers, no host wait
+                before_gpu()
             except BaseException as exc:
                 job.fail(exc)
-
-        def start_cpu() -> None:
-            if job.cpu_used and job.error is None:  # a step that already failed never reaches the workers
-                if before_cpu is not None:
-                    before_cpu()
-                self.workers.wake()
-
-        self.lane.drive(job, deadline, timeout, side_work, start_cpu)
+        self.lane.drive(job, deadline, timeout, side_work)
         if job.error is not None:
             raise job.error
         if collect:

@@ -41,6 +41,7 @@ class StepJob:
     gpu_queue: Any = None
     shared: bool = False
     gpu_first: tuple | None = None  # queue positions the GPU lane reserved before the CPU workers woke
+    gpu_first_t: float = 0.0  # host time of that reservation
     error: BaseException | None = None
     gpu_batches: list = field(default_factory=list)  # [(start, end, task rows)] of every GPU launch
     columns: dict | None = None

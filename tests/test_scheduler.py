@@ -230,7 +230,7 @@ class CountingGpu:
     def pack(self, tab, nsel, chunks):
         return ("packed", len(tab))
 
-    def upload(self, packed, ordered):
+    def upload(self, packed, ordered, resident=False):
         self.uploads += 1
         assert packed == ("packed", len(ordered))
         return ordered

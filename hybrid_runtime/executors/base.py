@@ -86,8 +86,9 @@ class GpuLaunchExecutor(Protocol):
 
     `pack(tab, nsel, chunks)` turns a queue's tasks in queue order (`task_building.native_table`
     columns) into the executor's own table; the lane caches the result with the task set.
-    `upload(packed, ordered)` makes it the step's plan (for a CUDA executor, one copy to the
-    device; `ordered` is the queue's task list, for executors that run `Task` objects).
+    `upload(packed, ordered, resident)` makes it the step's plan (for a CUDA executor, one copy to
+    the device, or none when `resident` -- a table reused across steps -- is already there;
+    `ordered` is the queue's task list, for executors that run `Task` objects).
     `launch(plan, start, stop, step)` queues queue positions `[start, stop)` and returns at once.
 
     `stream`: the CUDA stream the launches run on; the lane makes it wait for `job.gpu_ready`
@@ -104,7 +105,7 @@ class GpuLaunchExecutor(Protocol):
 
     def pack(self, tab: np.ndarray, nsel: np.ndarray, chunks: np.ndarray) -> Any: ...
 
-    def upload(self, packed: Any, ordered: Sequence[Task]) -> Any: ...
+    def upload(self, packed: Any, ordered: Sequence[Task], resident: bool = False) -> Any: ...
 
     def launch(self, plan: Any, start: int, stop: int, step: Step) -> LaunchHandle:
         """Queue positions `[start, stop)` (at least one) of the step's plan; return a handle."""

@@ -24,7 +24,7 @@ import torch
 from cpu_kernels import layout
 from gpu_kernels.score_select import score_select
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, sparse_attention_claim
-from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table
+from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table, step_table_views
 from hybrid_runtime import native_pool
 from hybrid_runtime.task_building import native_table
 from hybrid_runtime.tasks import Step, Task
@@ -78,6 +78,7 @@ class GpuUvaExecutor:
         self.head_dim = store.head_dim
         self.esize = torch.tensor([], dtype=store.dtype).element_size()
         self._tables = StepTableBuffer(self.dev)
+        self._resident: dict[int, tuple] = {}
         self._tasks_cap = 0
         self._blocks_cap = 0
         self._grow(max(1, store.cfg.max_sequences * store.kv_heads), 256)
@@ -119,15 +120,43 @@ class GpuUvaExecutor:
                                tab[:, native_pool.T_CPULEN], tab[:, native_pool.T_CHUNK_OFF],
                                tab[:, native_pool.T_N_CHUNKS], nsel, self.store.n_chunks, chunks)
 
-    def upload(self, packed: tuple, ordered: Sequence[Task] = ()) -> StepTable:
-        """One copy of a packed table to the device, ordered on the executor's stream."""
+    # Resident tables kept (least recently used dropped first): a few task sets per layer.
+    RESIDENT = 256
+
+    def upload(self, packed: tuple, ordered: Sequence[Task] = (), resident: bool = False) -> StepTable:
+        """The packed table as the step's plan on the device, ordered on the executor's stream.
+
+        `resident`: `packed` is reused across steps (cached with its task set): its device copy is
+        made once and kept, so a step that reuses the task set copies nothing. Otherwise one copy
+        through the pinned staging buffer.
+        """
         data, n_blocks, union_pages, block_size = packed
         if n_blocks.shape[0]:
             self._grow(int(n_blocks.shape[0]), int(n_blocks.max()))
+        if resident:
+            hit = self._resident.pop(id(data), None)
+            if hit is None or hit[0] is not data:
+                hit = (data, self._resident_table(packed))
+                while len(self._resident) >= self.RESIDENT:
+                    self._resident.pop(next(iter(self._resident)))
+            self._resident[id(data)] = hit  # most recently used last
+            return hit[1]
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
         return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
+
+    def _resident_table(self, packed: tuple) -> StepTable:
+        """A device copy of `packed` of its own (made once per task set, on the executor's stream)."""
+        data, n_blocks, union_pages, block_size = packed
+        host = torch.from_numpy(data)
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                dev = torch.empty(host.shape, dtype=host.dtype, device=self.dev)
+                dev.copy_(host)  # pageable source: the host waits for this one copy, once per task set
+        else:
+            dev = host.clone()
+        return step_table_views(dev, n_blocks, union_pages, block_size, self.group_size)
 
     # ------------------------------------------------------------------ run
     def launch(self, table: StepTable, start: int, stop: int, step: Step) -> GpuLaunch:
