@@ -32,16 +32,25 @@ class CachedLaunch:
         self._compiled: dict = {}
         self._broken = False
 
-    def __call__(self, grid: tuple, args: tuple, constexprs: dict, variant: tuple, num_warps: int) -> None:
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, variant: tuple, num_warps: int,
+                 stream: int | None = None) -> None:
+        """`stream`: the raw CUDA stream handle to launch on; None: the current stream (the JIT
+        path always launches on the current stream, so a caller passing a handle makes it current
+        for the first, compiling call)."""
         key = (variant, num_warps)
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
         if kernel is None:
-            kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+            if stream is not None:
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+                    kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+            else:
+                kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
             if not interpreted() and kernel is not None and _KNOBS is not None:
                 self._compiled[key] = kernel
             return
         try:
-            stream = torch.cuda.current_stream().cuda_stream
+            if stream is None:
+                stream = torch.cuda.current_stream().cuda_stream
             g1 = grid[1] if len(grid) > 1 else 1
             rt = _KNOBS.runtime
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
@@ -53,7 +62,7 @@ class CachedLaunch:
         except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
             log.warning("cached Triton launch unavailable (%s); launching through the JIT", exc)
             self._broken = True
-            self.fn[grid](*args, **constexprs, num_warps=num_warps)
+            self(grid, args, constexprs, variant, num_warps, stream)
 
     fast_launches = 0
 

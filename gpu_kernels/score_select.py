@@ -45,11 +45,12 @@ def _as_key(ans):
     return (ans - 2147483648).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["row0"], do_not_specialize_on_alignment=["table_ptr", "nsel_ptr", "chunks_ptr", "ticket_ptr"])
+@triton.jit(do_not_specialize=["row0"],
+            do_not_specialize_on_alignment=["table_ptr", "nsel_ptr", "chunks_ptr", "ticket_ptr", "counts_host_ptr"])
 def _score_select_kernel(
     q_ptr, stride_qb, stride_qh,
     arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
-    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr,
+    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
     row0, NB_CAP,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
@@ -131,6 +132,9 @@ def _score_select_kernel(
                     u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
                     eq_seen, base = _emit_union(u, m, bb, g, k, ans, k - n_gt, eq_seen, base, ub, uh)
         tl.store(counts_ptr + t, base)
+        # Also straight into pinned host memory (a UVA view): the host reads the union sizes after
+        # the launch's end event, with no copy to queue.
+        tl.store(counts_host_ptr + t, base)
 
 
 @triton.jit
@@ -160,7 +164,7 @@ NUM_WARPS = 8
 
 def score_select(
     table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int,
-    q, arena, scores, tickets, ublocks, uheads, counts,
+    q, arena, scores, tickets, ublocks, uheads, counts, counts_host=None, stream: int | None = None,
 ) -> None:
     """Queue the score+select launch for table rows `[row0, row0 + n_tasks)` on the current stream.
 
@@ -168,16 +172,18 @@ def score_select(
     table `[>= row0+n_tasks, N_COLS]` int32, nsel `[rows, G]` int32, q `[B, Hq, D]` fp32, arena
     `[n_chunks, CHUNK_ROWS, D]`, scores `[>= n_tasks, G, NB_CAP]` fp32, tickets `[>= n_tasks]` int32
     (zero), ublocks/uheads `[>= n_tasks, NB_CAP]` int32, counts `[>= n_tasks]` int32, with
-    `n_blocks_max <= NB_CAP`. Claim task t's union lands in row t of ublocks/uheads/counts.
+    `n_blocks_max <= NB_CAP`. Claim task t's union lands in row t of ublocks/uheads/counts, and
+    its size also in `counts_host[t]` when given (a device view of pinned host memory).
+    `stream`: the CUDA stream handle to launch on (default: the current stream).
     """
     g = nsel.shape[1]
     block_g = max(2, triton.next_power_of_2(g))
     grid = (n_tasks, max(1, triton.cdiv(n_blocks_max, BLOCK_B)))
     args = (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts,
-            row0, scores.shape[2])
+            counts if counts_host is None else counts_host, row0, scores.shape[2])
     constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,
                       SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=layout.CHUNK_ROWS, META_ROW=layout.META_ROW)
-    _launch(grid, args, constexprs, (arena.dtype, *constexprs.values()), NUM_WARPS)
+    _launch(grid, args, constexprs, (arena.dtype, *constexprs.values()), NUM_WARPS, stream)
 
 
 _launch = CachedLaunch(_score_select_kernel)

@@ -302,7 +302,7 @@ def claim_splits(pages_max: int, config: SparseConfig = SparseConfig()) -> tuple
 def sparse_attention_claim(
     table, chunks, row0: int, n_tasks: int, pages_max: int,
     q, arena, ublocks, uheads, counts, part_out, part_lse, tickets, out, lse,
-    config: SparseConfig = SparseConfig(),
+    config: SparseConfig = SparseConfig(), stream: int | None = None,
 ) -> int:
     """Queue the attention+combine launch for table rows `[row0, row0 + n_tasks)` whose unions
     `score_select` left in rows `0..n_tasks-1` of ublocks/uheads/counts; returns the split count.
@@ -322,7 +322,7 @@ def sparse_attention_claim(
         CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
         DOT_PRECISION=dot_precision(arena.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
     )
-    _claim_launch((n_tasks, n_splits), args, constexprs, (arena.dtype, *constexprs.values()), config.num_warps)
+    _claim_launch((n_tasks, n_splits), args, constexprs, (arena.dtype, *constexprs.values()), config.num_warps, stream)
     return n_splits
 
 

@@ -24,6 +24,7 @@ import torch
 from cpu_kernels import layout
 from gpu_kernels.score_select import score_select
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, sparse_attention_claim
+from gpu_kernels.uva import uva_view
 from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table, step_table_views
 from hybrid_runtime import native_pool
 from hybrid_runtime.task_building import native_table
@@ -70,6 +71,7 @@ class GpuUvaExecutor:
         self.cuda = torch.cuda.is_available()
         self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
         self.stream = stream if stream is not None or not self.cuda else torch.cuda.Stream()
+        self._stream_handle = self.stream.cuda_stream if self.cuda else None
         self.config = config or SparseConfig()
         self.bytes_read = 0
         self.launches = 0
@@ -106,6 +108,8 @@ class GpuUvaExecutor:
         self._part_out = torch.empty((tasks, MAX_SPLITS, g, d), dtype=torch.float32, device=dev)
         self._part_lse = torch.empty((tasks, MAX_SPLITS, g), dtype=torch.float32, device=dev)
         self._ring = torch.zeros((self.RING, tasks), dtype=torch.int32, pin_memory=self.cuda)
+        # The select kernel writes union sizes straight into these pinned slots through a UVA view.
+        self._ring_dev = uva_view(self._ring) if self.cuda else self._ring
         self._ring_users: list[GpuLaunch | None] = [None] * self.RING
         self._tasks_cap, self._blocks_cap = tasks, blocks
 
@@ -178,19 +182,17 @@ class GpuUvaExecutor:
         arena = self._arena(step.layer)
         counts_host = self._ring[slot, :n]
         if self.cuda:
-            # Fresh events: the timeline resolves them after later launches have run.
+            # Fresh events: the timeline resolves them after later launches have run. Everything is
+            # issued on the lane's stream by handle: no stream switch, no copy to queue.
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.stream):
-                ev0.record()
-                self._kernels(table, start, n, nb_max, pages_max, step, arena)
-                counts_host.copy_(self._counts[:n], non_blocking=True)
-                ev1.record()
+            ev0.record(self.stream)
+            self._kernels(table, start, n, nb_max, pages_max, step, arena, slot)
+            ev1.record(self.stream)
         else:
             import time
 
             ev0 = time.perf_counter()
-            self._kernels(table, start, n, nb_max, pages_max, step, arena)
-            counts_host.copy_(self._counts[:n])
+            self._kernels(table, start, n, nb_max, pages_max, step, arena, slot)
             ev1 = time.perf_counter()
         blk = table.block_size[start:stop]
         row_bytes = 2 * self.head_dim * self.esize
@@ -199,12 +201,15 @@ class GpuUvaExecutor:
         self.launches += 1
         return handle
 
-    def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena) -> None:
+    def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
+                 slot: int) -> None:
+        stream = self._stream_handle
         score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, arena,
-                     self._scores, self._tickets[0], self._ublocks, self._uheads, self._counts)
+                     self._scores, self._tickets[0], self._ublocks, self._uheads, self._counts, self._ring_dev[slot],
+                     stream)
         sparse_attention_claim(table.table, table.chunks, start, n, pages_max, step.q, arena, self._ublocks,
                                self._uheads, self._counts, self._part_out, self._part_lse, self._tickets[1],
-                               step.out, step.lse, self.config)
+                               step.out, step.lse, self.config, stream)
 
     def run(self, tasks: Sequence[Task], step: Step) -> None:
         """Run `tasks` (any mix of sequences, KV heads and block sizes of `step.layer`) and wait."""
