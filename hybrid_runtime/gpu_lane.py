@@ -93,7 +93,7 @@ class GpuLane:
 
     # The GPU's first claim of a step takes this fraction of its fair share; later claims take
     # GUIDED_FRACTION of what is left of it (guided self-scheduling).
-    FIRST_FRACTION = 0.8
+    FIRST_FRACTION = 1.0
     GUIDED_FRACTION = 0.5
     # Launches the GPU lane keeps queued on its stream.
     PIPELINE_DEPTH = 2
@@ -267,8 +267,9 @@ class GpuLane:
         queued, R: bytes left in the queue, tp_c: the CPU workers' aggregate rate, lat/bw: the
         launch model; `lat` only when the stream is idle -- a launch queued behind another hides
         its host cost). g <= 0 means the CPUs finish the rest sooner than a launch would. A
-        launch's fixed cost (~0.15 ms on the reference machine) is paid per launch,
-        so the first claim takes most of g at once (`FIRST_FRACTION`), later ones half
+        launch's fixed cost (~0.1 ms of GPU time on the reference machine, plus the host delay
+        before it starts) is paid per launch, so the first claim takes g at once
+        (`FIRST_FRACTION`), later ones half
         (guided self-scheduling: a short tail), never less than a batch whose fixed cost is half
         its time unless that is all of g. A GPU-only queue is split the same way with nothing
         competing for it.
@@ -281,7 +282,9 @@ class GpuLane:
         if not job.shared:
             return max(self.GUIDED_FRACTION * remaining, min_batch)
         tp_c = self.rates.cpu.bytes_per_s * self.n_cpu
-        lat = m.lat if idle_stream else 0.0
+        # An idle stream pays the host delay before the GPU starts, and the GPU's fixed cost; a
+        # claim queued behind another hides both.
+        lat = m.lat + self.rates.delay.seconds if idle_stream else 0.0
         g = (remaining / tp_c - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c)
         if g <= 0:
             return 0.0
@@ -317,26 +320,26 @@ class GpuLane:
 
     def _learn(self, handle: Any, nbytes: float, t_claim: float, t_done: float, prev_done: float | None,
                bytes_read: np.ndarray | None) -> None:
-        """Fit the launch model on host times: from the claim (or the previous launch's end, when
-        this one was queued behind it) to the launch's end event -- the fixed host cost of
-        planning and launching included, since that is what delays the step. Only this lane's
-        own launches under the current policy reach its model."""
-        queued = prev_done is not None and prev_done > t_claim
-        dur = t_done - (prev_done if queued else t_claim)
+        """Learn from one retired claim of this lane (under the current policy only).
+
+        Two separate things: the launch model fits the claim's time *on the GPU* -- from its
+        start (or the previous claim's end, when it was queued behind one) to its end -- so its
+        intercept is the GPU's own fixed cost and its slope the link; `rates.delay` tracks the
+        host time from the claim to the GPU starting it (planning, launching, the caller's work
+        before it), which a claim on an idle stream pays on top.
+        """
+        start = handle.start if isinstance(handle.start, float) else (
+            self.clock.to_host(handle.start) if self.clock is not None else None)
+        if start is None:  # no clock: host times from the claim stand in
+            start = t_claim
+        else:
+            self.rates.delay.update(max(0.0, start - t_claim))
+        queued = prev_done is not None and prev_done > start
+        dur = t_done - (prev_done if queued else start)
         if dur <= 0 or nbytes <= 0:
             return
-        if queued and not isinstance(handle.start, float) and self.clock is not None:
-            # Its host cost overlapped the previous launch; it ran from its start event or the
-            # previous end, whichever came later.
-            dur = t_done - max(prev_done, self.clock.to_host(handle.start))
-            if dur <= 0:
-                return
-        read = float(np.sum(bytes_read)) if bytes_read is not None else None
-        model = self.rates.model
         self.rates.gpu.update(nbytes, dur)
-        # A queued launch's host cost overlapped the previous one: a bandwidth sample, to which
-        # the model's own latency is added so that it fits the same line.
-        model.update(nbytes, dur + model.lat if queued else dur, read)
+        self.rates.model.update(nbytes, dur, float(np.sum(bytes_read)) if bytes_read is not None else None)
 
 
 __all__ = ["GpuLane", "HostLaunch", "SyncLaunch", "as_launch_executor"]

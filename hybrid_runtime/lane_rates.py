@@ -101,20 +101,33 @@ class LaunchModel:
         return self.lat + nbytes / self.bw
 
 
+class Delay:
+    """Seconds from a claim to the GPU starting it: an exponential moving average."""
+
+    def __init__(self, seconds: float, weight: float = EMA):
+        self.seconds = seconds
+        self.weight = weight
+
+    def update(self, seconds: float) -> None:
+        self.seconds += self.weight * (seconds - self.seconds)
+
+
 class LaneRates:
     """Everything one policy has learned about both lanes.
 
     Each policy keeps its own (the scheduler swaps them in `set_policy`): a policy's launches and
     task mix differ, and one policy's samples must not size another's claims.
     `cpu`: one CPU worker's rate while the lanes run together; `gpu`: the GPU lane's average
-    rate per launch (static shares, reports); `model`: the GPU launch model (fluxion claims).
+    rate per launch (static shares, reports); `model`: the GPU launch model (fluxion claims), fitted
+    on GPU time; `delay`: host time from a claim to the GPU starting it.
     """
 
     def __init__(self, link_bw: float | None = None):
         # Priors from the reference H100 host; measurements replace them within a few steps.
         self.cpu = Throughput(4e9)
         self.gpu = Throughput(30e9)
-        self.model = LaunchModel(lat=150e-6, bw=45e9, link_bw=link_bw)
+        self.model = LaunchModel(lat=100e-6, bw=45e9, link_bw=link_bw)
+        self.delay = Delay(200e-6)
 
 
-__all__ = ["EMA", "LaneRates", "LaunchModel", "Throughput"]
+__all__ = ["EMA", "Delay", "LaneRates", "LaunchModel", "Throughput"]

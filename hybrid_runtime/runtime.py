@@ -521,6 +521,7 @@ class HybridRuntime:
             "tp_cpu_worker_GBps": sch.tp_cpu_worker / 1e9,
             "tp_gpu_GBps": sch.tp_gpu / 1e9,
             "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
+            "gpu_claim_delay_us": sch.rates.delay.seconds * 1e6,
             "gpu_launch_GBps": sch.gpu_model.bw / 1e9,
             "gpu_link_GBps": sch.link_bw / 1e9 if sch.link_bw else None,
             "cpu_workers_native": sch.native is not None,
