@@ -149,6 +149,7 @@ class HybridRuntime:
             from gpu_kernels.window_attention import window_attention as window_gpu
 
             self._merge_gpu, self._window_gpu = merge_gpu, window_gpu
+            self._side_stream = torch.cuda.Stream(priority=-1)  # high priority (-1); default streams are 0
         native = {
             "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
             "q_flat": self._q_host.numpy(),
@@ -183,8 +184,11 @@ class HybridRuntime:
         q = torch.zeros((1, g.q_heads, g.head_dim), dtype=torch.float32, device=self.device)
         win_k, win_v = self.store.window(0)
         zero = torch.zeros(2, dtype=torch.int32, device=self.device)
-        for n_splits in (1, 2):
-            out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2], n_splits=n_splits)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self._side_stream):  # where decode runs it (one workspace per stream)
+            for n_splits in (1, 2):
+                out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2], n_splits=n_splits)
+        torch.cuda.synchronize()
         self._merge_gpu(out, lse, out.clone(), lse.clone(), out=out, lse=lse)
         torch.cuda.synchronize()
 
@@ -380,11 +384,28 @@ class HybridRuntime:
         window: dict = {}
 
         def window_part() -> None:
-            if not spill:
-                store.append(layer, seq_ids, k, v)
-            window["ev0"] = self._event() if cuda and prof else None
-            window["out"], window["lse"] = self._window(layer, seq_ids, qs)
-            window["ev1"] = self._event() if cuda and prof else None
+            if not cuda:
+                if not spill:
+                    store.append(layer, seq_ids, k, v)
+                window["ev0"] = window["ev1"] = None
+                window["out"], window["lse"] = self._window(layer, seq_ids, qs)
+                return
+            # On the high-priority side stream: the GPU lane's claims hold every SM for as long as
+            # PCIe keeps them waiting, and the window's few microseconds of work would otherwise
+            # queue behind them (measured: ~0.35 ms late in a 2.5 ms step at 8 x 32K).
+            caller = torch.cuda.current_stream()
+            side = self._side_stream
+            side.wait_stream(caller)
+            with torch.cuda.stream(side):
+                if not spill:
+                    store.append(layer, seq_ids, k, v)
+                window["ev0"] = self._event() if prof else None
+                out, lse = self._window(layer, seq_ids, qs)
+                window["ev1"] = self._event() if prof else None
+            caller.wait_stream(side)  # the merges below run on the caller's stream
+            out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's
+            lse.record_stream(caller)
+            window["out"], window["lse"] = out, lse
 
         plan = self.planner(layer, seq_ids, store)
         tasks = self._tasks(layer, seq_ids, plan)
