@@ -137,7 +137,8 @@ class GpuLane:
 
     def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None) -> None:
         """The GPU lane and the wait for the step's end, on the calling thread; `side_work` (the
-        caller's own GPU work) runs once, after the first launch."""
+        caller's own GPU work) runs once: before a reserved first claim is launched, else after
+        the first claim."""
         gq = job.gpu_queue if job.gpu_used else None
         ex = self.executor
         plan, rows = None, None
@@ -180,6 +181,12 @@ class GpuLane:
                     self._learn(handle, nb, t_claim, t_done, prev_done, nbytes)
                 prev_done = t_done
                 progressed = True
+            if side_pending and job.gpu_first is not None:
+                # The caller's GPU work (the window attention) is issued before the first claim:
+                # a claim's programs hold every SM until PCIe delivers their reads, so anything
+                # issued after it would wait for the claim to end (~0.3 ms late at 8 x 32K).
+                side_pending = False
+                self._call(job, side_work)
             if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH:
                 t0 = time.perf_counter()
                 busy_s = max(0.0, free_at - t0) if pipeline else 0.0

@@ -390,9 +390,9 @@ class HybridRuntime:
                 window["ev0"] = window["ev1"] = None
                 window["out"], window["lse"] = self._window(layer, seq_ids, qs)
                 return
-            # On the high-priority side stream: the GPU lane's claims hold every SM for as long as
-            # PCIe keeps them waiting, and the window's few microseconds of work would otherwise
-            # queue behind them (measured: ~0.35 ms late in a 2.5 ms step at 8 x 32K).
+            # On a high-priority side stream, issued before the GPU lane's first claim (see
+            # GpuLane.drive): the claims' programs hold every SM for as long as PCIe keeps them
+            # waiting, and the window's few microseconds of work would otherwise queue behind them.
             caller = torch.cuda.current_stream()
             side = self._side_stream
             side.wait_stream(caller)
