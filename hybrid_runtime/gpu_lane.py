@@ -187,6 +187,11 @@ class GpuLane:
                 # issued after it would wait for the claim to end (~0.3 ms late at 8 x 32K).
                 side_pending = False
                 self._call(job, side_work)
+            if job.gpu_first is not None and job.error is not None:
+                # The step failed before the reserved claim was launched: it never runs, but it
+                # was handed out, so it counts as finished (nothing may wait for it).
+                (i, j), job.gpu_first = job.gpu_first, None
+                gq.finish(j - i)
             if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH:
                 t0 = time.perf_counter()
                 busy_s = max(0.0, free_at - t0) if pipeline else 0.0
