@@ -223,3 +223,30 @@ def test_pack_step_table_rejects_bad_rows():
     with pytest.raises(ValueError, match="n_select"):
         pack_step_table(**{**ok, "n_select": np.full((1, 2), 9)})
 
+
+
+def test_executor_keeps_a_resident_table_per_task_set():
+    from hybrid_runtime import native_pool
+    from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
+    from tests.helpers import make_store
+
+    store = make_store()
+    ex = GpuUvaExecutor(store)
+    g = store.geometry.group_size
+
+    def packed():
+        tab = np.zeros((1, native_pool.T_COLS), dtype=np.int64)
+        tab[0, native_pool.T_BLOCK], tab[0, native_pool.T_CPULEN], tab[0, native_pool.T_N_CHUNKS] = 16, 128, 1
+        return ex.pack(tab, np.ones((1, g), np.int32), np.zeros(1, np.int32))
+
+    p1 = packed()
+    first = ex.upload(p1, resident=True)
+    assert ex.upload(p1, resident=True) is first  # the same task set: nothing copied again
+    assert ex.upload(packed(), resident=True) is not first  # another task set: its own copy
+    ex.RESIDENT = 2
+    p3, p4 = packed(), packed()
+    ex.upload(p3, resident=True)
+    ex.upload(p4, resident=True)
+    assert len(ex._resident) == 2 and ex.upload(p1, resident=True) is not first  # least recent dropped
+    streamed = ex.upload(p1)  # not resident: through the staging buffer, every time
+    assert torch.equal(streamed.table, first.table) and torch.equal(streamed.chunks, first.chunks)

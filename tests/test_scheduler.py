@@ -540,3 +540,55 @@ def test_launch_model_clips_outliers_and_gpu_lane_is_re_explored():
         assert s.gpu_model.lat < 10.0  # ... and the model learned from it
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------------- lane rates and the reserved head
+def test_each_policy_learns_its_own_lane_rates():
+    s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(), CountingGpu())
+    try:
+        s.tp_cpu_worker = 7e9
+        s.gpu_model.update(40e6, 2e-3)
+        learned = (s.gpu_model.lat, s.gpu_model.bw)
+        s.set_policy("uniform")
+        assert s.tp_cpu_worker == 4e9  # the prior: nothing carried over from fluxion
+        assert (s.gpu_model.lat, s.gpu_model.bw) != learned
+        s.set_policy("fluxion")
+        assert s.tp_cpu_worker == 7e9 and (s.gpu_model.lat, s.gpu_model.bw) == learned
+    finally:
+        s.close()
+
+
+def test_launch_model_rate_is_bounded_by_the_link():
+    from hybrid_runtime.lane_rates import LaunchModel
+
+    m = LaunchModel(lat=100e-6, bw=40e9, link_bw=50e9)
+    for nbytes in (5e6, 20e6, 60e6) * 10:
+        m.update(nbytes, 50e-6 + nbytes / 90e9, bytes_read=nbytes)  # samples claim 90 GB/s
+    assert m.bw <= 50e9 * 1.0001  # never above the measured link
+    m2 = LaunchModel(lat=100e-6, bw=40e9, link_bw=50e9)
+    for nbytes in (5e6, 20e6, 60e6) * 10:
+        # modeled bytes twice what is read: the bound scales with the modeled/read ratio
+        m2.update(nbytes, 50e-6 + nbytes / 90e9, bytes_read=nbytes / 2)
+    assert 50e9 < m2.bw <= 100e9 * 1.0001
+
+
+def test_gpu_lane_reserves_the_queue_head_before_cpu_workers_start():
+    n = 400
+    hits = np.zeros(n, dtype=np.int64)
+    gpu = CountingGpu()
+    s = Scheduler(sched_cfg("fluxion", cpu_workers=4), CountingNativeCpu(hits), gpu, native=native_args(n, counting_kernel))
+    try:
+        s.tp_cpu_worker = 1e9  # lanes of equal speed (4 workers x 1 GB/s vs 4 GB/s), no fixed cost
+        s.gpu_model.lat, s.gpu_model.bw = 0.0, 4e9
+        s.rates.delay.seconds = 0.0
+        tasks = id_tasks(n)
+        job = StepJob(0, tasks, batch=1)
+        s.run(job)
+        assert gpu.batches, "the GPU lane took no claim"
+        ordered = job.cpu_queue.tasks
+        first = {t.seq_id for t in ordered[: gpu.batches[0]]}
+        assert first == set(gpu.runs[: gpu.batches[0]])  # its first claim is the head of the queue
+        ran_on_cpu = {t.seq_id for t in tasks if hits[t.cpu_len]}
+        assert not first & ran_on_cpu  # ... and no CPU worker touched it
+    finally:
+        s.close()

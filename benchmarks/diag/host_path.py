@@ -1,60 +1,105 @@
-"""Diagnostic: host time of each segment of a fluxion decode step (8 x 32K, 1 layer)."""
-import os, sys, time, collections
-import numpy as np, torch
-sys.path.insert(0, os.getcwd())
-from benchmarks.layer_attention import MixPlanner
-from hybrid_runtime.config import GEOMETRIES, config_from_dict
-from hybrid_runtime.runtime import HybridRuntime
-import hybrid_runtime.gpu_lane as gl, hybrid_runtime.workers as wk, hybrid_runtime.scheduler as sc
+"""Diagnostic (device): host time of each part of a decode step, per policy. Writes no results file.
 
-T = collections.defaultdict(list)
-def wrap(obj, name, label):
-    f = getattr(obj, name)
-    def g(*a, **k):
-        t0 = time.perf_counter(); r = f(*a, **k); T[label].append(time.perf_counter() - t0); return r
-    setattr(obj, name, g)
+Wraps the runtime's step parts with timers (`reserve_first`, the GPU lane's table plan, each
+claim launch, waking the CPU workers, the window attention, the whole scheduler step, decode),
+runs `--steps` decode steps of one layer per policy and prints the medians; then profiles the
+first policy's steps with cProfile (cumulative time). This is how the GPU lane's host costs in
+`benchmarks/notes/gpu_lane.md` were found.
 
-b, ctx = 8, 32768
-geo = GEOMETRIES["llama-3.1-8b"]; geo = type(geo)(geo.name, 1, geo.q_heads, geo.kv_heads, geo.head_dim)
-cfg = config_from_dict({"geometry": {"layers": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128},
-    "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16", "cpu_capacity_tokens": b * ctx, "max_sequences": b},
-    "scheduler": {"policy": "fluxion", "cpu_workers": 15, "gpu_worker": True, "pin_cores": True}})
-mix = MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0)
-rt = HybridRuntime(cfg, geo, head_planner=mix)
-gen = torch.Generator(device="cuda").manual_seed(0)
-for s in range(b):
-    rt.prefill(s, 0, torch.randn((ctx, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16),
-               torch.randn((ctx, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16))
-torch.set_num_threads(1)
-lane, ex = rt.scheduler.lane, rt.scheduler.lane.executor
-wrap(lane, "reserve_first", "reserve_first"); wrap(lane, "_plan", "plan(upload)"); wrap(ex, "launch", "launch")
-wrap(rt.scheduler.workers, "wake", "wake"); wrap(rt.scheduler, "run", "scheduler.run"); wrap(rt, "decode", "decode")
-wrap(rt, "_tasks", "_tasks"); wrap(rt.scheduler, "collect", "collect"); wrap(rt, "_window", "window")
-wrap(rt.timeline, "record", "timeline.record")
-import itertools
-for pin, pol in itertools.product((False, True), ("fluxion", "cpu_only")):
-    if pin:
-        os.sched_setaffinity(0, {rt.scheduler.cores.gpu})
-    rt.scheduler.set_policy(pol)
-    for i in range(60):
-        if i == 20: T.clear()
-        q = torch.randn((b, 32, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn((b, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
-        rt.decode(0, list(range(b)), q, k, k)
-    torch.cuda.synchronize()
-    print("pinned" if pin else "unpinned", pol, {k: f"{np.median(v)*1e6:.0f}us x{len(v)}" for k, v in T.items()})
-import gpu_kernels.score_select as ss, gpu_kernels.sparse_attention as sa
-print("fast launches", ss._launch.fast_launches, sa._claim_launch.fast_launches, "broken", ss._launch._broken, sa._claim_launch._broken)
-import cProfile, pstats
-rt.scheduler.set_policy("fluxion")
-pr = cProfile.Profile()
-pr.enable()
-for i in range(40):
-    q = torch.randn((b, 32, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn((b, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
-    rt.decode(0, list(range(b)), q, k, k)
-pr.disable()
-st = pstats.Stats(pr); st.sort_stats("cumtime").print_stats(30)
-recs = rt.timeline.records[-40:]
-print("first cpu start", np.median([r.start[r.lane==0].min()-r.t_start for r in recs])*1e3)
-rt.close()
+    python benchmarks/diag/host_path.py [--batch 8 --context 32768 --policies fluxion cpu_only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.layer_attention import MixPlanner  # noqa: E402
+from hybrid_runtime.config import GEOMETRIES, config_from_dict  # noqa: E402
+from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
+
+
+def timed(times: dict, obj: object, name: str, label: str) -> None:
+    """Replace `obj.name` by a wrapper adding each call's host seconds to `times[label]`."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[label].append(time.perf_counter() - t0)
+
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--policies", nargs="+", default=["fluxion", "cpu_only"])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("host_path needs a CUDA device")
+    b, ctx = args.batch, args.context
+    base = GEOMETRIES["llama-3.1-8b"]
+    geo = type(base)(base.name, 1, base.q_heads, base.kv_heads, base.head_dim)
+    cfg = config_from_dict({
+        "geometry": {"layers": 1, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads, "head_dim": geo.head_dim},
+        "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
+                     "cpu_capacity_tokens": b * ctx, "max_sequences": b},
+        "scheduler": {"policy": args.policies[0], "cpu_workers": max(1, (os.cpu_count() or 2) - 1),
+                      "gpu_worker": True, "pin_cores": True},
+    })
+    rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (ctx, geo.kv_heads, geo.head_dim)
+    for s in range(b):
+        rt.prefill(s, 0, torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16))
+    torch.set_num_threads(1)
+
+    def step() -> None:
+        q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+        rt.decode(0, list(range(b)), q, kv, kv)
+
+    times: dict = collections.defaultdict(list)
+    sch = rt.scheduler
+    for obj, name in ((sch.lane, "reserve_first"), (sch.lane, "_plan"), (sch.lane.executor, "launch"),
+                      (sch.workers, "wake"), (sch, "run"), (rt, "_window"), (rt, "decode")):
+        timed(times, obj, name, name)
+    try:
+        for policy in args.policies:
+            sch.set_policy(policy)
+            for i in range(args.steps):
+                if i == args.steps // 3:
+                    times.clear()  # the first third settles the lane estimates
+                step()
+            torch.cuda.synchronize()
+            print(policy, {k: f"{np.median(v) * 1e6:.0f} us x{len(v)}" for k, v in times.items()}, flush=True)
+        sch.set_policy(args.policies[0])
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps // 2):
+            step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumtime").print_stats(30)
+    finally:
+        rt.close()
+
+
+if __name__ == "__main__":
+    main()
