@@ -6,11 +6,12 @@ path is the larger part of a small claim's fixed cost. `CachedLaunch` goes throu
 variant (that call compiles it, at warm-up) and afterwards hands the arguments straight to the
 compiled kernel's launcher, as the JIT itself does after its lookup.
 
-Safe only for kernels whose specialization cannot drift between calls with the same `variant`
-key: every integer argument that varies is in `do_not_specialize`, every pointer whose alignment
-varies is in `do_not_specialize_on_alignment`, and the variant key names everything else that
-selects a compiled kernel (constexprs, pointer dtypes). Under the interpreter, or with a launch
-hook installed (a profiler), every call goes through the JIT.
+The cache key is the caller's `variant` (the constexprs), the launch options and, per argument,
+what Triton specialises on (dtype and 16-byte alignment of tensors, integers equal to 1 or
+divisible by 16), so a call never reaches a kernel compiled for other arguments. Arguments that
+vary from step to step belong in `do_not_specialize` / `do_not_specialize_on_alignment`: then a
+new key costs one lookup through the JIT, never a compile. Under the interpreter every call goes
+through the JIT.
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ class CachedLaunch:
         self._compiled: dict = {}
         self._broken = False
 
-    def __call__(self, grid: tuple, args: tuple, constexprs: dict, variant: tuple, num_warps: int,
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, variant: tuple, options: dict,
                  stream: int | None = None) -> None:
-        """`stream`: the raw CUDA stream handle to launch on; None: the current stream (the JIT
-        path always launches on the current stream, so a caller passing a handle makes it current
-        for the first, compiling call)."""
-        key = (variant, num_warps)
+        """Launch on `grid`. `args`: the runtime arguments in order; `constexprs`: the constexpr
+        arguments in their declared order (all after the runtime ones); `variant`: everything else
+        that selects a compiled kernel (pointer dtypes, integer arguments Triton specialises);
+        `options`: launch options (num_warps, num_stages). `stream`: the raw CUDA stream handle to
+        launch on; None: the current stream (the first, compiling call makes the handle current)."""
+        key = (variant, tuple(options.items()), _specialization(args))
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
         if kernel is None:
             if stream is not None:
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                    kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+                    kernel = self.fn[grid](*args, **constexprs, **options)
             else:
-                kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+                kernel = self.fn[grid](*args, **constexprs, **options)
             if not interpreted() and kernel is not None and _KNOBS is not None:
                 self._compiled[key] = kernel
             return
@@ -62,9 +65,25 @@ class CachedLaunch:
         except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
             log.warning("cached Triton launch unavailable (%s); launching through the JIT", exc)
             self._broken = True
-            self(grid, args, constexprs, variant, num_warps, stream)
+            self(grid, args, constexprs, variant, options, stream)
 
     fast_launches = 0
+
+
+def _specialization(args: tuple) -> tuple:
+    """What Triton may specialise a kernel on, per argument: a tensor's dtype and 16-byte
+    alignment, an integer being 1 or a multiple of 16. A key that includes it can never hand a
+    call to a kernel compiled for other arguments (an argument Triton does not specialise only
+    costs one more lookup through the JIT, never a compile)."""
+    spec = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            spec.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            spec.append((a == 1, a % 16 == 0))
+        else:
+            spec.append(type(a))
+    return tuple(spec)
 
 
 try:  # the JIT reads its launch hooks here too (Triton >= 3.3)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from gpu_kernels._checks import check_tensor
+from gpu_kernels.launch import CachedLaunch
 
 
 @triton.jit(do_not_specialize=["R"])  # the row count follows the batch: no variant per batch size
@@ -70,7 +71,10 @@ def merge_attention(
     rows = lse_a.numel()
     if rows:
         block_r = max(1, min(64, 4096 // d))
-        _merge_kernel[(triton.cdiv(rows, block_r),)](
-            out_a, lse_a, out_b, lse_b, out, lse, rows, D=d, BLOCK_R=block_r, num_warps=4,
-        )
+        constexprs = {"D": d, "BLOCK_R": block_r}
+        _launch((triton.cdiv(rows, block_r),), (out_a, lse_a, out_b, lse_b, out, lse, rows), constexprs,
+                (d, block_r), {"num_warps": 4})
     return out, lse
+
+
+_launch = CachedLaunch(_merge_kernel)

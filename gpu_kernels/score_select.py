@@ -183,7 +183,7 @@ def score_select(
             counts if counts_host is None else counts_host, row0, scores.shape[2])
     constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,
                       SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=layout.CHUNK_ROWS, META_ROW=layout.META_ROW)
-    _launch(grid, args, constexprs, (arena.dtype, *constexprs.values()), NUM_WARPS, stream)
+    _launch(grid, args, constexprs, tuple(constexprs.values()), {"num_warps": NUM_WARPS}, stream)
 
 
 _launch = CachedLaunch(_score_select_kernel)

@@ -322,7 +322,8 @@ def sparse_attention_claim(
         CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
         DOT_PRECISION=dot_precision(arena.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
     )
-    _claim_launch((n_tasks, n_splits), args, constexprs, (arena.dtype, *constexprs.values()), config.num_warps, stream)
+    _claim_launch((n_tasks, n_splits), args, constexprs, tuple(constexprs.values()),
+                  {"num_warps": config.num_warps}, stream)
     return n_splits
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_in_fp32, dot_precision, next_pow2
+from gpu_kernels.launch import CachedLaunch
 
 
 # The split count, span and split length change from step to step (the window grows), and the
@@ -122,6 +123,9 @@ def _window_attn_kernel(
             tl.store(out_ptr + final[:, None] * D + d[None, :], o_fin, mask=gmask[:, None])
             tl.store(lse_ptr + final, lse_fin, mask=gmask)
             tl.atomic_xchg(counter_ptr + r, 0)  # ready for the next call
+
+
+_launch = CachedLaunch(_window_attn_kernel)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -237,16 +241,19 @@ def window_attention(
     else:
         ws = workspace if workspace is not None else default_workspace(dev)
         counters, part_out, part_lse = ws.get(rows, rows * n_splits * g, d)
-    _window_attn_kernel[(rows, n_splits)](
+    args = (
         q, q.stride(0), q.stride(1),
         k_win, v_win, k_win.stride(0), k_win.stride(1), k_win.stride(2),
         v_win.stride(0), v_win.stride(1), v_win.stride(2),
         slots, lengths,
         out, lse, part_out, part_lse, counters,
         hkv, split_len, span, n_splits,
+    )
+    constexprs = dict(
         MULTI=n_splits > 1, BLOCK_S=MAX_SPLITS,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n, DOT_FP32=dot_in_fp32(k_win.dtype),
         DOT_PRECISION=dot_precision(k_win.dtype),
-        num_warps=num_warps, num_stages=num_stages,
     )
+    _launch((rows, n_splits), args, constexprs, tuple(constexprs.values()),
+            {"num_warps": num_warps, "num_stages": num_stages})
     return out, lse

@@ -5,7 +5,7 @@
         out = rt.decode(layer, seq_ids, q, k, v)   # q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq, D]
         rt.release(seq_id)
 
-One `decode` call (DESIGN.md "one decode step"): append k, v to the GPU window; dense attention
+One `decode` call (docs/architecture.md, "one decode step"): append k, v to the GPU window; dense attention
 over the window (Triton on CUDA, torch otherwise); build the step's tasks from the head plan;
 the scheduler's workers run them (CPU lane writes pinned host buffers, GPU lane writes device
 buffers); one small host-to-device copy brings the CPU results over; log-sum-exp merge; return
@@ -219,20 +219,9 @@ class HybridRuntime:
         return self._timeline
 
     # ------------------------------------------------------------------ prefill / release
-    def prefill(
-        self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor | None = None
-    ) -> None:
-        """Store one layer of a prompt's KV `[L, Hkv, D]` (sink and recent window, CPU pages, metadata).
-
-        `q_last` (`[Hq, D]` or `[n, Hq, D]`, the prompt's last queries) is validated and reserved for
-        the head-property predictor's statistics; nothing uses it yet.
-        """
+    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer of a prompt's KV `[L, Hkv, D]` (sink and recent window, CPU pages, metadata)."""
         self._check_open()
-        if q_last is not None:
-            g = self.geometry
-            if not isinstance(q_last, torch.Tensor) or q_last.dim() not in (2, 3) or tuple(q_last.shape[-2:]) != (g.q_heads, g.head_dim):
-                shape = tuple(q_last.shape) if isinstance(q_last, torch.Tensor) else type(q_last).__name__
-                raise ValueError(f"q_last has shape {shape}; expected [{g.q_heads}, {g.head_dim}] or [n, {g.q_heads}, {g.head_dim}]")
         self.store.prefill(seq_id, layer, k, v)
         self._forget_tasks(seq_id)
 

@@ -536,15 +536,14 @@ class HybridCache(Cache):
         self.seq_ids.extend(next(self._state.seq_counter) for _ in range(b))
         self._real_lengths = list(real_lengths)
 
-    def _prefill_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None) -> None:
+    def _prefill_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Hand one layer's prompt KV `[B,Hkv,T,D]` to the runtime, real tokens only (left padding)."""
         rt = self.runtime
         t = key.shape[2]
         for b, (s, n) in enumerate(zip(self.seq_ids, self._real_lengths)):
             k_b = key[b, :, t - n :].transpose(0, 1)  # [n, Hkv, D]
             v_b = value[b, :, t - n :].transpose(0, 1)
-            q_last = query[b, :, -1] if query is not None else None  # [Hq, D]
-            rt.prefill(s, layer, k_b, v_b, q_last=q_last)
+            rt.prefill(s, layer, k_b, v_b)
         self.layers[layer].prefilled = True
 
     @staticmethod
@@ -585,7 +584,7 @@ class HybridCache(Cache):
         self._allocate(lengths)
         try:
             for layer, (k, v) in enumerate(zip(keys, values)):
-                self._prefill_layer(layer, k, v, None)
+                self._prefill_layer(layer, k, v)
                 self.layers[layer].update(k, v)
         except BaseException:
             self.release()
@@ -613,7 +612,7 @@ class HybridCache(Cache):
             elif query.shape[0] != len(self.seq_ids):
                 raise ValueError(f"batch of {query.shape[0]} rows but the cache holds {len(self.seq_ids)} sequences")
             try:
-                self._prefill_layer(layer, key, value, query)
+                self._prefill_layer(layer, key, value)
             except BaseException:
                 self.release()
                 raise
