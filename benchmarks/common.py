@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: machine description and the results-file contract (DESIGN.md)."""
+"""Shared pieces of the benchmarks: machine description and the results-file contract
+(docs/architecture.md, "Benchmark results contract")."""
 
 from __future__ import annotations
 

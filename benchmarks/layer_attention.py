@@ -28,7 +28,7 @@ Machine limits are measured in the same run, before the first point and after th
 best of the two is the denominator; see benchmarks/machine_limits.py): host read bandwidth
 (numba, as many threads as CPU workers, pinned like them), pinned H2D copy, and the concurrent
 ceiling (CPU threads and a GPU UVA page gather reading two halves of one pinned buffer at once).
-Writes `benchmarks/results/layer_attention-<device>.json` (results contract in DESIGN.md) and a
+Writes `benchmarks/results/layer_attention-<device>.json` (results contract in docs/architecture.md) and a
 markdown table beside it.
 
     python benchmarks/layer_attention.py                       # all points, ~5-6 minutes on an H100 host

@@ -2,12 +2,17 @@
 
 Modules, one concept each:
     uva                 `uva_view`: a CUDA tensor aliasing a pinned host tensor (no copy)
-    task_table          `SparseTaskTable`: one int32 table per launch describing many tasks
-    block_scores        Quest block scores over metadata + per-head top-k + per-group union
-    sparse_attention    attention over the selected blocks read straight from the (UVA) arena
+    task_table          `SparseTaskTable` (one launch's tasks) and `StepTable` (a step's tasks in
+                        queue order, uploaded once; claims are row ranges)
+    score_select        the GPU lane's first claim launch: Quest scores, exact top-k, group union
+    sparse_attention    attention over the selected blocks read straight from the (UVA) arena;
+                        the claim launch fuses the split combine
+    block_scores        the multi-launch selection (scores, torch.topk, union), for benchmarks and tests
     window_attention    dense split-K decode attention over the GPU window
     split_combine       log-sum-exp reduction of split-K partials into `[B, Hq]` rows
     lse_merge           merge of two partial `(out, lse)` results
+    launch              `CachedLaunch`: a compiled kernel launched without the JIT's per-call work
+    _checks             argument checks shared by the wrappers
 
 On a machine without CUDA, Triton kernels can only run under Triton's interpreter. Triton reads
 TRITON_INTERPRET when a kernel is *decorated* (module import), not when it is launched, so the

@@ -65,7 +65,7 @@ class GeometryConfig:
             )
 
 
-# The reference geometries of DESIGN.md; `geometry: {name: llama-3.1-8b}` picks one.
+# The reference geometries (docs/architecture.md); `geometry: {name: llama-3.1-8b}` picks one.
 GEOMETRIES: dict[str, GeometryConfig] = {
     "llama-3.1-8b": GeometryConfig("llama-3.1-8b", 32, 32, 8, 128),
     "qwen2.5-7b": GeometryConfig("qwen2.5-7b", 28, 28, 4, 128),
@@ -75,7 +75,7 @@ GEOMETRIES: dict[str, GeometryConfig] = {
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Where each token's KV lives. See the GPU window / CPU store split in DESIGN.md."""
+    """Where each token's KV lives: the GPU window / CPU store split of docs/architecture.md."""
 
     sink: int = field(default=64, metadata=_range(0, None))
     local: int = field(default=256, metadata=_range(0, None))
@@ -101,7 +101,6 @@ class PolicyConfig:
     name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming"))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
     budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
-    tau: float = field(default=0.10, metadata=_range(0.0, None))
     # layer -> query heads treated as streaming (GPU window only, no CPU task).
     streaming_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
@@ -121,12 +120,6 @@ class SchedulerConfig:
     spin_us: float = field(default=20000.0, metadata=_range(0.0, None))
     # Freeze the objects alive at runtime start out of the collector's walks (gc_control.py).
     gc_freeze: bool = True
-
-
-@dataclass(frozen=True)
-class ExecutorsConfig:
-    cpu: str = field(default="numba", metadata=_choices("numba"))
-    gpu: str = field(default="uva", metadata=_choices("uva"))
 
 
 @dataclass(frozen=True)
@@ -152,7 +145,6 @@ class Config:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    executors: ExecutorsConfig = field(default_factory=ExecutorsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
@@ -349,7 +341,6 @@ __all__ = [
     "GEOMETRIES",
     "Config",
     "ConfigError",
-    "ExecutorsConfig",
     "GeometryConfig",
     "KVCacheConfig",
     "PolicyConfig",

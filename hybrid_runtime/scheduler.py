@@ -34,15 +34,12 @@ from hybrid_runtime.pinning import CorePlan, plan_cores
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU
 from hybrid_runtime.queues import NativeQueue
 from hybrid_runtime.step_job import StepJob, StepTimeoutError
-from hybrid_runtime.task_building import TaskList, build_tasks, queue_order
+from hybrid_runtime.task_building import TaskList, build_tasks
 from hybrid_runtime.tasks import Task, TaskQueue
 from hybrid_runtime.workers import CpuWorkers
 
 log = logging.getLogger(__name__)
 
-# The old private name, which benchmarks/layer_attention.py imports at HEAD (not in the rewrite
-# in progress); drop it once that rewrite is committed.
-_sorted_by_priority = queue_order
 
 POLICIES = ("fluxion", "cpu_only", "gpu_only", "uniform", "length")
 NEEDS = {  # lanes a policy needs: (cpu, gpu)

@@ -9,8 +9,16 @@ def test_defaults_match_design():
     cfg = config_from_dict({})
     assert (cfg.kv_cache.sink, cfg.kv_cache.local, cfg.kv_cache.page_size) == (64, 256, 16)
     assert cfg.kv_cache.block_sizes == (16, 32, 64, 128)
-    assert cfg.policy.tau == pytest.approx(0.10)
     assert (cfg.policy.block_size, cfg.policy.budget) == (16, 0.05)
+
+
+def test_keys_that_would_do_nothing_are_refused():
+    # The error bound tau arrives with the predictor that reads it; executors are chosen by the
+    # runtime (numba on the CPU, UVA on CUDA, the torch reference without CUDA), not by config.
+    with pytest.raises(ConfigError, match="tau"):
+        config_from_dict({"policy": {"tau": 0.1}})
+    with pytest.raises(ConfigError, match="executors"):
+        config_from_dict({"executors": {"cpu": "numba"}})
 
 
 def test_reference_geometry_by_name():

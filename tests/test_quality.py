@@ -98,7 +98,7 @@ def test_quality_run_ci_sized(smollm2, tmp_path):
     t0 = time.perf_counter()
     results = run_quality(model, tok, settings, progress=lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}"))
     m, other = metrics_of(results), other_metrics(results)
-    # The contract's metrics are exactly the ones issue 5 names; the rest sit beside them.
+    # The contract's metrics are exactly the headline ones (metrics_of); the rest sit beside them.
     assert set(m) == {"budget1_token_match"} | {f"{name}_{slug}_2k" for slug in SLUGS
                                                 for name in ("agreement", "kl", "ppl", "bytes_per_step")}
     assert m["budget1_token_match"] == 1.0

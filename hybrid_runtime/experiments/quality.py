@@ -504,7 +504,7 @@ def run_quality(model: Any, tokenizer: Any, settings: QualitySettings, progress:
 
 # ---------------------------------------------------------------------------- reports
 def metrics_of(results: dict) -> dict:
-    """The flat metrics the results contract's `metrics` holds, exactly those issue 5 names.
+    """The flat metrics of the results contract's `metrics`, and no others:
 
     `budget1_token_match` (fp32 store) and per policy and length `agreement_`, `kl_`, `ppl_` and
     `bytes_per_step_` (counted by the executors, all layers). Everything else is in `other_metrics`.
@@ -658,7 +658,7 @@ def write_outputs(results: dict, out: Path, results_dir: Path | None = None, com
         path = write_results("quality_smollm2", metrics_of(results), _points(results), out_dir=results_dir,
                              extra=extra)
         record = json.loads(path.read_text())
-        # The issue names the CPU file `quality_smollm2-cpu.json`: one file per kind of device.
+        # A host without CUDA writes `quality_smollm2-cpu.json` (not `-cpu<N>`): one file per kind of device.
         slug = device_slug() if torch.cuda.is_available() else "cpu"
         final = path.with_name(f"quality_smollm2-{slug}.json")
         if final != path:
