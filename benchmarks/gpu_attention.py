@@ -1,6 +1,8 @@
-"""GPU path benchmark (issue 3): UVA sparse attention vs the PCIe limit and the naive path;
+"""GPU path benchmark: UVA sparse attention vs the PCIe limit and the naive path;
 GPU-window attention vs torch SDPA. Runs on a CUDA machine; one run writes
-`benchmarks/results/gpu_attention-<device>.json` (see "Benchmark results contract" in DESIGN.md).
+`benchmarks/results/gpu_attention-<device>.json` (see "Benchmark results contract" in
+docs/architecture.md), whose commit comes from `benchmarks.common.git_commit()`: $HYBRID_COMMIT
+where the device helper sets it (its copy of the tree has no .git), else git.
 
 Workload (defaults): Llama-3.1-8B attention geometry (32 q heads, 8 KV heads, D 128), batch 8,
 32K context of which sink 64 + local 256 tokens are in the GPU window and the rest (32448 tokens
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -39,7 +40,7 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import git_commit, write_results  # noqa: E402
 from benchmarks.machine_limits import _gather_pages_kernel  # noqa: E402
 from cpu_kernels import layout  # noqa: E402
 from gpu_kernels.block_scores import quest_scores, select_blocks  # noqa: E402
@@ -109,9 +110,22 @@ def build_arena(batch: int, hkv: int, d: int, cpu_len: int, seed: int, dev: str 
 
 
 # ----------------------------------------------------------------------------- naive path
+def naive_tables(chunk_ids: np.ndarray, tasks: list[tuple[int, int]], n_blocks: int, blk: int):
+    """Host tables of the naive path: each task's chunk ids `[T, n_per]` (long), and the arena
+    rows (key min, key max) of its blocks' metadata, task by task `[T * n_blocks * 2]`."""
+    chunk_tab = torch.from_numpy(np.stack([chunk_ids[s, h] for s, h in tasks])).long()
+    bidx = torch.arange(n_blocks)
+    per_chunk = layout.blocks_per_chunk(blk)
+    meta_row = layout.META_ROW + 2 * (layout.meta_entry_offset(blk) + bidx % per_chunk)
+    mrow = chunk_tab[:, bidx // per_chunk] * layout.CHUNK_ROWS + meta_row  # [T, n_blocks]
+    return chunk_tab, torch.stack([mrow, mrow + 1], -1).reshape(-1)
+
+
 def naive_pipeline(arena_host, q, plan, chunk_tab, cpu_len, g, hq, blk, meta_rows, dev="cuda"):
     """index_select on the pinned tensor -> .to(cuda) -> scores/top-k -> index_select of the
-    selected K/V rows -> .to(cuda) -> SDPA with per-head masks. Returns (out [T,G,D], bytes)."""
+    selected K/V rows -> .to(cuda) -> SDPA with per-head masks. Returns (out [T, G, 1, D],
+    union block counts [T] (host)); the rows it reads are those of `meta_rows` and of the
+    counted blocks' K and V: the bytes of the UVA pipeline for the same selection."""
     d = arena_host.shape[2]
     flat = arena_host.view(-1, d)
     t = plan.n_tasks
@@ -129,6 +143,9 @@ def naive_pipeline(arena_host, q, plan, chunk_tab, cpu_len, g, hq, blk, meta_row
     heads = sel.heads
     u = blocks.shape[1]
     valid = torch.arange(u)[None, :] < counts[:, None]  # [T, U]
+    # Entries past a task's count are uninitialised (select_blocks leaves them unwritten): zero
+    # them so that the index arithmetic below stays in range; `valid` masks them out after.
+    blocks = torch.where(valid, blocks, 0)
     pos = blocks.long()[:, :, None] * blk + torch.arange(blk)  # [T, U, blk]
     chunk = torch.gather(chunk_tab, 1, (pos // layout.CHUNK_TOKENS).view(t, -1)).view(t, u, blk)
     rows = chunk * layout.CHUNK_ROWS + pos % layout.CHUNK_TOKENS
@@ -169,12 +186,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="pipeline repetitions per round")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of (copy, gather, pipeline configs)")
     ap.add_argument("--sweep", action="store_true", help="also time other launch configs (points)")
-    ap.add_argument("--commit", default=None, help="commit under test (the device copy has no .git); else $HYBRID_COMMIT or git")
     ap.add_argument("--out-dir", default=None, help="directory of the JSON (default benchmarks/results)")
     ap.add_argument("--copy-to", default=None, help="also write the JSON here (e.g. $OUT)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention.py needs a CUDA device")
+    print(f"commit under test: {git_commit()}", flush=True)
 
     torch.backends.cuda.matmul.allow_tf32 = True
     b, hq, hkv, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
@@ -310,13 +327,7 @@ def main() -> None:
 
     # Correctness spot check of the reported configuration against the naive path's output.
     # ---------------------------------------------------------------- naive path
-    nb = plan.n_blocks_max
-    chunk_tab = torch.from_numpy(np.stack([chunk_ids[s, h] for s, h in tasks])).long()  # [T, n_per]
-    bidx = torch.arange(nb)
-    meta_chunk = chunk_tab[:, bidx // (128 // blk)]  # [T, nb]
-    meta_row = layout.META_ROW + 2 * (layout.meta_entry_offset(blk) + bidx % (128 // blk))
-    mrow = meta_chunk * layout.CHUNK_ROWS + meta_row
-    meta_rows = torch.stack([mrow, mrow + 1], -1).reshape(-1)
+    chunk_tab, meta_rows = naive_tables(chunk_ids, tasks, plan.n_blocks_max, blk)
     naive_out, _ = naive_pipeline(host, q0, plan, chunk_tab, cpu_len, g, hq, blk, meta_rows)
     sparse_attention(plan, q0, arena, out, lse, default)
     ours = torch.stack([out[s, h * g : (h + 1) * g] for s, h in tasks])
@@ -415,8 +426,6 @@ def main() -> None:
         "cpu_len": cpu_len, "block_size": blk, "budget": args.budget, "dtype": "bf16", "window": args.window,
         "torch": torch.__version__, "triton": triton.__version__,
     }
-    if args.commit:
-        os.environ["HYBRID_COMMIT"] = args.commit
     path = write_results("gpu_attention", metrics, points, out_dir=args.out_dir, extra={"workload": workload})
     if args.copy_to:
         Path(args.copy_to).mkdir(parents=True, exist_ok=True)
