@@ -769,14 +769,55 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
     return tokens_read * 2 * d * arena.itemsize
 
 
+@numba.njit(inline="always")
+def _check_task(
+    arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state, topk_scratch
+):
+    """Raise ValueError unless the task fits its arrays; O(1), before anything is read or written.
+
+    The kernels run without bounds checks, so a task larger than its workspace (or a chunk list
+    shorter than its cpu_len) would silently write past the scratch and corrupt the heap.
+    Chunk ids themselves are not checked (that is O(n_chunks)): they come from the store.
+    """
+    if block_size != 16 and block_size != 32 and block_size != 64 and block_size != 128:
+        raise ValueError("task block_size " + str(block_size) + " is not one of 16, 32, 64, 128")
+    if cpu_len < 0 or chunks.shape[0] * _CHUNK < cpu_len:
+        raise ValueError(
+            "task cpu_len " + str(cpu_len) + " is more than its " + str(chunks.shape[0])
+            + " chunks of " + str(_CHUNK) + " tokens hold"
+        )
+    n_blocks = (cpu_len + block_size - 1) // block_size
+    room = min(scores.shape[1], selected.shape[1], block_heads.shape[0], topk_scratch.shape[0] - _BUCKETS)
+    if n_blocks > room:
+        raise ValueError(
+            "task has " + str(n_blocks) + " blocks (cpu_len " + str(cpu_len) + ", block_size " + str(block_size)
+            + ") but the workspace holds " + str(room) + "; size it from KVStore.max_task_blocks "
+            + "(kv_cache.cpu_capacity_tokens in blocks of 16)"
+        )
+    g, d = q.shape
+    heads = min(scores.shape[0], selected.shape[0], n_selected.shape[0], n_select.shape[0], out.shape[0],
+                lse.shape[0], (state.shape[0] - 2) // 2)
+    if g > 32 or g > heads or d != arena.shape[2] or d != out.shape[1] or state.shape[1] < 2 + d + _PAGE:
+        raise ValueError(
+            "task has " + str(g) + " query heads of dim " + str(d) + " (arena dim " + str(arena.shape[2])
+            + ") but its workspace and outputs fit " + str(heads) + " heads (at most 32) of dim "
+            + str(min(out.shape[1], state.shape[1] - 2 - _PAGE))
+        )
+
+
 @numba.njit(**_JIT)
 def run_task(
     arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state, topk_scratch
 ):
     """Score, select and attend for one task; returns bytes read (metadata + selected KV).
 
+    Raises ValueError first when the task does not fit its workspace (`_check_task`).
     `state` doubles as the scoring scratch: scoring is over before attention starts.
     """
+    _check_task(
+        arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state,
+        topk_scratch,
+    )
     n_blocks = block_scores(arena, chunks, cpu_len, block_size, q, scores, state)
     topk_blocks(scores, n_blocks, n_select, selected, n_selected, topk_scratch, block_heads)
     kv_bytes = sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state)

@@ -10,11 +10,15 @@ GPU memory stays bounded and the CPU segment stays contiguous in position.
 
 CPU memory is one arena per layer (layout in `cpu_kernels/layout.py`), allocated and pinned once;
 chunks of 128 tokens of one KV head are handed out from a free list and returned by `release`,
-so steady state never pins again.
+so steady state never pins again. `kv_cache.cpu_capacity_tokens` bounds the CPU-resident tokens
+of all sequences together at each layer; a prefill or a spill past it is refused before anything
+changes. `close` gives the arenas back to the operating system.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +30,8 @@ from cpu_kernels import layout
 from hybrid_runtime.config import GeometryConfig, KVCacheConfig
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+log = logging.getLogger(__name__)
 
 
 class CapacityError(MemoryError):
@@ -46,8 +52,12 @@ class _SeqLayer:
 def arena_bytes(kv_cfg: KVCacheConfig, geometry: GeometryConfig) -> tuple[int, int]:
     """(chunks per layer, bytes of all arenas) for a config, before anything is allocated."""
     hkv = geometry.kv_heads
-    # Each sequence wastes less than one chunk per KV head at its tail.
-    n_chunks = (-(-kv_cfg.cpu_capacity_tokens // layout.CHUNK_TOKENS) + kv_cfg.max_sequences) * hkv
+    # The most chunks per KV head that sequences holding `cap` tokens in all can occupy: each of
+    # the (at most min(max_sequences, cap)) non-empty ones wastes under one chunk at its tail, so
+    # sum(ceil(len_i / 128)) <= (cap + 127 * n_seq) // 128, reached by n_seq - 1 one-token sequences.
+    cap = kv_cfg.cpu_capacity_tokens
+    tails = (layout.CHUNK_TOKENS - 1) * min(kv_cfg.max_sequences, cap)
+    n_chunks = (cap + tails) // layout.CHUNK_TOKENS * hkv
     esize = torch.tensor([], dtype=_TORCH_DTYPES[kv_cfg.dtype]).element_size()
     per_layer = n_chunks * layout.CHUNK_ROWS * geometry.head_dim * esize
     return n_chunks, per_layer * geometry.layers
@@ -73,6 +83,7 @@ class KVStore:
         self.dtype = _TORCH_DTYPES[kv_cfg.dtype]
         self.device = _window_device(kv_cfg.device)
         self.pinned = torch.cuda.is_available()
+        self._closed = False
 
         n_chunks, _ = arena_bytes(kv_cfg, geometry)
         esize = torch.tensor([], dtype=self.dtype).element_size()
@@ -99,6 +110,7 @@ class KVStore:
         # Free chunks per layer as a stack: _free[l][:_n_free[l]] are free.
         self._free = [np.arange(n_chunks - 1, -1, -1, dtype=np.int32) for _ in range(self.layers)]
         self._n_free = [n_chunks] * self.layers
+        self._cpu_tokens = [0] * self.layers  # CPU-resident tokens of all sequences, per layer
 
         w = kv_cfg.sink + kv_cfg.local + kv_cfg.generated_cap + layout.PAGE_SIZE
         self.window_capacity = w
@@ -110,16 +122,34 @@ class KVStore:
         self._state: dict[int, list[_SeqLayer]] = {}
 
     # ------------------------------------------------------------------ accessors
+    @property
+    def max_sequence_cpu_tokens(self) -> int:
+        """The most CPU-resident tokens one sequence can hold at a layer: the whole capacity."""
+        return self.cfg.cpu_capacity_tokens
+
+    @property
+    def max_task_blocks(self) -> int:
+        """The most blocks one task (a sequence's KV head at a layer) can have: its longest CPU
+        segment in blocks of the smallest size. Sizes the CPU kernels' workspaces."""
+        return -(-self.max_sequence_cpu_tokens // min(layout.BLOCK_SIZES))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def arena(self, layer: int) -> torch.Tensor:
         """Host arena `[n_chunks, CHUNK_ROWS, D]` of a layer (pinned when CUDA exists)."""
+        self._check_open()
         return self._arenas[layer]
 
     def arena_numpy(self, layer: int) -> np.ndarray:
         """The arena as numpy sharing memory: uint16 for bf16 stores, float32 for fp32 stores."""
+        self._check_open()
         return self._arenas_np[layer]
 
     def arena_cuda(self, layer: int) -> torch.Tensor:
         """A CUDA view of the layer's pinned arena (no copy), made once and cached."""
+        self._check_open()
         view = self._arenas_cuda[layer]
         if view is None:
             from gpu_kernels.uva import uva_view
@@ -129,6 +159,7 @@ class KVStore:
 
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GPU window K and V `[max_sequences, Hkv, W, D]`; a slot's first window_len rows are valid."""
+        self._check_open()
         return self._win_k[layer], self._win_v[layer]
 
     def slot(self, seq_id: int) -> int:
@@ -170,15 +201,27 @@ class KVStore:
         return st.chunk_table[:, : st.n_chunks]
 
     def free_chunks(self, layer: int) -> int:
+        self._check_layer(layer)
         return self._n_free[layer]
 
+    def cpu_tokens(self, layer: int) -> int:
+        """CPU-resident tokens of all sequences at a layer (at most `kv_cache.cpu_capacity_tokens`)."""
+        self._check_layer(layer)
+        return self._cpu_tokens[layer]
+
     # ------------------------------------------------------------------ checks
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the KV store is closed (its runtime was closed); build a new HybridRuntime or KVStore")
+
     def _check_seq(self, seq_id: int) -> int:
+        self._check_open()
         if seq_id not in self._slots:
             raise KeyError(f"sequence {seq_id} is not in the store; prefill it first")
         return seq_id
 
     def _check_layer(self, layer: int) -> None:
+        self._check_open()
         if not 0 <= layer < self.layers:
             raise IndexError(f"layer {layer} out of range; the store has layers 0..{self.layers - 1}")
 
@@ -214,12 +257,7 @@ class KVStore:
             )
         if not new_seq and self._state[seq_id][layer].sink_len + self._state[seq_id][layer].recent_len:
             raise ValueError(f"sequence {seq_id} already has layer {layer}; release it before prefilling again")
-        if need > self._n_free[layer]:
-            raise CapacityError(
-                f"layer {layer}: sequence {seq_id} needs {need} chunks ({cpu_len} CPU tokens x "
-                f"{self.kv_heads} KV heads) but {self._n_free[layer]} are free; raise "
-                "kv_cache.cpu_capacity_tokens or release sequences"
-            )
+        self._check_room(layer, cpu_len, need, f"sequence {seq_id}")
         # All checks passed: from here on the store changes.
         if new_seq:
             self._slots[seq_id] = self._free_slots.pop()
@@ -260,12 +298,9 @@ class KVStore:
             else 0
             for st in states
         ]
-        need = sum(self._chunks_needed(st, n) for st, n in zip(states, spills))
-        if need > self._n_free[layer]:
-            raise CapacityError(
-                f"layer {layer}: spilling the GPU window needs {need} chunks but "
-                f"{self._n_free[layer]} are free; raise kv_cache.cpu_capacity_tokens"
-            )
+        if any(spills):
+            need = sum(self._chunks_needed(st, n) for st, n in zip(states, spills))
+            self._check_room(layer, sum(spills), need, "spilling the GPU window")
         slots = torch.tensor([self._slots[s] for s in seq_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([st.sink_len + st.recent_len for st in states], dtype=torch.long, device=self.device)
         win_k, win_v = self._win_k[layer], self._win_v[layer]
@@ -275,6 +310,23 @@ class KVStore:
             st.recent_len += 1
             if n_spill:
                 self._spill(seq_id, layer, st, n_spill)
+
+    def _check_room(self, layer: int, tokens: int, chunks: int, what: str) -> None:
+        """CapacityError unless `tokens` more CPU-resident tokens fit the layer's capacity.
+
+        The token count, not the free chunks, is the limit: the arena has slack for chunk
+        rounding (see `arena_bytes`), and letting that slack hold tokens would let one sequence
+        outgrow every bound sized from the capacity (workspaces, task tables).
+        """
+        cap = self.cfg.cpu_capacity_tokens
+        free = cap - self._cpu_tokens[layer]
+        if tokens > free:
+            raise CapacityError(
+                f"layer {layer}: {what} needs {chunks} chunks ({tokens} CPU-resident tokens x {self.kv_heads} "
+                f"KV heads) but only {free} of the kv_cache.cpu_capacity_tokens={cap} tokens per layer are "
+                "free; raise kv_cache.cpu_capacity_tokens (the CPU-resident tokens of all sequences at one "
+                "layer) or release sequences"
+            )
 
     def _chunks_needed(self, st: _SeqLayer, n_tokens: int) -> int:
         have = -(-st.cpu_len // layout.CHUNK_TOKENS)
@@ -317,6 +369,7 @@ class KVStore:
         arena[chunk_ids, rows + layout.K_ROW] = k.to(device="cpu", dtype=self.dtype).transpose(0, 1)
         arena[chunk_ids, rows + layout.V_ROW] = v.to(device="cpu", dtype=self.dtype).transpose(0, 1)
         st.cpu_len = new_len
+        self._cpu_tokens[layer] += n
         first_chunk = old_len // layout.CHUNK_TOKENS
         touched = table[:, first_chunk:]  # [Hkv, m]
         self._write_metadata(layer, touched.reshape(-1), new_len - first_chunk * layout.CHUNK_TOKENS)
@@ -346,6 +399,8 @@ class KVStore:
 
     def _alloc(self, layer: int, n: int) -> np.ndarray:
         top = self._n_free[layer]
+        if n > top:  # `arena_bytes` makes this unreachable while the token count is within capacity
+            raise RuntimeError(f"layer {layer}: {n} chunks asked for but {top} are free; the arena is undersized")
         ids = self._free[layer][top - n : top][::-1].copy()
         self._n_free[layer] = top - n
         return ids
@@ -354,12 +409,48 @@ class KVStore:
         """Return a sequence's chunks and window slot; its memory stays pinned for reuse."""
         self._check_seq(seq_id)
         for layer, st in enumerate(self._state.pop(seq_id)):
+            self._cpu_tokens[layer] -= st.cpu_len
             if st.n_chunks:
                 ids = st.chunk_table[:, : st.n_chunks].reshape(-1)
                 top = self._n_free[layer]
                 self._free[layer][top : top + ids.size] = ids
                 self._n_free[layer] = top + ids.size
         self._free_slots.append(self._slots.pop(seq_id))
+
+    def close(self) -> int:
+        """Give the arenas and windows back: the pinned memory returns to the operating system.
+
+        Drops the store's arenas, their numpy and CUDA (UVA) views, the GPU windows and every
+        sequence; the store raises on any later use. With CUDA, torch's caching host allocator
+        keeps freed pinned blocks for reuse (so a new store of the same size would fail its host
+        memory check), so its cache is emptied -- after a device synchronize, since kernels may
+        still read an arena through its UVA view. Returns how many arenas outside references
+        (executors, worker arguments) still keep alive: their memory returns when those go, or
+        with a later cache emptying. Idempotent.
+        """
+        if self._closed:
+            return 0
+        if self.pinned:
+            torch.cuda.synchronize()
+        # Per layer: the arena and the views the store made of it (a view keeps the memory too).
+        held = [
+            [weakref.ref(x) for x in views if x is not None]
+            for views in zip(self._arenas, self._arenas_np, self._arenas_cuda)
+        ]
+        self._closed = True
+        self._arenas, self._arenas_np, self._arenas_cuda = [], [], []
+        self._win_k, self._win_v = [], []
+        self._free, self._n_free, self._cpu_tokens = [], [], []
+        self._state.clear()
+        self._slots.clear()
+        self._free_slots = []
+        alive = sum(any(r() is not None for r in refs) for refs in held)
+        if self.pinned:
+            _empty_host_cache()
+        if alive:
+            log.warning("KVStore.close: %d of %d arenas are still referenced outside the store; their memory "
+                        "stays allocated until those references are dropped", alive, len(held))
+        return alive
 
     # ------------------------------------------------------------------ for tests and references
     def full_kv(self, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,6 +481,18 @@ class KVStore:
         table = torch.from_numpy(self.chunk_table(seq_id, layer)[kv_head]).long()
         meta = self._arenas[layer][table, layout.META_ROW :].view(-1, layout.META_ENTRIES, 2, self.head_dim)
         return meta[:, off : off + per_chunk].reshape(-1, 2, self.head_dim)[:n_blocks]
+
+
+def _empty_host_cache() -> None:
+    """Return torch's cached (free) pinned host blocks to CUDA, whichever API this torch has."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is None:
+        log.warning("this torch (%s) cannot empty its pinned host cache; closed stores' arenas stay cached",
+                    torch.__version__)
+        return
+    empty()
 
 
 def _numpy_view(arena: torch.Tensor) -> np.ndarray:

@@ -200,12 +200,14 @@ class HybridRuntime:
         self.close()
 
     def close(self) -> None:
-        """Stop and join every worker thread. Idempotent."""
+        """Stop and join every worker thread, then free the store's pinned arenas. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             self.scheduler.close()
+            # Only once no worker can read them: the pinned arenas go back to the system.
+            self.store.close()
         finally:
             if self._froze_gc:
                 thaw_collector()

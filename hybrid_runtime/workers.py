@@ -116,6 +116,9 @@ class CpuWorkers:
         alive = [t.name for t in self._threads if t.is_alive()]
         if alive:
             raise RuntimeError(f"scheduler.close: worker threads {alive} did not stop within {timeout:g} s")
+        # Every worker has returned: drop their views of the store's arenas so it can free them.
+        self._native_args = None
+        self.job = None
 
     def _ready(self, wid: int, core: int | None) -> Any:
         """In a new worker thread: pin it, make its workspace (native: its loop's arguments, and

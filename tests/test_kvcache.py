@@ -100,7 +100,7 @@ def test_over_capacity_prefill_raises_and_changes_nothing():
         store.prefill(1, 0, big_k, big_v)
     assert store.free_chunks(0) == free
     assert store.sequences() == [0]
-    small_k, small_v = random_kv(300, 2, 32)
+    small_k, small_v = random_kv(296, 2, 32)  # the rest of the capacity exactly
     store.prefill(1, 0, small_k, small_v)  # the slot was not taken by the failed call
     with pytest.raises(CapacityError, match="max_sequences=2"):
         store.prefill(2, 0, small_k, small_v)

@@ -8,7 +8,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from cpu_kernels.layout import PAGE_SIZE
 from cpu_kernels.sparse_attention import Workspace, run_task
 from hybrid_runtime.kvcache import KVStore
 from hybrid_runtime.tasks import Step, Task
@@ -24,11 +23,11 @@ class CpuExecutor:
 
     device = "cpu"
 
-    def __init__(self, store: KVStore):
+    def __init__(self, store: KVStore) -> None:
         self.store = store
         self.group_size = store.geometry.group_size
-        # The longest CPU segment a sequence can have: the whole capacity, in blocks of 16.
-        self.max_blocks = -(-store.cfg.cpu_capacity_tokens // PAGE_SIZE) + 8
+        # The kernel refuses a task past this (run_task), so it must be the store's true bound.
+        self.max_blocks = store.max_task_blocks
         self._lock = threading.Lock()
         self._local = threading.local()
         self.bytes_read = 0
