@@ -1,0 +1,1056 @@
+"""End-to-end greedy decoding with `model.generate`: TTFT, TPOT and memory of HF caches vs the hybrid runtime (device).
+
+Models are built from a transformers config with random weights (timing does not depend on the
+weights; nothing is downloaded): the Llama-3.1-8B and Qwen2.5-7B geometries, bf16 on CUDA, sdpa
+attention; prompts are random tokens, all real (no padding). Variants, per (model, batch, context):
+
+    dense               HF default (`DynamicCache`)
+    static              HF `StaticCache` (what `cache_implementation="static"` builds), sized to prompt +
+                        new tokens; `generate` compiles its decode step (torch.compile, reduce-overhead).
+                        One cache object serves the warm-up (which pays the compile) and the measured
+                        call (reset between), so no cudagraph is re-recorded while measuring. A failed
+                        compile is recorded (`compile_error`) and the variant runs uncompiled.
+    offloaded           HF `cache_implementation="offloaded"` (KV on the host, layers prefetched)
+    cpu_only            hybrid runtime, every task on the CPU workers ("w/o Fluxion"), fixed (blk 16, budget 0.05)
+    fluxion             hybrid runtime, Fluxion scheduling, the same fixed policy
+    fluxion_predictor   hybrid runtime with the head-property predictor as head planner: the hook is
+                        `PREDICTOR_PLANNER`; while it is None the variant is recorded as skipped with
+                        reason "predictor not implemented" (never faked)
+
+Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
+
+Per point and variant (`measure_variant`; runs on the CPU too, which the CI test uses):
+* TTFT: host time from `generate`'s call to its first token, and TPOT: the gaps between successive
+  tokens of the same call (new tokens - 1 samples: median, mean, p90, p99, max). Both come from
+  `StepClock`, a `LogitsProcessor` that synchronizes the device and stamps `perf_counter` each
+  time `generate` hands it a token's logits; nothing else is timed, so a variant is measured
+  exactly as a user's `generate` call runs it. A warm-up call (a 1024-token prompt, 3 tokens; 5
+  for static) comes first: cuBLAS, Triton and numba compiles, the static variant's torch.compile.
+* peak GPU memory (`torch.cuda.max_memory_allocated`, reset before the measured call; the peak
+  up to the first token and the decode-phase peak are kept apart too);
+* hybrid: runtime construction time (the `enable_hybrid_attention` call), its pinned host memory
+  (the KV store's arena bytes), the selected bytes per decode step (the runtime's timeline:
+  bytes read by every task, all layers, divided by the decode steps), the GPU lane's byte share.
+  Torch uses every core during the prefill (the prompt's block metadata is torch CPU work) and,
+  from the first token on, only the cores the runtime's workers leave free (`cores_for_runtime`).
+  The runtime's config is `hybrid_config` (bf16 store, sink 64, local 256, capacity batch x
+  (context + new tokens), one worker per core but one); `--set SECTION.KEY=VALUE` overrides a key.
+* a variant that does not fit is recorded as out of memory with what it needed, estimated from
+  the geometry: `kv_bytes_est` = 2 x layers x kv_heads x head_dim x 2 bytes x batch x context,
+  `needed_bytes_est` = that plus the weights, and where it is needed (GPU and host, by variant).
+  `torch.cuda.OutOfMemoryError` (and the runtime's host `CapacityError`) are caught, memory is
+  freed, the run goes on. A variant whose lower bound of GPU memory (weights + resident KV + one
+  MLP's prefill activations, 3 x tokens x intermediate x 2 bytes) exceeds the device, or whose
+  host KV exceeds the host's available memory, is recorded as out of memory without being tried
+  (`oom_source: "estimate"`; `--attempt-all` tries anyway): a dense prefill that runs out only at
+  its last layers would cost a minute to find out. Activations that do not fit fail in the first
+  layer, fast, and are caught.
+
+Floor. What a step would cost if attention cost nothing but reading its selected KV at the
+machine's best concurrent rate: floor = t_noattn(model, batch) + selected bytes per step /
+concurrent ceiling. t_noattn is measured, per (model, batch), with the same generate loop and
+StepClock and the attention function replaced by a no-op registered in transformers'
+AttentionInterface (the query passed through as the output; no mask is built) over a 16-token
+prompt with the dense cache. The no-op rather than "dense at context ~16": even a tiny sdpa call
+is a kernel launch per layer that the floor should not contain; the tiny-context dense step is
+measured beside it (`floors[].dense_ctx16_step_ms`) so the difference is visible. The concurrent
+ceiling (benchmarks/machine_limits.py: CPU threads pinned like the runtime's workers and a GPU
+UVA page gather reading host memory at once) is measured in the same run, before the first
+model and again at the end when time is left; the best is the denominator.
+
+Metrics (each omitted when an input is missing -- a variant out of memory, skipped or not run --
+never defaulted): `fluxion_tpot_over_floor_max`, `offloaded_over_fluxion_tpot_min`,
+`fluxion_tpot_mean_over_median_max`, `fluxion_ttft_over_dense_max`, `runtime_construction_s_max`
+(both hybrid variants). Writes `benchmarks/results/e2e_decode-<device slug>.json` (one point per
+(model, batch, context, variant); rewritten after every point, so a run cut short keeps what it
+measured) and a markdown table beside it.
+
+Time. Prefills dominate: an H100 runs HF's dense prefill at ~400 TFLOP/s (8 s for 4 x 32K of
+Llama-8B, ~65 s for 4 x 128K); the runtime then stores the prompt's KV with its block metadata,
+computed on the host (assumed 0.5 GB/s: ~35 s for 4 x 32K of Llama-8B -- the least known rate);
+the offloaded cache moves all KV both ways every step; the static variant compiles once per
+point (~90 s). `CostModel` predicts every unit from the geometry with those rates and refits them
+from each measured row; `--plan` prints the schedule (no GPU needed). Predicted device time of
+the full matrix (2 models x 4 points, the variants that fit in memory): ~45 minutes -- Llama-8B
+~11 min at 4x32K + 8x32K, ~7 at 2x96K, ~10.5 at 4x128K; Qwen2.5-7B ~9, ~5, ~6.5 -- more than one
+call of the device tool (10 minutes) holds. So every run keeps to a time budget (`--budget-s`,
+default 540 s; the first machine-limits measurement counts): a unit predicted to end past it is
+recorded as skipped ("time budget") and the run goes on with the next unit that fits. Units run
+model by model, point by point, variants in `--variants` order (dense, fluxion, offloaded,
+cpu_only, static). The default run (predicted, ~9 minutes) covers Llama-8B at 4x32K with every
+variant and at 8x32K with dense, fluxion and offloaded, then cheap leftovers (dense rows); the
+rest takes further calls, each with its own `--out`, e.g. `--models llama-3.1-8b --points 2x96K`,
+`--models qwen2.5-7b --points 4x32K,8x32K`. `--quick` (Llama-8B at 4x32K: dense, offloaded,
+cpu_only, fluxion) is predicted at ~3.5 minutes.
+
+    python benchmarks/e2e_decode.py                          # default run, ~9 minutes on an H100 host
+    python benchmarks/e2e_decode.py --quick
+    python benchmarks/e2e_decode.py --models qwen2.5-7b --points 4x32K,8x32K --out $OUT/e2e_decode-qwen-32k.json
+    python benchmarks/e2e_decode.py --plan                    # predicted schedule, runs nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import transformers  # noqa: E402
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+
+from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
+from benchmarks.layer_attention import GcWatch, attention_stats, best_limits, measure_limits  # noqa: E402
+from hybrid_runtime.config import Config, ConfigError, GeometryConfig, config_from_dict, parse_override  # noqa: E402
+from hybrid_runtime.kvcache import CapacityError, arena_bytes  # noqa: E402
+from hybrid_runtime.profiling import LANE_GPU  # noqa: E402
+
+BENCHMARK = "e2e_decode"
+POINTS = [(4, 32768), (8, 32768), (2, 98304), (4, 131072)]
+NEW_TOKENS = 24
+BUDGET_S = 540.0
+WARMUP_TOKENS = 1024  # warm-up prompt: longer than sink + local, so the runtime's CPU tasks run too
+FLOOR_PROMPT = 16
+LIMITS_S = 30.0  # measuring the machine limits once (pinned buffers, three rounds)
+# What `--plan` assumes without a GPU: the H100 host (80 GB HBM3, 128 GiB of host memory).
+H100_BYTES = int(79.1 * 2**30)
+H100_HOST_BYTES = 120 * 2**30
+QUICK = {"models": ["llama-3.1-8b"], "points": [(4, 32768)], "variants": ["dense", "offloaded", "cpu_only", "fluxion"]}
+
+# Geometries of the two models (their published configs; RoPE scaling left out: it does not
+# change any timing). Built with random weights by `build_model`.
+MODELS: dict[str, tuple[str, dict]] = {
+    "llama-3.1-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=262144,
+        tie_word_embeddings=False)),
+    "qwen2.5-7b": ("Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=262144,
+        tie_word_embeddings=False, use_sliding_window=False, sliding_window=None)),
+}
+
+# The head-property predictor as a head planner: a factory `(model, cfg) -> planner` with the
+# signature `HybridRuntime(head_planner=...)` takes. None until the predictor exists: the
+# `fluxion_predictor` variant is then recorded as skipped, never run with a stand-in.
+PREDICTOR_PLANNER: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "hf": a transformers cache; "hybrid": the runtime through enable_hybrid_attention
+    generate_kwargs: dict = field(default_factory=dict)
+    policy: str | None = None  # scheduler policy of a hybrid variant
+    planner: str | None = None  # "predictor": the head planner comes from PREDICTOR_PLANNER
+    needs_cuda: bool = False
+
+    def unavailable(self) -> str | None:
+        """Why this variant cannot run in this build (recorded as the skip reason), or None."""
+        if self.planner == "predictor" and PREDICTOR_PLANNER is None:
+            return "predictor not implemented"
+        return None
+
+
+# In run order (the default --variants): what the metrics need first, the costly compile last.
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("dense", "hf"),
+    Variant("fluxion", "hybrid", policy="fluxion"),
+    Variant("offloaded", "hf", {"cache_implementation": "offloaded"}, needs_cuda=True),
+    Variant("cpu_only", "hybrid", policy="cpu_only"),
+    Variant("static", "hf"),
+    Variant("fluxion_predictor", "hybrid", policy="fluxion", planner="predictor"),
+)}
+
+
+# ---------------------------------------------------------------------------- geometry arithmetic
+def model_config(name: str, **over: Any):
+    cls, kw = MODELS[name]
+    return getattr(transformers, cls)(**{**kw, **over})
+
+
+def _dims(cfg) -> tuple[int, int, int, int, int, int, int]:
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    return cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, hq, hkv, d
+
+
+def param_count(cfg) -> int:
+    """Parameters of a Llama/Qwen2-style causal LM from its config (Qwen2 adds q/k/v biases)."""
+    layers, h, inter, vocab, hq, hkv, d = _dims(cfg)
+    attn = h * hq * d + 2 * h * hkv * d + hq * d * h
+    if getattr(cfg, "model_type", "") == "qwen2":
+        attn += hq * d + 2 * hkv * d
+    per_layer = attn + 3 * h * inter + 2 * h
+    embed = vocab * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    return embed + layers * per_layer + h
+
+
+def kv_bytes(cfg, batch: int, context: int) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x 2 bytes (bf16) x batch x context."""
+    layers, _, _, _, _, hkv, d = _dims(cfg)
+    return 2 * layers * hkv * d * 2 * batch * context
+
+
+def prefill_flops(cfg, batch: int, context: int) -> float:
+    """Matmul FLOPs of a whole-batch prefill: projections and MLP per token, causal attention
+    (QK^T and PV over half the square), and the LM head for the last token only."""
+    layers, h, inter, vocab, hq, hkv, d = _dims(cfg)
+    linear = 2 * layers * (h * hq * d + 2 * h * hkv * d + hq * d * h + 3 * h * inter)
+    attention = 2 * layers * hq * d * context**2
+    return float(batch * (context * linear + attention + 2 * h * vocab))
+
+
+def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: int, hybrid_cfg: Config | None) -> dict:
+    """What a variant needs, from the geometry. `needed_bytes_est` is KV + weights (the contract's
+    figure); `gpu_lower_bound_bytes` adds one MLP's prefill activations (act(gate), up and their
+    product, 3 x tokens x intermediate x 2 bytes) to what stays on the GPU, and decides whether a
+    variant is tried at all (see the module docstring)."""
+    layers, _, inter, _, _, _, _ = _dims(cfg)
+    kv = kv_bytes(cfg, batch, context)
+    act = 3 * batch * context * inter * 2
+    host = 0
+    if variant.kind == "hybrid":
+        resident, host = 0, kv
+        if hybrid_cfg is not None:  # the GPU windows (sink, local, generated tokens and a page per slot) and the arenas
+            kc = hybrid_cfg.kv_cache
+            resident = kv_bytes(cfg, kc.max_sequences, kc.sink + kc.local + kc.generated_cap + kc.page_size)
+            host = arena_bytes(kc, model_geometry_of(cfg))[1]
+    elif variant.name == "offloaded":
+        resident = 2 * kv // layers  # the layer in use and the one prefetched
+        host = kv
+    else:
+        resident = kv
+    return {
+        "kv_bytes_est": kv,
+        "weight_bytes": weights,
+        "needed_bytes_est": kv + weights,
+        "prefill_activation_bytes_est": act,
+        "gpu_lower_bound_bytes": weights + resident + act,
+        "needed_host_bytes_est": host,
+    }
+
+
+def fit_problems(est: dict, gpu_bytes: int | None, host_bytes: int | None) -> list[str]:
+    """Why a variant with the `memory_estimate` `est` cannot fit (empty: it may)."""
+    short = []
+    if gpu_bytes and est["gpu_lower_bound_bytes"] > gpu_bytes:
+        short.append(f"GPU: at least {est['gpu_lower_bound_bytes'] / 2**30:.1f} GiB of {gpu_bytes / 2**30:.1f} GiB")
+    if host_bytes is not None and est["needed_host_bytes_est"] > host_bytes:
+        short.append(f"host: {est['needed_host_bytes_est'] / 2**30:.1f} GiB of {host_bytes / 2**30:.1f} GiB available")
+    return short
+
+
+def model_geometry_of(cfg) -> GeometryConfig:
+    layers, _, _, _, hq, hkv, d = _dims(cfg)
+    return GeometryConfig(getattr(cfg, "model_type", "model"), layers, hq, hkv, d)
+
+
+# ---------------------------------------------------------------------------- models and prompts
+def build_model(cfg, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A causal LM with random weights, created directly on `device`."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def random_prompt(vocab: int, batch: int, context: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, context), generator=g)
+    return ids.to(device), torch.ones_like(ids, device=device)
+
+
+def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, cpu_workers: int,
+                  overrides: dict | None = None) -> Config:
+    """The runtime's config for a hybrid variant: bf16 store sized for the point, fixed (16, 0.05)."""
+    data = {
+        "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
+                     "cpu_capacity_tokens": batch * (context + new_tokens), "max_sequences": batch},
+        "policy": {"name": "fixed", "block_size": 16, "budget": 0.05},
+        "scheduler": {"policy": variant.policy, "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
+                      "step_timeout_s": 60.0},
+    }
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return config_from_dict(data)
+
+
+# ---------------------------------------------------------------------------- timing one generate call
+class StepClock(LogitsProcessor):
+    """Host time of every generated token: `generate` calls a logits processor once per token,
+    right after the forward that produced it; the device is synchronized first, so a stamp is
+    when that token's logits exist. `on_first` callables run at the first token (after the prefill)."""
+
+    def __init__(self, cuda: bool, on_first: list | tuple = ()):
+        self.cuda = cuda
+        self.on_first = list(on_first)
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) == 1:
+            for fn in self.on_first:
+                fn()
+        return scores
+
+
+class StopRule(StoppingCriteria):
+    """Stops after `max_tokens` tokens, or once the decode (from the first token) has run
+    `cap_s` seconds with at least `min_tokens` tokens out; either may be None."""
+
+    def __init__(self, clock: StepClock, max_tokens: int | None = None, cap_s: float | None = None,
+                 min_tokens: int = 4):
+        self.clock, self.max_tokens, self.cap_s, self.min_tokens = clock, max_tokens, cap_s, min_tokens
+        self.capped = False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        st = self.clock.stamps
+        stop = self.max_tokens is not None and len(st) >= self.max_tokens
+        if not stop and self.cap_s is not None and len(st) >= self.min_tokens and st[-1] - st[0] >= self.cap_s:
+            stop = self.capped = True
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+def timing_fields(t0: float, stamps: list, t_end: float) -> dict:
+    """TTFT and TPOT statistics from the stamps of one generate call (seconds in; TPOT in ms)."""
+    gaps = np.diff(np.asarray(stamps, dtype=np.float64))
+    out = {"ttft_s": stamps[0] - t0, "new_tokens": len(stamps), "tpot_samples": int(gaps.size),
+           "decode_s": stamps[-1] - stamps[0], "generate_s": t_end - t0, "tpot_ms": [float(g * 1e3) for g in gaps]}
+    if gaps.size:
+        out.update({k.replace("attention_ms", "tpot_ms"): v for k, v in attention_stats(gaps).items()})
+    return out
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s: float | None = None,
+                   on_first: list | tuple = (), max_tokens: int | None = None, measure_memory: bool = True) -> dict:
+    """One greedy `generate` of exactly `new_tokens` tokens (fewer when `cap_s` or `max_tokens`
+    stops it), timed by `StepClock`; with CUDA, the peak memory before and after the first token."""
+    cuda = ids.device.type == "cuda"
+    mem: dict = {}
+
+    def prefill_peak() -> None:
+        mem["prefill"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+
+    clock = StepClock(cuda, ([prefill_peak] if cuda and measure_memory else []) + list(on_first))
+    rule = StopRule(clock, max_tokens=max_tokens, cap_s=cap_s)
+    _sync(cuda)
+    if cuda and measure_memory:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                         min_new_tokens=min(new_tokens, max_tokens or new_tokens), do_sample=False, pad_token_id=0,
+                         logits_processor=LogitsProcessorList([clock]), stopping_criteria=StoppingCriteriaList([rule]),
+                         **gen_kwargs)
+    _sync(cuda)
+    t_end = time.perf_counter()
+    generated = out.shape[1] - ids.shape[1]
+    if generated != len(clock.stamps):
+        raise RuntimeError(f"generate made {generated} tokens but the clock saw {len(clock.stamps)}")
+    row = timing_fields(t0, clock.stamps, t_end)
+    row["stopped_by_time_cap"] = rule.capped
+    if cuda and measure_memory:
+        decode = torch.cuda.max_memory_allocated()
+        row.update(prefill_peak_gpu_bytes=mem.get("prefill"), decode_peak_gpu_bytes=decode,
+                   peak_gpu_bytes=max(mem.get("prefill", 0), decode))
+    return row
+
+
+# ---------------------------------------------------------------------------- the floor
+NOOP_ATTENTION = "e2e_decode_noop"
+
+
+def _noop_attention(module, query, key, value, attention_mask, **kwargs):
+    """No attention: the query `[B, Hq, T, D]` passed through as the output `[B, T, Hq, D]`."""
+    return query.transpose(1, 2), None
+
+
+@contextlib.contextmanager
+def attention_replaced(model, name: str = NOOP_ATTENTION, fn: Callable = _noop_attention):
+    """Within the block the model's attention modules call `fn` (registered under `name` in
+    transformers' AttentionInterface; no mask function is registered, so no mask is built)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(name, fn)
+    saved = model.config._attn_implementation_internal
+    model.config._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation_internal = saved
+
+
+def measure_floor(model, batch: int, new_tokens: int, seed: int = 0) -> dict:
+    """The model's decode step without attention (no-op attention, 16-token prompt, dense cache)
+    and, beside it, the dense step at that tiny context; medians over the generated tokens."""
+    ids, mask = random_prompt(model.config.vocab_size, batch, FLOOR_PROMPT, seed, model.device)
+    row = {"batch": batch, "prompt_tokens": FLOOR_PROMPT}
+    for key, ctx in (("noattn", attention_replaced(model)), ("dense_ctx16", contextlib.nullcontext())):
+        with ctx, torch.no_grad():
+            timed_generate(model, ids, mask, 3, {}, measure_memory=False)  # warm-up
+            r = timed_generate(model, ids, mask, new_tokens, {}, measure_memory=False)
+        row[f"{key}_step_ms"] = r["tpot_ms_median"]
+        row[f"{key}_step_ms_mean"] = r["tpot_ms_mean"]
+    return row
+
+
+# ---------------------------------------------------------------------------- one (model, point, variant)
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, CapacityError, MemoryError)) or "out of memory" in str(exc).lower()
+
+
+def _warm(model, ids, mask, warmup_tokens: int, gen_kwargs: dict, on_first=(), tokens: int = 3) -> float:
+    """A short generate (`tokens` tokens over the first `warmup_tokens` prompt tokens); its seconds."""
+    t = time.perf_counter()
+    w = min(warmup_tokens, ids.shape[1])
+    timed_generate(model, ids[:, :w], mask[:, :w], tokens, gen_kwargs, on_first=on_first, measure_memory=False)
+    return time.perf_counter() - t
+
+
+def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s) -> dict:
+    gen = dict(variant.generate_kwargs)
+    row: dict = {}
+    cache = None
+    if variant.name == "static":
+        from transformers import StaticCache
+
+        model.__dict__.pop("_previous_max_cache_length", None)
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+        gen = {"past_key_values": cache}
+        row["compiled"] = False
+    # The compiled step runs under cudagraph trees: warmed up at its first call, recorded at the
+    # next; a few decode steps in the warm-up leave the measured call only replays.
+    tokens = 5 if cache is not None else 3
+    try:
+        if warmup_tokens:
+            try:
+                row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, gen, tokens=tokens)
+            except Exception as exc:  # a failed compile: record it and run uncompiled
+                if is_oom(exc) or cache is None:
+                    raise
+                row["compile_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                gen["disable_compile"] = True
+                cache.reset()
+                row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, gen, tokens=tokens)
+        if cache is not None:
+            compiled = not gen.get("disable_compile") and hasattr(model, "_compiled_call")
+            row["compiled"] = ids.device.type == "cuda" and compiled
+            cache.reset()
+        with GcWatch() as gcw:
+            gcw.label = variant.name
+            row.update(timed_generate(model, ids, mask, new_tokens, gen, cap_s=cap_s))
+        row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
+        return row
+    finally:
+        if cache is not None:
+            del cache, gen
+            # Drop compiled code and cudagraph pools (they may hold this point's static buffers).
+            model.__dict__.pop("_compiled_call", None)
+            model.__dict__.pop("_last_compile_config", None)
+            torch._dynamo.reset()
+
+
+def _timeline_fields(rt, layers: int) -> dict:
+    recs = rt.timeline.records
+    total = sum(int(r.bytes_read.sum()) for r in recs)
+    gpu = sum(int(r.bytes_read[r.lane == LANE_GPU].sum()) for r in recs)
+    steps = len(recs) // layers if len(recs) % layers == 0 else len(recs) / layers
+    attn = sum(r.attention_s for r in recs)
+    return {
+        "timeline_records": len(recs),
+        "decode_steps": steps,
+        "timeline_bytes_total": total,
+        "bytes_per_step": total / steps if steps else None,
+        "gpu_byte_share": gpu / total if total else None,
+        "attention_ms_per_step": attn / steps * 1e3 if steps else None,
+    }
+
+
+def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
+                    cfg: Config) -> dict:
+    from hybrid_runtime.integrations.transformers import (
+        cores_for_runtime,
+        disable_hybrid_attention,
+        enable_hybrid_attention,
+        model_geometry,
+    )
+
+    row: dict = {}
+    own = None
+    t = time.perf_counter()
+    if variant.planner == "predictor":
+        from hybrid_runtime.runtime import HybridRuntime
+
+        geometry = model_geometry(model)
+        own = HybridRuntime(dataclasses.replace(cfg, geometry=geometry), geometry,
+                            head_planner=PREDICTOR_PLANNER(model, cfg))
+        try:
+            rt = enable_hybrid_attention(model, cfg, runtime=own)
+        except BaseException:
+            own.close()
+            raise
+    else:
+        rt = enable_hybrid_attention(model, cfg)
+    row["runtime_construction_s"] = time.perf_counter() - t
+    try:
+        store = rt.store
+        arenas = [store.arena(i) for i in range(store.layers)]
+        row["pinned_host_bytes"] = sum(a.numel() * a.element_size() for a in arenas)
+        row["host_arena_pinned"] = bool(store.pinned)
+        saved = torch.get_num_threads()
+        with cores_for_runtime(rt) as n_free, torch.no_grad():  # restores `saved` on exit
+            torch.set_num_threads(saved)  # prefill: every core (the prompt's block metadata is torch CPU work)
+            decode_threads = [lambda: torch.set_num_threads(n_free)]  # decode: the cores the workers leave free
+            row["torch_threads_prefill"], row["torch_threads_decode"] = saved, n_free
+            if warmup_tokens:
+                row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, {}, on_first=decode_threads)
+                torch.set_num_threads(saved)
+            gc.collect()  # the warm-up's cache releases its runtime sequences when collected
+            if store.sequences():
+                raise RuntimeError(f"runtime sequences {store.sequences()} still held before the measured call")
+            rt.timeline.clear()
+            with GcWatch() as gcw:
+                gcw.label = variant.name
+                row.update(timed_generate(model, ids, mask, new_tokens, {}, cap_s=cap_s, on_first=decode_threads))
+        row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
+        row.update(_timeline_fields(rt, rt.geometry.layers))
+        st = rt.stats()
+        row["runtime_stats"] = {k: st[k] for k in ("policy", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
+                                                   "tp_cpu_worker_GBps", "tp_gpu_GBps") if k in st}
+        return row
+    finally:
+        disable_hybrid_attention(model)
+        if own is not None:
+            own.close()
+        del rt, own
+
+
+def measure_variant(model, variant: Variant, batch: int, context: int, *, new_tokens: int = NEW_TOKENS,
+                    warmup_tokens: int = WARMUP_TOKENS, cap_s: float | None = None, seed: int = 0,
+                    hybrid_cfg: Config | None = None) -> dict:
+    """Measure one (model, point, variant): the row's timing, memory and runtime fields.
+
+    Raises what the measurement raised (out of memory included); `run_unit` records it.
+    `hybrid_cfg` is the runtime's config for a hybrid variant (default: `hybrid_config` with a
+    worker on every core but one).
+    """
+    if variant.kind == "hybrid" and hybrid_cfg is None:
+        hybrid_cfg = hybrid_config(variant, batch, context, new_tokens, max(1, (os.cpu_count() or 2) - 1))
+    ids, mask = random_prompt(model.config.vocab_size, batch, context, seed, model.device)
+    with torch.no_grad():
+        if variant.kind == "hybrid":
+            return _measure_hybrid(model, variant, ids, mask, new_tokens, warmup_tokens, cap_s, hybrid_cfg)
+        return _measure_hf(model, variant, ids, mask, new_tokens, warmup_tokens, cap_s)
+
+
+def run_unit(model, model_name: str, variant: Variant, batch: int, context: int, *, new_tokens: int = NEW_TOKENS,
+             warmup_tokens: int = WARMUP_TOKENS, cap_s: float | None = None, seed: int = 0, cpu_workers: int = 1,
+             hybrid_overrides: dict | None = None, attempt_all: bool = False, gpu_bytes: int | None = None,
+             host_bytes: int | None = None) -> dict:
+    """One point row, whatever happens: ok, out of memory (estimated or caught), skipped or error.
+
+    `gpu_bytes` / `host_bytes`: the device's total memory and the host's available memory that the
+    estimate is held to (default: measured now; no GPU check without CUDA).
+    """
+    row = {"model": model_name, "batch": batch, "context": context, "variant": variant.name, "kind": variant.kind}
+    reason = variant.unavailable()
+    cuda = model is not None and model.device.type == "cuda"
+    if reason is None and variant.needs_cuda and not cuda:
+        reason = "needs a CUDA device"
+    if reason:
+        return {**row, "status": "skipped", "reason": reason}
+    cfg = None
+    if variant.kind == "hybrid":
+        cfg = hybrid_config(variant, batch, context, new_tokens, cpu_workers, hybrid_overrides)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    row.update(memory_estimate(model.config, variant, batch, context, weights, cfg))
+    if gpu_bytes is None and cuda:
+        gpu_bytes = torch.cuda.get_device_properties(model.device).total_memory
+    if host_bytes is None:
+        host_bytes = psutil.virtual_memory().available
+    short = fit_problems(row, gpu_bytes, host_bytes)
+    if short and not attempt_all:
+        return {**row, "status": "oom", "oom_source": "estimate",
+                "reason": "does not fit (estimate): " + "; ".join(short)}
+    t0 = time.perf_counter()
+    try:
+        row.update(measure_variant(model, variant, batch, context, new_tokens=new_tokens, warmup_tokens=warmup_tokens,
+                                   cap_s=cap_s, seed=seed, hybrid_cfg=cfg))
+        row["status"] = "ok"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a recorded row
+        text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ''}"
+        if is_oom(exc):
+            row.update(status="oom", oom_source="caught", reason=text)
+        else:
+            row.update(status="error", reason=text, traceback=traceback.format_exc()[-3000:])
+        del exc
+    finally:
+        row["unit_s"] = time.perf_counter() - t0
+        release_memory()
+    return row
+
+
+# ---------------------------------------------------------------------------- time budget
+@dataclass
+class CostModel:
+    """Predicted seconds of one unit on an H100 host, from the geometry; `observe` refits the rates
+    from every measured row (so predictions follow the machine after its first points)."""
+
+    prefill_flops: float = 4.0e14  # FLOP/s of HF's dense prefill (sdpa, bf16)
+    store_Bps: float = 0.5e9  # prompt KV bytes/s the runtime stores (host copy + block metadata)
+    construct_Bps: float = 5e9  # arena bytes/s pinned at runtime construction (+ 3 s fixed)
+    offload_Bps: float = 8e9  # bytes/s HF's offloaded cache moves (every step: all KV in and out)
+    hbm_Bps: float = 2.5e12  # a dense decode step reads the weights and the KV
+    step_s: float = 0.03  # a decode step's time without attention (HF eager, 7-8B)
+    # Runtime attention per layer per 32K tokens x 8 KV heads (layer_attention's fixed-policy rows).
+    hybrid_layer_s: float = 0.5e-3
+    compile_s: float = 90.0  # torch.compile of the static variant's decode step
+    build_s: float = 15.0  # building a model (random init on the GPU)
+    floor_s: float = 3.0  # measuring one floor
+
+    def predict(self, cfg, variant: Variant, batch: int, context: int, new_tokens: int, cap_s: float | None,
+                weights: int) -> float:
+        if variant.unavailable():
+            return 0.0
+        layers, _, _, _, _, hkv, _ = _dims(cfg)
+        kv = kv_bytes(cfg, batch, context)
+        t = 2.0 + 1.2 * prefill_flops(cfg, batch, min(context, WARMUP_TOKENS)) / self.prefill_flops  # warm-up
+        t += prefill_flops(cfg, batch, context) / self.prefill_flops
+        steps = new_tokens - 1
+        if variant.kind == "hybrid":
+            arena = kv * 286 / 256  # chunk rows: K, V and metadata
+            t += 3.0 + arena / self.construct_Bps + kv / self.store_Bps
+            per = self.step_s + layers * self.hybrid_layer_s * batch * context / 32768 * hkv / 8
+        elif variant.name == "offloaded":
+            t += kv / self.offload_Bps
+            per = self.step_s + 2 * kv / self.offload_Bps
+        else:
+            per = self.step_s + (weights + kv) / self.hbm_Bps
+            if variant.name == "static":
+                t += self.compile_s
+        decode = steps * per
+        if cap_s is not None:
+            decode = min(decode, max(cap_s + per, 3 * per))
+        return t + decode
+
+    def observe(self, cfg, row: dict) -> None:
+        if row.get("status") != "ok" or "ttft_s" not in row:
+            return
+        b, c, v = row["batch"], row["context"], row["variant"]
+        flops, kv = prefill_flops(cfg, b, c), kv_bytes(cfg, b, c)
+        if v == "dense":
+            self.prefill_flops = flops / max(row["ttft_s"], 1e-3)
+        elif row.get("kind") == "hybrid":
+            host = row["ttft_s"] - flops / self.prefill_flops
+            if host > 0.2:
+                self.store_Bps = kv / host
+            if row.get("runtime_construction_s") and row.get("pinned_host_bytes"):
+                self.construct_Bps = row["pinned_host_bytes"] / max(row["runtime_construction_s"] - 3.0, 0.5)
+        elif v == "offloaded" and row.get("tpot_ms_median"):
+            self.offload_Bps = 2 * kv / max(row["tpot_ms_median"] / 1e3 - self.step_s, 1e-3)
+        elif v == "static" and row.get("warmup_s"):
+            self.compile_s = row["warmup_s"]
+
+
+# ---------------------------------------------------------------------------- metrics and report
+def annotate_points(points: list[dict], floors: dict, ceiling_GBps: float | None) -> None:
+    """Add the floor (hybrid rows, where the (model, batch) floor and the ceiling exist) and each
+    row's TTFT / TPOT against the point's dense row."""
+    ok = {(p["model"], p["batch"], p["context"], p["variant"]): p for p in points if p.get("status") == "ok"}
+    for p in ok.values():
+        f = floors.get((p["model"], p["batch"]))
+        if p["kind"] == "hybrid" and f and ceiling_GBps and p.get("bytes_per_step") is not None:
+            p["floor_noattn_ms"] = f["noattn_step_ms"]
+            p["selected_bytes_ms"] = p["bytes_per_step"] / (ceiling_GBps * 1e9) * 1e3
+            p["floor_ms"] = p["floor_noattn_ms"] + p["selected_bytes_ms"]
+            if p.get("tpot_ms_median") is not None:
+                p["tpot_over_floor"] = p["tpot_ms_median"] / p["floor_ms"]
+        d = ok.get((p["model"], p["batch"], p["context"], "dense"))
+        if d is not None:
+            p["ttft_over_dense"] = p["ttft_s"] / d["ttft_s"]
+            if p.get("tpot_ms_median") is not None and d.get("tpot_ms_median") is not None:
+                p["tpot_over_dense"] = p["tpot_ms_median"] / d["tpot_ms_median"]
+
+
+def assemble_metrics(points: list[dict]) -> dict:
+    """The contract's metrics from annotated rows; each is left out when no row pair feeds it."""
+    ok = {(p["model"], p["batch"], p["context"], p["variant"]): p for p in points if p.get("status") == "ok"}
+    flux = [p for p in ok.values() if p["variant"] == "fluxion" and p.get("tpot_ms_median") is not None]
+
+    def other(p, variant):
+        return ok.get((p["model"], p["batch"], p["context"], variant))
+
+    cands = {
+        "fluxion_tpot_over_floor_max": (max, [p["tpot_over_floor"] for p in flux
+                                              if p.get("tpot_over_floor") is not None]),
+        "offloaded_over_fluxion_tpot_min": (min, [other(p, "offloaded")["tpot_ms_median"] / p["tpot_ms_median"]
+                                                  for p in flux if other(p, "offloaded") is not None
+                                                  and other(p, "offloaded").get("tpot_ms_median") is not None]),
+        "fluxion_tpot_mean_over_median_max": (max, [p["tpot_ms_mean"] / p["tpot_ms_median"] for p in flux]),
+        "fluxion_ttft_over_dense_max": (max, [p["ttft_s"] / other(p, "dense")["ttft_s"]
+                                              for p in ok.values() if p["variant"] == "fluxion"
+                                              and other(p, "dense") is not None]),
+        "runtime_construction_s_max": (max, [p["runtime_construction_s"] for p in ok.values()
+                                             if p.get("runtime_construction_s") is not None]),
+    }
+    return {name: float(fn(vals)) for name, (fn, vals) in cands.items() if vals}
+
+
+def _ctx(c: int) -> str:
+    return f"{c // 1024}K" if c % 1024 == 0 else str(c)
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.1f}"
+
+
+def _num(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(result: dict) -> str:
+    lim = result.get("limits") or {}
+    lines = [
+        f"# e2e_decode on {result['device']}",
+        "",
+        f"host: {result['host_cpu']}; commit {result['commit']}; {result['created']}; "
+        f"{'complete' if result.get('complete') else 'INCOMPLETE (cut short)'}",
+        "",
+        (f"concurrent ceiling (same run): {lim['concurrent_ceiling_GBps']:.1f} GB/s = "
+         f"CPU {lim['cpu_concurrent_GBps']:.1f} + GPU {lim['gpu_concurrent_GBps']:.1f}"
+         if lim else "concurrent ceiling: not measured (no floor)"),
+        "",
+        "| model | batch | context | variant | status | TTFT s | TPOT med ms | mean | p99 | n | floor ms "
+        "| TPOT/floor | TTFT/dense | peak GPU GiB | decode peak GiB | pinned host GiB | construct s | MB/step "
+        "| GPU bytes | note |",
+        "|" + " --- |" * 20,
+    ]
+    for p in result["points"]:
+        note = p.get("reason") or ""
+        if p.get("status") == "oom":
+            note = f"needs {_gib(p.get('needed_bytes_est'))} GiB KV+weights ({p.get('oom_source')}); " + note
+        if p.get("stopped_by_time_cap"):
+            note += " decode cut at the time cap"
+        if p.get("variant") == "static" and p.get("status") == "ok":
+            note += " compiled" if p.get("compiled") else " not compiled " + p.get("compile_error", "")
+        share = p.get("gpu_byte_share")
+        lines.append(
+            f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | {p['status']} | "
+            f"{_num(p.get('ttft_s'))} | {_num(p.get('tpot_ms_median'))} | {_num(p.get('tpot_ms_mean'))} | "
+            f"{_num(p.get('tpot_ms_p99'))} | {p.get('tpot_samples', '-')} | {_num(p.get('floor_ms'))} | "
+            f"{_num(p.get('tpot_over_floor'))} | {_num(p.get('ttft_over_dense'))} | {_gib(p.get('peak_gpu_bytes'))} | "
+            f"{_gib(p.get('decode_peak_gpu_bytes'))} | {_gib(p.get('pinned_host_bytes'))} | "
+            f"{_num(p.get('runtime_construction_s'))} | "
+            f"{_num(None if p.get('bytes_per_step') is None else p['bytes_per_step'] / 1e6, '.1f')} | "
+            f"{'-' if share is None else f'{share:.0%}'} | {note.strip().replace('|', '/')} |")
+    if result.get("floors"):
+        lines += ["", "floors (decode step without attention, and dense at a 16-token context):", "",
+                  "| model | batch | no-attention step ms | dense ctx16 step ms |", "| --- | --- | --- | --- |"]
+        lines += [f"| {f['model']} | {f['batch']} | {f['noattn_step_ms']:.2f} | {f['dense_ctx16_step_ms']:.2f} |"
+                  for f in result["floors"]]
+    lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _plain(x: Any) -> Any:
+    """JSON-ready: numpy scalars to Python numbers, tuples to lists, recursively."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def write(points: list[dict], extra: dict, out: str | None) -> Path:
+    """The results JSON (benchmarks/results/e2e_decode-<slug>.json, or `out`) and its markdown
+    beside it; written in a scratch directory and renamed, so a reader never sees half a file."""
+    points, extra = _plain(points), _plain(extra)
+    metrics = assemble_metrics(points)
+    target = Path(out) if out else None
+    parent = target.parent if target else RESULTS_DIR
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        made = write_results(BENCHMARK, metrics, points, out_dir=tmp, extra=extra)
+        path = target or parent / made.name
+        made.replace(path)
+    path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+    return path
+
+
+# ---------------------------------------------------------------------------- the run
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """"4x32768,2x96K" -> [(4, 32768), (2, 98304)]."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        b, c = item.lower().split("x")
+        out.append((int(b), int(c[:-1]) * 1024 if c.endswith("k") else int(c)))
+    return out
+
+
+def units(models: list[str], points: list, variants: list[str]) -> list[tuple[str, int, int, str]]:
+    """Run order: model by model, point by point, variants in the given order."""
+    return [(m, b, c, v) for m in models for b, c in points for v in variants]
+
+
+def unit_cost(costs: CostModel, cfg, variant: Variant, batch: int, context: int, new_tokens: int, cap_s,
+              weights: int, model_built: bool, floor_known: bool, fits: bool = True) -> float:
+    """Predicted seconds of a unit, with the model build and the (model, batch) floor it may need;
+    a unit the memory estimate rules out costs nothing (it is recorded, not run)."""
+    if variant.unavailable() or not fits:
+        return 0.0
+    t = costs.predict(cfg, variant, batch, context, new_tokens, cap_s, weights)
+    t += 0.0 if model_built else costs.build_s
+    t += costs.floor_s if variant.kind == "hybrid" and not floor_known else 0.0
+    return t
+
+
+def estimated_fit(cfg, variant: Variant, batch: int, context: int, new_tokens: int, weights: int,
+                  gpu_bytes: int | None, host_bytes: int | None) -> list[str]:
+    """`fit_problems` of a unit before anything is built (as `run_unit` will judge it)."""
+    hcfg = hybrid_config(variant, batch, context, new_tokens, 1) if variant.kind == "hybrid" else None
+    return fit_problems(memory_estimate(cfg, variant, batch, context, weights, hcfg), gpu_bytes, host_bytes)
+
+
+def schedule(models: list[str], points: list, variants: list[str], new_tokens: int, cap_s, budget_s: float,
+             costs: CostModel | None = None, gpu_bytes: int | None = H100_BYTES,
+             host_bytes: int | None = H100_HOST_BYTES, attempt_all: bool = False) -> list[dict]:
+    """The run as predicted before it starts: every unit with its predicted seconds, whether the
+    memory estimate rules it out, and whether the budget keeps it (a unit that would end past the
+    budget is skipped; later cheaper ones may still run)."""
+    costs = costs or CostModel()
+    cfgs = {m: model_config(m) for m in models}
+    built, floors, used, out = set(), set(), 0.0, []
+    for m, b, c, v in units(models, points, variants):
+        var, weights = VARIANTS[v], param_count(cfgs[m]) * 2
+        oom = [] if attempt_all else estimated_fit(cfgs[m], var, b, c, new_tokens, weights, gpu_bytes, host_bytes)
+        t = unit_cost(costs, cfgs[m], var, b, c, new_tokens, cap_s, weights, m in built, (m, b) in floors, not oom)
+        state = var.unavailable() or ("out of memory (estimate)" if oom else None)
+        if state is None:
+            state = "run" if used + t <= budget_s else "time budget"
+        if state == "run":
+            used += t
+            built.add(m)
+            if var.kind == "hybrid":
+                floors.add((m, b))
+        out.append({"model": m, "batch": b, "context": c, "variant": v, "predicted_s": t, "state": state,
+                    "end_s": used if state == "run" else None})
+    return out
+
+
+def run(args, device: str | None = None) -> Path | None:
+    """The benchmark (or, with `args.plan`, its predicted schedule). `device` "cpu" runs the same
+    loop on the host (tests, with a tiny model in MODELS and --no-limits); default: CUDA."""
+    t_start = time.perf_counter()
+    models, points, variants = args.models, args.points, args.variants
+    costs = CostModel()
+    cfgs = {m: model_config(m) for m in models}
+    weights = {m: param_count(cfgs[m]) * 2 for m in models}
+    device = device or ("cuda" if torch.cuda.is_available() else None)
+    cuda = device == "cuda"
+    if cuda:
+        memory = dict(gpu_bytes=torch.cuda.get_device_properties(0).total_memory,
+                      host_bytes=psutil.virtual_memory().available)
+    elif args.plan:  # planned for the H100 host
+        memory = dict(gpu_bytes=H100_BYTES, host_bytes=H100_HOST_BYTES)
+    else:
+        memory = dict(gpu_bytes=None, host_bytes=psutil.virtual_memory().available)
+    memory["attempt_all"] = args.attempt_all
+    # The first machine-limits measurement comes out of the budget (measured on CUDA only).
+    limits_s = 0.0 if args.no_limits or not cuda and not args.plan else LIMITS_S
+    plan = schedule(models, points, variants, args.new_tokens, args.decode_cap_s, args.budget_s - limits_s, **memory)
+    if args.plan:
+        everything = schedule(models, points, variants, args.new_tokens, args.decode_cap_s, math.inf, **memory)
+        full = max([u["end_s"] for u in everything if u["end_s"] is not None] or [0.0])
+        for u in plan:
+            state = f"ends at {u['end_s'] / 60:4.1f} min" if u["state"] == "run" else "skipped: " + u["state"]
+            print(f"{u['model']:14s} {u['batch']:3d} x {_ctx(u['context']):>5s} {u['variant']:18s} "
+                  f"{u['predicted_s']:6.0f} s  {state}")
+        kept = [u for u in plan if u["state"] == "run"]
+        print(f"budget {args.budget_s:.0f} s: {len(kept)} of {len(plan)} units run, "
+              f"{((kept[-1]['end_s'] if kept else 0) + limits_s) / 60:.1f} min with the machine limits; every unit "
+              f"that fits in memory: {(full + limits_s) / 60:.1f} min")
+        return None
+    if device is None:
+        sys.exit("e2e_decode needs a CUDA device (use --plan to see the predicted schedule)")
+    from hybrid_runtime.scheduler import plan_cores
+
+    transformers.logging.set_verbosity_error()
+    cores = plan_cores(args.cpu_workers, gpu_lane=True, pin=True)
+    measured_limits = [measure_limits(args.cpu_workers, cores.cpu, cores.gpu)] if cuda and not args.no_limits else []
+    rows: list[dict] = []
+    floors: dict = {}
+    config = {"models": models, "points": points, "variants": variants, "new_tokens": args.new_tokens,
+              "cpu_workers": args.cpu_workers, "warmup_tokens": args.warmup_tokens, "decode_cap_s": args.decode_cap_s,
+              "budget_s": args.budget_s, "attempt_all": args.attempt_all, "seed": args.seed, "torch": torch.__version__,
+              "transformers": transformers.__version__, "pinning": cores.note, "runtime_overrides": args.runtime_set,
+              "policy": {"name": "fixed", "block_size": 16, "budget": 0.05}}
+
+    def save(complete: bool) -> Path:
+        limits = best_limits(measured_limits) if measured_limits else None
+        annotate_points(rows, floors, limits["concurrent_ceiling_GBps"] if limits else None)
+        extra = {"config": config, "limits": limits, "machine_limits": measured_limits,
+                 "floors": [{"model": m, **f} for (m, _), f in floors.items()], "complete": complete,
+                 "elapsed_s": time.perf_counter() - t_start,
+                 "plan": plan}
+        return write(rows, extra, args.out)
+
+    for name in models:
+        model, cfg, build_error = None, cfgs[name], None
+        for b, c in points:
+            for vname in variants:
+                variant = VARIANTS[vname]
+                left = args.budget_s - (time.perf_counter() - t_start)
+                fits = args.attempt_all or not estimated_fit(cfg, variant, b, c, args.new_tokens, weights[name],
+                                                             memory["gpu_bytes"], psutil.virtual_memory().available)
+                pred = unit_cost(costs, cfg, variant, b, c, args.new_tokens, args.decode_cap_s, weights[name],
+                                 model is not None, (name, b) in floors, fits)
+                head = {"model": name, "batch": b, "context": c, "variant": vname, "kind": variant.kind}
+                available = variant.unavailable() is None
+                if available and (pred > left or build_error):
+                    why = f"model build failed: {build_error}" if build_error else \
+                        f"time budget: predicted {pred:.0f} s, {left:.0f} s left"
+                    rows.append({**head, "status": "error" if build_error else "skipped", "reason": why,
+                                 "predicted_s": pred})
+                    print(f"{name} {b}x{c} {vname}: {why}", flush=True)
+                    save(False)
+                    continue
+                if model is None and available:
+                    t = time.perf_counter()
+                    try:
+                        model = build_model(cfg, device, torch.bfloat16 if cuda else torch.float32, args.seed)
+                    except Exception as exc:  # noqa: BLE001 - recorded on every unit of this model
+                        build_error = f"{type(exc).__name__}: {exc}"[:400]
+                        release_memory()
+                        rows.append({**head, "status": "error", "reason": f"model build failed: {build_error}"})
+                        save(False)
+                        continue
+                    weights[name] = sum(p.numel() * p.element_size() for p in model.parameters())
+                    print(f"{name}: built in {time.perf_counter() - t:.1f} s "
+                          f"({weights[name] / 1e9:.1f} GB of weights)", flush=True)
+                if variant.kind == "hybrid" and variant.unavailable() is None and (name, b) not in floors:
+                    try:
+                        floors[(name, b)] = measure_floor(model, b, args.new_tokens, args.seed)
+                        print(f"  floor {name} b={b}: {floors[(name, b)]}", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - no floor: the floor metric is left out
+                        print(f"  floor {name} b={b} failed: {exc}", flush=True)
+                    release_memory()
+                row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
+                               cap_s=args.decode_cap_s, seed=args.seed, cpu_workers=args.cpu_workers,
+                               hybrid_overrides=args.runtime_set, attempt_all=args.attempt_all)
+                row["predicted_s"] = pred
+                costs.observe(cfg, row)
+                rows.append(row)
+                said = row.get("reason", "")
+                if row["status"] == "ok":
+                    said = (f"TTFT {row['ttft_s']:.2f} s, TPOT median {row.get('tpot_ms_median', float('nan')):.1f} ms "
+                            f"(unit {row['unit_s']:.0f} s, predicted {pred:.0f} s)")
+                print(f"{name} {b}x{c} {vname}: {row['status']} {said}", flush=True)
+                save(False)
+        del model
+        release_memory()
+    if measured_limits and args.budget_s - (time.perf_counter() - t_start) > LIMITS_S:
+        measured_limits.append(measure_limits(args.cpu_workers, cores.cpu, cores.gpu))
+    path = save(True)
+    print(path.with_suffix(".md").read_text())
+    print(f"wrote {path}")
+    return path
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Time: the full matrix is predicted at ~45 minutes of H100 time; every run "
+                                        "keeps to --budget-s (see the module docstring; --plan shows the schedule).")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--points", default=",".join(f"{b}x{c // 1024}K" for b, c in POINTS),
+                    help="BATCHxCONTEXT list (context in tokens, or with a K suffix)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{QUICK['models'][0]} at 4x32K with {', '.join(QUICK['variants'])} (~3.5 minutes)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_decode-<device slug>.json); "
+                    "the markdown table goes beside it (.md)")
+    ap.add_argument("--cpu-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="the runtime's CPU workers (one core is left for the GPU launcher)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help="skip (and record) units predicted to end past this many seconds from the start")
+    ap.add_argument("--decode-cap-s", type=float, default=20.0,
+                    help="stop a variant's decode once it ran this long with at least 4 tokens (offloaded at long "
+                         "contexts); the row says so")
+    ap.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS)
+    ap.add_argument("--attempt-all", action="store_true", help="try variants the memory estimate says cannot fit")
+    ap.add_argument("--set", dest="runtime_set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a key of the hybrid variants' runtime config, e.g. kv_cache.local=512 (repeatable)")
+    ap.add_argument("--no-limits", action="store_true", help="skip the machine limits (no floor metric)")
+    ap.add_argument("--plan", action="store_true", help="print each unit's predicted time and exit (no GPU needed)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.points, args.variants = ",".join(QUICK["models"]), "", ",".join(QUICK["variants"])
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.points = QUICK["points"] if args.quick else parse_points(args.points)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for kind, names, known in (("model", args.models, MODELS), ("variant", args.variants, VARIANTS)):
+        bad = [n for n in names if n not in known]
+        if bad:
+            ap.error(f"unknown {kind} {bad}; known: {', '.join(known)}")
+    if args.new_tokens < 2:
+        ap.error("--new-tokens must be at least 2 (TPOT needs a second token)")
+    overrides: dict = {}
+    for item in args.runtime_set:
+        key, value = parse_override(item)
+        section, _, leaf = key.partition(".")
+        if not leaf or "." in leaf:
+            ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. kv_cache.local=512")
+        overrides.setdefault(section, {})[leaf] = value
+    try:
+        hybrid_config(VARIANTS["fluxion"], 1, 4096, args.new_tokens, args.cpu_workers, overrides)
+    except (ConfigError, TypeError) as exc:
+        ap.error(f"--set: {exc}")
+    args.runtime_set = overrides
+    return args
+
+
+def main(argv=None) -> None:
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""CPU checks of benchmarks/e2e_decode.py: one (model, point, variant) measured end to end on a tiny
+random Llama (dense and the hybrid cpu_only), the floor, the out-of-memory and skip records, the
+metric assembly (synthetic points) and the results files. The real measurements run on the device."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the e2e benchmark needs the `models` extra")
+
+import transformers  # noqa: E402
+
+from benchmarks import e2e_decode as e2e  # noqa: E402
+from hybrid_runtime.kvcache import arena_bytes  # noqa: E402
+from hybrid_runtime.profiling import step_stats  # noqa: E402
+
+CONTEXT, NEW, BATCH = 300, 4, 2
+CPU_RUNTIME = {"kv_cache": {"sink": 16, "local": 32, "generated_cap": 16},
+               "scheduler": {"cpu_workers": 1, "gpu_worker": False, "pin_cores": False}}
+
+
+def tiny_config():
+    return transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return e2e.build_model(tiny_config(), "cpu", torch.float32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def measured(model):
+    """Rows of the dense and the hybrid cpu_only variants, and what the runtime's timeline held."""
+    seen = {}
+    orig = e2e._timeline_fields
+
+    def spy(rt, layers):  # an independent count of the same records (per-lane sums of step_stats)
+        recs = rt.timeline.records
+        seen["records"] = len(recs)
+        seen["bytes"] = sum(step_stats(r)["bytes_cpu"] + step_stats(r)["bytes_gpu"] for r in recs)
+        seen["geometry"] = rt.geometry
+        seen["kv_cfg"] = rt.store.cfg
+        return orig(rt, layers)
+
+    rows = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(e2e, "_timeline_fields", spy)
+        for name in ("dense", "cpu_only"):
+            rows[name] = e2e.run_unit(model, "tiny", e2e.VARIANTS[name], BATCH, CONTEXT, new_tokens=NEW,
+                                      warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    return rows, seen
+
+
+# ---------------------------------------------------------------------------- one unit on the CPU
+@pytest.mark.parametrize("name", ["dense", "cpu_only"])
+def test_timing_fields_are_positive_and_consistent(measured, name):
+    row = measured[0][name]
+    assert row["status"] == "ok", row.get("traceback") or row.get("reason")
+    assert (row["model"], row["batch"], row["context"], row["variant"]) == ("tiny", BATCH, CONTEXT, name)
+    assert row["new_tokens"] == NEW and not row["stopped_by_time_cap"]
+    assert row["tpot_samples"] == NEW - 1 == len(row["tpot_ms"])
+    tpot = np.array(row["tpot_ms"])
+    assert row["ttft_s"] > 0 and (tpot > 0).all()
+    assert row["tpot_ms_median"] == pytest.approx(np.median(tpot))
+    assert row["tpot_ms_mean"] == pytest.approx(tpot.mean())
+    assert tpot.min() <= row["tpot_ms_p99"] <= row["tpot_ms_max"] == pytest.approx(tpot.max())
+    assert row["decode_s"] == pytest.approx(tpot.sum() / 1e3)
+    assert row["ttft_s"] + row["decode_s"] <= row["generate_s"] + 1e-9
+    assert row["warmup_s"] > 0 and row["unit_s"] >= row["generate_s"]
+    # The estimate the contract asks for, from the geometry (KV + weights), on every row.
+    same = e2e.build_model(tiny_config(), "cpu", torch.float32)
+    weights = sum(p.numel() * p.element_size() for p in same.parameters())
+    assert row["kv_bytes_est"] == 2 * 2 * 2 * 32 * 2 * BATCH * CONTEXT
+    assert row["needed_bytes_est"] == row["kv_bytes_est"] + weights
+    json.dumps(e2e._plain(row))  # JSON-ready
+
+
+def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
+    row, seen = measured[0]["cpu_only"], measured[1]
+    layers = seen["geometry"].layers
+    # The timeline holds the measured call's decode steps only (the warm-up's were cleared).
+    assert row["decode_steps"] == NEW - 1 == row["tpot_samples"]
+    assert row["timeline_records"] == seen["records"] == (NEW - 1) * layers
+    assert row["bytes_per_step"] > 0
+    assert row["timeline_bytes_total"] == seen["bytes"] > 0
+    assert row["bytes_per_step"] * row["decode_steps"] == pytest.approx(row["timeline_bytes_total"])
+    assert row["gpu_byte_share"] == 0.0  # cpu_only: every byte read by the CPU workers
+    assert row["runtime_construction_s"] > 0
+    assert row["pinned_host_bytes"] == arena_bytes(seen["kv_cfg"], seen["geometry"])[1] > 0
+    assert seen["kv_cfg"].cpu_capacity_tokens == BATCH * (CONTEXT + NEW)
+    assert row["runtime_stats"]["policy"] == "cpu_only"
+    assert row["torch_threads_decode"] >= 1
+
+
+def test_the_model_is_left_as_it_was(model, measured):
+    from hybrid_runtime.integrations.transformers import hybrid_runtime_of
+
+    assert hybrid_runtime_of(model) is None
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_floor_replaces_attention_with_a_no_op(model, monkeypatch):
+    calls = []
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(query.shape)
+        return e2e._noop_attention(module, query, *args, **kwargs)
+
+    with e2e.attention_replaced(model, "e2e_test_noop", counting):
+        out = model(torch.randint(3, 256, (2, 5)))
+    assert model.config._attn_implementation == "sdpa"
+    assert len(calls) == 2 and out.logits.shape == (2, 5, 256)
+    f = e2e.measure_floor(model, BATCH, NEW)
+    assert f["batch"] == BATCH and f["noattn_step_ms"] > 0 and f["dense_ctx16_step_ms"] > 0
+    assert model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------- records that are not measurements
+def test_skips_and_out_of_memory_are_recorded_never_dropped(model, monkeypatch):
+    kw = dict(new_tokens=NEW, warmup_tokens=0, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    pred = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_predictor"], BATCH, CONTEXT, **kw)
+    assert pred["status"] == "skipped" and pred["reason"] == "predictor not implemented"
+    off = e2e.run_unit(model, "tiny", e2e.VARIANTS["offloaded"], BATCH, CONTEXT, **kw)
+    assert off["status"] == "skipped" and "CUDA" in off["reason"]
+    # Estimated: the lower bound (weights + KV + one MLP's prefill activations) exceeds the device.
+    est = e2e.run_unit(model, "tiny", e2e.VARIANTS["dense"], BATCH, CONTEXT, gpu_bytes=10**5, **kw)
+    assert est["status"] == "oom" and est["oom_source"] == "estimate" and "GPU" in est["reason"]
+    assert est["needed_bytes_est"] == est["kv_bytes_est"] + est["weight_bytes"]
+    assert "ttft_s" not in est
+    host = e2e.run_unit(model, "tiny", e2e.VARIANTS["cpu_only"], BATCH, CONTEXT, host_bytes=10**5, **kw)
+    assert host["status"] == "oom" and "host" in host["reason"] and host["needed_host_bytes_est"] > 10**5
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(e2e, "measure_variant", oom)
+    caught = e2e.run_unit(model, "tiny", e2e.VARIANTS["dense"], BATCH, CONTEXT, **kw)
+    assert caught["status"] == "oom" and caught["oom_source"] == "caught" and "64.00 GiB" in caught["reason"]
+
+    def broken(*a, **k):
+        raise ValueError("something else")
+
+    monkeypatch.setattr(e2e, "measure_variant", broken)
+    err = e2e.run_unit(model, "tiny", e2e.VARIANTS["dense"], BATCH, CONTEXT, **kw)
+    assert err["status"] == "error" and "something else" in err["reason"] and "traceback" in err
+
+
+def test_memory_estimates_of_the_reference_geometries():
+    llama = e2e.model_config("llama-3.1-8b")
+    assert e2e.param_count(llama) == pytest.approx(8.03e9, rel=0.002)
+    assert e2e.param_count(e2e.model_config("qwen2.5-7b")) == pytest.approx(7.62e9, rel=0.002)
+    assert e2e.kv_bytes(llama, 4, 131072) == 2 * 32 * 8 * 128 * 2 * 4 * 131072  # 64 GiB
+    w = e2e.param_count(llama) * 2
+    dense = e2e.memory_estimate(llama, e2e.VARIANTS["dense"], 4, 131072, w, None)
+    assert e2e.fit_problems(dense, e2e.H100_BYTES, e2e.H100_HOST_BYTES)  # 4 x 128K dense cannot fit an H100
+    hcfg = e2e.hybrid_config(e2e.VARIANTS["fluxion"], 4, 131072, 24, 15)
+    hyb = e2e.memory_estimate(llama, e2e.VARIANTS["fluxion"], 4, 131072, w, hcfg)
+    assert hyb["needed_host_bytes_est"] > hyb["kv_bytes_est"]  # the arenas hold the KV and block metadata
+    assert not e2e.fit_problems(hyb, e2e.H100_BYTES, e2e.H100_HOST_BYTES)
+
+
+# ---------------------------------------------------------------------------- metrics from points
+def _pt(model, b, c, variant, status="ok", ttft=1.0, med=10.0, mean=None, bytes_per_step=None, construct=None):
+    p = {"model": model, "batch": b, "context": c, "variant": variant, "status": status,
+         "kind": "hybrid" if variant in ("cpu_only", "fluxion") else "hf"}
+    if status == "ok":
+        p.update(ttft_s=ttft, tpot_ms_median=med, tpot_ms_mean=med if mean is None else mean)
+        if bytes_per_step is not None:
+            p["bytes_per_step"] = bytes_per_step
+        if construct is not None:
+            p["runtime_construction_s"] = construct
+    else:
+        p.update(reason="does not fit", oom_source="estimate", needed_bytes_est=80 * 2**30)
+    return p
+
+
+def synthetic_points():
+    return [
+        _pt("m", 4, 32768, "dense", ttft=2.0, med=20.0),
+        _pt("m", 4, 32768, "offloaded", ttft=2.5, med=400.0),
+        _pt("m", 4, 32768, "cpu_only", ttft=5.0, med=90.0, bytes_per_step=2e9, construct=4.0),
+        _pt("m", 4, 32768, "fluxion", ttft=6.0, med=60.0, mean=66.0, bytes_per_step=2e9, construct=5.0),
+        _pt("m", 4, 131072, "dense", status="oom"),  # out of memory: no TTFT ratio at this point
+        _pt("m", 4, 131072, "offloaded", ttft=9.0, med=3000.0),
+        _pt("m", 4, 131072, "fluxion", ttft=30.0, med=200.0, mean=260.0, bytes_per_step=8e9, construct=9.0),
+        _pt("m", 8, 32768, "fluxion", ttft=8.0, med=100.0, bytes_per_step=4e9, construct=6.0),  # no floor for b=8
+        {"model": "m", "batch": 2, "context": 98304, "variant": "fluxion_predictor", "kind": "hybrid",
+         "status": "skipped", "reason": "predictor not implemented"},
+    ]
+
+
+def test_metrics_are_computed_from_the_points():
+    pts = synthetic_points()
+    floors = {("m", 4): {"noattn_step_ms": 20.0, "dense_ctx16_step_ms": 21.0}}
+    e2e.annotate_points(pts, floors, ceiling_GBps=100.0)
+    f32 = pts[3]
+    assert f32["selected_bytes_ms"] == pytest.approx(20.0)  # 2 GB at 100 GB/s
+    assert f32["floor_ms"] == pytest.approx(40.0) and f32["tpot_over_floor"] == pytest.approx(1.5)
+    assert pts[6]["floor_ms"] == pytest.approx(100.0) and pts[6]["tpot_over_floor"] == pytest.approx(2.0)
+    assert "floor_ms" not in pts[7]  # batch 8 has no floor
+    assert f32["ttft_over_dense"] == pytest.approx(3.0) and "ttft_over_dense" not in pts[6]
+    m = e2e.assemble_metrics(pts)
+    assert m == pytest.approx({
+        "fluxion_tpot_over_floor_max": 2.0,
+        "offloaded_over_fluxion_tpot_min": min(400 / 60, 3000 / 200),  # the 8x32K point has no offloaded row
+        "fluxion_tpot_mean_over_median_max": 1.3,
+        "fluxion_ttft_over_dense_max": 3.0,  # only 4x32K has both rows ok
+        "runtime_construction_s_max": 9.0,
+    })
+
+
+def test_metrics_with_missing_inputs_are_left_out():
+    pts = [p for p in synthetic_points() if p["variant"] not in ("dense", "offloaded")]
+    e2e.annotate_points(pts, {}, ceiling_GBps=None)  # no floors, no ceiling
+    m = e2e.assemble_metrics(pts)
+    assert set(m) == {"fluxion_tpot_mean_over_median_max", "runtime_construction_s_max"}
+    # Fluxion out of memory everywhere: nothing about fluxion, not even a default.
+    oom = [_pt("m", 4, 32768, "dense"), _pt("m", 4, 32768, "fluxion", status="oom")]
+    e2e.annotate_points(oom, {("m", 4): {"noattn_step_ms": 20.0}}, ceiling_GBps=100.0)
+    assert e2e.assemble_metrics(oom) == {}
+    assert e2e.assemble_metrics([]) == {}
+
+
+# ---------------------------------------------------------------------------- results files
+def test_results_json_and_markdown_follow_the_contract(tmp_path, monkeypatch, measured):
+    monkeypatch.setenv("HYBRID_COMMIT", "abc1234")
+    pts = synthetic_points() + [measured[0]["dense"], measured[0]["cpu_only"]]
+    floors = {("m", 4): {"noattn_step_ms": 20.0, "dense_ctx16_step_ms": 21.0}}
+    limits = {"concurrent_ceiling_GBps": 100.0, "cpu_concurrent_GBps": 60.0, "gpu_concurrent_GBps": 40.0}
+    e2e.annotate_points(pts, floors, limits["concurrent_ceiling_GBps"])
+    extra = {"config": {"new_tokens": NEW}, "limits": limits, "complete": True,
+             "floors": [{"model": "m", "batch": 4, **floors[("m", 4)]}]}
+    path = e2e.write(pts, extra, str(tmp_path / "sub" / "e2e.json"))
+    assert path == tmp_path / "sub" / "e2e.json"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["e2e.json", "e2e.md"]  # the scratch directory is gone
+    r = json.loads(path.read_text())
+    for key in ("benchmark", "device", "host_cpu", "commit", "command", "created", "metrics", "points", "config"):
+        assert key in r
+    assert r["benchmark"] == "e2e_decode" and r["commit"] == "abc1234"
+    assert set(r["metrics"]) == {"fluxion_tpot_over_floor_max", "offloaded_over_fluxion_tpot_min",
+                                 "fluxion_tpot_mean_over_median_max", "fluxion_ttft_over_dense_max",
+                                 "runtime_construction_s_max"}
+    assert all(isinstance(v, float) for v in r["metrics"].values())
+    assert len(r["points"]) == len(pts)
+    assert {(p["model"], p["batch"], p["context"], p["variant"]) for p in r["points"]} == \
+        {(p["model"], p["batch"], p["context"], p["variant"]) for p in pts}
+    md = path.with_suffix(".md").read_text()
+    assert "| model | batch | context | variant | status |" in md and "## metrics" in md
+    assert "`fluxion_tpot_over_floor_max`: 2" in md
+    assert "| m | 4 | 128K | dense | oom |" in md and "needs 80.0 GiB" in md
+    assert "predictor not implemented" in md and "| tiny | 2 | 300 | cpu_only | ok |" in md
+    assert "concurrent ceiling (same run): 100.0 GB/s" in md
+
+
+def test_default_results_path_uses_the_device_slug(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e, "RESULTS_DIR", tmp_path / "benchmarks" / "results")
+    path = e2e.write(synthetic_points(), {"complete": False}, None)
+    from benchmarks.common import device_slug
+
+    assert path == tmp_path / "benchmarks" / "results" / f"e2e_decode-{device_slug()}.json"
+    assert "INCOMPLETE" in path.with_suffix(".md").read_text()
+
+
+# ---------------------------------------------------------------------------- options, schedule, pure pieces
+def test_options_and_points():
+    assert e2e.parse_points("4x32768, 2x96K,4x128k") == [(4, 32768), (2, 98304), (4, 131072)]
+    a = e2e.parse_args([])
+    assert a.points == e2e.POINTS and a.models == ["llama-3.1-8b", "qwen2.5-7b"] and a.new_tokens == 24
+    assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor"]
+    q = e2e.parse_args(["--quick"])
+    assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--variants", "dense,nope"])
+
+
+def test_schedule_keeps_to_the_budget_and_records_why_units_do_not_run():
+    plan = e2e.schedule(["llama-3.1-8b"], e2e.POINTS, list(e2e.VARIANTS), 24, 20.0, budget_s=540.0)
+    state = {(u["batch"], u["context"], u["variant"]): u["state"] for u in plan}
+    assert state[(4, 131072, "dense")] == state[(4, 131072, "static")] == "out of memory (estimate)"
+    assert state[(4, 32768, "fluxion_predictor")] == "predictor not implemented"
+    assert state[(4, 32768, "dense")] == "run" and "time budget" in state.values()
+    ran = [u for u in plan if u["state"] == "run"]
+    assert ran[-1]["end_s"] <= 540.0 and ran[-1]["end_s"] == pytest.approx(sum(u["predicted_s"] for u in ran))
+    everything = e2e.schedule(["llama-3.1-8b"], e2e.POINTS, list(e2e.VARIANTS), 24, 20.0, budget_s=1e9)
+    assert all(u["state"] != "time budget" for u in everything)
+
+
+def test_timing_fields_and_stop_rule():
+    f = e2e.timing_fields(10.0, [10.5, 10.6, 10.8, 11.1], 11.2)
+    assert f["ttft_s"] == pytest.approx(0.5) and f["tpot_samples"] == 3 and f["new_tokens"] == 4
+    assert f["tpot_ms"] == pytest.approx([100.0, 200.0, 300.0]) and f["tpot_ms_median"] == pytest.approx(200.0)
+    assert f["decode_s"] == pytest.approx(0.6) and f["generate_s"] == pytest.approx(1.2)
+    one = e2e.timing_fields(0.0, [1.0], 1.0)
+    assert one["tpot_samples"] == 0 and "tpot_ms_median" not in one
+    clock = e2e.StepClock(cuda=False)
+    rule = e2e.StopRule(clock, cap_s=1.0, min_tokens=2)
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    clock.stamps[:] = [0.0, 5.0]
+    assert rule(ids, None).all() and rule.capped
+    clock.stamps[:] = [0.0]
+    assert not e2e.StopRule(clock, cap_s=0.0, min_tokens=2)(ids, None).any()
+    assert e2e.StopRule(clock, max_tokens=1)(ids, None).all()
+
+
+def test_cost_model_learns_from_measured_rows():
+    cfg, c = e2e.model_config("llama-3.1-8b"), e2e.CostModel()
+    flops = e2e.prefill_flops(cfg, 4, 32768)
+    c.observe(cfg, {"status": "ok", "batch": 4, "context": 32768, "variant": "dense", "kind": "hf", "ttft_s": 10.0})
+    assert c.prefill_flops == pytest.approx(flops / 10.0)
+    kv = e2e.kv_bytes(cfg, 4, 32768)
+    c.observe(cfg, {"status": "ok", "batch": 4, "context": 32768, "variant": "fluxion", "kind": "hybrid",
+                    "ttft_s": 30.0})
+    assert c.store_Bps == pytest.approx(kv / 20.0)
+    before = c.compile_s
+    c.observe(cfg, {"status": "oom", "batch": 4, "context": 32768, "variant": "static", "kind": "hf"})
+    assert c.compile_s == before
+
+
+# ---------------------------------------------------------------------------- the whole loop, on the host
+TINY = ("LlamaConfig", dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096))
+CPU_SET = ["--set", "kv_cache.sink=16", "--set", "kv_cache.local=32", "--set", "kv_cache.generated_cap=16",
+           "--set", "scheduler.gpu_worker=false", "--set", "scheduler.pin_cores=false"]
+
+
+def test_run_writes_every_unit_and_the_floor(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(e2e.MODELS, "tiny", TINY)
+    out = tmp_path / "e2e.json"
+    args = e2e.parse_args(["--models", "tiny", "--points", f"{BATCH}x{CONTEXT}", "--variants",
+                           "dense,cpu_only,offloaded,fluxion_predictor", "--new-tokens", str(NEW), "--warmup-tokens",
+                           "64", "--cpu-workers", "1", "--out", str(out)] + CPU_SET)
+    assert args.runtime_set["kv_cache"] == {"sink": 16, "local": 32, "generated_cap": 16}
+    assert e2e.run(args, device="cpu") == out
+    r = json.loads(out.read_text())
+    assert r["complete"]
+    assert [p["variant"] for p in r["points"]] == ["dense", "cpu_only", "offloaded", "fluxion_predictor"]
+    assert [p["status"] for p in r["points"]] == ["ok", "ok", "skipped", "skipped"]
+    floor = r["floors"][0]
+    assert floor["model"] == "tiny" and floor["batch"] == BATCH and floor["noattn_step_ms"] > 0
+    assert r["config"]["runtime_overrides"]["scheduler"] == {"gpu_worker": False, "pin_cores": False}
+    assert r["limits"] is None and "fluxion_tpot_over_floor_max" not in r["metrics"]  # no ceiling measured: no floor
+    assert r["metrics"]["runtime_construction_s_max"] == r["points"][1]["runtime_construction_s"]
+    assert r["points"][1]["ttft_over_dense"] > 0 and len(r["plan"]) == 4
+    assert "wrote" in capsys.readouterr().out
+    # No time left: every unit that could run is recorded as skipped for the budget, none dropped.
+    args = e2e.parse_args(["--models", "tiny", "--points", f"{BATCH}x{CONTEXT}", "--variants",
+                           "dense,fluxion_predictor", "--budget-s", "0", "--out", str(out)])
+    e2e.run(args, device="cpu")
+    r = json.loads(out.read_text())
+    assert [(p["status"], p["reason"].split(":")[0]) for p in r["points"]] == [
+        ("skipped", "time budget"), ("skipped", "predictor not implemented")]
+    assert r["metrics"] == {}
+
+
+def test_plan_needs_no_gpu(capsys):
+    assert e2e.run(e2e.parse_args(["--plan"])) is None
+    text = capsys.readouterr().out
+    assert "out of memory (estimate)" in text and "predictor not implemented" in text and "budget 540 s" in text
