@@ -9,6 +9,7 @@ anything is built from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,6 +204,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # NaN passes every range comparison; inf overflows later
+            raise ConfigError(f"{path}: {value!r} is not allowed; allowed: a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -269,9 +272,9 @@ def _geometry_from(data: Any, path: str) -> GeometryConfig:
 
 def config_from_dict(data: Mapping | None) -> Config:
     """Build a `Config` from plain data (parsed YAML); raises `ConfigError` on any bad key."""
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"top level: expected a mapping at the top level, got {type(data).__name__} {data!r}")
     data = dict(data or {})
-    if not isinstance(data, dict):
-        raise ConfigError(f"top level: expected a mapping at the top level, got {data!r}")
     geometry = None
     if "geometry" in data:
         geometry = _geometry_from(data.pop("geometry"), "geometry")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from typing import Any, Callable, Sequence
 
@@ -65,6 +66,64 @@ def window_attention_torch(
     p = torch.exp(s - safe[..., None])
     out = torch.einsum("bhgw,bhwd->bhgd", p, v)
     return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+def _as_int(value: Any, what: str) -> int:
+    """`value` as a Python int: ints and integer scalars (numpy, 0-d tensors); no bools, floats, strings."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} is {value!r} ({type(value).__name__}); expected an integer")
+
+
+def _input_devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _check_tensor(name: str, x: Any) -> None:
+    """A floating-point torch tensor on a device the runtime can read (the shape is checked by the caller)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} is a {type(x).__name__}; expected a torch.Tensor")
+    allowed = _input_devices()
+    if x.device.type not in allowed:
+        where = " or ".join(a.upper() for a in allowed)
+        raise ValueError(f"{name} is on device {x.device}; expected a tensor on {where}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} has dtype {x.dtype}; expected a floating-point tensor (float32, bfloat16, float16, float64)")
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError naming the tensor(s) holding NaN or +-inf, before anything changes.
+
+    One `aminmax` per tensor (a single read, no temporary of the input's size; NaN propagates
+    into both, +-inf shows in one). CPU results are read directly; CUDA results are combined
+    into one flag read once: one device sync per call. Counting what is wrong runs only on failure.
+    """
+    ok = True
+    on_device = []
+    for x in tensors.values():
+        if not x.numel():
+            continue
+        lo, hi = torch.aminmax(x)
+        if x.device.type == "cpu":
+            ok = ok and math.isfinite(lo.item()) and math.isfinite(hi.item())
+        else:
+            on_device += [lo.float(), hi.float()]
+    if on_device:
+        ok = ok and bool(torch.isfinite(torch.stack(on_device)).all())
+    if ok:
+        return
+    bad = []
+    for name, x in tensors.items():
+        n = int((~torch.isfinite(x)).sum()) if x.numel() else 0
+        if n:
+            bad.append(f"{name} has {n} NaN/inf value{'s' if n > 1 else ''} of {x.numel()}")
+    raise ValueError(
+        "; ".join(bad) + "; expected finite values (NaN/inf in k or v would poison the stored KV and its block "
+        "metadata for every later step, in q they make the output NaN); nothing was changed"
+    )
 
 
 class HybridRuntime:
@@ -222,47 +281,73 @@ class HybridRuntime:
 
     # ------------------------------------------------------------------ prefill / release
     def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer of a prompt's KV `[L, Hkv, D]` (sink and recent window, CPU pages, metadata)."""
+        """Store one layer of a prompt's KV `[L, Hkv, D]` (sink and recent window, CPU pages, metadata).
+
+        Inputs are validated before anything changes: an integer `seq_id` and `layer`, floating-point
+        k, v on the CPU (or CUDA) without NaN/inf; the store refuses wrong shapes, an empty prompt,
+        a layer the sequence already has and a prompt past the capacity.
+        """
         self._check_open()
+        seq_id = _as_int(seq_id, "seq_id")
+        layer = _as_int(layer, "layer")
+        if not 0 <= layer < self.store.layers:
+            raise IndexError(f"layer {layer} out of range; the runtime has layers 0..{self.store.layers - 1}")
+        _check_tensor("k", k)
+        _check_tensor("v", v)
+        if seq_id in self.store.sequences() and self.store.seq_len(seq_id, layer):
+            # (The store's own check reads the window only: a prompt held wholly on the CPU
+            # -- sink and local 0 -- would be overwritten and its chunks lost.)
+            raise ValueError(f"sequence {seq_id} already has layer {layer}; release it before prefilling again")
+        _check_finite({"k": k, "v": v})
         self.store.prefill(seq_id, layer, k, v)
         self._forget_tasks(seq_id)
 
     def release(self, seq_id: int) -> None:
         """Free a sequence's pages and window slot (memory stays pinned for reuse)."""
         self._check_open()
+        seq_id = _as_int(seq_id, "seq_id")
+        if seq_id not in self.store.sequences():
+            raise KeyError(
+                f"release({seq_id}): sequence {seq_id} is not in the store (never prefilled, or already released); "
+                f"sequences in the store: {sorted(self.store.sequences())}"
+            )
         self.store.release(seq_id)
         self._forget_tasks(seq_id)
 
     # ------------------------------------------------------------------ decode
     def _check_decode(
         self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> list[int]:
+    ) -> tuple[int, list[int]]:
         g = self.geometry
-        if not isinstance(layer, int) or not 0 <= layer < self.store.layers:
+        layer = _as_int(layer, "layer")
+        if not 0 <= layer < self.store.layers:
             raise IndexError(f"layer {layer!r} out of range; the runtime has layers 0..{self.store.layers - 1}")
-        seq_ids = [int(s) for s in seq_ids]
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids is {seq_ids!r}; expected a sequence of integer sequence ids")
+        seq_ids = [_as_int(s, "a sequence id in seq_ids") for s in seq_ids]
         if not seq_ids:
             raise ValueError("seq_ids is empty; decode needs at least one sequence")
         if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids {seq_ids} repeat a sequence")
-        if not isinstance(q, torch.Tensor) or q.dim() != 3 or tuple(q.shape) != (len(seq_ids), g.q_heads, g.head_dim):
-            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"seq_ids {seq_ids} repeat a sequence; each sequence may appear once per step")
+        _check_tensor("q", q)
+        if q.dim() != 3 or tuple(q.shape) != (len(seq_ids), g.q_heads, g.head_dim):
             raise ValueError(
-                f"q has shape {shape}; expected [{len(seq_ids)}, {g.q_heads}, {g.head_dim}] ([B, q_heads, head_dim])"
+                f"q has shape {tuple(q.shape)}; expected [{len(seq_ids)}, {g.q_heads}, {g.head_dim}] ([B, q_heads, head_dim])"
             )
-        if not q.is_floating_point():
-            raise ValueError(f"q has dtype {q.dtype}; expected a floating-point tensor")
         for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (len(seq_ids), g.kv_heads, g.head_dim):
-                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            _check_tensor(name, x)
+            if tuple(x.shape) != (len(seq_ids), g.kv_heads, g.head_dim):
                 raise ValueError(
-                    f"{name} has shape {shape}; expected [{len(seq_ids)}, {g.kv_heads}, {g.head_dim}] ([B, kv_heads, head_dim])"
+                    f"{name} has shape {tuple(x.shape)}; expected [{len(seq_ids)}, {g.kv_heads}, {g.head_dim}] ([B, kv_heads, head_dim])"
                 )
-            if not x.is_floating_point():
-                raise ValueError(f"{name} has dtype {x.dtype}; expected a floating-point tensor")
+        known = self.store.sequences()
         for s in seq_ids:
-            self.store.slot(s)  # KeyError naming the sequence when it was never prefilled
-        return seq_ids
+            if s not in known:
+                raise KeyError(f"sequence {s} is not in the store; prefill it first (sequences in the store: {sorted(known)})")
+            if not self.store.seq_len(s, layer):
+                raise ValueError(f"sequence {s} has no KV at layer {layer}; prefill every layer of it before decoding")
+        _check_finite({"q": q, "k": k, "v": v})
+        return layer, seq_ids
 
     def _event(self) -> torch.cuda.Event:
         ev = torch.cuda.Event(enable_timing=True)
@@ -335,12 +420,13 @@ class HybridRuntime:
         """One layer of one decode step for a batch: q `[B,Hq,D]`, k/v `[B,Hkv,D]` -> out `[B,Hq,D]`.
 
         `q` is not pre-scaled (the runtime applies 1/sqrt(D)). The output has q's dtype and device.
-        Inputs are validated before anything changes. If a worker fails or the step times out,
+        Inputs are validated before anything changes (ids, layer, shapes, dtypes, devices, NaN/inf
+        in q, k, v; see `_check_decode`). If a worker fails or the step times out,
         the error is raised here and the runtime stays usable; the step's k, v remain appended.
         """
         t_entry = time.perf_counter()
         self._check_open()
-        seq_ids = self._check_decode(layer, seq_ids, q, k, v)
+        layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v)
         store, geo = self.store, self.geometry
         cuda = self.cuda
         prof = self._timeline.enabled

@@ -91,6 +91,7 @@ class _HybridState:
     model_ref: Any = None
     seq_counter: Any = field(default_factory=itertools.count)
     owns_runtime: bool = True
+    enabled: bool = True  # False once disable_hybrid_attention ran: caches made under it refuse use
 
 
 _MISSING = object()
@@ -259,11 +260,12 @@ def disable_hybrid_attention(model: torch.nn.Module) -> None:
     """Undo `enable_hybrid_attention`: the model's attention, config and attributes are as before.
 
     Closes the runtime when `enable_hybrid_attention` made it. Caches made while enabled become
-    unusable (their sequences are released with the runtime).
+    unusable: any later use raises RuntimeError (their sequences are released with the runtime).
     """
     state = _MODEL_STATES.pop(model, None)
     if state is None:
         raise ValueError("hybrid attention is not enabled on this model")
+    state.enabled = False  # its HybridCaches raise from now on (HybridCache._check_usable)
     for ref in state.attn_modules:
         m = ref()
         if m is not None:
@@ -506,9 +508,21 @@ class HybridCache(Cache):
         Returns the new states unchanged: during prefill the dense attention needs exactly these;
         during decode the runtime already holds everything before them.
         """
+        self._check_usable()
         keys, values = self.layers[layer_idx].update(key_states, value_states)
         _PENDING.entry = (self, layer_idx)
         return keys, values
+
+    def _check_usable(self) -> None:
+        """Refuse a cache whose hybrid attention was disabled: it holds no KV of its own, so the
+        model's dense attention would attend over the new tokens only (wrong logits, silently)."""
+        if not self._state.enabled:
+            raise RuntimeError(
+                "this HybridCache was made while hybrid attention was enabled on the model, and "
+                "disable_hybrid_attention has since been called: the cache holds no KV itself and its sequences "
+                "are gone with the runtime, so it cannot be used any more; make a new cache (HybridCache(model) "
+                "after enable_hybrid_attention, or a transformers DynamicCache for the dense model) and prefill again"
+            )
 
     def release(self) -> None:
         """Free this cache's sequences in the runtime now (also done when the cache is collected)."""
@@ -571,6 +585,7 @@ class HybridCache(Cache):
         for callers that already have the prompt's KV (e.g. a quality harness comparing policies).
         `attention_mask` `[B, T]` marks real tokens (left padding); None means all real.
         """
+        self._check_usable()
         if self.seq_ids or any(layer.length for layer in self.layers):
             raise ValueError("this HybridCache already holds a prompt")
         if len(keys) != len(self.layers) or len(values) != len(self.layers):
