@@ -124,6 +124,29 @@ def wrong_shape(draw, right):
     return shape if shape != tuple(right) else shape + (1,)
 
 
+TENSOR_FAULTS = ("dtype", "meta", "not_tensor", "non_finite")
+
+
+def tensor_fault(draw, args: dict, name: str, kind: str) -> tuple:
+    """`args[name]` made wrong in one of the ways any tensor argument can be (`TENSOR_FAULTS`);
+    returns (arguments, expected error, message fragments)."""
+    if kind == "dtype":
+        args[name] = args[name].to(draw(BAD_DTYPES))
+        return args, ValueError, [f"{name} has dtype", "expected a floating-point tensor"]
+    if kind == "meta":
+        args[name] = args[name].to("meta")
+        return args, ValueError, [f"{name} is on device meta", "expected a tensor on CPU"]
+    if kind == "not_tensor":
+        args[name] = draw(st.sampled_from([args[name].float().numpy(), args[name].tolist(), None]))
+        return args, TypeError, [f"{name} is a", "expected a torch.Tensor"]
+    if kind == "non_finite":
+        x = args[name].clone()
+        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(NON_FINITE)
+        args[name] = x
+        return args, ValueError, [f"{name} has 1 NaN/inf value", "expected finite values"]
+    raise AssertionError(f"not a tensor fault: {kind}")
+
+
 @st.composite
 def bad_decodes(draw):
     """(call arguments, expected error, message fragments) of one decode call with one thing wrong."""
@@ -143,20 +166,8 @@ def bad_decodes(draw):
     if kind == "shape":
         args[name] = torch.randn(*wrong_shape(draw, (len(seq_ids), heads, D)))
         return args, ValueError, [f"{name} has shape", f"expected [{len(seq_ids)}, {heads}, {D}]"]
-    if kind == "dtype":
-        args[name] = args[name].to(draw(BAD_DTYPES))
-        return args, ValueError, [f"{name} has dtype", "expected a floating-point tensor"]
-    if kind == "meta":
-        args[name] = args[name].to("meta")
-        return args, ValueError, [f"{name} is on device meta", "expected a tensor on CPU"]
-    if kind == "not_tensor":
-        args[name] = draw(st.sampled_from([args[name].float().numpy(), args[name].tolist(), None]))
-        return args, TypeError, [f"{name} is a", "expected a torch.Tensor"]
-    if kind == "non_finite":
-        x = args[name].clone()
-        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(NON_FINITE)
-        args[name] = x
-        return args, ValueError, [f"{name} has 1 NaN/inf value", "expected finite values"]
+    if kind in TENSOR_FAULTS:
+        return tensor_fault(draw, args, name, kind)
     if kind == "unknown_seq":
         bad = draw(st.integers(-5, 10**6).filter(lambda s: s not in (0, 1, 2)))
         args["seq_ids"] = seq_ids[:-1] + [bad]
@@ -214,20 +225,8 @@ def bad_prefills(draw):
     if kind == "length_mismatch":
         args[name] = torch.randn(n + draw(st.integers(1, 5)), HKV, D)
         return args, ValueError, ["must have the same shape"]
-    if kind == "dtype":
-        args[name] = args[name].to(draw(BAD_DTYPES))
-        return args, ValueError, [f"{name} has dtype", "expected a floating-point tensor"]
-    if kind == "meta":
-        args[name] = args[name].to("meta")
-        return args, ValueError, [f"{name} is on device meta", "expected a tensor on CPU"]
-    if kind == "not_tensor":
-        args[name] = draw(st.sampled_from([args[name].float().numpy(), args[name].tolist(), None]))
-        return args, TypeError, [f"{name} is a", "expected a torch.Tensor"]
-    if kind == "non_finite":
-        x = args[name].clone()
-        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(NON_FINITE)
-        args[name] = x
-        return args, ValueError, [f"{name} has 1 NaN/inf value", "expected finite values"]
+    if kind in TENSOR_FAULTS:
+        return tensor_fault(draw, args, name, kind)
     if kind == "empty":
         args["k"], args["v"] = kv(0)
         return args, ValueError, ["no tokens", "at least one"]
