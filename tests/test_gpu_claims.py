@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from cpu_kernels import layout  # noqa: E402
 from gpu_kernels.score_select import score_select  # noqa: E402
 from gpu_kernels.task_table import StepTableBuffer, pack_step_table  # noqa: E402
-from tests.test_gpu_kernels import CUDA, DEV, _gpu, attend_blocks, make_case, quest_reference, rel_err  # noqa: E402
+from tests.test_gpu_kernels import CUDA, DEV, _gpu, check_heads_attend, make_case, quest_reference, rel_err  # noqa: E402
 
 
 def pack_case(c):
@@ -155,17 +155,11 @@ def run_claims(c, bounds, pps=None):
 
 
 def check_attention(c, out, lse, unions, tol):
-    for i, (s, h, blk) in enumerate(c.tasks):
+    def blocks_of(i):
         ub, uh = unions[i]
-        blocks = [ub[((uh >> gg) & 1) != 0] for gg in range(c.g)]
-        ro, rl = attend_blocks(c.q[s, h * c.g : (h + 1) * c.g].cpu(), c.ar.keys[(s, h)], c.ar.values[(s, h)], blocks, blk)
-        go, gl = out[s, h * c.g : (h + 1) * c.g], lse[s, h * c.g : (h + 1) * c.g]
-        for gg in range(c.g):
-            if blocks[gg].numel() == 0:
-                assert gl[gg] == float("-inf") and (go[gg] == 0).all(), f"task {i} head {gg}: empty head"
-            else:
-                assert rel_err(go[gg], ro[gg]) < tol, f"task {i} head {gg}: out err {rel_err(go[gg], ro[gg])}"
-                assert abs(float(gl[gg]) - float(rl[gg])) < tol * max(1.0, abs(float(rl[gg])))
+        return [ub[((uh >> gg) & 1) != 0] for gg in range(c.g)]
+
+    check_heads_attend(c, out, lse, blocks_of, tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

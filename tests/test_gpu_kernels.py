@@ -262,8 +262,14 @@ def run_sparse(c: Case, config: SparseConfig = SparseConfig()):
 
 def check_sparse_against_selection(c: Case, out, lse, res, tol: float) -> None:
     sel = res.selection.selected.cpu()
+    check_heads_attend(c, out, lse, lambda i: [torch.nonzero(sel[i, gg]).flatten() for gg in range(c.g)], tol)
+
+
+def check_heads_attend(c: Case, out, lse, blocks_of, tol: float) -> None:
+    """Every task's heads against float64 attention over their own blocks (`blocks_of(task)`: one
+    tensor of block ids per head); a head without blocks must hold out 0, lse -inf."""
     for i, (s, h, blk) in enumerate(c.tasks):
-        blocks = [torch.nonzero(sel[i, gg]).flatten() for gg in range(c.g)]
+        blocks = blocks_of(i)
         ro, rl = attend_blocks(c.q[s, h * c.g : (h + 1) * c.g].cpu(), c.ar.keys[(s, h)], c.ar.values[(s, h)], blocks, blk)
         go, gl = out[s, h * c.g : (h + 1) * c.g], lse[s, h * c.g : (h + 1) * c.g]
         for gg in range(c.g):
