@@ -2,46 +2,64 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from hybrid_runtime.experiments.quality import (
+from hybrid_runtime.experiments import quality_measure
+from hybrid_runtime.experiments.quality import main
+from hybrid_runtime.experiments.quality_measure import compare_logits, passkey_answer
+from hybrid_runtime.experiments.quality_report import markdown, metrics_of, other_metrics
+from hybrid_runtime.experiments.quality_settings import (
     POLICIES,
     QualitySettings,
-    compare_logits,
     length_tag,
     load_settings,
-    markdown,
-    metrics_of,
-    other_metrics,
-    repeated_fraction,
     runtime_config,
+)
+from hybrid_runtime.experiments.quality_text import (
+    MAX_REPEATED_8GRAM,
+    UnusableTextError,
+    check_novel,
+    novel_offsets,
+    repeated_fraction,
+    scored_repeat,
 )
 from hybrid_runtime.models import INSTALL_COMMAND, SMOLLM2_GEOMETRY, smollm2_available
 
 needs_smollm2 = pytest.mark.skipif(
     not smollm2_available(), reason=f"SmolLM2 GGUF not installed (CI installs it): {INSTALL_COMMAND}"
 )
-SLUGS = ("full", "fixed16_005", "fixed16_002", "fixed32_005", "fixed32_002", "streaming")
+SLUGS = ("runtime_full", "fixed16_005", "fixed16_002", "fixed32_005", "fixed32_002", "streaming")
 
 
 def test_policy_slugs_and_runtime_configs():
-    assert tuple(POLICIES) == SLUGS
+    # The dense reference is not a policy: every slug runs through the runtime.
+    assert set(SLUGS) <= set(POLICIES) and "dense" not in POLICIES and "full" not in POLICIES
+    assert QualitySettings().policies == tuple(POLICIES)
     s = QualitySettings(lengths=(512,), positions=8, passkey_lengths=())
     cfg = runtime_config(s, "fixed32_002")
     assert (cfg.policy.name, cfg.policy.block_size, cfg.policy.budget) == ("fixed", 32, 0.02)
-    assert cfg.kv_cache.dtype == "bf16" and runtime_config(s, "full", store_dtype="fp32").kv_cache.dtype == "fp32"
+    full = runtime_config(s, "runtime_full", store_dtype="fp32")
+    assert full.policy.name == "full" and cfg.kv_cache.dtype == "bf16" and full.kv_cache.dtype == "fp32"
     assert runtime_config(s, "streaming").policy.name == "streaming"
+    with pytest.raises(ValueError, match="allowed: runtime_full"):
+        runtime_config(s, "dense")
     assert length_tag(2048) == "2k" and length_tag(8192) == "8k" and length_tag(1000) == "1000"
 
 
 def test_settings_are_validated(tmp_path):
     with pytest.raises(ValueError, match="unknown"):
         QualitySettings(policies=("fixed16_005", "oracle"))
+    with pytest.raises(ValueError, match="twice"):
+        QualitySettings(policies=("streaming", "streaming"))
+    with pytest.raises(ValueError, match="text_offset"):
+        QualitySettings(text_offset=-1)
     with pytest.raises(ValueError, match="exceed"):
         QualitySettings(lengths=(256,), positions=256)
     bad = tmp_path / "bad.yaml"
@@ -51,7 +69,8 @@ def test_settings_are_validated(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("quality: {lengths: [1024], positions: 4}\nruntime: {kv_cache: {sink: 16}}\n")
     s = load_settings(good, {"positions": 8})
-    assert s.lengths == (1024,) and s.positions == 8 and runtime_config(s, "full").kv_cache.sink == 16
+    assert s.lengths == (1024,) and s.positions == 8 and runtime_config(s, "runtime_full").kv_cache.sink == 16
+    assert main(["--out", str(tmp_path / "o"), "--config", str(bad)]) == 2  # refused before the model loads
 
 
 def test_compare_logits_measures_what_it_says():
@@ -74,6 +93,64 @@ def test_repeated_fraction_counts_copied_ngrams():
     assert repeated_fraction(ids, 9) == pytest.approx(2 / 10)
     assert repeated_fraction(torch.arange(40), 20) == 0.0
     assert repeated_fraction(torch.arange(10).repeat(3), 20, n=4) == 1.0
+    # Earlier scored tokens are context too (the model attends to them when it predicts later ones).
+    assert repeated_fraction(torch.cat([torch.arange(20), torch.arange(10, 20)]), 18) == pytest.approx(3 / 12)
+
+
+def _copying_corpus(copied: int) -> torch.Tensor:
+    """1200 distinct tokens, except that `copied` tokens from 950 on repeat tokens 500 on."""
+    corpus = torch.arange(1200)[None].clone()
+    corpus[0, 950 : 950 + copied] = corpus[0, 500 : 500 + copied]
+    return corpus
+
+
+def test_scored_text_that_repeats_its_context_is_refused():
+    # Length 600 with 100 scored positions: the window at offset 400 is corpus[400:1001] and its
+    # targets are corpus[901:1001]. A copy of c tokens at 950 makes c - 7 of them complete a seen 8-gram.
+    whole_copy = _copying_corpus(50)
+    assert scored_repeat(whole_copy, 600, 100, 0) == 0.0
+    assert scored_repeat(whole_copy, 600, 100, 400) == pytest.approx(43 / 100)
+    with pytest.raises(UnusableTextError, match=r"text_offset 400: .*length 600: 0\.430.*allowed: below 0\.05"
+                                                r".*offsets where every length is below it: 0$"):
+        check_novel(whole_copy, (600,), 100, 400)
+    assert check_novel(whole_copy, (600,), 100, 0) == {600: 0.0}
+    assert novel_offsets(whole_copy, (600,), 100, step=100) == [0, 100, 200, 300, 500]  # 400 only repeats
+    # The limit itself is refused; just below it passes.
+    assert MAX_REPEATED_8GRAM == 0.05
+    assert check_novel(_copying_corpus(11), (600,), 100, 400) == {600: pytest.approx(0.04)}
+    with pytest.raises(UnusableTextError, match=r"length 600: 0\.050"):
+        check_novel(_copying_corpus(12), (600,), 100, 400)
+    # Only the lengths that repeat are named; a window beyond the corpus is refused too.
+    with pytest.raises(UnusableTextError, match=r"\(length 600: 0\.430\)"):
+        check_novel(whole_copy, (300, 600), 100, 400)
+    with pytest.raises(UnusableTextError, match=r"allowed offsets 0 \.\. 599"):
+        check_novel(whole_copy, (600,), 100, 700)
+
+
+def _passkey_results(trials: list[dict]) -> dict:
+    return {"settings": dataclasses.asdict(QualitySettings(lengths=(), passkey_lengths=(2048,), passkey_depths=(0.1, 0.9),
+                                                           policies=("runtime_full", "streaming"))),
+            "lengths": {}, "passkey": trials}
+
+
+def test_passkey_dense_column_can_fail_and_is_not_runtime_full():
+    key = 54321
+    missed = {"length": 2048, "key": key, "dense": passkey_answer("12345", key), "policies": {}}
+    found = {"length": 2048, "key": key, "dense": passkey_answer(f"The pass key is {key}.", key),
+             "policies": {"runtime_full": passkey_answer("I do not know.", key),
+                          "streaming": passkey_answer(str(key), key)}}
+    assert missed["dense"] == {"answer": "12345", "success": False} and found["dense"]["success"]
+    results = _passkey_results([missed, found])
+    other = other_metrics(results)
+    # dense over both trials; each policy over the one dense answers; runtime_full's miss is its own.
+    assert other["passkey_dense_2k"] == 0.5
+    assert other["passkey_runtime_full_2k"] == 0.0 and other["passkey_streaming_2k"] == 1.0
+    assert "| L | dense | runtime_full | streaming |" in markdown(results)
+    assert "| 2k | 1/2 | 0/1 | 1/1 |" in markdown(results)
+    # When dense misses every trial, its column says so and the policies have nothing to run on.
+    only_missed = _passkey_results([missed])
+    assert other_metrics(only_missed) == {"passkey_dense_2k": 0.0}
+    assert "| 2k | 0/1 | - | - |" in markdown(only_missed)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +163,9 @@ def smollm2():
 @needs_smollm2
 def test_quality_run_ci_sized(smollm2, tmp_path):
     """Every policy at 2K with a few teacher-forced positions, budget-1 match, one passkey trial."""
-    from hybrid_runtime.experiments.quality import passkey_prompt, run_quality, write_outputs
+    from hybrid_runtime.experiments.quality_measure import run_quality
+    from hybrid_runtime.experiments.quality_report import write_outputs
+    from hybrid_runtime.experiments.quality_text import passkey_prompt
 
     model, tok = smollm2
     ids = passkey_prompt(tok, 1000, 0.5, 12345)
@@ -99,28 +178,31 @@ def test_quality_run_ci_sized(smollm2, tmp_path):
     results = run_quality(model, tok, settings, progress=lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}"))
     m, other = metrics_of(results), other_metrics(results)
     # The contract's metrics are exactly the headline ones (metrics_of); the rest sit beside them.
-    assert set(m) == {"budget1_token_match"} | {f"{name}_{slug}_2k" for slug in SLUGS
+    assert set(m) == {"budget1_token_match"} | {f"{name}_{slug}_2k" for slug in settings.policies
                                                 for name in ("agreement", "kl", "ppl", "bytes_per_step")}
     assert m["budget1_token_match"] == 1.0
-    assert 0.0 <= other["budget1_token_match_bf16"] <= 1.0 and 0.0 <= other["repeated_8gram_2k"] <= 1.0
+    assert 0.0 <= other["budget1_token_match_bf16"] <= 1.0
+    assert other["repeated_8gram_2k"] < MAX_REPEATED_8GRAM and results["lengths"]["2048"]["text"]["first_token"] == 30000
     pol = results["lengths"]["2048"]["policies"]
     # Budget 1.0 (bf16 store) is the dense model up to rounding; sparse policies are not.
-    assert m["agreement_full_2k"] == 1.0 and m["kl_full_2k"] < 1e-2
-    assert pol["full"]["output_error"]["max"] < 0.05
-    assert m["kl_streaming_2k"] > m["kl_full_2k"]
+    assert m["agreement_runtime_full_2k"] == 1.0 and m["kl_runtime_full_2k"] < 1e-2
+    assert pol["runtime_full"]["output_error"]["max"] < 0.05
+    assert m["kl_streaming_2k"] > m["kl_runtime_full_2k"]
     # Streaming reads nothing from the CPU; fixed budgets read a fraction of what FULL reads.
-    cpu_tokens = pol["full"]["cpu_tokens_per_layer"]
+    cpu_tokens = pol["runtime_full"]["cpu_tokens_per_layer"]
     assert cpu_tokens == 2048 - 6 - 64 - 256
     assert m["bytes_per_step_streaming_2k"] == 0 and pol["streaming"]["tasks_per_step"] == 0
     g = SMOLLM2_GEOMETRY
     kv_bytes = cpu_tokens * g.kv_heads * g.head_dim * 2 * 2 * g.layers  # K and V, bf16, every layer
-    assert kv_bytes <= m["bytes_per_step_full_2k"] <= 1.2 * kv_bytes
+    assert kv_bytes <= m["bytes_per_step_runtime_full_2k"] <= 1.2 * kv_bytes
     for slug in ("fixed16_005", "fixed16_002", "fixed32_005", "fixed32_002"):
-        assert 0 < m[f"bytes_per_step_{slug}_2k"] < 0.3 * m["bytes_per_step_full_2k"]
+        assert 0 < m[f"bytes_per_step_{slug}_2k"] < 0.3 * m["bytes_per_step_runtime_full_2k"]
         assert other[f"bytes_per_step_modeled_{slug}_2k"] > 0
     assert m["bytes_per_step_fixed16_002_2k"] < m["bytes_per_step_fixed16_005_2k"]
     assert len(pol["fixed16_005"]["output_error_per_layer"]) == g.layers
-    assert len(results["passkey"]) == 1 and "passkey_full_2k" in other
+    (trial,) = results["passkey"]
+    assert set(trial["dense"]) == {"answer", "success"} and "passkey_dense_2k" in other
+    assert set(trial["policies"]) == (set(settings.policies) if trial["dense"]["success"] else set())
 
     written = write_outputs(results, tmp_path / "out", tmp_path / "results")
     record = json.loads((tmp_path / "results" / "quality_smollm2-cpu.json").read_text()) if not torch.cuda.is_available() \
@@ -129,5 +211,46 @@ def test_quality_run_ci_sized(smollm2, tmp_path):
         assert key in record
     assert record["metrics"] == m and record["other_metrics"] == other
     table = (tmp_path / "out" / "quality.md").read_text()
-    assert "| 2k | fixed16_005 |" in table and "Passkey" in table
+    assert "| 2k | dense | - |" in table and "| 2k | runtime_full |" in table and "| 2k | fixed16_005 |" in table
+    assert "| L | dense | runtime_full |" in table and "repeated_8gram" not in table
     assert markdown(results) == table
+
+
+@needs_smollm2
+def test_shipped_text_is_novel_and_repeating_text_is_refused_before_the_model_runs(smollm2):
+    from hybrid_runtime.experiments.quality_measure import run_quality
+    from hybrid_runtime.experiments.quality_text import corpus_ids
+
+    _, tok = smollm2
+    shipped = load_settings(Path(__file__).resolve().parents[1] / "configs" / "quality_smollm2.yaml")
+    corpus = corpus_ids(tok)
+    assert all(f < MAX_REPEATED_8GRAM for f in check_novel(corpus, shipped.lengths, shipped.positions,
+                                                           shipped.text_offset).values())
+    # From token 0 the 8K scored part copies an earlier topic: refused before the model is touched.
+    at_start = dataclasses.replace(shipped, text_offset=0, passkey_lengths=())
+    with pytest.raises(UnusableTextError, match=r"length 8192: 1\.000.*offsets where every length is below it"):
+        run_quality(object(), tok, at_start, progress=lambda msg: None)
+
+
+@needs_smollm2
+@pytest.mark.parametrize("wrong", ["dense", "runtime"])
+def test_passkey_run_keeps_dense_and_runtime_full_apart(smollm2, monkeypatch, wrong):
+    """One 512-token trial with one side's greedy answer replaced by a wrong number: the other side's stands."""
+    from hybrid_runtime.integrations.transformers import HybridCache
+
+    model, tok = smollm2
+    real = quality_measure.greedy_steps
+    wrong_tokens = tok("00000", add_special_tokens=False).input_ids
+
+    def greedy_steps(model, first, start_pos, cache, n):
+        tokens = real(model, first, start_pos, cache, n)
+        return wrong_tokens if isinstance(cache, HybridCache) == (wrong == "runtime") else tokens
+
+    monkeypatch.setattr(quality_measure, "greedy_steps", greedy_steps)
+    settings = QualitySettings(lengths=(), passkey_lengths=(512,), passkey_depths=(0.5,), policies=("runtime_full",))
+    (trial,) = quality_measure.passkey_run(model, tok, settings, progress=lambda msg: None)
+    if wrong == "dense":
+        assert trial["dense"] == {"answer": "00000", "success": False} and trial["policies"] == {}
+    else:
+        assert trial["dense"]["success"], f"the dense model missed the key at 512 tokens: {trial['dense']['answer']!r}"
+        assert trial["policies"]["runtime_full"] == {"answer": "00000", "success": False}

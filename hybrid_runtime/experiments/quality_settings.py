@@ -1,0 +1,134 @@
+"""What the quality experiment measures: the policies it compares, its settings and their YAML.
+
+The dense model (its own attention, no runtime) is the reference of every measurement and is
+not a policy. Every policy runs through `HybridRuntime`; `runtime_full` is the runtime at
+budget 1.0, which differs from dense by the bf16 store and the runtime's merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from hybrid_runtime.config import Config, config_from_dict
+
+#: Policy slug -> `policy` section of the runtime config. A new policy is one entry here: every
+#: measurement, metric name and table column iterates this table or `QualitySettings.policies`.
+POLICIES: dict[str, dict] = {
+    "runtime_full": {"name": "full"},
+    "fixed16_005": {"name": "fixed", "block_size": 16, "budget": 0.05},
+    "fixed16_002": {"name": "fixed", "block_size": 16, "budget": 0.02},
+    "fixed32_005": {"name": "fixed", "block_size": 32, "budget": 0.05},
+    "fixed32_002": {"name": "fixed", "block_size": 32, "budget": 0.02},
+    "streaming": {"name": "streaming"},
+}
+
+#: The policy that `budget1_match` runs against dense `generate`.
+BUDGET1_POLICY = "runtime_full"
+
+
+@dataclass(frozen=True)
+class QualitySettings:
+    """What to measure. Lengths are total context at the last teacher-forced position."""
+
+    lengths: tuple[int, ...] = (2048, 4096, 8192)
+    positions: int = 256  # teacher-forced positions after the prompt
+    error_positions: int = 0  # the first this many positions also measure Eq. 2; 0: all `positions`
+    policies: tuple[str, ...] = tuple(POLICIES)
+    model_dtype: str = "float32"
+    store_dtype: str = "bf16"  # the KV store of the policies (bf16 is the runtime default)
+    # First corpus token of every length's text. At 30000 no length's scored part repeats an 8-gram
+    # of its context (measured: 0.000 at 2K, 4K and 8K with 256 positions); at 0 the 8K one is a
+    # verbatim copy (the `augassign` topic repeats a section of `assignment`).
+    text_offset: int = 30000
+    passkey_lengths: tuple[int, ...] = (2048, 4096, 8192)
+    passkey_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    passkey_new_tokens: int = 12  # "The pass key is 71532" is 9 tokens (digits are single tokens)
+    passkey_seed: int = 0
+    budget1_prompt_tokens: int = 2048
+    budget1_new_tokens: int = 64
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    # Extra runtime config (kv_cache, scheduler, profiling sections); the policy is set per run.
+    runtime: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad:
+            raise ValueError(f"quality.policies: unknown {bad}; allowed: {', '.join(POLICIES)}")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"quality.policies: {list(self.policies)} names a policy twice")
+        if self.positions < 1:
+            raise ValueError("quality.positions must be >= 1")
+        for n in self.lengths:
+            if n <= self.positions + 1:
+                raise ValueError(f"quality.lengths: {n} must exceed positions + 1 = {self.positions + 1}")
+        if self.error_positions > self.positions:
+            raise ValueError("quality.error_positions must not exceed positions")
+        if self.text_offset < 0:
+            raise ValueError(f"quality.text_offset: {self.text_offset}; must be >= 0 (a token index of the corpus)")
+        if self.store_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"quality.store_dtype: {self.store_dtype!r}; allowed: bf16, fp32")
+        if not all(0.0 <= d <= 1.0 for d in self.passkey_depths):
+            raise ValueError("quality.passkey_depths must lie in [0, 1]")
+
+    @property
+    def n_error(self) -> int:
+        return self.error_positions or self.positions
+
+
+def length_tag(n: int) -> str:
+    """Metric suffix of a length: 2048 -> '2k', 8192 -> '8k', others as the number."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def runtime_config(settings: QualitySettings, policy: str, store_dtype: str | None = None) -> Config:
+    """The runtime config of one policy: defaults suited to a small host, then `settings.runtime`."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r}: unknown; allowed: {', '.join(POLICIES)}")
+    # One sequence is live at a time (each measurement releases its sequence before the next), so
+    # the store is sized for the longest one, plus room for the chat template and chunk rounding:
+    # zeroing a larger store costs seconds per policy on a small host.
+    longest = max(max(settings.lengths or (0,)), max(settings.passkey_lengths or (0,)),
+                  settings.budget1_prompt_tokens + settings.budget1_new_tokens)
+    data: dict = {
+        "kv_cache": {"dtype": store_dtype or settings.store_dtype, "max_sequences": 2,
+                     "cpu_capacity_tokens": longest + 512},
+        # One CPU worker beside the model's own threads; no GPU lane on a host without CUDA.
+        "scheduler": {"policy": "cpu_only" if not torch.cuda.is_available() else "fluxion",
+                      "cpu_workers": 1, "gpu_worker": torch.cuda.is_available(), "pin_cores": False},
+        "profiling": {"enabled": True, "chrome_trace": False},
+    }
+    for section, values in (settings.runtime or {}).items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    data["policy"] = dict(POLICIES[policy])
+    return config_from_dict(data)
+
+
+def load_settings(path: str | os.PathLike | None, overrides: dict | None = None) -> QualitySettings:
+    """Settings from a YAML file's `quality:` section (and `runtime:` for the runtime config)."""
+    data: dict = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        unknown = set(raw) - {"quality", "runtime"}
+        if unknown:
+            raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: quality, runtime")
+        data = dict(raw.get("quality") or {})
+        if raw.get("runtime"):
+            data["runtime"] = raw["runtime"]
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    names = {f.name for f in dataclasses.fields(QualitySettings)}
+    bad = set(data) - names
+    if bad:
+        raise ValueError(f"quality: unknown keys {sorted(bad)}; allowed: {', '.join(sorted(names))}")
+    for k in ("lengths", "policies", "passkey_lengths", "passkey_depths"):
+        if k in data:
+            data[k] = tuple(data[k])
+    return QualitySettings(**data)
