@@ -676,26 +676,39 @@ def _page_fallback(arena, chunk, k_row, v_row, n_rows, q, g, state, pairs):
 
 
 @numba.njit(**_JIT)
-def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state):
-    """Each head attends its own selected blocks; returns bytes of KV read.
+def union_mask(cpu_len, block_size, selected, n_selected, block_heads):
+    """`block_heads[b]` = bitmask of the heads that selected block b; returns the union's tokens."""
+    n_blocks = (cpu_len + block_size - 1) // block_size
+    for b in range(n_blocks):
+        block_heads[b] = 0
+    for g in range(n_selected.shape[0]):
+        for i in range(n_selected[g]):
+            block_heads[selected[g, i]] |= np.uint32(1) << np.uint32(g)
+    tokens = 0
+    for b in range(n_blocks):
+        if block_heads[b] != 0:
+            tokens += min(block_size, cpu_len - b * block_size)
+    return tokens
 
-    Blocks are visited once in the union of all heads' selections (`block_heads[b]` is a bitmask
-    of the heads that chose block b), so a block two heads share is read from memory once; while
-    one block is computed the next one is prefetched. Per page of 16 tokens and interested head:
-    16 scores, one online-softmax update, then the V accumulation, all contiguous over D.
-    q `[G, D]` pre-scaled fp32; out `[G, D]`, lse `[G]` fp32; state `[2G, 2 + D + 16]` scratch:
-    rows g < G hold head g's running max, running sum, accumulator (pair layout when D % 32 == 0)
-    and page probabilities; rows G + g hold q of head g in pair layout.
+
+@numba.njit(**_JIT)
+def attend_blocks(arena, chunks, cpu_len, block_size, q, block_heads, b0, b1, out, lse, state):
+    """Each head attends its blocks of the union among blocks `[b0, b1)`; returns bytes of KV read.
+
+    `block_heads` is `union_mask`'s bitmask, so a block two heads share is read from memory once;
+    while one block is computed the next one is prefetched. Per page of 16 tokens and interested
+    head: 16 scores, one online-softmax update, then the V accumulation, all contiguous over D.
+    q `[G, D]` pre-scaled fp32; out `[G, D]`, lse `[G]` fp32 (a head with no block in the range
+    gets out 0 and lse -inf); state `[2G, 2 + D + 16]` scratch: rows g < G hold head g's running
+    max, running sum, accumulator (pair layout when D % 32 == 0) and page probabilities; rows
+    G + g hold q of head g in pair layout. Only `block_heads` is shared, read-only: several
+    threads may attend disjoint ranges of one task at once (`split_bounds`, `merge_parts`).
     """
     n_heads, d = q.shape
     pairs = d % 32 == 0
     per_chunk = _CHUNK // block_size
-    n_blocks = (cpu_len + block_size - 1) // block_size
-    for b in range(n_blocks):
-        block_heads[b] = 0
+    n_blocks = min(b1, (cpu_len + block_size - 1) // block_size)
     for g in range(n_heads):
-        for i in range(n_selected[g]):
-            block_heads[selected[g, i]] |= np.uint32(1) << np.uint32(g)
         state[g, 0] = _NEG_INF
         state[g, 1] = 0.0
         for j in range(d):
@@ -706,7 +719,7 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
     # `ahead` walks the union PREFETCH_BLOCKS blocks in front of `b`, so that many selected
     # blocks are in flight while one is computed: one core alone cannot fill DRAM bandwidth
     # with demand misses.
-    ahead = 0
+    ahead = b0
     for _ in range(PREFETCH_BLOCKS):
         while ahead < n_blocks and block_heads[ahead] == 0:
             ahead += 1
@@ -717,7 +730,7 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
             _prefetch_span(arena, a_chunk, _K_ROW + a_row, a_tok)
             _prefetch_span(arena, a_chunk, _V_ROW + a_row, a_tok)
             ahead += 1
-    next_b = 0
+    next_b = b0
     while next_b < n_blocks and block_heads[next_b] == 0:
         next_b += 1
     while next_b < n_blocks:
@@ -767,6 +780,64 @@ def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected
                 out[g, j] = 0.0
             lse[g] = _NEG_INF
     return tokens_read * 2 * d * arena.itemsize
+
+
+@numba.njit(**_JIT)
+def sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state):
+    """Each head attends its own selected blocks (`selected[g, :n_selected[g]]`); returns bytes of
+    KV read. The union is read once (`union_mask`, `attend_blocks`)."""
+    union_mask(cpu_len, block_size, selected, n_selected, block_heads)
+    return attend_blocks(arena, chunks, cpu_len, block_size, q, block_heads, 0, (cpu_len + block_size - 1) // block_size,
+                         out, lse, state)
+
+
+@numba.njit(**_JIT)
+def split_bounds(block_heads, cpu_len, block_size, union_tokens, n_parts, bounds):
+    """Cut the blocks into `n_parts` ranges of about equal union tokens: range p is blocks
+    `[bounds[p], bounds[p + 1])`. Returns the number of non-empty ranges written (<= n_parts)."""
+    n_blocks = (cpu_len + block_size - 1) // block_size
+    per_part = (union_tokens + n_parts - 1) // max(n_parts, 1)
+    bounds[0] = 0
+    parts = 0
+    acc = 0
+    for b in range(n_blocks):
+        if block_heads[b] != 0:
+            acc += min(block_size, cpu_len - b * block_size)
+            if acc >= per_part and parts + 1 < n_parts:
+                parts += 1
+                bounds[parts] = b + 1
+                acc = 0
+    if acc > 0 or parts == 0:
+        parts += 1
+    bounds[parts] = n_blocks
+    return parts
+
+
+@numba.njit(**_JIT)
+def merge_parts(part_out, part_lse, n_parts, out, lse):
+    """Log-sum-exp merge of `n_parts` partial results `[P, G, D]`, `[P, G]` into out `[G, D]`, lse `[G]`."""
+    n_heads, d = out.shape
+    for g in range(n_heads):
+        m = _NEG_INF
+        for p in range(n_parts):
+            m = max(m, part_lse[p, g])
+        if m == _NEG_INF:
+            for j in range(d):
+                out[g, j] = 0.0
+            lse[g] = _NEG_INF
+            continue
+        total = np.float32(0.0)
+        for j in range(d):
+            out[g, j] = 0.0
+        for p in range(n_parts):
+            w = np.exp(part_lse[p, g] - m)
+            total += w
+            for j in range(d):
+                out[g, j] += w * part_out[p, g, j]
+        inv = np.float32(1.0) / total
+        for j in range(d):
+            out[g, j] *= inv
+        lse[g] = m + np.log(total)
 
 
 @numba.njit(inline="always")
@@ -822,6 +893,26 @@ def run_task(
     topk_blocks(scores, n_blocks, n_select, selected, n_selected, topk_scratch, block_heads)
     kv_bytes = sparse_attention(arena, chunks, cpu_len, block_size, q, selected, n_selected, out, lse, block_heads, state)
     return n_blocks * 2 * q.shape[1] * arena.itemsize + kv_bytes
+
+
+@numba.njit(**_JIT)
+def select_task(
+    arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state, topk_scratch
+):
+    """The first half of `run_task`: score, select, and leave the union in `block_heads`.
+
+    Returns (bytes of metadata read, tokens in the union). The attention is then
+    `attend_blocks` over one or several block ranges (`split_bounds`), merged by `merge_parts`:
+    that is how idle workers help with a large task at the end of a step.
+    """
+    _check_task(
+        arena, chunks, cpu_len, block_size, q, n_select, out, lse, scores, selected, n_selected, block_heads, state,
+        topk_scratch,
+    )
+    n_blocks = block_scores(arena, chunks, cpu_len, block_size, q, scores, state)
+    topk_blocks(scores, n_blocks, n_select, selected, n_selected, topk_scratch, block_heads)
+    union_tokens = union_mask(cpu_len, block_size, selected, n_selected, block_heads)
+    return n_blocks * 2 * q.shape[1] * arena.itemsize, union_tokens
 
 
 class Workspace:

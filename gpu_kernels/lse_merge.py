@@ -50,24 +50,28 @@ def merge_attention(
     lse_b: torch.Tensor,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge `(out_a [..., D], lse_a [...])` with `(out_b, lse_b)` (fp32, same shapes).
 
     `out`/`lse` may alias `out_a`/`lse_a` (in-place); new tensors are allocated when omitted.
+    `validate=False` skips the argument checks, for a caller passing its own checked buffers.
     """
-    check_tensor("out_a", out_a, dtypes=(torch.float32,), contiguous=True)
     dev = out_a.device
     d = out_a.shape[-1]
     lead = tuple(out_a.shape[:-1])
-    check_tensor("lse_a", lse_a, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
-    check_tensor("out_b", out_b, shape=tuple(out_a.shape), dtypes=(torch.float32,), device=dev, contiguous=True)
-    check_tensor("lse_b", lse_b, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"last dimension {d} must be a power of two")
+    if validate:
+        check_tensor("out_a", out_a, dtypes=(torch.float32,), contiguous=True)
+        check_tensor("lse_a", lse_a, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
+        check_tensor("out_b", out_b, shape=tuple(out_a.shape), dtypes=(torch.float32,), device=dev, contiguous=True)
+        check_tensor("lse_b", lse_b, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
+        if d < 1 or d & (d - 1):
+            raise ValueError(f"last dimension {d} must be a power of two")
     out = torch.empty_like(out_a) if out is None else out
     lse = torch.empty_like(lse_a) if lse is None else lse
-    check_tensor("out", out, shape=tuple(out_a.shape), dtypes=(torch.float32,), device=dev, contiguous=True)
-    check_tensor("lse", lse, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
+    if validate:
+        check_tensor("out", out, shape=tuple(out_a.shape), dtypes=(torch.float32,), device=dev, contiguous=True)
+        check_tensor("lse", lse, shape=lead, dtypes=(torch.float32,), device=dev, contiguous=True)
     rows = lse_a.numel()
     if rows:
         block_r = max(1, min(64, 4096 // d))

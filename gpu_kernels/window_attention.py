@@ -199,6 +199,7 @@ def window_attention(
     num_stages: int = 3,
     n_splits: int | None = None,
     workspace: WindowWorkspace | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q `[B,Hq,D]` (fp32, pre-scaled) over window rows `[:lengths[b]]` of slot `slots[b]`.
 
@@ -206,27 +207,32 @@ def window_attention(
     on the same device. `max_len` (host int, default W) must bound the lengths (rows past it are
     not attended); it sizes the split grid. Returns (out `[B,Hq,D]` fp32, lse `[B,Hq]` fp32, natural
     log); a row of length 0 gets out 0, lse -inf. `workspace`: see `WindowWorkspace` (default:
-    one per device, for calls from one stream at a time).
+    one per device, for calls from one stream at a time). `validate=False` skips the argument
+    checks (several microseconds each): for a caller whose arguments are its own buffers, made
+    and checked once (the runtime's decode step).
     """
     dev = q.device
-    check_tensor("q", q, dims=3, dtypes=(torch.float32,))
+    if validate:
+        check_tensor("q", q, dims=3, dtypes=(torch.float32,))
     bsz, hq, d = q.shape
-    check_head_dim(d)
-    check_tensor("k_win", k_win, dims=4, dtypes=KV_DTYPES, device=dev)
     n_slots, hkv, w, _ = k_win.shape
-    check_tensor("k_win", k_win, shape=(n_slots, hkv, w, d))
-    check_tensor("v_win", v_win, shape=(n_slots, hkv, w, d), dtypes=(k_win.dtype,), device=dev)
-    check_tensor("slots", slots, shape=(bsz,), dtypes=(torch.int32, torch.int64), device=dev)
-    check_tensor("lengths", lengths, shape=(bsz,), dtypes=(torch.int32, torch.int64), device=dev)
-    if hq % hkv:
-        raise ValueError(f"q has {hq} heads, not a multiple of the window's {hkv} KV heads")
+    if validate:
+        check_head_dim(d)
+        check_tensor("k_win", k_win, dims=4, dtypes=KV_DTYPES, device=dev)
+        check_tensor("k_win", k_win, shape=(n_slots, hkv, w, d))
+        check_tensor("v_win", v_win, shape=(n_slots, hkv, w, d), dtypes=(k_win.dtype,), device=dev)
+        check_tensor("slots", slots, shape=(bsz,), dtypes=(torch.int32, torch.int64), device=dev)
+        check_tensor("lengths", lengths, shape=(bsz,), dtypes=(torch.int32, torch.int64), device=dev)
+        if hq % hkv:
+            raise ValueError(f"q has {hq} heads, not a multiple of the window's {hkv} KV heads")
     g = hq // hkv
     if out is None:
         out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)
     if lse is None:
         lse = torch.empty((bsz, hq), dtype=torch.float32, device=dev)
-    check_tensor("out", out, shape=(bsz, hq, d), dtypes=(torch.float32,), device=dev, contiguous=True)
-    check_tensor("lse", lse, shape=(bsz, hq), dtypes=(torch.float32,), device=dev, contiguous=True)
+    if validate:
+        check_tensor("out", out, shape=(bsz, hq, d), dtypes=(torch.float32,), device=dev, contiguous=True)
+        check_tensor("lse", lse, shape=(bsz, hq), dtypes=(torch.float32,), device=dev, contiguous=True)
     if bsz == 0:
         return out, lse
     rows = bsz * hkv

@@ -1,6 +1,8 @@
 """`hybrid-runtime run CONFIG.yaml [--out DIR] [--set key=value ...]`.
 
-Exit codes: 0 success; 2 bad config or arguments (the message names the key); 1 the run failed
+Exit codes: 0 success; 2 bad config or arguments (the message names the key); 3 the run does
+not fit this machine's free memory (the message gives the estimate per part, what the machine
+has and the keys to lower; checked before anything is allocated or written); 1 the run failed
 (the worker's error is printed). A failed run leaves its folder with `FAILED` in it and no
 results, never something that looks complete.
 """
@@ -18,6 +20,8 @@ import yaml
 
 from hybrid_runtime.config import ConfigError, load_config, parse_override
 
+EXIT_NO_MEMORY = 3
+
 
 def _run(args: argparse.Namespace) -> int:
     try:
@@ -26,6 +30,13 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"hybrid-runtime: {exc}", file=sys.stderr)
         return 2
+    from hybrid_runtime.memory_plan import AdmissionError, admit, estimate_synthetic_run
+
+    try:  # like a bad config: refused before the run folder exists
+        admit(estimate_synthetic_run(cfg), cfg.kv_cache)
+    except AdmissionError as exc:
+        print(f"hybrid-runtime: {exc}", file=sys.stderr)
+        return EXIT_NO_MEMORY
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
@@ -39,6 +50,10 @@ def _run(args: argparse.Namespace) -> int:
         (out / "FAILED").write_text(f"{exc}\n")
         print(f"hybrid-runtime: {exc}", file=sys.stderr)
         return 2
+    except AdmissionError as exc:  # free memory shrank since the check above
+        (out / "FAILED").write_text(f"{exc}\n")
+        print(f"hybrid-runtime: {exc}", file=sys.stderr)
+        return EXIT_NO_MEMORY
     except Exception:
         (out / "FAILED").write_text(traceback.format_exc())
         traceback.print_exc()

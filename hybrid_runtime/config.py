@@ -91,7 +91,8 @@ class KVCacheConfig:
     max_sequences: int = field(default=8, metadata=_range(1, None))
     # Where the GPU window lives: "auto" is cuda when available, else cpu.
     device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
-    # Pinned host memory may use at most this fraction of the memory psutil reports available.
+    # A run's estimated peak host memory (arenas, buffers, prefill staging, workload; memory_plan.py)
+    # may use at most this fraction of the memory psutil reports available when it starts.
     max_host_memory_fraction: float = field(default=0.8, metadata=_range(0.01, 1.0))
 
 
@@ -114,6 +115,8 @@ class SchedulerConfig:
     cpu_workers: int = field(default=2, metadata=_range(0, 1024))
     gpu_worker: bool = True
     pin_cores: bool = True
+    # Longest wait for one decode step's tasks, in seconds; a task still running then cannot be
+    # interrupted (docs/architecture.md, "A task that does not return"). Also bounds close()'s joins.
     step_timeout_s: float = field(default=60.0, metadata=_range(0.001, None))
     # Static GPU share of the `uniform` and `length` policies; 0: the measured throughput ratio.
     gpu_share: float = field(default=0.0, metadata=_range(0.0, 0.999))
@@ -127,6 +130,9 @@ class SchedulerConfig:
 class ProfilingConfig:
     enabled: bool = True
     chrome_trace: bool = True
+    # The timeline keeps the last this many steps (one step: one layer of one decode call) and
+    # counts the ones it dropped, so profiling a long-running runtime holds bounded memory.
+    max_steps: int = field(default=16384, metadata=_range(1, None))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ CPU workers and to enforce the step timeout.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -19,8 +20,10 @@ import numpy as np
 from hybrid_runtime.executors.base import Executor, GpuLaunchExecutor
 from hybrid_runtime.lane_rates import LaneRates
 from hybrid_runtime.task_building import TaskList, queue_arrays
-from hybrid_runtime.step_job import StepJob, StepTimeoutError
+from hybrid_runtime.step_job import RuntimeBrokenError, StepJob, StepTimeoutError
 from hybrid_runtime.tasks import Step, Task
+
+log = logging.getLogger(__name__)
 
 
 class HostLaunch:
@@ -122,6 +125,8 @@ class GpuLane:
         # A timed-out step whose running tasks could not be interrupted: the next step waits for
         # them before reusing the step buffers.
         self.orphan: StepJob | None = None
+        # Set when an orphan outlived another whole step timeout: every later step refuses to run.
+        self.broken: str | None = None
 
     def reserve_first(self, job: StepJob) -> None:
         """The GPU's first claim of a shared step, taken from the queue's head before the CPU
@@ -150,7 +155,9 @@ class GpuLane:
                 rows = job.queue_rows(gq)
             except BaseException as exc:
                 job.fail(exc)
-        pipeline: deque = deque()  # (handle, start, stop, modeled bytes, claim seconds per task, host time of the claim)
+        # (handle, start, stop, modeled bytes, claim seconds per task, host time of the claim); on the
+        # job, so that a timed-out step's unretired claims stay with it (and its messages name them).
+        pipeline = job.gpu_pending = deque()
         free_at = 0.0  # host time the GPU lane is expected to finish what it has queued
         prev_done = None  # host time the previous launch ended
         launched = False
@@ -163,14 +170,14 @@ class GpuLane:
             while pipeline:
                 handle = pipeline[0][0]
                 query = getattr(handle, "query", None)
-                if query is not None and not query() and not (job.error is not None and timed_out):
-                    break
+                if query is not None and not query():
+                    break  # never blocks: a claim that does not finish is left to the timeout
                 handle, i, j, nb, per_task, t_claim = pipeline.popleft()
                 nbytes = None
                 try:
                     nbytes = handle.wait()
                 except BaseException as exc:
-                    job.fail(exc)
+                    job.fail(exc, f"the GPU lane's claim of queue positions [{i}, {j})")
                 finally:
                     gq.finish(j - i)
                 t_done = time.perf_counter()
@@ -215,7 +222,7 @@ class GpuLane:
                         pipeline.append((handle, i, j, nb, (time.perf_counter() - t0) / (j - i), t0))
                     except BaseException as exc:
                         gq.finish(j - i)
-                        job.fail(exc)
+                        job.fail(exc, f"the GPU lane's launch of queue positions [{i}, {j})")
                     progressed = True
             if side_pending:
                 side_pending = False
@@ -235,8 +242,9 @@ class GpuLane:
                 ))
                 grace_end = now + min(1.0, timeout)
             if timed_out and now > grace_end:
-                # Tasks still running cannot be interrupted: remember the job so the next step
-                # waits for them before reusing the step buffers.
+                # Tasks still running cannot be interrupted: remember the job (and, in
+                # `job.gpu_pending`, its unretired claims) so the next step waits for them before
+                # reusing the step buffers.
                 self.orphan = job
                 return
             if not progressed:
@@ -257,19 +265,48 @@ class GpuLane:
             time.sleep(self.poll_sleep)
 
     def await_orphan(self, timeout: float) -> None:
-        """Before a step: wait for the tasks of an earlier timed-out step that were still running."""
+        """Before a step: wait for the tasks of an earlier timed-out step that were still running.
+
+        If they are still running after `timeout`, the lane is broken for good: this and every
+        later call raise `RuntimeBrokenError` (a stuck worker or kernel cannot be interrupted).
+        """
+        if self.broken is not None:
+            raise RuntimeBrokenError(self.broken)
         job = self.orphan
         if job is None:
             return
         end = time.monotonic() + timeout
-        while not job.done():
+        while not self.orphan_done():
             if time.monotonic() > end:
-                raise StepTimeoutError(
-                    f"tasks of an earlier timed-out step (layer {job.layer}) are still running after another "
-                    f"{timeout:g} s ({job.describe()}); the runtime cannot start a new step"
+                self.broken = (
+                    f"the runtime is broken: tasks of an earlier timed-out decode step (layer {job.layer}) are "
+                    f"still running another {timeout:g} s (scheduler.step_timeout_s) later ({job.describe()}) and "
+                    "cannot be interrupted; close the runtime (close() waits for them a bounded time) and build a new one"
                 )
+                raise RuntimeBrokenError(self.broken) from job.error
             time.sleep(1e-4)
+
+    def orphan_done(self) -> bool:
+        """Retire the finished claims of a timed-out step (never blocks); True once nothing of it runs."""
+        job = self.orphan
+        if job is None:
+            return True
+        pending = job.gpu_pending
+        while pending:
+            handle, i, j = pending[0][:3]
+            query = getattr(handle, "query", None)
+            if query is not None and not query():
+                break
+            pending.popleft()
+            try:
+                handle.wait()
+            except BaseException as exc:  # that step already raised its timeout; say what came after
+                log.warning("GPU claim [%d, %d) of a timed-out step at layer %d failed after the step: %r", i, j, job.layer, exc)
+            job.gpu_queue.finish(j - i)
+        if pending or not job.done():
+            return False
         self.orphan = None
+        return True
 
     def claim_bytes(self, job: StepJob, queue: Any, busy_s: float = 0.0, idle_stream: bool = True) -> float:
         """Modeled bytes to claim now (0: claim nothing).

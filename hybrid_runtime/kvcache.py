@@ -4,21 +4,42 @@ Per sequence and layer the tokens live in position order as
 
     sink (GPU window) | CPU-resident segment (CPU store) | recent tokens (GPU window)
 
-The recent part starts as the prompt's last `local` tokens; generated tokens append to it. When it
-grows past `local + generated_cap`, its oldest whole pages move to the end of the CPU segment, so
+A prompt arrives whole or in chunks (`prefill(..., extend=True)` appends the next chunk): the
+first `sink` tokens fill the sink, and the recent part keeps the last `local` tokens, everything
+older moving to the CPU segment, so a prompt given in chunks is stored exactly as the same prompt
+given at once. Generated tokens append to the recent part; when it grows past
+`local + generated_cap`, its oldest whole pages move to the end of the CPU segment (a spill), so
 GPU memory stays bounded and the CPU segment stays contiguous in position.
 
-CPU memory is one arena per layer (layout in `cpu_kernels/layout.py`), allocated and pinned once;
-chunks of 128 tokens of one KV head are handed out from a free list and returned by `release`,
-so steady state never pins again. `kv_cache.cpu_capacity_tokens` bounds the CPU-resident tokens
-of all sequences together at each layer; a prefill or a spill past it is refused before anything
-changes. `close` gives the arenas back to the operating system.
+CPU memory is one arena per layer (layout in `cpu_kernels/layout.py`): one tensor whose address
+range is reserved when the store is built, so every kernel addresses it as before (a numpy view,
+a UVA view), but whose memory is committed -- faulted in and, with CUDA, pinned
+(`cudaHostRegister`) -- in slabs of `SLAB_BYTES` as chunks are first handed out. Building a store
+therefore costs microseconds whatever its capacity; prefill commits the slabs it writes and asks
+a background thread to commit the other layers' arenas as far (a prompt has the same length at
+every layer) plus a reserve for decode spills, so decode steps find their memory committed. Chunks
+of 128 tokens of one KV head come from a free list and go back to it on `release`; committed
+memory stays committed (and pinned) until `close`. `kv_cache.cpu_capacity_tokens` bounds the
+CPU-resident tokens of all sequences together at each layer; a prefill or a spill past it is
+refused before anything changes.
+
+Handing KV to the CPU store (`_write_cpu`): the chunks a write touches are built whole -- keys,
+values with zeroed tails and the block metadata of every granularity -- on the device the KV is on
+(torch ops, on the caller's stream), then land in the arena: from CUDA as one device-to-host copy
+per contiguous run of chunk ids into the pinned arena on the store's copy stream, overlapping
+whatever the caller does next (the chunks' source buffer is owned by the store, so the caller may
+overwrite its k, v at once); from the CPU in place. Anything that reads a layer's arena on the
+host or learns its chunk ids (`chunk_table`, `full_kv`, decode's task building) first waits for
+that layer's copies.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,6 +51,17 @@ from cpu_kernels import layout
 from hybrid_runtime.config import GeometryConfig, KVCacheConfig
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# Arena memory is committed (faulted in, pinned with CUDA) in slabs of this many bytes: large
+# enough that registering them costs little per byte, small enough that a layer commits at most
+# one slab it does not use yet.
+SLAB_BYTES = 64 << 20
+# cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every device, mapped into the
+# unified address space (the arena's UVA view reads it at its host address).
+_REGISTER_FLAGS = 0x01 | 0x02
+# Arenas start on a 2 MiB boundary and are advised to use transparent huge pages: fewer page
+# faults when a slab is committed, fewer TLB misses for the CPU workers that read it.
+_HUGE_PAGE = 2 << 20
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +80,15 @@ class _SeqLayer:
     n_chunks: int = 0  # chunks per KV head
     chunk_table: np.ndarray | None = None  # [Hkv, capacity] int32, first n_chunks columns valid
 
+    @property
+    def tokens(self) -> int:
+        return self.sink_len + self.cpu_len + self.recent_len
 
-def arena_bytes(kv_cfg: KVCacheConfig, geometry: GeometryConfig) -> tuple[int, int]:
-    """(chunks per layer, bytes of all arenas) for a config, before anything is allocated."""
+
+def arena_bytes(kv_cfg: KVCacheConfig, geometry: GeometryConfig, layers: int | None = None) -> tuple[int, int]:
+    """(chunks per layer, bytes of all arenas once committed) for a config, before anything is
+    allocated; `layers` defaults to the geometry's. The one formula for arena memory: the store's
+    own check and the run's memory plan (`memory_plan.py`) both use it."""
     hkv = geometry.kv_heads
     # The most chunks per KV head that sequences holding `cap` tokens in all can occupy: each of
     # the (at most min(max_sequences, cap)) non-empty ones wastes under one chunk at its tail, so
@@ -60,7 +98,7 @@ def arena_bytes(kv_cfg: KVCacheConfig, geometry: GeometryConfig) -> tuple[int, i
     n_chunks = (cap + tails) // layout.CHUNK_TOKENS * hkv
     esize = torch.tensor([], dtype=_TORCH_DTYPES[kv_cfg.dtype]).element_size()
     per_layer = n_chunks * layout.CHUNK_ROWS * geometry.head_dim * esize
-    return n_chunks, per_layer * geometry.layers
+    return n_chunks, per_layer * (geometry.layers if layers is None else layers)
 
 
 def _window_device(name: str) -> torch.device:
@@ -69,6 +107,132 @@ def _window_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("kv_cache.device is 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
     return torch.device(name)
+
+
+# ---------------------------------------------------------------------------- chunk images
+def chunk_images(keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole chunks `[H * m, CHUNK_ROWS, D]` holding `H` runs of `T` tokens `[H, T, D]`.
+
+    Run `h` fills chunks `h * m .. h * m + m - 1` (`m = ceil(T / 128)`) from the first row of the
+    first one: key rows, value rows, rows past `T` zero, and the (min, max) key metadata of every
+    block of every granularity; blocks without a valid token get zero metadata. Computed with torch
+    ops on the tensors' device, in their dtype (min and max are exact in any order, so this equals
+    a float32 computation bit for bit). `out` (same shape, dtype and device) receives the chunks in
+    place, e.g. a contiguous slice of an arena.
+    """
+    h, t, d = keys.shape
+    ct = layout.CHUNK_TOKENS
+    m = -(-t // ct)
+    if out is None:
+        out = torch.empty((h * m, layout.CHUNK_ROWS, d), dtype=keys.dtype, device=keys.device)
+    chunks = out.view(h, m, layout.CHUNK_ROWS, d)
+    full, tail = divmod(t, ct)
+    for row, src in ((layout.K_ROW, keys), (layout.V_ROW, values)):
+        if full:
+            chunks[:, :full, row : row + ct] = src[:, : full * ct].reshape(h, full, ct, d)
+        if tail:
+            chunks[:, full, row : row + tail] = src[:, full * ct :]
+            chunks[:, full, row + tail : row + ct] = 0
+    k_rows = chunks[:, :, layout.K_ROW : layout.K_ROW + ct]  # [h, m, 128, d], in the output dtype
+    per16 = layout.CHUNK_TOKENS // layout.BLOCK_SIZES[0]
+    blocks = k_rows.reshape(h, m, per16, layout.BLOCK_SIZES[0], d)
+    lo, hi = blocks.amin(3), blocks.amax(3)  # [h, m, 8, d]
+    if tail:  # the last chunk's rows past T must not count
+        last = k_rows[:, full]
+        valid = (torch.arange(ct, device=keys.device) < tail)[:, None]
+        lo[:, full] = torch.where(valid, last, float("inf")).view(h, per16, -1, d).amin(2)
+        hi[:, full] = torch.where(valid, last, float("-inf")).view(h, per16, -1, d).amax(2)
+    mins, maxs = [lo], [hi]
+    while mins[-1].shape[2] > 1:  # blk 32, 64, 128 from pairs of the next smaller size
+        n = mins[-1].shape[2] // 2
+        mins.append(mins[-1].view(h, m, n, 2, d).amin(3))
+        maxs.append(maxs[-1].view(h, m, n, 2, d).amax(3))
+    meta = torch.stack([torch.cat(mins, 2), torch.cat(maxs, 2)], 3)  # [h, m, 15, 2, d]: entry e, (min, max)
+    meta.masked_fill_(meta.isinf(), 0)  # blocks past T
+    chunks[:, :, layout.META_ROW :] = meta.view(h, m, 2 * layout.META_ENTRIES, d)
+    return out
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """`(first id, end id, first position in ids)` of every run of consecutive ids."""
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [ids.size]])
+    return [(int(ids[s]), int(ids[s]) + int(e - s), int(s)) for s, e in zip(starts, ends)]
+
+
+# ---------------------------------------------------------------------------- host arenas
+class _HostArena:
+    """One layer's arena: address space for every chunk reserved at once, memory committed later.
+
+    The reservation is an anonymous private mapping (no memory until touched). `commit(n)` makes
+    the first `n` chunks usable: slab by slab it faults the pages in (torch's parallel fill) and,
+    with `pin`, registers them with CUDA so copies into them are asynchronous and the UVA view of
+    the arena reads them. Thread-safe: the caller and the store's committer thread may both commit.
+    """
+
+    def __init__(self, n_chunks: int, head_dim: int, dtype: torch.dtype, pin: bool):
+        esize = torch.tensor([], dtype=dtype).element_size()
+        self.chunk_bytes = layout.CHUNK_ROWS * head_dim * esize
+        self.nbytes = n_chunks * self.chunk_bytes
+        self.n_chunks = n_chunks
+        self.pin = pin
+        span = -(-self.nbytes // _HUGE_PAGE) * _HUGE_PAGE  # slabs end on page boundaries inside the mapping
+        self._map = mmap.mmap(-1, span + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # no transparent huge pages here: 4 KiB pages work too
+            pass
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # the whole mapping
+        self._start = (-self._bytes.data_ptr()) % _HUGE_PAGE  # the arena starts 2 MiB aligned
+        self._end = self._start + span
+        arena = self._bytes[self._start : self._start + self.nbytes]
+        self.tensor = arena.view(dtype).view(n_chunks, layout.CHUNK_ROWS, head_dim)
+        # Bytes [0, committed_bytes) of the mapping are committed. The first slab also covers the
+        # bytes before the arena: torch asks CUDA about the mapping's first address when it checks
+        # that the arena is pinned.
+        self.committed_bytes = 0
+        self.ready_chunks = 0  # chunks [0, ready_chunks) are committed
+        self.registered: list[int] = []  # base addresses of the slabs registered with CUDA
+        self.lock = threading.Lock()
+
+    def commit(self, n_chunks: int, max_slabs: int | None = None) -> int:
+        """Commit slabs until the first `n_chunks` chunks are usable (at most `max_slabs` slabs);
+        returns the bytes committed by this call. Raises CapacityError if CUDA refuses to pin."""
+        done = 0
+        with self.lock:
+            goal = self._start + min(n_chunks, self.n_chunks) * self.chunk_bytes
+            while self.committed_bytes < goal and (max_slabs is None or max_slabs > 0):
+                lo = self.committed_bytes
+                hi = min(self._start + SLAB_BYTES * (1 + max(0, lo - self._start) // SLAB_BYTES), self._end)
+                slab = self._bytes[lo:hi]
+                slab.zero_()  # faults the pages in (they are zero already), in parallel, without the GIL
+                if self.pin:
+                    err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), hi - lo, _REGISTER_FLAGS)
+                    if int(err) != 0:
+                        raise CapacityError(
+                            f"pinning {(hi - lo) / 2**20:.0f} MiB of a KV arena failed (cudaHostRegister error "
+                            f"{int(err)}) with {self.committed_bytes / 2**30:.2f} GiB of it pinned: the host has "
+                            "no more memory it can pin; lower kv_cache.cpu_capacity_tokens or "
+                            "kv_cache.max_host_memory_fraction"
+                        )
+                    self.registered.append(slab.data_ptr())
+                self.committed_bytes = hi
+                self.ready_chunks = min(self.n_chunks, (hi - self._start) // self.chunk_bytes)
+                done += hi - lo
+                if max_slabs is not None:
+                    max_slabs -= 1
+        return done
+
+
+def _unregister(registered: list[list[int]]) -> None:
+    """Unpin every registered slab (before the mappings go away). Finalizer: holds no arena."""
+    for ptrs in registered:
+        for ptr in ptrs:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        ptrs.clear()
 
 
 class KVStore:
@@ -85,9 +249,7 @@ class KVStore:
         self.pinned = torch.cuda.is_available()
         self._closed = False
 
-        n_chunks, _ = arena_bytes(kv_cfg, geometry)
-        esize = torch.tensor([], dtype=self.dtype).element_size()
-        total = n_chunks * layout.CHUNK_ROWS * self.head_dim * esize * self.layers
+        n_chunks, total = arena_bytes(kv_cfg, geometry, self.layers)
         available = psutil.virtual_memory().available
         allowed = int(available * kv_cfg.max_host_memory_fraction)
         if total > allowed:
@@ -99,18 +261,33 @@ class KVStore:
                 "lower cpu_capacity_tokens or max_sequences"
             )
         self.n_chunks = n_chunks
-        self._arenas = [
-            torch.zeros(
-                (n_chunks, layout.CHUNK_ROWS, self.head_dim), dtype=self.dtype, pin_memory=self.pinned
-            )
-            for _ in range(self.layers)
-        ]
+        # Address space only: memory is committed slab by slab as chunks are first used.
+        self._host = [_HostArena(n_chunks, self.head_dim, self.dtype, self.pinned) for _ in range(self.layers)]
+        self._arenas = [a.tensor for a in self._host]
         self._arenas_np = [_numpy_view(a) for a in self._arenas]
         self._arenas_cuda: list[torch.Tensor | None] = [None] * self.layers
-        # Free chunks per layer as a stack: _free[l][:_n_free[l]] are free.
+        self._unpin = weakref.finalize(self, _unregister, [a.registered for a in self._host])
+        # Free chunks per layer as a stack: _free[l][:_n_free[l]] are free; `_alloc` pops from the
+        # top so that chunk ids come out ascending, and `release` pushes a sequence's chunks so
+        # that the next allocation of the same size gets them back in the same order (contiguous
+        # runs stay contiguous: one copy per run when a prefill hands its KV over).
         self._free = [np.arange(n_chunks - 1, -1, -1, dtype=np.int32) for _ in range(self.layers)]
         self._n_free = [n_chunks] * self.layers
+        self._frontier = [0] * self.layers  # 1 + the highest chunk id ever handed out, per layer
         self._cpu_tokens = [0] * self.layers  # CPU-resident tokens of all sequences, per layer
+        # Committed chunks kept ahead of use for decode spills: one spill of every sequence.
+        spill_chunks = (kv_cfg.generated_cap + layout.PAGE_SIZE) // layout.CHUNK_TOKENS + 2
+        self.reserve_chunks = min(n_chunks, kv_cfg.max_sequences * self.kv_heads * spill_chunks)
+        self._bg_lock = threading.Lock()
+        self._bg_target = 0  # chunks every layer's committer should reach
+        self._bg_next = 0  # the layer it serves first
+        self._bg_running = False
+        self._bg_stop = False  # set by close: the committer stops after its current slab
+        self._committer: ThreadPoolExecutor | None = None
+        self.decode_commit_bytes = 0  # bytes a spill had to commit itself (the committer was behind)
+        # Device-to-host copies of chunks still in flight, per layer (the newest; one stream).
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._pending: list[torch.cuda.Event | None] = [None] * self.layers
 
         w = kv_cfg.sink + kv_cfg.local + kv_cfg.generated_cap + layout.PAGE_SIZE
         self.window_capacity = w
@@ -138,7 +315,7 @@ class KVStore:
         return self._closed
 
     def arena(self, layer: int) -> torch.Tensor:
-        """Host arena `[n_chunks, CHUNK_ROWS, D]` of a layer (pinned when CUDA exists)."""
+        """Host arena `[n_chunks, CHUNK_ROWS, D]` of a layer (pinned as committed, with CUDA)."""
         self._check_open()
         return self._arenas[layer]
 
@@ -148,12 +325,17 @@ class KVStore:
         return self._arenas_np[layer]
 
     def arena_cuda(self, layer: int) -> torch.Tensor:
-        """A CUDA view of the layer's pinned arena (no copy), made once and cached."""
+        """A CUDA view of the layer's pinned arena (no copy), made once and cached.
+
+        Only committed chunks may be read through it -- every chunk a sequence holds is. Its
+        first slab is committed here, since the view is made from the arena's first address.
+        """
         self._check_open()
         view = self._arenas_cuda[layer]
         if view is None:
             from gpu_kernels.uva import uva_view
 
+            self._host[layer].commit(1)
             view = self._arenas_cuda[layer] = uva_view(self._arenas[layer])
         return view
 
@@ -181,8 +363,7 @@ class KVStore:
         return st.sink_len + st.recent_len
 
     def seq_len(self, seq_id: int, layer: int) -> int:
-        st = self._layer_state(seq_id, layer)
-        return st.sink_len + st.cpu_len + st.recent_len
+        return self._layer_state(seq_id, layer).tokens
 
     def window_lengths(self, layer: int, seq_ids: Sequence[int]) -> torch.Tensor:
         lens = [self.window_len(s, layer) for s in seq_ids]
@@ -194,8 +375,13 @@ class KVStore:
         )
 
     def chunk_table(self, seq_id: int, layer: int) -> np.ndarray:
-        """Arena chunk ids `[Hkv, n_chunks]` int32 of the sequence's CPU segment at a layer."""
+        """Arena chunk ids `[Hkv, n_chunks]` int32 of the sequence's CPU segment at a layer.
+
+        Returned once the layer's copies into the arena have landed, so whoever reads the chunks
+        it names (decode's tasks, tests) reads the data.
+        """
         st = self._layer_state(seq_id, layer)
+        self.wait_for_writes(layer)
         if st.chunk_table is None:
             return np.zeros((self.kv_heads, 0), dtype=np.int32)
         return st.chunk_table[:, : st.n_chunks]
@@ -208,6 +394,51 @@ class KVStore:
         """CPU-resident tokens of all sequences at a layer (at most `kv_cache.cpu_capacity_tokens`)."""
         self._check_layer(layer)
         return self._cpu_tokens[layer]
+
+    def memory_stats(self) -> dict:
+        """Host memory of the arenas: reserved (address space), committed and pinned bytes, and
+        the bytes decode spills had to commit themselves."""
+        self._check_open()
+        committed = sum(a.committed_bytes for a in self._host)
+        return {
+            "reserved_bytes": sum(a.nbytes for a in self._host),
+            "committed_bytes": committed,
+            "pinned_bytes": committed if self.pinned else 0,
+            "decode_commit_bytes": self.decode_commit_bytes,
+        }
+
+    def wait_for_writes(self, layer: int | None = None) -> None:
+        """Block until the copies into a layer's arena (every layer's, for None) have landed."""
+        for i in range(self.layers) if layer is None else (layer,):
+            ev = self._pending[i]
+            if ev is not None:
+                ev.synchronize()
+                self._pending[i] = None
+
+    def commit_ahead(self, tokens: int | None = None) -> None:
+        """Start committing (pinning) every layer's arena for `tokens` CPU-resident tokens of all
+        sequences (default: the whole capacity) in the background, and return at once.
+
+        For a server that will use its capacity: the memory is then pinned before the first
+        prompts need it instead of while they are prefilled (prefill commits what it lacks itself).
+        """
+        self._check_open()
+        cap = self.cfg.cpu_capacity_tokens if tokens is None else tokens
+        if not 0 <= cap <= self.cfg.cpu_capacity_tokens:
+            raise ValueError(
+                f"tokens={tokens}: expected 0..kv_cache.cpu_capacity_tokens={self.cfg.cpu_capacity_tokens}"
+            )
+        chunks = -(-cap // layout.CHUNK_TOKENS) * self.kv_heads
+        self._schedule_commits(chunks, after_layer=-1)
+
+    def wait_for_commits(self) -> None:
+        """Block until the background committer is idle (tests and benchmarks)."""
+        while True:
+            with self._bg_lock:
+                committer, running = self._committer, self._bg_running
+            if committer is None or not running:
+                return
+            committer.submit(lambda: None).result()  # queued behind the running commit loop
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -235,48 +466,89 @@ class KVStore:
             raise ValueError(f"{name} has dtype {x.dtype}; expected a floating-point tensor")
 
     # ------------------------------------------------------------------ prefill / append / release
-    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer of a prompt's KV `[L, Hkv, D]`: sink and recent to the window, the rest to CPU."""
+    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, *, extend: bool = False) -> None:
+        """Store one layer of a prompt's KV `[L, Hkv, D]`: sink and recent to the window, the rest to CPU.
+
+        `extend=True` appends the next chunk of the same prompt to what the layer holds (a prompt
+        whose activations do not fit at once is prefilled in chunks); the result is the same as
+        prefilling the chunks concatenated. k, v may be on the CPU or CUDA, in any float dtype;
+        from CUDA the CPU part lands asynchronously (see the module docstring).
+        """
         self._check_layer(layer)
         self._check_kv("k", k, "L")
         self._check_kv("v", v, "L")
         if k.shape != v.shape:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-        length = k.shape[0]
-        if length == 0:
-            raise ValueError("k and v hold no tokens; a prompt needs at least one")
-        sink_len = min(self.cfg.sink, length)
-        recent_len = min(self.cfg.local, length - sink_len)
-        cpu_len = length - sink_len - recent_len
-        n_chunks = -(-cpu_len // layout.CHUNK_TOKENS)
-        need = n_chunks * self.kv_heads
-        new_seq = seq_id not in self._slots
-        if new_seq and not self._free_slots:
+        n = k.shape[0]
+        if n == 0:
+            raise ValueError("k and v hold no tokens; a prompt (or a chunk of one) needs at least one")
+        known = seq_id in self._slots
+        has_layer = known and self._state[seq_id][layer].tokens > 0
+        if extend and not has_layer:
+            raise ValueError(
+                f"sequence {seq_id} has no KV at layer {layer} to extend; prefill the prompt's first chunk "
+                "without extend=True"
+            )
+        if not extend and has_layer:
+            raise ValueError(
+                f"sequence {seq_id} already has layer {layer}; release it before prefilling again "
+                "(or pass extend=True to append the next chunk of the same prompt)"
+            )
+        if not known and not self._free_slots:
             raise CapacityError(
                 f"all kv_cache.max_sequences={self.cfg.max_sequences} slots are in use; release a sequence first"
             )
-        if not new_seq and self._state[seq_id][layer].sink_len + self._state[seq_id][layer].recent_len:
-            raise ValueError(f"sequence {seq_id} already has layer {layer}; release it before prefilling again")
-        self._check_room(layer, cpu_len, need, f"sequence {seq_id}")
+        st = self._state[seq_id][layer] if known else _SeqLayer()
+        # Tokens fill the sink first (while nothing follows it); of the recent part and the rest,
+        # the last `local` stay in the window and the older ones (the recent part's first, then
+        # the chunk's) go to the CPU.
+        to_sink = min(self.cfg.sink - st.sink_len, n) if st.cpu_len + st.recent_len == 0 else 0
+        recent_after = min(self.cfg.local, st.recent_len + n - to_sink)
+        to_cpu = st.recent_len + n - to_sink - recent_after
+        from_recent = min(to_cpu, st.recent_len)
+        from_chunk = to_cpu - from_recent
+        need = self._chunks_needed(st, to_cpu)
+        self._check_room(layer, to_cpu, need, f"sequence {seq_id}")
+        self._commit(layer, need, in_decode=False)  # may raise (pinning refused); changes no state
         # All checks passed: from here on the store changes.
-        if new_seq:
+        if not known:
             self._slots[seq_id] = self._free_slots.pop()
             self._state[seq_id] = [_SeqLayer() for _ in range(self.layers)]
-        st = self._state[seq_id][layer]
+            self._state[seq_id][layer] = st
+        if st.chunk_table is None:
+            st.chunk_table = np.zeros((self.kv_heads, max(-(-to_cpu // layout.CHUNK_TOKENS), 4)), dtype=np.int32)
         slot = self._slots[seq_id]
         win_k, win_v = self._win_k[layer], self._win_v[layer]
-        kd = k.to(device=self.device, dtype=self.dtype)
-        vd = v.to(device=self.device, dtype=self.dtype)
-        win_k[slot, :, :sink_len] = kd[:sink_len].transpose(0, 1)
-        win_v[slot, :, :sink_len] = vd[:sink_len].transpose(0, 1)
-        win_k[slot, :, sink_len : sink_len + recent_len] = kd[length - recent_len :].transpose(0, 1)
-        win_v[slot, :, sink_len : sink_len + recent_len] = vd[length - recent_len :].transpose(0, 1)
-        st.sink_len, st.recent_len = sink_len, recent_len
-        st.chunk_table = np.zeros((self.kv_heads, max(n_chunks, 4)), dtype=np.int32)
-        if cpu_len:
-            self._cpu_write(
-                seq_id, layer, k[sink_len : sink_len + cpu_len], v[sink_len : sink_len + cpu_len]
-            )
+        kd = k.to(dtype=self.dtype).transpose(0, 1)  # [Hkv, n, D] on k's device (a view when no cast)
+        vd = v.to(dtype=self.dtype).transpose(0, 1)
+        if to_sink:
+            span = slice(st.sink_len, st.sink_len + to_sink)
+            win_k[slot, :, span] = kd[:, :to_sink].to(self.device)
+            win_v[slot, :, span] = vd[:, :to_sink].to(self.device)
+            st.sink_len += to_sink
+        s0 = st.sink_len
+        if to_cpu:
+            # The recent rows that move are copied out (torch.cat) before the shift below overwrites them.
+            cpu_k, cpu_v = kd[:, to_sink : to_sink + from_chunk], vd[:, to_sink : to_sink + from_chunk]
+            if from_recent:
+                cpu_k = torch.cat([win_k[slot, :, s0 : s0 + from_recent].to(k.device), cpu_k], 1)
+                cpu_v = torch.cat([win_v[slot, :, s0 : s0 + from_recent].to(k.device), cpu_v], 1)
+            self._write_cpu(st, layer, cpu_k, cpu_v, wait=False)
+        kept = st.recent_len - from_recent
+        if from_recent and kept:
+            win_k[slot, :, s0 : s0 + kept] = win_k[slot, :, s0 + from_recent : s0 + st.recent_len].clone()
+            win_v[slot, :, s0 : s0 + kept] = win_v[slot, :, s0 + from_recent : s0 + st.recent_len].clone()
+        if recent_after > kept:
+            win_k[slot, :, s0 + kept : s0 + recent_after] = kd[:, to_sink + from_chunk :].to(self.device)
+            win_v[slot, :, s0 + kept : s0 + recent_after] = vd[:, to_sink + from_chunk :].to(self.device)
+        st.recent_len = recent_after
+        # The same prompt reaches every layer: commit the other arenas as far in the background.
+        self._schedule_commits(self._frontier[layer], after_layer=layer)
+
+    def will_spill(self, layer: int, seq_ids: Sequence[int]) -> bool:
+        """Whether appending one token to each sequence spills window pages into the CPU segment."""
+        limit = self.cfg.local + self.cfg.generated_cap
+        return any(self._layer_state(s, layer).recent_len + 1 > limit for s in seq_ids)
 
     def append(self, layer: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one decode token per sequence (`[B, Hkv, D]`) to the windows; spill when full."""
@@ -301,8 +573,8 @@ class KVStore:
         if any(spills):
             need = sum(self._chunks_needed(st, n) for st, n in zip(states, spills))
             self._check_room(layer, sum(spills), need, "spilling the GPU window")
-        slots = torch.tensor([self._slots[s] for s in seq_ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([st.sink_len + st.recent_len for st in states], dtype=torch.long, device=self.device)
+            self._commit(layer, need, in_decode=True)
+        slots, pos = self._append_index(seq_ids, states)
         win_k, win_v = self._win_k[layer], self._win_v[layer]
         win_k[slots, :, pos] = k.to(device=self.device, dtype=self.dtype)
         win_v[slots, :, pos] = v.to(device=self.device, dtype=self.dtype)
@@ -310,6 +582,34 @@ class KVStore:
             st.recent_len += 1
             if n_spill:
                 self._spill(seq_id, layer, st, n_spill)
+        if any(spills):  # top the reserve up in the background for the next spills
+            self._schedule_commits(self._frontier[layer], after_layer=layer - 1)
+
+    # Pinned (slot, position) rows of recent appends: an async copy needs a pinned source (from
+    # pageable memory, as `torch.tensor(..., device="cuda")` does, it waits for the stream), and
+    # a row is rewritten only after its copy finished. Made on the first append on CUDA.
+    APPEND_RING = 8
+    _append_ring: tuple | None = None
+
+    def _append_index(self, seq_ids: Sequence[int], states: list) -> torch.Tensor:
+        """`[2, B]` int64 on the window's device: each sequence's slot, then its new token's row."""
+        b = len(seq_ids)
+        values = [self._slots[s] for s in seq_ids] + [st.sink_len + st.recent_len for st in states]
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.long).view(2, b)
+        if self._append_ring is None:
+            n = 2 * self.cfg.max_sequences
+            self._append_ring = (torch.zeros((self.APPEND_RING, n), dtype=torch.long, pin_memory=True),
+                                 torch.zeros((self.APPEND_RING, n), dtype=torch.long, device=self.device),
+                                 [torch.cuda.Event() for _ in range(self.APPEND_RING)], [0])
+        host, dev, copied, turn = self._append_ring
+        i = turn[0] = (turn[0] + 1) % self.APPEND_RING
+        copied[i].synchronize()  # long done in practice (returns at once if never recorded)
+        host[i, : 2 * b].numpy()[:] = values
+        out = dev[i, : 2 * b]
+        out.copy_(host[i, : 2 * b], non_blocking=True)
+        copied[i].record()
+        return out.view(2, b)
 
     def _check_room(self, layer: int, tokens: int, chunks: int, what: str) -> None:
         """CapacityError unless `tokens` more CPU-resident tokens fit the layer's capacity.
@@ -332,70 +632,134 @@ class KVStore:
         have = -(-st.cpu_len // layout.CHUNK_TOKENS)
         return (-(-(st.cpu_len + n_tokens) // layout.CHUNK_TOKENS) - have) * self.kv_heads
 
+    # ------------------------------------------------------------------ committing arena memory
+    def _commit(self, layer: int, n_chunks: int, *, in_decode: bool) -> None:
+        """Commit the layer's arena far enough for the next `n_chunks` chunks `_alloc` hands out."""
+        if not n_chunks:
+            return
+        top = self._n_free[layer]
+        if n_chunks > top:  # `arena_bytes` makes this unreachable while the token count is within capacity
+            raise RuntimeError(
+                f"layer {layer}: {n_chunks} chunks asked for but {top} are free; the arena is undersized"
+            )
+        end = int(self._free[layer][top - n_chunks : top].max()) + 1
+        host = self._host[layer]
+        if end > host.ready_chunks:
+            nbytes = host.commit(end)
+            if in_decode and nbytes:
+                self.decode_commit_bytes += nbytes
+                log.info("layer %d: a spill committed %.0f MiB of arena itself (the background committer was "
+                         "behind)", layer, nbytes / 2**20)
+
+    def _schedule_commits(self, frontier: int, after_layer: int) -> None:
+        """Have the committer thread bring every layer's arena to `frontier` chunks plus the spill
+        reserve, starting with the layers after `after_layer` (the next ones a prefill reaches)."""
+        target = min(self.n_chunks, frontier + self.reserve_chunks)
+        with self._bg_lock:
+            self._bg_next = (after_layer + 1) % self.layers
+            if target <= self._bg_target:
+                return
+            self._bg_target = target
+            if self._bg_running:
+                return
+            self._bg_running = True
+            if self._committer is None:
+                self._committer = ThreadPoolExecutor(1, thread_name_prefix="hybrid-kv-commit")
+            self._committer.submit(self._commit_in_background)
+
+    def _commit_in_background(self) -> None:
+        try:
+            while True:
+                with self._bg_lock:
+                    target, first = self._bg_target, self._bg_next
+                    order = [(first + i) % self.layers for i in range(self.layers)]
+                    todo = [layer for layer in order if self._host[layer].ready_chunks < target]
+                    if not todo or self._bg_stop:
+                        self._bg_running = False
+                        return
+                    host = self._host[todo[0]]
+                host.commit(target, max_slabs=1)  # one slab at a time: a prefill's next layer goes first
+        except BaseException as exc:  # the caller commits (and raises) itself when it needs the memory
+            with self._bg_lock:
+                self._bg_running = False
+            log.warning("background commit of KV arena memory failed: %s", exc)
+
+    # ------------------------------------------------------------------ writing the CPU segment
     def _spill(self, seq_id: int, layer: int, st: _SeqLayer, n: int) -> None:
         """Move the oldest `n` recent tokens (whole pages) to the end of the CPU segment."""
         slot = self._slots[seq_id]
         win_k, win_v = self._win_k[layer], self._win_v[layer]
         s0 = st.sink_len
-        k_old = win_k[slot, :, s0 : s0 + n].transpose(0, 1)  # [n, Hkv, D]
-        v_old = win_v[slot, :, s0 : s0 + n].transpose(0, 1)
-        self._cpu_write(seq_id, layer, k_old, v_old)
+        # The tasks of this very step read the spilled pages: the copy must land first.
+        self._write_cpu(st, layer, win_k[slot, :, s0 : s0 + n], win_v[slot, :, s0 : s0 + n], wait=True)
         remain = st.recent_len - n
         win_k[slot, :, s0 : s0 + remain] = win_k[slot, :, s0 + n : s0 + n + remain].clone()
         win_v[slot, :, s0 : s0 + remain] = win_v[slot, :, s0 + n : s0 + n + remain].clone()
         st.recent_len = remain
 
-    def _cpu_write(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append `[n, Hkv, D]` tokens to the CPU segment, allocating chunks and updating metadata."""
-        st = self._state[seq_id][layer]
-        n = k.shape[0]
+    def _write_cpu(self, st: _SeqLayer, layer: int, k: torch.Tensor, v: torch.Tensor, *, wait: bool) -> None:
+        """Append `[Hkv, n, D]` tokens (store dtype, any device) to the CPU segment: allocate chunks,
+        build the touched chunks whole on k's device, copy them into the arena."""
+        n = k.shape[1]
         old_len, new_len = st.cpu_len, st.cpu_len + n
-        n_new_chunks = -(-new_len // layout.CHUNK_TOKENS) - st.n_chunks
-        arena = self._arenas[layer]
-        if n_new_chunks:
-            ids = self._alloc(layer, n_new_chunks * self.kv_heads).reshape(self.kv_heads, n_new_chunks)
-            if st.n_chunks + n_new_chunks > st.chunk_table.shape[1]:
-                grown = np.zeros((self.kv_heads, 2 * (st.n_chunks + n_new_chunks)), dtype=np.int32)
+        n_new = -(-new_len // layout.CHUNK_TOKENS) - st.n_chunks
+        if n_new:
+            ids = self._alloc(layer, n_new * self.kv_heads).reshape(self.kv_heads, n_new)
+            if st.n_chunks + n_new > st.chunk_table.shape[1]:
+                grown = np.zeros((self.kv_heads, 2 * (st.n_chunks + n_new)), dtype=np.int32)
                 grown[:, : st.n_chunks] = st.chunk_table[:, : st.n_chunks]
                 st.chunk_table = grown
-            st.chunk_table[:, st.n_chunks : st.n_chunks + n_new_chunks] = ids
-            st.n_chunks += n_new_chunks
-            # Reused chunks hold an earlier sequence's tokens; rows past cpu_len must be zero.
-            arena[torch.from_numpy(ids.reshape(-1)).long()] = 0
-        table = torch.from_numpy(st.chunk_table[:, : st.n_chunks]).long()  # [Hkv, n_chunks]
-        positions = torch.arange(old_len, new_len)
-        chunk_ids = table[:, positions // layout.CHUNK_TOKENS]  # [Hkv, n]
-        rows = (positions % layout.CHUNK_TOKENS).expand(self.kv_heads, n)
-        arena[chunk_ids, rows + layout.K_ROW] = k.to(device="cpu", dtype=self.dtype).transpose(0, 1)
-        arena[chunk_ids, rows + layout.V_ROW] = v.to(device="cpu", dtype=self.dtype).transpose(0, 1)
+            st.chunk_table[:, st.n_chunks : st.n_chunks + n_new] = ids
+            st.n_chunks += n_new
+        first = old_len // layout.CHUNK_TOKENS
+        touched = st.chunk_table[:, first : st.n_chunks].reshape(-1)  # Hkv-major runs of m chunks
+        held = old_len - first * layout.CHUNK_TOKENS  # tokens already in the first touched chunk
+        if held:  # rebuild that chunk whole: its earlier tokens come back from the arena
+            self.wait_for_writes(layer)
+            prev = self._arenas[layer][torch.from_numpy(st.chunk_table[:, first]).long()].to(k.device)
+            k = torch.cat([prev[:, layout.K_ROW : layout.K_ROW + held], k], 1)
+            v = torch.cat([prev[:, layout.V_ROW : layout.V_ROW + held], v], 1)
+        self._store_chunks(layer, touched, k, v, wait=wait)
         st.cpu_len = new_len
         self._cpu_tokens[layer] += n
-        first_chunk = old_len // layout.CHUNK_TOKENS
-        touched = table[:, first_chunk:]  # [Hkv, m]
-        self._write_metadata(layer, touched.reshape(-1), new_len - first_chunk * layout.CHUNK_TOKENS)
 
-    def _write_metadata(self, layer: int, chunk_ids: torch.Tensor, valid_tokens: int) -> None:
-        """Recompute metadata of `chunk_ids` (Hkv-major runs of consecutive chunks of one sequence).
-
-        `valid_tokens` counts the valid tokens from the first chunk of each run onwards; runs hold
-        `len(chunk_ids) / Hkv` chunks each, and only the last chunk of a run may be partial.
-        """
+    def _store_chunks(self, layer: int, ids: np.ndarray, k: torch.Tensor, v: torch.Tensor, *, wait: bool) -> None:
+        """Build the chunks `ids` from `[Hkv, T, D]` tokens and put them in the layer's arena."""
         arena = self._arenas[layer]
-        m = chunk_ids.numel() // self.kv_heads
-        keys = arena[chunk_ids, layout.K_ROW : layout.K_ROW + layout.CHUNK_TOKENS].float()
-        keys = keys.view(self.kv_heads, m * layout.CHUNK_TOKENS, self.head_dim)
-        valid = (torch.arange(m * layout.CHUNK_TOKENS) < valid_tokens).view(1, -1, 1)
-        inf = torch.tensor(float("inf"))
-        kmin = torch.where(valid, keys, inf).view(-1, layout.CHUNK_TOKENS, self.head_dim)
-        kmax = torch.where(valid, keys, -inf).view(-1, layout.CHUNK_TOKENS, self.head_dim)
-        mins, maxs = [], []
-        for block_size in layout.BLOCK_SIZES:
-            per_chunk = layout.CHUNK_TOKENS // block_size
-            mins.append(kmin.view(-1, per_chunk, block_size, self.head_dim).amin(2))
-            maxs.append(kmax.view(-1, per_chunk, block_size, self.head_dim).amax(2))
-        meta = torch.stack([torch.cat(mins, 1), torch.cat(maxs, 1)], 2)  # [N, 15, 2, D]
-        meta = torch.where(torch.isfinite(meta), meta, torch.zeros(()))
-        arena[chunk_ids, layout.META_ROW :] = meta.view(-1, 2 * layout.META_ENTRIES, self.head_dim).to(self.dtype)
+        runs = _runs(ids)
+        if k.device.type == "cpu":
+            self.wait_for_writes(layer)  # an earlier copy into these chunks must not land after this write
+            if len(runs) == 1:
+                lo, hi, _ = runs[0]
+                chunk_images(k, v, out=arena[lo:hi])  # built in place
+            else:
+                arena.index_copy_(0, torch.from_numpy(ids).long(), chunk_images(k, v))
+            return
+        images = chunk_images(k, v)  # on the caller's stream, ordered after whatever produced k, v
+        caller = torch.cuda.current_stream(k.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=k.device)
+        stream = self._copy_stream
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            # One copy per slab a run touches: each slab is its own CUDA registration, and an
+            # asynchronous copy must stay inside one ("invalid argument" otherwise).
+            row = self._host[layer].chunk_bytes
+            dst = arena.reshape(-1).view(torch.uint8)
+            srcb = images.reshape(-1).view(torch.uint8)
+            for lo, hi, src in runs:
+                b0, b1, s0 = lo * row, hi * row, src * row
+                while b0 < b1:
+                    end = min(b1, (b0 // SLAB_BYTES + 1) * SLAB_BYTES)
+                    dst[b0:end].copy_(srcb[s0 : s0 + end - b0], non_blocking=True)
+                    s0 += end - b0
+                    b0 = end
+            done = torch.cuda.Event()
+            done.record(stream)
+        images.record_stream(stream)  # its memory is not reused before the copies finish
+        self._pending[layer] = done
+        if wait:
+            self.wait_for_writes(layer)
 
     def _alloc(self, layer: int, n: int) -> np.ndarray:
         top = self._n_free[layer]
@@ -403,73 +767,95 @@ class KVStore:
             raise RuntimeError(f"layer {layer}: {n} chunks asked for but {top} are free; the arena is undersized")
         ids = self._free[layer][top - n : top][::-1].copy()
         self._n_free[layer] = top - n
+        if n:
+            self._frontier[layer] = max(self._frontier[layer], int(ids.max()) + 1)
         return ids
 
     def release(self, seq_id: int) -> None:
-        """Return a sequence's chunks and window slot; its memory stays pinned for reuse."""
+        """Return a sequence's chunks and window slot; its memory stays committed (pinned) for reuse."""
         self._check_seq(seq_id)
         for layer, st in enumerate(self._state.pop(seq_id)):
             self._cpu_tokens[layer] -= st.cpu_len
             if st.n_chunks:
                 ids = st.chunk_table[:, : st.n_chunks].reshape(-1)
                 top = self._n_free[layer]
-                self._free[layer][top : top + ids.size] = ids
+                self._free[layer][top : top + ids.size] = ids[::-1]  # popped back in this order
                 self._n_free[layer] = top + ids.size
         self._free_slots.append(self._slots.pop(seq_id))
 
     def close(self) -> int:
         """Give the arenas and windows back: the pinned memory returns to the operating system.
 
-        Drops the store's arenas, their numpy and CUDA (UVA) views, the GPU windows and every
-        sequence; the store raises on any later use. With CUDA, torch's caching host allocator
-        keeps freed pinned blocks for reuse (so a new store of the same size would fail its host
-        memory check), so its cache is emptied -- after a device synchronize, since kernels may
-        still read an arena through its UVA view. Returns how many arenas outside references
-        (executors, worker arguments) still keep alive: their memory returns when those go, or
-        with a later cache emptying. Idempotent.
+        Stops the committer thread, waits for the copies in flight, unpins every slab (after a
+        device synchronize, since kernels may still read an arena through its UVA view), then
+        drops the arenas, their numpy and CUDA (UVA) views, the GPU windows and every sequence;
+        the store raises on any later use. Returns how many arenas outside references
+        (executors, worker arguments) still keep alive: their address space is unmapped when those
+        go (their memory is no longer pinned). Idempotent.
         """
         if self._closed:
             return 0
+        with self._bg_lock:
+            committer, self._committer = self._committer, None
+            self._bg_stop = True
+        if committer is not None:
+            committer.shutdown(wait=True, cancel_futures=True)
         if self.pinned:
             torch.cuda.synchronize()
+        self._pending = [None] * self.layers
+        self._unpin()
         # Per layer: the arena and the views the store made of it (a view keeps the memory too).
         held = [
             [weakref.ref(x) for x in views if x is not None]
             for views in zip(self._arenas, self._arenas_np, self._arenas_cuda)
         ]
         self._closed = True
-        self._arenas, self._arenas_np, self._arenas_cuda = [], [], []
+        self._host, self._arenas, self._arenas_np, self._arenas_cuda = [], [], [], []
         self._win_k, self._win_v = [], []
         self._free, self._n_free, self._cpu_tokens = [], [], []
         self._state.clear()
         self._slots.clear()
         self._free_slots = []
         alive = sum(any(r() is not None for r in refs) for refs in held)
-        if self.pinned:
-            _empty_host_cache()
         if alive:
             log.warning("KVStore.close: %d of %d arenas are still referenced outside the store; their memory "
                         "stays allocated until those references are dropped", alive, len(held))
         return alive
 
-    # ------------------------------------------------------------------ for tests and references
-    def full_kv(self, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequence's whole KV `[L, Hkv, D]` in position order, on the CPU (copies; not for hot paths)."""
+    # ------------------------------------------------------------------ reading the store back
+    def full_kv(
+        self, seq_id: int, layer: int, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's whole KV `[L, Hkv, D]` in position order (copies; not for hot paths).
+
+        On the CPU by default. On CUDA with a pinned store the CPU segment is gathered by the GPU
+        through the arena's UVA view (the caller's stream waits for copies still in flight), so a
+        chunked prefill can attend over what the store already holds without a host round trip.
+        """
         st = self._layer_state(seq_id, layer)
+        dev = torch.device("cpu") if device is None else torch.device(device)
         slot = self._slots[seq_id]
         win_k, win_v = self._win_k[layer], self._win_v[layer]
-        parts_k = [win_k[slot, :, : st.sink_len].transpose(0, 1).cpu()]
-        parts_v = [win_v[slot, :, : st.sink_len].transpose(0, 1).cpu()]
+        parts_k = [win_k[slot, :, : st.sink_len].transpose(0, 1).to(dev)]
+        parts_v = [win_v[slot, :, : st.sink_len].transpose(0, 1).to(dev)]
         if st.cpu_len:
-            table = torch.from_numpy(self.chunk_table(seq_id, layer)).long()
-            arena = self._arenas[layer][table]  # [Hkv, n_chunks, ROWS, D]
-            keys = arena[:, :, layout.K_ROW : layout.K_ROW + layout.CHUNK_TOKENS].reshape(self.kv_heads, -1, self.head_dim)
-            vals = arena[:, :, layout.V_ROW : layout.V_ROW + layout.CHUNK_TOKENS].reshape(self.kv_heads, -1, self.head_dim)
+            table = torch.from_numpy(st.chunk_table[:, : st.n_chunks].copy()).long()
+            ev = self._pending[layer]
+            if dev.type == "cuda" and self.pinned:
+                if ev is not None:
+                    torch.cuda.current_stream(dev).wait_event(ev)
+                chunks = self.arena_cuda(layer)[table.to(dev)]  # [Hkv, n_chunks, ROWS, D], read over the link
+            else:
+                self.wait_for_writes(layer)
+                chunks = self._arenas[layer][table].to(dev)
+            ct = layout.CHUNK_TOKENS
+            keys = chunks[:, :, layout.K_ROW : layout.K_ROW + ct].reshape(self.kv_heads, -1, self.head_dim)
+            vals = chunks[:, :, layout.V_ROW : layout.V_ROW + ct].reshape(self.kv_heads, -1, self.head_dim)
             parts_k.append(keys[:, : st.cpu_len].transpose(0, 1))
             parts_v.append(vals[:, : st.cpu_len].transpose(0, 1))
         s0 = st.sink_len
-        parts_k.append(win_k[slot, :, s0 : s0 + st.recent_len].transpose(0, 1).cpu())
-        parts_v.append(win_v[slot, :, s0 : s0 + st.recent_len].transpose(0, 1).cpu())
+        parts_k.append(win_k[slot, :, s0 : s0 + st.recent_len].transpose(0, 1).to(dev))
+        parts_v.append(win_v[slot, :, s0 : s0 + st.recent_len].transpose(0, 1).to(dev))
         return torch.cat(parts_k), torch.cat(parts_v)
 
     def block_metadata(self, seq_id: int, layer: int, kv_head: int, block_size: int) -> torch.Tensor:
@@ -481,18 +867,6 @@ class KVStore:
         table = torch.from_numpy(self.chunk_table(seq_id, layer)[kv_head]).long()
         meta = self._arenas[layer][table, layout.META_ROW :].view(-1, layout.META_ENTRIES, 2, self.head_dim)
         return meta[:, off : off + per_chunk].reshape(-1, 2, self.head_dim)[:n_blocks]
-
-
-def _empty_host_cache() -> None:
-    """Return torch's cached (free) pinned host blocks to CUDA, whichever API this torch has."""
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-    if empty is None:
-        empty = getattr(torch._C, "_host_emptyCache", None)
-    if empty is None:
-        log.warning("this torch (%s) cannot empty its pinned host cache; closed stores' arenas stay cached",
-                    torch.__version__)
-        return
-    empty()
 
 
 def _numpy_view(arena: torch.Tensor) -> np.ndarray:

@@ -21,6 +21,33 @@ The host writes the task table, then publishes (SEQ odd, parameters, WORD, DONE,
 GPU lane claims ranges of positions from the same WORD (`claim`), so the fluxion policy's two
 devices pull from one priority queue. `close` stops further pops and returns how many positions
 were handed out, so the host can wait for exactly the tasks in flight.
+
+Helping at the end of a step: a step's tasks are few and coarse (one per sequence and KV group,
+hundreds of microseconds each), so when the queue runs dry most workers would idle while a few
+finish their last tasks. A worker that pops a task when fewer positions are left than there are
+workers splits it after selection: it cuts the union of selected blocks into ranges of about
+equal size (`split_bounds`) and offers them in its help word, `(job << 32) | (position << 16) |
+(n_parts << 8) | next_part`; a worker that finds the queue empty takes ranges by CAS on that word
+(a stale job id or a retracted word makes the CAS fail), attends them into the owner's partial
+slots and counts them done. The owner takes ranges too, waits until all are counted, retracts
+the word and merges the partials by log-sum-exp. Ranges never wait on anything, so helping
+cannot deadlock; the owner's task keeps one record (its bytes, its start and end).
+
+Failures are statuses, not exceptions. An exception that unwinds through nopython frames skips
+their reference decrements (numba 0.68: every array view those frames made -- of the arenas, q,
+the results -- stays referenced for good, so a store's pinned arenas could never be freed). So a
+task fails by a negative return instead: for the stock kernel (`run_task`, which raises on a row it
+cannot run) the loop checks each row first (`task_status`: block size, CPU length within its
+chunks, blocks within the workspace capacity the host wrote to `ctrl[MAX_BLOCKS]`; an injected
+kernel gets 0 there and checks its rows itself), and a kernel returns a negative status instead
+of its byte count for anything else. Then the loop stores the status in the task's
+`rec[i, BYTES]` and returns `LOOP_FAILED` with `cur[wid, 0]` still holding the position; the
+worker's Python fails the step with `failed_task_error`, counts the position done and calls the
+loop again (`workers.CpuWorkers._native_failed`). Per task this costs a few integer compares. A
+kernel that raises anyway still fails the step with its exception (same route), at the price of
+that leak, which `KVStore.close` then reports. A kernel that never returns cannot be
+interrupted; `cur` shows which worker is in which position (`running`), which the step's timeout
+error names.
 """
 
 from __future__ import annotations
@@ -34,8 +61,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from cpu_kernels.layout import CHUNK_TOKENS
+from cpu_kernels.sparse_attention import Workspace, attend_blocks, merge_parts, select_task, split_bounds
+
 C_SEQ, C_STOP, C_WORD, C_DONE = 0, 8, 16, 24
 C_LAYER, C_B, C_N = 32, 33, 34
+C_MAX_BLOCKS = 35  # blocks the stock kernel's workspaces hold (0: rows not checked), written at start
 CTRL_SIZE = 40
 MASK = (1 << 32) - 1
 
@@ -46,7 +77,16 @@ T_COLS = 6
 R_WORKER, R_START, R_END, R_BYTES, R_OVERHEAD = range(5)
 R_COLS = 5
 
-LOOP_STOPPED, LOOP_IDLE, LOOP_WARM = 0, 1, 2
+LOOP_STOPPED, LOOP_IDLE, LOOP_WARM, LOOP_FAILED = 0, 1, 2, 3
+# Negative task statuses of the loop's own row check (`task_status`); a kernel may return others.
+S_BLOCK_SIZE, S_CPU_LEN, S_WORKSPACE = -1, -2, -3
+
+# Splitting a task among idle workers: at most this many ranges, each of at least this many bytes
+# of selected K+V (a range costs ~1-2 us of set-up and merge; 192 KiB is ~30 us of one core).
+MAX_PARTS = 16
+MIN_PART_BYTES = 192 << 10
+# Help words and counters sit this many int64 apart (one cache line per worker).
+LINE = 8
 
 
 # ---------------------------------------------------------------------------- intrinsics
@@ -140,17 +180,50 @@ def cpu_relax(typingctx):
 
 
 # ---------------------------------------------------------------------------- numba side
+@numba.njit(nogil=True, inline="always")
+def task_status(cpu_len, block_size, n_chunks, max_blocks):
+    """0 when a task row is one the stock kernel accepts, else its negative status (checked before
+    the kernel, which would have to raise: see "Failures" above); `max_blocks` 0: not checked."""
+    if max_blocks <= 0:
+        return 0
+    if block_size != 16 and block_size != 32 and block_size != 64 and block_size != 128:
+        return S_BLOCK_SIZE
+    if cpu_len < 0 or cpu_len > n_chunks * CHUNK_TOKENS:
+        return S_CPU_LEN
+    if (cpu_len + block_size - 1) // block_size > max_blocks:
+        return S_WORKSPACE
+    return 0
+
+
+def failed_task_error(status: int, row: np.ndarray, max_blocks: int) -> Exception:
+    """The exception for a task that failed with `status` (its task table row `row`)."""
+    cpu_len, block_size, n_chunks = int(row[T_CPULEN]), int(row[T_BLOCK]), int(row[T_N_CHUNKS])
+    if status == S_BLOCK_SIZE:
+        return ValueError(f"task block_size {block_size} is not one of 16, 32, 64, 128")
+    if status == S_CPU_LEN:
+        return ValueError(f"task cpu_len {cpu_len} is more than its {n_chunks} chunks of {CHUNK_TOKENS} tokens hold")
+    if status == S_WORKSPACE:
+        n_blocks = -(-cpu_len // block_size)
+        return ValueError(f"task has {n_blocks} blocks (cpu_len {cpu_len}, block_size {block_size}) but the workspace "
+                          f"holds {max_blocks}; size it from KVStore.max_task_blocks")
+    return RuntimeError(f"the CPU task kernel returned failure status {status}")
+
+
 # Not cached on disk: its signature holds the kernel (a dispatcher), which numba cannot pickle.
 @numba.njit(nogil=True)
 def worker_loop(ctrl, wid, spin_ns, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur, kernel,
-                scratch):
+                scratch, team):
     """Serve jobs until STOP (returns LOOP_STOPPED) or `spin_ns` without a new job (LOOP_IDLE).
 
     `kernel(arena, chunks, cpu_len, block_size, q, n_select, out, lse, *scratch) -> bytes` is the
     task kernel (`cpu_kernels.sparse_attention.run_task`); `scratch` is this worker's workspace
     arrays in the kernel's parameter order. `cur[wid]` = (queue position being run or -1, last
-    job id seen): lets the host account for a task whose kernel raised, and keeps a worker from
-    re-joining a job it already left.
+    job id seen): lets the host account for a task that failed (returns LOOP_FAILED, see
+    "Failures" above) or whose kernel raised, and keeps a worker from
+    re-joining a job it already left. `team` = (split on, help words, done counts, busy ns,
+    bounds, partial out, partial lse, every worker's union mask, this worker's `select_task`
+    scratch, split count) of `NativeJobBuffers.team`: the helping described in the module docstring (split on
+    = 0: every task runs whole in `kernel`).
     """
     if mode == LOOP_WARM:
         return LOOP_WARM
@@ -178,6 +251,7 @@ def worker_loop(ctrl, wid, spin_ns, mode, arenas, q_flat, res_flat, hq, d, g, ta
             cpu_relax()
         last = job
         cur[wid, 1] = job
+        max_blocks = ctrl[C_MAX_BLOCKS]
         arena = arenas[layer]
         nq = b * hq * d
         q = q_flat[:nq].reshape((b, hq, d))
@@ -196,11 +270,22 @@ def worker_loop(ctrl, wid, spin_ns, mode, arenas, q_flat, res_flat, hq, d, g, ta
             h0 = tab[i, T_KVHEAD] * g
             off = tab[i, T_CHUNK_OFF]
             t1 = monotonic_ns()
-            nbytes = kernel(
-                arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN], tab[i, T_BLOCK],
-                q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g], lse[bi, h0 : h0 + g], *scratch
-            )
+            nbytes = task_status(tab[i, T_CPULEN], tab[i, T_BLOCK], tab[i, T_N_CHUNKS], max_blocks)
+            if nbytes != 0:
+                pass  # a row the kernel would refuse by raising: failed below, as a status
+            elif team[0] != 0 and n - i - 1 < cur.shape[0]:  # the queue is about to run dry
+                nbytes = _split_task(ctrl, wid, job, i, arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN],
+                                     tab[i, T_BLOCK], q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g],
+                                     lse[bi, h0 : h0 + g], team[8], team, tab, chunks, q)
+            else:
+                nbytes = kernel(
+                    arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN], tab[i, T_BLOCK],
+                    q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g], lse[bi, h0 : h0 + g], *scratch
+                )
             t2 = monotonic_ns()
+            if nbytes < 0:  # failed: the host fails the step and counts the position done
+                rec[i, R_BYTES] = nbytes
+                return LOOP_FAILED
             rec[i, R_WORKER] = wid
             rec[i, R_START] = t1
             rec[i, R_END] = t2
@@ -210,6 +295,92 @@ def worker_loop(ctrl, wid, spin_ns, mode, arenas, q_flat, res_flat, hq, d, g, ta
             rec[i, R_OVERHEAD] = (t1 - t0) + (t3 - t2)  # pop + dispatch before, recording after
             atomic_add(ctrl, C_DONE, 1)
             t0 = t3
+        if team[0] != 0:
+            _help_until_done(ctrl, wid, job, arena, q, g, tab, chunks, cur, team, team[8][4])
+
+
+@numba.njit(nogil=True)
+def _take_part(me, w, job, arena, q, g, tab, chunks, team, state):
+    """Worker `me` takes and attends one range offered by worker `w` for `job`; False when `w`
+    offers none (True after a lost race too: the caller looks again)."""
+    words, dones, busy, bounds, part_out, part_lse, masks = team[1], team[2], team[3], team[4], team[5], team[6], team[7]
+    word = atomic_load(words, w * LINE)
+    if (word >> 32) != job or (word & 255) >= ((word >> 8) & 255):
+        return False
+    if not atomic_cas(words, w * LINE, word, word + 1):
+        return True  # lost a race for it: look again
+    p = word & 255
+    i = (word >> 16) & 0xFFFF
+    t0 = monotonic_ns()
+    bi = tab[i, T_BATCH]
+    h0 = tab[i, T_KVHEAD] * g
+    off = tab[i, T_CHUNK_OFF]
+    attend_blocks(arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN], tab[i, T_BLOCK], q[bi, h0 : h0 + g],
+                  masks[w], bounds[w, p], bounds[w, p + 1], part_out[w, p], part_lse[w, p], state)
+    if me != w:  # the owner's own ranges are inside its task's record
+        atomic_add(busy, me * LINE, monotonic_ns() - t0)
+    atomic_add(dones, w * LINE, 1)  # last: the owner may merge and move on at once
+    return True
+
+
+@numba.njit(nogil=True)
+def _split_task(ctrl, wid, job, i, arena, task_chunks, cpu_len, block_size, qg, n_select, out, lse, scratch, team,
+                tab, chunks, q):
+    """Run task `i` as the owner of a split: select, offer ranges, attend, wait, merge; returns bytes."""
+    words, dones, bounds, part_out, part_lse, masks = team[1], team[2], team[4], team[5], team[6], team[7]
+    state = scratch[4]
+    meta_bytes, union_tokens = select_task(arena, task_chunks, cpu_len, block_size, qg, n_select, out, lse, *scratch)
+    kv_bytes = union_tokens * 2 * qg.shape[1] * arena.itemsize
+    n_parts = min(MAX_PARTS, kv_bytes // MIN_PART_BYTES)
+    if n_parts < 2:
+        attend_blocks(arena, task_chunks, cpu_len, block_size, qg, masks[wid], 0, (cpu_len + block_size - 1) // block_size,
+                      out, lse, state)
+        return meta_bytes + kv_bytes
+    parts = split_bounds(masks[wid], cpu_len, block_size, union_tokens, n_parts, bounds[wid])
+    atomic_add(team[9], 0, 1)
+    atomic_store(dones, wid * LINE, 0)
+    atomic_store(words, wid * LINE, (job << 32) | (i << 16) | (parts << 8))  # release: bounds and mask first
+    g = qg.shape[0]
+    while atomic_load(dones, wid * LINE) < parts:
+        if _take_part(wid, wid, job, arena, q, g, tab, chunks, team, state):
+            continue
+        # Ours are all taken: help the others while ours finish (never wait idle).
+        took = False
+        for w in range(words.shape[0] // LINE):
+            if w != wid and _take_part(wid, w, job, arena, q, g, tab, chunks, team, state):
+                took = True
+                break
+        if not took:
+            cpu_relax()
+    atomic_store(words, wid * LINE, 0)
+    merge_parts(part_out[wid], part_lse[wid], parts, out, lse)
+    return meta_bytes + kv_bytes
+
+
+@numba.njit(nogil=True)
+def _help_until_done(ctrl, wid, job, arena, q, g, tab, chunks, cur, team, state):
+    """The queue of `job` is empty: take ranges of split tasks until no worker still runs one of
+    its tasks (a task in flight may still offer ranges), a new job starts, or STOP."""
+    words = team[1]
+    n_workers = words.shape[0] // LINE
+    cur_flat = cur.reshape(-1)
+    while True:
+        took = False
+        for w in range(n_workers):
+            if w != wid and _take_part(wid, w, job, arena, q, g, tab, chunks, team, state):
+                took = True
+        if took:
+            continue
+        if atomic_load(ctrl, C_STOP) != 0 or (atomic_load(ctrl, C_SEQ) >> 1) != job:
+            return
+        busy = False
+        for w in range(n_workers):
+            if w != wid and atomic_load(cur_flat, 2 * w) >= 0 and atomic_load(cur_flat, 2 * w + 1) == job:
+                busy = True
+                break
+        if not busy:
+            return
+        cpu_relax()
 
 
 @numba.njit(nogil=True, cache=True)
@@ -280,6 +451,12 @@ def set_stop(ctrl, value):
     atomic_store(ctrl, C_STOP, value)
 
 
+def running(cur: np.ndarray, job: int) -> list[tuple[int, int]]:
+    """`(worker, queue position)` of every native worker inside a task of job `job` (from
+    `cur`; a snapshot for error messages, read while the workers run)."""
+    return [(w, int(cur[w, 0])) for w in range(cur.shape[0]) if cur[w, 1] == job and cur[w, 0] >= 0]
+
+
 def scratch_of(kernel, workspace) -> tuple:
     """The workspace arrays a kernel takes after its `lse` parameter, by name, in its order."""
     import inspect
@@ -307,9 +484,15 @@ def warm_up() -> None:
 
 
 class NativeJobBuffers:
-    """Shared task table, records and control word for one runtime, sized for the largest step."""
+    """Shared task table, records and control word for one runtime, sized for the largest step.
 
-    def __init__(self, max_tasks: int, group_size: int, max_chunks: int, n_workers: int):
+    With `head_dim` and `max_blocks` (the workspaces' block capacity) and more than one worker,
+    the workers also get the buffers to split tasks at the end of a step (`team`); `masks[w]` must
+    then be worker w's workspace `block_heads`, so that helpers read the owner's union.
+    """
+
+    def __init__(self, max_tasks: int, group_size: int, max_chunks: int, n_workers: int, head_dim: int = 0,
+                 max_blocks: int = 0):
         self.ctrl = np.zeros(CTRL_SIZE, dtype=np.int64)
         self.tab = np.zeros((max(1, max_tasks), T_COLS), dtype=np.int64)
         self.nsel = np.zeros((max(1, max_tasks), group_size), dtype=np.int32)
@@ -317,11 +500,40 @@ class NativeJobBuffers:
         self.rec = np.zeros((max(1, max_tasks), R_COLS), dtype=np.int64)
         self.cur = np.full((max(1, n_workers), 2), -1, dtype=np.int64)
         self.lock = threading.Lock()  # serialises hosts writing the table (one job at a time)
+        # A help word holds a queue position in 16 bits.
+        self.split = n_workers > 1 and head_dim > 0 and max_blocks > 0 and max_tasks < (1 << 16)
+        w = max(1, n_workers) if self.split else 1
+        parts = MAX_PARTS if self.split else 1
+        self.help_words = np.zeros(w * LINE, dtype=np.int64)
+        self.help_done = np.zeros(w * LINE, dtype=np.int64)
+        self.help_busy_ns = np.zeros(w * LINE, dtype=np.int64)  # time spent on others' ranges
+        self.bounds = np.zeros((w, parts + 1), dtype=np.int64)
+        self.part_out = np.zeros((w, parts, group_size, max(1, head_dim)), dtype=np.float32)
+        self.part_lse = np.zeros((w, parts, group_size), dtype=np.float32)
+        self.masks = np.zeros((w, max(1, max_blocks) if self.split else 1), dtype=np.uint32)
+        self.split_tasks = np.zeros(LINE, dtype=np.int64)  # [0]: tasks run as a split so far
+
+    def team(self, workspace, enabled: bool = True) -> tuple:
+        """The `team` argument of `worker_loop` for a worker with this `workspace` (split off
+        unless `enabled` and sized for it); it ends with the workspace arrays `select_task` takes,
+        whatever kernel the worker runs whole tasks with."""
+        on = enabled and self.split
+        if not on:  # never run, but typed like the real thing (a test double's workspace may lack it)
+            workspace = Workspace(self.part_lse.shape[2], self.part_out.shape[3], 1)
+        return (int(on), self.help_words, self.help_done, self.help_busy_ns, self.bounds,
+                self.part_out, self.part_lse, self.masks, scratch_of(select_task, workspace), self.split_tasks)
+
+    def take_help_busy_s(self) -> float:
+        """Seconds workers spent on other workers' ranges since the last call."""
+        ns = int(self.help_busy_ns.sum())
+        self.help_busy_ns[:] = 0
+        return ns * 1e-9
 
 
 __all__ = [
-    "C_DONE", "C_SEQ", "C_STOP", "C_WORD", "LOOP_IDLE", "LOOP_STOPPED", "LOOP_WARM", "NativeJobBuffers",
-    "R_BYTES", "R_COLS", "R_END", "R_OVERHEAD", "R_START", "R_WORKER", "T_BATCH", "T_BLOCK", "T_CHUNK_OFF",
-    "T_COLS", "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close", "done", "head", "monotonic_ns",
-    "publish", "scratch_of", "set_stop", "warm_up", "worker_loop",
+    "C_DONE", "C_MAX_BLOCKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED", "LOOP_WARM",
+    "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "R_BYTES", "R_COLS", "R_END", "R_OVERHEAD", "R_START",
+    "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_WORKSPACE", "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS",
+    "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close", "done", "failed_task_error", "head",
+    "monotonic_ns", "publish", "running", "scratch_of", "set_stop", "task_status", "warm_up", "worker_loop",
 ]

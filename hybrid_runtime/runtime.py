@@ -33,10 +33,11 @@ from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
 from hybrid_runtime.kvcache import KVStore
+from hybrid_runtime.memory_plan import MemoryPlan, admit, estimate_runtime
 from hybrid_runtime.profiling.timeline import CudaClock, Timeline
 from hybrid_runtime.reference import merge_attention as merge_reference
 from hybrid_runtime.scheduler import Scheduler
-from hybrid_runtime.step_job import StepJob
+from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
 from hybrid_runtime.task_building import build_tasks
 from hybrid_runtime.tasks import Step
 
@@ -135,6 +136,11 @@ class HybridRuntime:
     `cpu_kernel` replaces the numba task kernel the native CPU workers call (same signature as
     `cpu_kernels.sparse_attention.run_task`; tests inject a failing one). Workers start here and
     live until `close()`.
+
+    Before anything is allocated, the run's memory plan is admitted (`memory_plan.admit`): an
+    `AdmissionError` with the figures when its peak does not fit this machine. `memory_plan`
+    defaults to `estimate_runtime(cfg, geometry)`, whose largest prefill is one prompt filling
+    the capacity; a caller that knows its workload passes its own (the synthetic experiment does).
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class HybridRuntime:
         gpu_executor: Any | None = None,
         head_planner: HeadPlanner | None = None,
         cpu_kernel: Any | None = None,
+        memory_plan: MemoryPlan | None = None,
     ):
         geometry = cfg.geometry if geometry is None else geometry
         for layer, heads in cfg.policy.streaming_heads.items():
@@ -154,6 +161,7 @@ class HybridRuntime:
                     f"policy.streaming_heads.{layer}: layer or heads {list(heads)} out of range for geometry "
                     f"{geometry.name!r} ({geometry.layers} layers, {geometry.q_heads} q heads)"
                 )
+        admit(estimate_runtime(cfg, geometry) if memory_plan is None else memory_plan, cfg.kv_cache)
         self.cfg = cfg
         self.geometry = geometry
         self._closed = False
@@ -209,6 +217,10 @@ class HybridRuntime:
 
             self._merge_gpu, self._window_gpu = merge_gpu, window_gpu
             self._side_stream = torch.cuda.Stream(priority=-1)  # high priority (-1); default streams are 0
+            self._win_host = torch.zeros((self.WINDOW_RING, 2 * s), dtype=torch.int32, pin_memory=True)
+            self._win_dev = torch.zeros((self.WINDOW_RING, 2 * s), dtype=torch.int32, device=self.device)
+            self._win_copied = [torch.cuda.Event() for _ in range(self.WINDOW_RING)]
+            self._win_turn = 0
         native = {
             "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
             "q_flat": self._q_host.numpy(),
@@ -226,7 +238,8 @@ class HybridRuntime:
             # The scheduler's launch model reads GPU launch end times through the same clock.
             self.scheduler.clock = clock if lane_cuda else None
             self._timeline = Timeline(self.scheduler.worker_names, self.scheduler.worker_lanes,
-                                      clock if cfg.profiling.enabled else None, enabled=cfg.profiling.enabled)
+                                      clock if cfg.profiling.enabled else None, enabled=cfg.profiling.enabled,
+                                      max_steps=cfg.profiling.max_steps)
             if self.cuda:
                 self._warm_up_step_kernels()
         except BaseException:
@@ -259,47 +272,58 @@ class HybridRuntime:
         self.close()
 
     def close(self) -> None:
-        """Stop and join every worker thread, then free the store's pinned arenas. Idempotent."""
-        if self._closed:
+        """Stop and join every worker thread, then free the store's pinned arenas. Idempotent.
+
+        A task of a timed-out step that still runs cannot be interrupted: close waits for it at
+        most `scheduler.step_timeout_s`, then raises naming it and leaves the arenas allocated
+        (it may still read them); calling close again waits once more and frees them.
+        """
+        if self._closed and self.store.closed:
             return
+        first = not self._closed
         self._closed = True
         try:
             self.scheduler.close()
             # Only once no worker can read them: the pinned arenas go back to the system.
             self.store.close()
         finally:
-            if self._froze_gc:
+            if first and self._froze_gc:
                 thaw_collector()
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("HybridRuntime is closed")
+        if self.scheduler.broken is not None:
+            raise RuntimeBrokenError(self.scheduler.broken)
 
     @property
     def timeline(self) -> Timeline:
         return self._timeline
 
     # ------------------------------------------------------------------ prefill / release
-    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, *, extend: bool = False) -> None:
         """Store one layer of a prompt's KV `[L, Hkv, D]` (sink and recent window, CPU pages, metadata).
 
+        `extend=True` appends the next chunk of the same prompt to what the layer already holds,
+        for prompts prefilled in chunks; the store then holds exactly what one call with the whole
+        prompt would leave. From CUDA tensors the CPU part is copied into the pinned store
+        asynchronously, overlapping the caller's next work; the caller may overwrite k, v at once.
         Inputs are validated before anything changes: an integer `seq_id` and `layer`, floating-point
         k, v on the CPU (or CUDA) without NaN/inf; the store refuses wrong shapes, an empty prompt,
-        a layer the sequence already has and a prompt past the capacity.
+        a layer the sequence already has (without `extend`) or lacks (with it) and a prompt past the
+        capacity.
         """
         self._check_open()
         seq_id = _as_int(seq_id, "seq_id")
         layer = _as_int(layer, "layer")
+        if not isinstance(extend, (bool, np.bool_)):
+            raise TypeError(f"extend is {extend!r} ({type(extend).__name__}); expected True or False")
         if not 0 <= layer < self.store.layers:
             raise IndexError(f"layer {layer} out of range; the runtime has layers 0..{self.store.layers - 1}")
         _check_tensor("k", k)
         _check_tensor("v", v)
-        if seq_id in self.store.sequences() and self.store.seq_len(seq_id, layer):
-            # (The store's own check reads the window only: a prompt held wholly on the CPU
-            # -- sink and local 0 -- would be overwritten and its chunks lost.)
-            raise ValueError(f"sequence {seq_id} already has layer {layer}; release it before prefilling again")
         _check_finite({"k": k, "v": v})
-        self.store.prefill(seq_id, layer, k, v)
+        self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._forget_tasks(seq_id)
 
     def release(self, seq_id: int) -> None:
@@ -354,22 +378,34 @@ class HybridRuntime:
         ev.record()
         return ev
 
+    # Pinned slots for the window's (slots, lengths) of recent steps: an async copy needs a
+    # pinned source (from pageable memory it waits for the stream), and a slot is rewritten only
+    # after its copy finished.
+    WINDOW_RING = 8
+
     def _window(self, layer: int, seq_ids: list[int], qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         store = self.store
         win_k, win_v = store.window(layer)
         lens = [store.window_len(s, layer) for s in seq_ids]
         slots = [store.slot(s) for s in seq_ids]
-        packed = torch.tensor(slots + lens, dtype=torch.int32)
-        if self.cuda:
-            packed = packed.to(self.device, non_blocking=True)  # one small copy for both
-            b = len(seq_ids)
-            return self._window_gpu(qs, win_k, win_v, packed[:b], packed[b:], max_len=max(lens))
         b = len(seq_ids)
-        return window_attention_torch(qs, win_k, win_v, packed[:b], packed[b:], max(lens))
+        if not self.cuda:
+            packed = torch.tensor(slots + lens, dtype=torch.int32)
+            return window_attention_torch(qs, win_k, win_v, packed[:b], packed[b:], max(lens))
+        i = self._win_turn = (self._win_turn + 1) % self.WINDOW_RING
+        copied = self._win_copied[i]
+        copied.synchronize()  # long done in practice: steps apart (returns at once if never recorded)
+        host = self._win_host[i, : 2 * b]
+        host.numpy()[:] = slots + lens
+        dev = self._win_dev[i, : 2 * b]
+        dev.copy_(host, non_blocking=True)  # one small copy for both
+        copied.record()
+        # The runtime's own buffers and the store's window, checked when they were made.
+        return self._window_gpu(qs, win_k, win_v, dev[:b], dev[b:], max_len=max(lens), validate=False)
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
         if self.cuda:
-            return self._merge_gpu(out, lse, out_b, lse_b, out=out, lse=lse)
+            return self._merge_gpu(out, lse, out_b, lse_b, out=out, lse=lse, validate=False)
         return merge_reference(out, lse, out_b, lse_b)
 
     # Plans remembered per (layer, batch): a few, so alternating plans (benchmarks) still hit.
@@ -423,6 +459,8 @@ class HybridRuntime:
         Inputs are validated before anything changes (ids, layer, shapes, dtypes, devices, NaN/inf
         in q, k, v; see `_check_decode`). If a worker fails or the step times out,
         the error is raised here and the runtime stays usable; the step's k, v remain appended.
+        If a task of a timed-out step is still running another `scheduler.step_timeout_s` later,
+        this and every later call raise `RuntimeBrokenError` (close the runtime and build a new one).
         """
         t_entry = time.perf_counter()
         self._check_open()
@@ -467,9 +505,7 @@ class HybridRuntime:
                 window["ev0"] = window["ev1"] = None
                 window["out"], window["lse"] = self._window(layer, seq_ids, qs)
                 return
-            # On a high-priority side stream, issued before the GPU lane's first claim (see
-            # GpuLane.drive): the claims' programs hold every SM for as long as PCIe keeps them
-            # waiting, and the window's few microseconds of work would otherwise queue behind them.
+            # On a high-priority side stream, so that it runs ahead of anything else queued.
             caller = torch.cuda.current_stream()
             side = self._side_stream
             side.wait_stream(caller)
@@ -484,6 +520,14 @@ class HybridRuntime:
             lse.record_stream(caller)
             window["out"], window["lse"] = out, lse
 
+        # On CUDA the window attention is launched before the tasks start: its GPU work is tiny and
+        # needs only q and the window, while issued later it would queue behind the GPU lane's
+        # claim, whose programs hold the SMs for as long as PCIe keeps them waiting (the merge
+        # then waited for it); its host time here overlaps the GPU still computing q. On the CPU
+        # it is real work, done by the launcher while the workers run the tasks.
+        window_first = cuda
+        if window_first:
+            window_part()
         plan = self.planner(layer, seq_ids, store)
         tasks = self._tasks(layer, seq_ids, plan)
         job = None
@@ -504,10 +548,10 @@ class HybridRuntime:
                 gpu_step=Step(layer, gq, gout, glse, geo.group_size) if has_gpu else None,
                 record=prof,
             )
-            # The CPU workers start first, then the first GPU launch; the window attention is
-            # launched after both and overlaps them.
-            self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False)
-        else:
+            # The CPU workers start first, then the GPU lane's first launch.
+            self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep,
+                               side_work=None if window_first else window_part, collect=False)
+        elif not window_first:
             window_part()
         out_w, lse_w = window["out"], window["lse"]
         cpu_used = job is not None and job.cpu_used
@@ -623,6 +667,8 @@ class HybridRuntime:
             "gpu_launch_GBps": sch.gpu_model.bw / 1e9,
             "gpu_link_GBps": sch.link_bw / 1e9 if sch.link_bw else None,
             "cpu_workers_native": sch.native is not None,
+            # Tasks whose attention idle workers helped with at the end of a step (native workers).
+            "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             "gpu_share": sch.gpu_share(),
         }
 

@@ -33,7 +33,7 @@ from hybrid_runtime.lane_rates import LaneRates, LaunchModel
 from hybrid_runtime.pinning import CorePlan, plan_cores
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU
 from hybrid_runtime.queues import NativeQueue
-from hybrid_runtime.step_job import StepJob, StepTimeoutError
+from hybrid_runtime.step_job import RuntimeBrokenError, StepJob, StepTimeoutError
 from hybrid_runtime.task_building import TaskList, build_tasks
 from hybrid_runtime.tasks import Task, TaskQueue
 from hybrid_runtime.workers import CpuWorkers
@@ -157,6 +157,11 @@ class Scheduler:
     def threads(self) -> list[threading.Thread]:
         return self.workers.threads
 
+    @property
+    def broken(self) -> str | None:
+        """Why no step may run any more (a timed-out step's task never returned), or None."""
+        return self.lane.broken
+
     # ------------------------------------------------------------------ policies
     def set_policy(self, policy: str) -> None:
         """Switch the policy between steps (benchmarks compare policies on one KV store).
@@ -275,11 +280,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:
-        """Stop and join every worker thread; raises if one does not stop within `timeout`."""
-        if self._closed and not any(t.is_alive() for t in self.workers.threads):
+        """Stop and join every worker thread and wait for the GPU claims of a timed-out step;
+        raises if one is still running after `timeout` (default `scheduler.step_timeout_s`).
+        Calling it again waits once more."""
+        if self._closed and not any(t.is_alive() for t in self.workers.threads) and self.lane.orphan is None:
             return
         self._closed = True
-        self.workers.stop(self.cfg.step_timeout_s if timeout is None else timeout)
+        timeout = self.cfg.step_timeout_s if timeout is None else timeout
+        end = time.monotonic() + timeout
+        self.workers.stop(timeout)
+        while not self.lane.orphan_done():
+            if time.monotonic() > end:
+                raise RuntimeError(
+                    f"scheduler.close: tasks of a timed-out step are still running after {timeout:g} s "
+                    f"({self.lane.orphan.describe()}); close again to wait for them once more"
+                )
+            time.sleep(1e-4)
 
 
 __all__ = [
@@ -290,6 +306,7 @@ __all__ = [
     "HeadPlan",
     "LaunchModel",
     "NativeQueue",
+    "RuntimeBrokenError",
     "Scheduler",
     "StepJob",
     "StepTimeoutError",

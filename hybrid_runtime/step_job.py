@@ -13,12 +13,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hybrid_runtime.queues import describe_queue
+from hybrid_runtime import native_pool
+from hybrid_runtime.queues import NativeQueue, describe_queue
 from hybrid_runtime.tasks import Task
 
 
 class StepTimeoutError(TimeoutError):
     """A decode step did not finish within `scheduler.step_timeout_s`."""
+
+
+class RuntimeBrokenError(RuntimeError):
+    """A task of a timed-out step still had not returned a whole `scheduler.step_timeout_s`
+    later. A worker thread cannot be interrupted, so the runtime refuses every further step;
+    close it (which waits for the task a bounded time) and build a new one."""
 
 
 @dataclass
@@ -48,6 +55,12 @@ class StepJob:
     gpu_bytes: float = 0.0  # bytes the GPU lane's claims read
     cpu_bytes: float = 0.0  # modeled bytes and busy seconds of CPU tasks (throughput estimate)
     cpu_busy: float = 0.0
+    # What is running, for timeout and failure messages (no per-step allocation: the CPU workers
+    # hand over their own list, the GPU lane its pipeline): the task each Python CPU worker is in
+    # (None between tasks), and the GPU claims launched and not yet retired,
+    # `(handle, start, stop, ...)` in launch order. A timed-out step keeps its unretired claims here.
+    cpu_running: list | None = None
+    gpu_pending: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -95,8 +108,14 @@ class StepJob:
         qs = [q for q in (self.cpu_queue, self.gpu_queue) if q is not None]
         return qs[:1] if self.shared else qs
 
-    def fail(self, exc: BaseException) -> None:
-        """First failure wins; every queue is closed so all workers stop taking tasks."""
+    def fail(self, exc: BaseException, where: str | None = None) -> None:
+        """First failure wins; every queue is closed so all workers stop taking tasks.
+
+        `where` names the party and its task (`"CPU worker hybrid-cpu1 on sequence 2, KV head
+        0"`); it is added to the exception as a note (Python >= 3.11), shown with its traceback.
+        """
+        if where is not None and hasattr(exc, "add_note"):
+            exc.add_note(f"raised by {where}, in the decode step at layer {self.layer}")
         with self._lock:
             if self.error is None:
                 self.error = exc
@@ -107,11 +126,39 @@ class StepJob:
         return all(q.done() for q in self.queues())
 
     def describe(self) -> str:
+        """Queue progress, then every task still running and where (for timeout messages)."""
         parts = []
         for name, q in (("cpu", self.cpu_queue), ("gpu", self.gpu_queue)):
             if q is not None and not (self.shared and name == "gpu"):
                 parts.append(f"{'shared' if self.shared else name} queue: {describe_queue(q)}")
+        running = self.running()
+        if running:
+            parts.append("running: " + "; ".join(running))
         return "; ".join(parts)
 
+    def running(self) -> list[str]:
+        """Each task in flight and the party running it (reads shared state; not for hot paths)."""
+        out = []
+        q = self.cpu_queue
+        if isinstance(q, NativeQueue) and q.job >= 0:
+            for wid, pos in native_pool.running(q.pool.cur, q.job):
+                out.append(f"CPU worker hybrid-cpu{wid} on {task_name(q.tasks[pos])} (queue position {pos})")
+        elif q is not None and self.cpu_running is not None:
+            for wid, task in enumerate(list(self.cpu_running)):
+                if task is not None:
+                    out.append(f"CPU worker hybrid-cpu{wid} on {task_name(task)}")
+        for claim in list(self.gpu_pending or ()):
+            query = getattr(claim[0], "query", None)
+            if query is not None and query():
+                continue  # finished on the device, not retired yet
+            i, j = claim[1], claim[2]
+            names = ", ".join(task_name(t) for t in self.gpu_queue.tasks[i:j][:4]) + (", ..." if j - i > 4 else "")
+            out.append(f"GPU lane claim of queue positions [{i}, {j}) ({names})")
+        return out
 
-__all__ = ["StepJob", "StepTimeoutError"]
+
+def task_name(task: Task) -> str:
+    return f"sequence {task.seq_id}, KV head {task.kv_head}"
+
+
+__all__ = ["RuntimeBrokenError", "StepJob", "StepTimeoutError", "task_name"]

@@ -24,7 +24,7 @@ from hybrid_runtime import native_pool
 from hybrid_runtime.executors.base import CpuTaskExecutor
 from hybrid_runtime.pinning import pin_current_thread
 from hybrid_runtime.queues import NativeQueue
-from hybrid_runtime.step_job import StepJob
+from hybrid_runtime.step_job import StepJob, task_name
 from hybrid_runtime.task_building import TaskList, native_table, queue_order
 from hybrid_runtime.tasks import Task, TaskQueue
 
@@ -49,7 +49,8 @@ class CpuWorkers:
         self.native = None
         if native is not None:
             native_pool.warm_up()
-            self.native = native_pool.NativeJobBuffers(native["max_tasks"], native["g"], native["max_chunks"], self.n)
+            self.native = native_pool.NativeJobBuffers(native["max_tasks"], native["g"], native["max_chunks"], self.n,
+                                                       native["d"], int(getattr(executor, "max_blocks", 0) or 0))
             self._native_args = native
         self.job: StepJob | None = None
         self._cv = threading.Condition()
@@ -58,6 +59,10 @@ class CpuWorkers:
         self._threads: list[threading.Thread] = []
         self._started = threading.Barrier(self.n + 1)
         self._start_errors: list[BaseException] = []
+        # The task each Python worker is in (None between tasks), for timeout messages; native
+        # workers show theirs in `native.cur`.
+        self._running: list[Task | None] = [None] * self.n
+        self._capacity: list[int] = []  # each native worker's workspace block capacity (0: unknown)
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -75,6 +80,10 @@ class CpuWorkers:
         if self._start_errors:
             self.stop(stop_timeout)
             raise self._start_errors[0]
+        if self.native is not None and self._native_args.get("kernel") is None:
+            # The loop refuses (as a status) a row the stock kernel would have to raise on, e.g. a
+            # task past the smallest workspace; see native_pool's "Failures".
+            self.native.ctrl[native_pool.C_MAX_BLOCKS] = min(self._capacity) if self._capacity else 0
 
     def queue(self, tasks: Sequence[Task], whole: bool) -> TaskQueue | NativeQueue:
         """The CPU lane's queue of `tasks`; `whole`: they are the step's whole task list, whose
@@ -96,12 +105,18 @@ class CpuWorkers:
         job = self.job
         if self.native is not None:
             job.cpu_queue.publish(job.layer, job.batch)
+        else:
+            job.cpu_running = self._running
         with self._cv:
             self._gen += 1
             self._cv.notify_all()
 
     def stop(self, timeout: float) -> None:
-        """Stop and join every thread; raises if one does not stop within `timeout`."""
+        """Stop and join every thread; raises if one does not stop within `timeout`.
+
+        A thread inside a task that does not return cannot be interrupted: the error names it
+        and its task. Calling `stop` again joins again (it returns once that task has).
+        """
         self._stopping = True
         if self.job is not None:
             for q in self.job.queues():
@@ -115,7 +130,12 @@ class CpuWorkers:
             t.join(max(0.0, end - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
         if alive:
-            raise RuntimeError(f"scheduler.close: worker threads {alive} did not stop within {timeout:g} s")
+            running = self.job.running() if self.job is not None else []
+            raise RuntimeError(
+                f"scheduler.close: worker threads {alive} did not stop within {timeout:g} s"
+                + (f" (running: {'; '.join(running)})" if running else "")
+                + "; a task cannot be interrupted: close again to wait for it once more"
+            )
         # Every worker has returned: drop their views of the store's arenas so it can free them.
         self._native_args = None
         self.job = None
@@ -131,8 +151,9 @@ class CpuWorkers:
             if self.native is None:
                 state = ws
             else:
-                args = self._loop_args(ws)
+                args = self._loop_args(ws, wid)
                 native_pool.worker_loop(self.native.ctrl, wid, 0, native_pool.LOOP_WARM, *args)
+                self._capacity.append(int(getattr(ws, "max_blocks", 0) or 0))
                 state = args
         except BaseException as exc:
             self._start_errors.append(exc)
@@ -140,11 +161,16 @@ class CpuWorkers:
         return state
 
     # ------------------------------------------------------------------ native workers
-    def _loop_args(self, ws: Any) -> tuple:
+    def _loop_args(self, ws: Any, wid: int) -> tuple:
         a, buf = self._native_args, self.native
         kernel = a.get("kernel") or self.executor.native_kernel
+        # Tasks split at the end of a step run the stock kernels' halves, so an injected kernel
+        # always runs whole; helpers read the owner's union from its row of `masks`.
+        split = a.get("kernel") is None and buf.split and ws.block_heads.shape == buf.masks[wid].shape
+        if split:
+            ws.block_heads = buf.masks[wid]
         return (a["arenas"], a["q_flat"], a["res_flat"], a["hq"], a["d"], a["g"], buf.tab, buf.nsel, buf.chunks,
-                buf.rec, buf.cur, kernel, native_pool.scratch_of(kernel, ws))
+                buf.rec, buf.cur, kernel, native_pool.scratch_of(kernel, ws), buf.team(ws, split))
 
     def _native_main(self, wid: int, core: int | None) -> None:
         args = self._ready(wid, core)
@@ -154,8 +180,11 @@ class CpuWorkers:
         while True:
             try:
                 status = native_pool.worker_loop(ctrl, wid, self.spin_ns, 0, *args)
-            except BaseException as exc:
+            except BaseException as exc:  # a kernel that raised instead of returning a status
                 self._native_failed(wid, exc)
+                continue
+            if status == native_pool.LOOP_FAILED:
+                self._native_failed(wid, None)
                 continue
             if status == native_pool.LOOP_STOPPED:
                 return
@@ -165,15 +194,21 @@ class CpuWorkers:
                 if self._stopping:
                     return
 
-    def _native_failed(self, wid: int, exc: BaseException) -> None:
-        """A kernel raised inside the native loop: fail the step, then count its task as finished."""
+    def _native_failed(self, wid: int, exc: BaseException | None) -> None:
+        """A task failed in the native loop (`exc` None: with the status in its record; else its
+        kernel raised `exc`): fail the step, then count the task as finished."""
         buf = self.native
         # Fail the job before counting the task done: the launcher returns as soon as every task
         # is counted, and must then already see the error.
         job = self.job
-        if job is not None:
-            job.fail(exc)
         i = int(buf.cur[wid, 0])
+        if exc is None:
+            exc = native_pool.failed_task_error(int(buf.rec[i, native_pool.R_BYTES]), buf.tab[i],
+                                                int(buf.ctrl[native_pool.C_MAX_BLOCKS]))
+        if job is not None:
+            q = job.cpu_queue
+            on = f" on {task_name(q.tasks[i])} (queue position {i})" if isinstance(q, NativeQueue) and 0 <= i < q.total else ""
+            job.fail(exc, f"CPU worker hybrid-cpu{wid}{on}")
         if i >= 0:
             now = time.perf_counter_ns()
             buf.rec[i, native_pool.R_WORKER] = wid
@@ -202,7 +237,7 @@ class CpuWorkers:
             cols["end"][r] = end[mine]
             cols["bytes"][r] = nbytes[mine]
             cols["overhead"][r] = rec[mine, native_pool.R_OVERHEAD] * 1e-9
-        job.cpu_busy = float((end - start)[mine].sum())
+        job.cpu_busy = float((end - start)[mine].sum()) + self.native.take_help_busy_s()
         job.cpu_bytes = float(np.diff(q._cum)[mine].sum())
         if self.executor is not None:
             self.executor.bytes_read += int(nbytes[mine].sum())
@@ -229,9 +264,11 @@ class CpuWorkers:
         qn, on, ln = job.cpu_arrays
         cols = job.columns
         pc = time.perf_counter
+        running = self._running
         finished = 0
         nbytes = 0.0
         busy = 0.0
+        task = None
         try:
             while True:
                 t0 = pc()
@@ -240,7 +277,9 @@ class CpuWorkers:
                 if task is None:
                     break
                 finished = 1  # reported with the next pop, or below if the task raises
+                running[wid] = task
                 run_one(task, qn, on, ln, ws)
+                running[wid] = None
                 task.worker = wid
                 start, end = task.start_s, task.end_s
                 i = task.index if cols is not None else -1
@@ -259,8 +298,9 @@ class CpuWorkers:
                 nbytes += task.modeled_bytes
                 busy += end - start
         except BaseException as exc:
-            job.fail(exc)
+            job.fail(exc, f"CPU worker hybrid-cpu{wid}" + (f" on {task_name(task)}" if task is not None else ""))
         finally:
+            running[wid] = None
             if nbytes:
                 with job._lock:
                     job.cpu_bytes += nbytes

@@ -203,3 +203,48 @@ def test_topk_histogram_matches_bruteforce_on_continuous_and_clustered_scores(se
         order = np.lexsort((np.arange(n_blocks), -scores[g]))
         assert np.array_equal(selected[g, : n_selected[g]], np.sort(order[: n_select[g]])), g
     assert not marks.any()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [16, 32, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_attention_split_into_block_ranges_equals_the_whole_task(dtype, head_dim, block_size):
+    """select_task + attend_blocks over `split_bounds` ranges + merge_parts (how idle workers
+    help with a large task) gives run_task's output, lse and bytes, for any number of parts."""
+    from cpu_kernels.sparse_attention import attend_blocks, merge_parts, select_task, split_bounds
+
+    g, cpu_len = 4, 3000
+    store = make_store(dtype=dtype, geometry={"layers": 1, "q_heads": g, "kv_heads": 1, "head_dim": head_dim})
+    store.prefill(0, 0, *random_kv(cpu_len + store.cfg.sink + store.cfg.local, 1, head_dim, seed=head_dim))
+    arena, chunks = store.arena_numpy(0), store.chunk_table(0, 0)[0]
+    cpu_len = store.cpu_len(0, 0)
+    n_blocks = -(-cpu_len // block_size)
+    rng = np.random.default_rng(block_size)
+    q = rng.standard_normal((g, head_dim)).astype(np.float32) * 0.3
+    n_select = np.array([n_blocks // 10, 0, n_blocks // 3, 1], np.int32)  # one streaming head
+    ws = Workspace(g, head_dim, n_blocks + 8)
+    out_ref, lse_ref = np.empty((g, head_dim), np.float32), np.empty(g, np.float32)
+    whole = run_task(arena, chunks, cpu_len, block_size, q, n_select, out_ref, lse_ref, ws.scores, ws.selected,
+                     ws.n_selected, ws.block_heads, ws.state, ws.topk_scratch)
+    for n_parts in (1, 2, 3, 7, 64):
+        ws = Workspace(g, head_dim, n_blocks + 8)
+        out, lse = np.empty((g, head_dim), np.float32), np.empty(g, np.float32)
+        meta_bytes, union_tokens = select_task(arena, chunks, cpu_len, block_size, q, n_select, out, lse, ws.scores,
+                                               ws.selected, ws.n_selected, ws.block_heads, ws.state, ws.topk_scratch)
+        bounds = np.empty(n_parts + 1, np.int64)
+        parts = split_bounds(ws.block_heads, cpu_len, block_size, union_tokens, n_parts, bounds)
+        assert 1 <= parts <= n_parts and bounds[0] == 0 and bounds[parts] == n_blocks
+        assert np.all(np.diff(bounds[: parts + 1]) > 0)
+        part_out = np.empty((parts, g, head_dim), np.float32)
+        part_lse = np.empty((parts, g), np.float32)
+        kv_bytes = sum(
+            attend_blocks(arena, chunks, cpu_len, block_size, q, ws.block_heads, bounds[p], bounds[p + 1],
+                          part_out[p], part_lse[p], ws.state)
+            for p in range(parts)
+        )
+        merge_parts(part_out, part_lse, parts, out, lse)
+        assert meta_bytes + kv_bytes == whole
+        assert kv_bytes == union_tokens * 2 * head_dim * arena.itemsize
+        np.testing.assert_allclose(out, out_ref, atol=2e-6, rtol=1e-5)
+        np.testing.assert_allclose(lse, lse_ref, atol=1e-5, rtol=1e-6)
+        assert lse[1] == -np.inf and not out[1].any()  # the streaming head stays empty

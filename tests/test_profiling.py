@@ -173,6 +173,36 @@ def test_timeline_resolves_in_batches():
     assert [r.attention_s for r in tl.records] == [0.5] * 10
 
 
+def test_timeline_keeps_the_last_max_steps_and_counts_the_dropped():
+    tl = Timeline(["cpu0"], [LANE_CPU], clock=None, max_steps=6)
+    tl.RESOLVE_EVERY = 4
+    for i in range(23):
+        tl.record(layer=i % 2, batch=1, policy="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
+                  gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
+        assert len(tl._records) + len(tl._pending) <= 6 + tl.RESOLVE_EVERY  # bounded on the way, not only at the end
+        assert len(tl) == min(i + 1, 6) and tl.recorded_steps == i + 1
+    assert [r.index for r in tl.records] == list(range(17, 23)) and tl.dropped_steps == 17
+    summary = tl.summary()
+    assert summary["steps"] == 6 and summary["dropped_steps"] == 17 and len(summary["layers"]) == 2
+    tl.clear()
+    assert len(tl) == 0 and tl.dropped_steps == 0 and tl.recorded_steps == 0
+    with pytest.raises(ValueError, match="max_steps is 0; expected an integer >= 1"):
+        Timeline(["cpu0"], [LANE_CPU], max_steps=0)
+
+
+def test_profiling_max_steps_bounds_the_runtime_timeline():
+    from hybrid_runtime.config import ConfigError, config_from_dict
+
+    base = rt_config().to_dict()
+    with pytest.raises(ConfigError, match="profiling.max_steps"):
+        config_from_dict({**base, "profiling": {"max_steps": 0}})
+    with HybridRuntime(config_from_dict({**base, "profiling": {"max_steps": 3}})) as rt:
+        prefill_all(rt, layers=(0,))
+        for _ in range(5):
+            rt.decode(0, [0, 1, 2], torch.randn(3, 8, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32))
+        assert [r.index for r in rt.timeline.records] == [2, 3, 4] and rt.timeline.summary()["dropped_steps"] == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_clock_maps_events_onto_the_host_clock():

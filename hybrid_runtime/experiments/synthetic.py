@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from hybrid_runtime.config import Config
+from hybrid_runtime.memory_plan import estimate_synthetic_run
 from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.runtime import HybridRuntime
 
@@ -29,7 +30,11 @@ Progress = Callable[[str], None]
 
 
 def run_synthetic(cfg: Config, progress: Progress = print) -> tuple[dict, HybridRuntime]:
-    """Run the workload of `cfg`; returns (results, closed runtime whose timeline stays readable)."""
+    """Run the workload of `cfg`; returns (results, closed runtime whose timeline stays readable).
+
+    Raises `memory_plan.AdmissionError` before allocating anything when the runtime and these
+    prompts, their prefill and the final check would not fit this machine's free memory.
+    """
     wl = cfg.workload
     geometry = cfg.geometry
     if wl.layers:
@@ -38,7 +43,8 @@ def run_synthetic(cfg: Config, progress: Progress = print) -> tuple[dict, Hybrid
     hq, hkv, d = geometry.q_heads, geometry.kv_heads, geometry.head_dim
     seq_ids = list(range(wl.batch))
 
-    rt = HybridRuntime(cfg, geometry)
+    # Admitted with its workload: the runtime's own plan would assume a prompt filling the capacity.
+    rt = HybridRuntime(cfg, geometry, memory_plan=estimate_synthetic_run(cfg))
     try:
         dev = rt.device
         t0 = time.perf_counter()

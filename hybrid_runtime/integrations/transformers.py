@@ -13,7 +13,10 @@ then the function registered in `AttentionInterface` under `config._attn_impleme
 * `hybrid_attention_forward` (registered as ``"hybrid_runtime"``) serves that layer:
   - prefill (the first forward through a cache layer): the model's own dense attention (sdpa or
     eager) over the prompt, then each sequence's real tokens (left padding stripped) are handed to
-    `rt.prefill` as post-RoPE keys and values;
+    `rt.prefill` as post-RoPE keys and values. A prompt in chunks (`prefill_chunk_size`, or any
+    multi-token forward before the first one-token step) attends densely over the earlier chunks,
+    read back from the runtime (`KVStore.full_kv` on the model's device), and appends
+    (`rt.prefill(..., extend=True)`);
   - decode: one `rt.decode(layer, seq_ids, q, k, v)` per layer and step for the whole batch (the
     runtime appends k, v and attends over everything before plus the new token).
   Called without a `HybridCache` (a plain `model(...)` forward, a user `DynamicCache`) it runs the
@@ -342,8 +345,6 @@ def _make_prepare_cache(model: torch.nn.Module) -> Callable:
                     f"cache_implementation={generation_config.cache_implementation!r} conflicts with hybrid attention, "
                     "which brings its own cache; leave cache_implementation unset"
                 )
-            if getattr(generation_config, "prefill_chunk_size", None):
-                raise NotImplementedError("chunked prefill (prefill_chunk_size) is not supported with hybrid attention")
             model_kwargs["past_key_values"] = HybridCache(m)
             return None
         return original(m, generation_config, model_kwargs, *args, **kwargs)
@@ -499,6 +500,7 @@ class HybridCache(Cache):
         self.runtime = state.runtime
         self.seq_ids: list[int] = []
         self._real_lengths: list[int] | None = None  # prompt tokens per row, padding excluded
+        self._decoding = False  # set by the first one-token step: later multi-token steps decode token by token
         self._finalizer = weakref.finalize(self, _release_sequences, self.runtime, self.seq_ids)
 
     # -- transformers entry points
@@ -533,11 +535,15 @@ class HybridCache(Cache):
         return len(self.seq_ids) if self.seq_ids else -1
 
     # -- prefill
-    def _allocate(self, real_lengths: list[int]) -> None:
-        """Reserve one runtime sequence per batch row (checks capacity before any state changes)."""
+    def _allocate(self, real_lengths: list[int], whole_prompt: bool = True) -> None:
+        """Reserve one runtime sequence per batch row (checks capacity before any state changes).
+
+        With `whole_prompt` false (a forward that may be the first chunk of a prompt) a row may
+        have no real token yet; the first decode step checks that every row got one.
+        """
         rt = self.runtime
         b = len(real_lengths)
-        if any(n < 1 for n in real_lengths):
+        if whole_prompt and any(n < 1 for n in real_lengths):
             raise ValueError(f"every batch row needs at least one real (unpadded) token; got lengths {real_lengths}")
         limit = rt.store.cfg.max_sequences
         if len(rt.store.sequences()) + b > limit:
@@ -550,15 +556,34 @@ class HybridCache(Cache):
         self.seq_ids.extend(next(self._state.seq_counter) for _ in range(b))
         self._real_lengths = list(real_lengths)
 
-    def _prefill_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Hand one layer's prompt KV `[B,Hkv,T,D]` to the runtime, real tokens only (left padding)."""
+    def _prefill_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, lengths: list[int]) -> None:
+        """Hand one layer's prompt KV `[B,Hkv,T,D]` to the runtime, real tokens only (left padding);
+        a row the layer already holds tokens of gets them appended (a later chunk of its prompt)."""
         rt = self.runtime
         t = key.shape[2]
-        for b, (s, n) in enumerate(zip(self.seq_ids, self._real_lengths)):
-            k_b = key[b, :, t - n :].transpose(0, 1)  # [n, Hkv, D]
-            v_b = value[b, :, t - n :].transpose(0, 1)
-            rt.prefill(s, layer, k_b, v_b)
+        for b, (s, n) in enumerate(zip(self.seq_ids, lengths)):
+            if n:
+                k_b = key[b, :, t - n :].transpose(0, 1)  # [n, Hkv, D]
+                v_b = value[b, :, t - n :].transpose(0, 1)
+                rt.prefill(s, layer, k_b, v_b, extend=self._holds(s, layer))
         self.layers[layer].prefilled = True
+
+    def _holds(self, seq_id: int, layer: int) -> bool:
+        store = self.runtime.store
+        return seq_id in store.sequences() and store.seq_len(seq_id, layer) > 0
+
+    def _with_stored(self, layer: int, key: torch.Tensor, value: torch.Tensor, past: int):
+        """This chunk's `[B,Hkv,T,D]` KV after what the runtime holds of each row at the layer, laid
+        out as the mask expects (`past` columns before the chunk, each row's tokens at their end)."""
+        b, hkv, t, d = key.shape
+        keys, values = key.new_zeros((b, hkv, past + t, d)), value.new_zeros((b, hkv, past + t, d))
+        keys[:, :, past:], values[:, :, past:] = key, value
+        for row, s in enumerate(self.seq_ids):
+            if self._holds(s, layer):  # earlier chunks, as the store holds them (in its dtype)
+                k_s, v_s = self.runtime.store.full_kv(s, layer, device=key.device)
+                keys[row, :, past - k_s.shape[0] : past] = k_s.transpose(0, 1)
+                values[row, :, past - v_s.shape[0] : past] = v_s.transpose(0, 1)
+        return keys, values
 
     @staticmethod
     def _real_lengths_from_mask(mask: torch.Tensor | None, batch: int, t: int) -> list[int]:
@@ -568,7 +593,8 @@ class HybridCache(Cache):
         if mask.dtype != torch.bool or mask.dim() != 4:
             raise ValueError(f"expected sdpa's boolean 4D mask in the prefill, got {mask.dtype} {tuple(mask.shape)}")
         keys = mask[:, 0, -1, -t:].expand(batch, t)  # the last query sees every real key of its row
-        ok = bool(keys[:, -1].all()) and bool((keys[:, 1:].int() >= keys[:, :-1].int()).all())
+        # (A row may be all padding here: the first chunks of a long-padded row in a chunked prefill.)
+        ok = bool((keys[:, 1:].int() >= keys[:, :-1].int()).all())
         if not ok:
             raise ValueError(
                 "hybrid attention needs left padding (every row ends in a real token and has no holes); "
@@ -599,7 +625,7 @@ class HybridCache(Cache):
         self._allocate(lengths)
         try:
             for layer, (k, v) in enumerate(zip(keys, values)):
-                self._prefill_layer(layer, k, v)
+                self._prefill_layer(layer, k, v, lengths)
                 self.layers[layer].update(k, v)
         except BaseException:
             self.release()
@@ -619,15 +645,22 @@ class HybridCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = self._state
         lyr = self.layers[layer]
-        if not lyr.prefilled:
-            # Prefill: the model's own dense attention over the prompt, then the KV to the runtime.
-            out = _dense(state, module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        if not lyr.prefilled or (key.shape[2] > 1 and not self._decoding):
+            # Prefill (the prompt, or its next chunk before any decode step): the model's own dense
+            # attention over the earlier chunks the runtime holds and this one, then the KV to the runtime.
+            t = key.shape[2]
+            lengths = self._real_lengths_from_mask(attention_mask, query.shape[0], t)
             if not self.seq_ids:
-                self._allocate(self._real_lengths_from_mask(attention_mask, query.shape[0], key.shape[2]))
+                self._allocate(lengths, whole_prompt=False)
             elif query.shape[0] != len(self.seq_ids):
                 raise ValueError(f"batch of {query.shape[0]} rows but the cache holds {len(self.seq_ids)} sequences")
+            if any(n < t and self._holds(s, layer) for s, n in zip(self.seq_ids, lengths)):
+                raise ValueError("hybrid attention needs left padding: a prompt chunk has padding after real tokens")
+            past = lyr.length - t
+            keys, values = self._with_stored(layer, key, value, past) if past else (key, value)
+            out = _dense(state, module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
             try:
-                self._prefill_layer(layer, key, value)
+                self._prefill_layer(layer, key, value, lengths)
             except BaseException:
                 self.release()
                 raise
@@ -635,6 +668,11 @@ class HybridCache(Cache):
         b, _, t, d = query.shape
         if b != len(self.seq_ids):
             raise ValueError(f"batch of {b} rows but the cache holds {len(self.seq_ids)} sequences")
+        if not self._decoding:
+            empty = [row for row, s in enumerate(self.seq_ids) if not self._holds(s, layer)]
+            if empty:
+                raise ValueError(f"batch rows {empty} have no real (unpadded) prompt token; every row needs at least one")
+            self._decoding = True
         # The runtime scales q by 1/sqrt(D); a model with another softmax scale gets q rescaled.
         if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-6:
             query = query * (scaling * d**0.5)

@@ -8,6 +8,10 @@ The time spent is itself measured: `recording_s` on the decode path (`record`), 
 the deferred conversion (which runs when a report asks for records, or in batches of
 `RESOLVE_EVERY` steps to bound what is held), so reports can show both against the step time.
 
+Retention is bounded: a timeline keeps the last `max_steps` resolved steps and counts the older
+ones it dropped (`dropped_steps`, also in `summary()`), so a runtime that decodes for hours with
+profiling on holds a fixed amount of memory, and a report says when it covers only the tail.
+
 One clock: `time.perf_counter()` seconds. CUDA events are mapped onto it by `CudaClock`, which
 pairs one reference event with the host time at which the idle GPU executed it.
 """
@@ -151,13 +155,20 @@ class Timeline:
 
     # Resolve in batches once this many steps are pending (bounds memory held by references).
     RESOLVE_EVERY = 256
+    # Default retention. One step is one layer of one decode call (the quality experiment's 256
+    # positions x 30 layers fit); a step of 2-4 tasks measured 2-3 KB resident, so tens of MB.
+    MAX_STEPS = 16384
 
     def __init__(self, worker_names: Sequence[str], worker_lanes: Sequence[int], clock: CudaClock | None = None,
-                 enabled: bool = True):
+                 enabled: bool = True, max_steps: int = MAX_STEPS):
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps is {max_steps!r}; expected an integer >= 1 (steps a timeline retains)")
         self.worker_names = list(worker_names)
         self.worker_lanes = np.asarray(worker_lanes, dtype=np.int8)
         self.clock = clock
         self.enabled = enabled
+        self.max_steps = max_steps
+        self.dropped_steps = 0  # resolved steps forgotten to stay within max_steps (since `clear`)
         self._pending: list[_Pending] = []
         self._records: list[StepRecord] = []
         self._next_index = 0
@@ -211,6 +222,12 @@ class Timeline:
                 p.ev_end.synchronize()
             self._records.append(self._convert(p))
         self._pending = keep
+        excess = len(self._records) - self.max_steps
+        if excess > 0:
+            # At most once per RESOLVE_EVERY steps: a copy of max_steps references. A new list,
+            # so a list `records` returned earlier is not changed under its holder.
+            self._records = self._records[excess:]
+            self.dropped_steps += excess
 
     def _convert(self, p: _Pending) -> StepRecord:
         clock = self.clock
@@ -275,7 +292,7 @@ class Timeline:
 
     @property
     def records(self) -> list[StepRecord]:
-        """Every recorded step, resolved (waits for outstanding GPU events)."""
+        """The last `max_steps` recorded steps, oldest first, resolved (waits for outstanding GPU events)."""
         t0 = time.perf_counter()
         self._resolve(block=True)
         self.resolve_s += time.perf_counter() - t0
@@ -285,19 +302,28 @@ class Timeline:
         """Forget every record (and re-sync the CUDA clock)."""
         self._resolve(block=True)
         self._records = []
+        self.dropped_steps = 0
         self.recording_s = 0.0
         self.resolve_s = 0.0
         if self.clock is not None:
             self.clock.calibrate()
 
     def __len__(self) -> int:
-        return len(self._records) + len(self._pending)
+        """Steps `records` returns now (at most `max_steps`)."""
+        return min(len(self._records) + len(self._pending), self.max_steps)
+
+    @property
+    def recorded_steps(self) -> int:
+        """Steps recorded since the last `clear`, retained or dropped."""
+        return len(self._records) + len(self._pending) + self.dropped_steps
 
     # ------------------------------------------------------------------ reports
     def summary(self) -> dict:
         from hybrid_runtime.profiling.analysis import summarize
 
-        return summarize(self)
+        summary = summarize(self)  # over the retained steps; resolves first, so the count below is final
+        summary["dropped_steps"] = self.dropped_steps
+        return summary
 
     def chrome_trace(self) -> dict:
         from hybrid_runtime.profiling.chrome_trace import chrome_trace
