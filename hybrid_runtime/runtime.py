@@ -520,14 +520,6 @@ class HybridRuntime:
             lse.record_stream(caller)
             window["out"], window["lse"] = out, lse
 
-        # On CUDA the window attention is launched before the tasks start: its GPU work is tiny and
-        # needs only q and the window, while issued later it would queue behind the GPU lane's
-        # claim, whose programs hold the SMs for as long as PCIe keeps them waiting (the merge
-        # then waited for it); its host time here overlaps the GPU still computing q. On the CPU
-        # it is real work, done by the launcher while the workers run the tasks.
-        window_first = cuda
-        if window_first:
-            window_part()
         plan = self.planner(layer, seq_ids, store)
         tasks = self._tasks(layer, seq_ids, plan)
         job = None
@@ -548,10 +540,13 @@ class HybridRuntime:
                 gpu_step=Step(layer, gq, gout, glse, geo.group_size) if has_gpu else None,
                 record=prof,
             )
-            # The CPU workers start first, then the GPU lane's first launch.
-            self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep,
-                               side_work=None if window_first else window_part, collect=False)
-        elif not window_first:
+            # The window attention is the step's side work: issued after the CPU workers were
+            # released and before the GPU lane's reserved claim, whose programs would otherwise
+            # hold the SMs it needs until PCIe delivers their reads. Measured both ways on the
+            # device: issued before the workers are released, it delayed their first task by
+            # 0.3-0.9 ms (benchmarks/notes/gpu_lane.md).
+            self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False)
+        else:
             window_part()
         out_w, lse_w = window["out"], window["lse"]
         cpu_used = job is not None and job.cpu_used
