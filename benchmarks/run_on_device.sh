@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
     >"$out/setup.log" 2>&1
 for step in $steps; do
     case $step in
-        gpu_tests) timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests ;;
+        gpu_tests) timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests ;;
         gpu_attention) timeout 150 python benchmarks/gpu_attention.py --rounds 7 --out-dir "$out" ;;
         cpu_attention) timeout 150 python benchmarks/cpu_attention.py --out "$out" ;;
         layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-h100.json" ;;

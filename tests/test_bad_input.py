@@ -439,7 +439,7 @@ def test_config_refuses_bad_values_with_the_key_named(leaf, value):
         msg = str(exc)
         # The key itself, or (cross-field checks) its section or the key it conflicts with.
         assert msg.startswith((f"{section}.{key}", f"{section}:", "policy.block_size", "policy.streaming_heads",
-                               "kv_cache:")), msg
+                               "kv_cache:", "geometry.q_heads")), msg  # q_heads must be a multiple of kv_heads
         assert "allowed" in msg or "expected" in msg or "must be" in msg, msg
         return
     assert _acceptable(cfg, section, key, value), (leaf, value)
