@@ -254,3 +254,18 @@ def test_passkey_run_keeps_dense_and_runtime_full_apart(smollm2, monkeypatch, wr
     else:
         assert trial["dense"]["success"], f"the dense model missed the key at 512 tokens: {trial['dense']['answer']!r}"
         assert trial["policies"]["runtime_full"] == {"answer": "00000", "success": False}
+
+
+def test_step_bytes_refuses_a_timeline_that_dropped_steps():
+    """Bytes per step from a timeline that kept only its last steps would be silently low."""
+    from types import SimpleNamespace
+
+    from hybrid_runtime.experiments.quality_measure import step_bytes
+    from hybrid_runtime.profiling.timeline import Timeline
+
+    tl = Timeline(["cpu0"], [0], enabled=True, max_steps=1)
+    rt = SimpleNamespace(timeline=tl)
+    assert step_bytes(rt, 1) == {"modeled": 0.0, "counted": 0.0, "tasks": 0.0, "layer_steps": 0}
+    tl.dropped_steps = 3
+    with pytest.raises(ValueError, match="dropped 3 of 3 layer-steps.*profiling.max_steps"):
+        step_bytes(rt, 4)

@@ -165,8 +165,18 @@ def compare_logits(logits: torch.Tensor, ref_logits: torch.Tensor, targets: torc
 
 
 def step_bytes(rt: Any, steps: int) -> dict:
-    """CPU-resident KV bytes per decode step (all layers), modeled (Eq. 3) and counted, from the timeline."""
+    """CPU-resident KV bytes per decode step (all layers), modeled (Eq. 3) and counted, from the timeline.
+
+    Refuses when the timeline dropped steps (it keeps the last `profiling.max_steps`): the totals
+    would then cover only the tail while `steps` counts them all.
+    """
     recs = rt.timeline.records
+    dropped = rt.timeline.dropped_steps
+    if dropped:
+        raise ValueError(
+            f"the runtime's timeline dropped {dropped} of {dropped + len(recs)} layer-steps, so bytes per step "
+            "would be too low; raise profiling.max_steps above the measured layer-steps"
+        )
     modeled = sum(int(r.modeled_bytes.sum()) for r in recs)
     counted = sum(int(r.bytes_read.sum()) for r in recs)
     tasks = sum(r.n_tasks for r in recs)
