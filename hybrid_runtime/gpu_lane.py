@@ -159,6 +159,7 @@ class GpuLane:
         # job, so that a timed-out step's unretired claims stay with it (and its messages name them).
         pipeline = job.gpu_pending = deque()
         free_at = 0.0  # host time the GPU lane is expected to finish what it has queued
+        claimed = 0.0  # modeled bytes of this step's GPU claims so far
         prev_done = None  # host time the previous launch ended
         launched = False
         side_pending = side_work is not None
@@ -202,7 +203,8 @@ class GpuLane:
             if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH:
                 t0 = time.perf_counter()
                 busy_s = max(0.0, free_at - t0) if pipeline else 0.0
-                want = 0.0 if job.gpu_first is not None else self.claim_bytes(job, gq, busy_s, idle_stream=not pipeline)
+                want = 0.0 if job.gpu_first is not None else self.claim_bytes(
+                    job, gq, busy_s, idle_stream=not pipeline, claimed=claimed)
                 if want <= 0 and job.shared and not launched and self.skipped >= self.EXPLORE_AFTER:
                     want = 1.0  # one task: re-measure the GPU lane
                 if job.gpu_first is not None:
@@ -215,6 +217,7 @@ class GpuLane:
                 if j > i:
                     launched = True
                     nb = gq.range_bytes(i, j)
+                    claimed += nb
                     try:
                         handle = ex.launch(plan, i, j, job.gpu_step)
                         m = self.rates.model
@@ -308,20 +311,23 @@ class GpuLane:
         self.orphan = None
         return True
 
-    def claim_bytes(self, job: StepJob, queue: Any, busy_s: float = 0.0, idle_stream: bool = True) -> float:
+    def claim_bytes(self, job: StepJob, queue: Any, busy_s: float = 0.0, idle_stream: bool = True,
+                    claimed: float = 0.0) -> float:
         """Modeled bytes to claim now (0: claim nothing).
 
-        Shared queue: the GPU's fair share `g` makes both lanes finish together,
-        `busy + lat + g/bw = (R - g)/tp_c` (busy: time the GPU still needs for what it has
-        queued, R: bytes left in the queue, tp_c: the CPU workers' aggregate rate, lat/bw: the
-        launch model; `lat` only when the stream is idle -- a launch queued behind another hides
-        its host cost). g <= 0 means the CPUs finish the rest sooner than a launch would. A
-        launch's fixed cost (~0.1 ms of GPU time on the reference machine, plus the host delay
-        before it starts) is paid per launch, so the first claim takes g at once
-        (`FIRST_FRACTION`), later ones half
-        (guided self-scheduling: a short tail), never less than a batch whose fixed cost is half
-        its time unless that is all of g. A GPU-only queue is split the same way with nothing
-        competing for it.
+        Shared queue: the GPU's share `g` makes both lanes finish together,
+        `busy + lat + g/bw = cpu_left - g/tp_c`. The GPU side: busy, the time it still needs for
+        what it has queued; `lat`, the launch model's fixed cost plus the host delay before the
+        GPU starts, paid only when the stream is idle (a launch queued behind another hides it);
+        `bw`, the launch model's rate. The CPU side is the CPU lane as a whole: it starts
+        `cpu_start` after its release and does every byte the GPU has not claimed (`claimed`:
+        this step's GPU claims so far) at the lane's measured rate `tp_c`, less the time since
+        the release -- which counts the tasks the workers hold, not only the queue's rest -- but
+        never less than the queue's rest at that rate (a lane slower than modeled).
+        g <= 0 means the CPUs finish sooner than a launch would. The first claim takes g at once
+        (`FIRST_FRACTION`), later ones half (guided self-scheduling: a short tail), never less
+        than a batch whose fixed cost is half its time unless that is all of g. A GPU-only queue
+        is split the same way with nothing competing for it.
         """
         remaining = queue.remaining_bytes
         if remaining <= 0:
@@ -330,11 +336,14 @@ class GpuLane:
         min_batch = m.lat * m.bw
         if not job.shared:
             return max(self.GUIDED_FRACTION * remaining, min_batch)
-        tp_c = self.rates.cpu.bytes_per_s * self.n_cpu
-        # An idle stream pays the host delay before the GPU starts, and the GPU's fixed cost; a
-        # claim queued behind another hides both.
-        lat = m.lat + self.rates.delay.seconds if idle_stream else 0.0
-        g = (remaining / tp_c - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c)
+        rates = self.rates
+        tp_c = rates.cpu_lane.bytes_per_s
+        elapsed = time.perf_counter() - job.t_release if job.t_release > 0.0 else 0.0
+        # The model's view, and at least the queue's rest at the lane's rate: a CPU lane slower
+        # than modeled shows as bytes still waiting in the queue.
+        cpu_left = max(rates.cpu_start.seconds + (queue.total_bytes - claimed) / tp_c - elapsed, remaining / tp_c)
+        lat = m.lat + rates.delay.seconds if idle_stream else 0.0
+        g = min((cpu_left - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c), remaining)
         if g <= 0:
             return 0.0
         frac = self.FIRST_FRACTION if idle_stream else self.GUIDED_FRACTION

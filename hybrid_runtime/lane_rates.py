@@ -117,14 +117,22 @@ class LaneRates:
 
     Each policy keeps its own (the scheduler swaps them in `set_policy`): a policy's launches and
     task mix differ, and one policy's samples must not size another's claims.
-    `cpu`: one CPU worker's rate while the lanes run together; `gpu`: the GPU lane's average
-    rate per launch (static shares, reports); `model`: the GPU launch model (fluxion claims), fitted
-    on GPU time; `delay`: host time from a claim to the GPU starting it.
+    `cpu`: one CPU worker's rate over its busy time (static shares, reports); `cpu_lane`: the
+    CPU lane's rate as a whole, modeled bytes over the time from its first task's start to its
+    last task's end (idle workers, the tail, DRAM shared with the GPU's reads all included), and
+    `cpu_start`: seconds from releasing the workers to their first task -- these two size the
+    fluxion claims (the busy-time rate times the worker count overstates the lane by 1.5-2x on
+    the reference host, so the GPU claimed too little and idled while the CPU finished);
+    `gpu`: the GPU lane's average rate per launch (static shares, reports); `model`: the GPU
+    launch model (fluxion claims), fitted on GPU time; `delay`: host time from a claim to the
+    GPU starting it.
     """
 
-    def __init__(self, link_bw: float | None = None):
+    def __init__(self, link_bw: float | None = None, n_cpu: int = 1):
         # Priors from the reference H100 host; measurements replace them within a few steps.
         self.cpu = Throughput(4e9)
+        self.cpu_lane = Throughput(3e9 * max(1, n_cpu))
+        self.cpu_start = Delay(300e-6)
         self.gpu = Throughput(30e9)
         self.model = LaunchModel(lat=100e-6, bw=45e9, link_bw=link_bw)
         self.delay = Delay(200e-6)

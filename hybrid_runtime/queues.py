@@ -57,6 +57,11 @@ class NativeQueue:
         h = native.head(self.pool.ctrl, self.job, self.total)
         return float(self._cum[self.total] - self._cum[h])
 
+    @property
+    def total_bytes(self) -> float:
+        """Modeled bytes of every task of the step's queue."""
+        return float(self._cum[self.total])
+
     def reserve_head(self, max_bytes: float) -> tuple[int, int]:
         """Before `publish`: take head positions `[0, k)` whose modeled bytes fit `max_bytes` (at
         least one) for the GPU lane, so its first claim is made before any CPU worker pops."""

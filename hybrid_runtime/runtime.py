@@ -656,6 +656,10 @@ class HybridRuntime:
             "gpu_executor": type(self.gpu_executor).__name__ if self.gpu_executor is not None else None,
             "pinning": sch.cores.note,
             "tp_cpu_worker_GBps": sch.tp_cpu_worker / 1e9,
+            # The CPU lane as the fluxion claims see it: its rate from first task to last, and
+            # the delay from the workers' release to their first task.
+            "cpu_lane_GBps": sch.rates.cpu_lane.bytes_per_s / 1e9,
+            "cpu_lane_start_us": sch.rates.cpu_start.seconds * 1e6,
             "tp_gpu_GBps": sch.tp_gpu / 1e9,
             "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
             "gpu_claim_delay_us": sch.rates.delay.seconds * 1e6,

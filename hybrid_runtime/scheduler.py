@@ -82,8 +82,8 @@ class Scheduler:
         self.link_bw = getattr(self.gpu_executor, "link_bytes_per_s", None) if has_gpu else None
         self._rates: dict[str, LaneRates] = {}
         self.lane: GpuLane | None = None
-        self.set_policy(cfg.policy)
         self.n_cpu = cfg.cpu_workers if has_cpu else 0
+        self.set_policy(cfg.policy)
         self.gpu_is_cuda = gpu_is_cuda
         self.cores = plan_cores(self.n_cpu, has_gpu or gpu_is_cuda, cfg.pin_cores)
         pinned = self.n_cpu > 0 and self.cores.cpu[0] is not None
@@ -180,7 +180,7 @@ class Scheduler:
                 "(without CUDA the GPU lane runs the torch reference executor)"
             )
         self.policy = policy
-        self.rates = self._rates.setdefault(policy, LaneRates(self.link_bw))
+        self.rates = self._rates.setdefault(policy, LaneRates(self.link_bw, self.n_cpu))
         if self.lane is not None:
             self.lane.rates = self.rates
 
@@ -261,6 +261,7 @@ class Scheduler:
         if job.cpu_used:
             if before_cpu is not None:
                 before_cpu()
+            job.t_release = time.perf_counter()
             self.workers.wake()
         if before_gpu is not None and job.gpu_used:
             try:
@@ -276,7 +277,12 @@ class Scheduler:
     def collect(self, job: StepJob) -> None:
         """After a successful step: native records into the job's columns; CPU throughput."""
         self.workers.collect(job)
-        self.rates.cpu.update(job.cpu_bytes, job.cpu_busy)
+        rates = self.rates
+        rates.cpu.update(job.cpu_bytes, job.cpu_busy)
+        if job.cpu_last_end > job.cpu_first_start > 0.0:
+            rates.cpu_lane.update(job.cpu_bytes, job.cpu_last_end - job.cpu_first_start)
+            if job.t_release > 0.0:
+                rates.cpu_start.update(max(0.0, job.cpu_first_start - job.t_release))
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:

@@ -55,6 +55,11 @@ class StepJob:
     gpu_bytes: float = 0.0  # bytes the GPU lane's claims read
     cpu_bytes: float = 0.0  # modeled bytes and busy seconds of CPU tasks (throughput estimate)
     cpu_busy: float = 0.0
+    # The CPU lane's span: host time the workers were released, their first task's start and
+    # last task's end (perf_counter seconds; 0 when no CPU task ran).
+    t_release: float = 0.0
+    cpu_first_start: float = 0.0
+    cpu_last_end: float = 0.0
     # What is running, for timeout and failure messages (no per-step allocation: the CPU workers
     # hand over their own list, the GPU lane its pipeline): the task each Python CPU worker is in
     # (None between tasks), and the GPU claims launched and not yet retired,

@@ -167,6 +167,11 @@ class TaskQueue:
         return self._tasks
 
     @property
+    def total_bytes(self) -> float:
+        """Modeled bytes of every task of the queue."""
+        return float(self._cum[self._n])
+
+    @property
     def remaining_bytes(self) -> float:
         """Modeled bytes of the tasks not yet handed out."""
         return float(self._cum[self._n] - self._cum[self._next])

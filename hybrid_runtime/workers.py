@@ -239,6 +239,9 @@ class CpuWorkers:
             cols["overhead"][r] = rec[mine, native_pool.R_OVERHEAD] * 1e-9
         job.cpu_busy = float((end - start)[mine].sum()) + self.native.take_help_busy_s()
         job.cpu_bytes = float(np.diff(q._cum)[mine].sum())
+        if mine.any():
+            job.cpu_first_start = float(start[mine].min())
+            job.cpu_last_end = float(end[mine].max())
         if self.executor is not None:
             self.executor.bytes_read += int(nbytes[mine].sum())
 
@@ -268,6 +271,7 @@ class CpuWorkers:
         finished = 0
         nbytes = 0.0
         busy = 0.0
+        first, last = float("inf"), 0.0
         task = None
         try:
             while True:
@@ -297,6 +301,7 @@ class CpuWorkers:
                     cols["overhead"][i] = over
                 nbytes += task.modeled_bytes
                 busy += end - start
+                first, last = min(first, start), max(last, end)
         except BaseException as exc:
             job.fail(exc, f"CPU worker hybrid-cpu{wid}" + (f" on {task_name(task)}" if task is not None else ""))
         finally:
@@ -305,6 +310,8 @@ class CpuWorkers:
                 with job._lock:
                     job.cpu_bytes += nbytes
                     job.cpu_busy += busy
+                    job.cpu_first_start = first if job.cpu_first_start == 0.0 else min(job.cpu_first_start, first)
+                    job.cpu_last_end = max(job.cpu_last_end, last)
             if finished:
                 queue.finish(finished)
 

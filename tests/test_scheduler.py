@@ -288,6 +288,7 @@ def test_gpu_batches_shrink_towards_the_end_of_the_queue():
     s = Scheduler(sched_cfg("fluxion", cpu_workers=2), cpu, gpu)
     try:
         s.tp_gpu, s.tp_cpu_worker = 1e9, 1e9  # comparable lanes
+        s.rates.cpu_lane.bytes_per_s = 2e9
         run_job(s, fake_tasks(400))
         b = gpu.batches
         assert len(b) >= 2 and b[0] >= b[-1] and b[0] > 1
@@ -579,6 +580,8 @@ def test_gpu_lane_reserves_the_queue_head_before_cpu_workers_start():
     s = Scheduler(sched_cfg("fluxion", cpu_workers=4), CountingNativeCpu(hits), gpu, native=native_args(n, counting_kernel))
     try:
         s.tp_cpu_worker = 1e9  # lanes of equal speed (4 workers x 1 GB/s vs 4 GB/s), no fixed cost
+        s.rates.cpu_lane.bytes_per_s = 4e9
+        s.rates.cpu_start.seconds = 0.0
         s.gpu_model.lat, s.gpu_model.bw = 0.0, 4e9
         s.rates.delay.seconds = 0.0
         tasks = id_tasks(n)
