@@ -98,6 +98,12 @@ class GpuLane:
     # GUIDED_FRACTION of what is left of it (guided self-scheduling).
     FIRST_FRACTION = 1.0
     GUIDED_FRACTION = 0.5
+    # Whether the caller's GPU work (the window attention) is issued before the reserved first
+    # claim. A claim's programs hold every SM until PCIe delivers their reads, so work issued
+    # after it waits for the claim's end; but issued first, its host path (~0.2-0.3 ms during a
+    # step) delays the claim, which is the GPU lane's whole share when the lanes are balanced.
+    # Its output is needed only at the merge, after the claim anyway.
+    SIDE_WORK_FIRST = False
     # Launches the GPU lane keeps queued on its stream.
     PIPELINE_DEPTH = 2
     # Shared-queue steps in a row in which the model kept the GPU out; after EXPLORE_AFTER of
@@ -142,8 +148,8 @@ class GpuLane:
 
     def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None) -> None:
         """The GPU lane and the wait for the step's end, on the calling thread; `side_work` (the
-        caller's own GPU work) runs once: before a reserved first claim is launched, else after
-        the first claim."""
+        caller's own GPU work) runs once, after the first claim is launched (before a reserved
+        one with `SIDE_WORK_FIRST`)."""
         gq = job.gpu_queue if job.gpu_used else None
         ex = self.executor
         plan, rows = None, None
@@ -189,10 +195,7 @@ class GpuLane:
                     self._learn(handle, nb, t_claim, t_done, prev_done, nbytes)
                 prev_done = t_done
                 progressed = True
-            if side_pending and job.gpu_first is not None:
-                # The caller's GPU work (the window attention) is issued before the first claim:
-                # a claim's programs hold every SM until PCIe delivers their reads, so anything
-                # issued after it would wait for the claim to end (~0.3 ms late at 8 x 32K).
+            if side_pending and job.gpu_first is not None and self.SIDE_WORK_FIRST:
                 side_pending = False
                 self._call(job, side_work)
             if job.gpu_first is not None and job.error is not None:

@@ -116,12 +116,14 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
         ok = ok and bool(torch.isfinite(torch.stack(on_device)).all())
     if ok:
         return
-    bad = []
-    for name, x in tensors.items():
-        n = int((~torch.isfinite(x)).sum()) if x.numel() else 0
-        if n:
-            bad.append(f"{name} has {n} NaN/inf value{'s' if n > 1 else ''} of {x.numel()}")
-    raise ValueError(
+    raise _nonfinite_error({name: (int((~torch.isfinite(x)).sum()) if x.numel() else 0, x.numel())
+                            for name, x in tensors.items()})
+
+
+def _nonfinite_error(counts: dict[str, tuple[int, int]]) -> ValueError:
+    """The error for inputs holding NaN/inf: `counts` maps a name to (bad values, values)."""
+    bad = [f"{name} has {n} NaN/inf value{'s' if n > 1 else ''} of {total}" for name, (n, total) in counts.items() if n]
+    return ValueError(
         "; ".join(bad) + "; expected finite values (NaN/inf in k or v would poison the stored KV and its block "
         "metadata for every later step, in q they make the output NaN); nothing was changed"
     )
@@ -205,6 +207,8 @@ class HybridRuntime:
         pin = torch.cuda.is_available()
         self._q_host = torch.zeros(s * hq * d, dtype=torch.float32, pin_memory=pin)
         self._res_host = torch.zeros(s * hq * (d + 1), dtype=torch.float32, pin_memory=pin)
+        # Host copies of a step's k and v for the NaN/inf check that rides on q's copy.
+        self._kv_host = torch.zeros(2 * s * geometry.kv_heads * d, dtype=torch.float32, pin_memory=pin)
         self._res_dev = torch.zeros(s * hq * (d + 1), dtype=torch.float32, device=self.device) if self.cuda else None
         dev = self.gpu_lane_device
         self._gq = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
@@ -340,7 +344,8 @@ class HybridRuntime:
 
     # ------------------------------------------------------------------ decode
     def _check_decode(
-        self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        check_finite: bool = True,
     ) -> tuple[int, list[int]]:
         g = self.geometry
         layer = _as_int(layer, "layer")
@@ -370,8 +375,18 @@ class HybridRuntime:
                 raise KeyError(f"sequence {s} is not in the store; prefill it first (sequences in the store: {sorted(known)})")
             if not self.store.seq_len(s, layer):
                 raise ValueError(f"sequence {s} has no KV at layer {layer}; prefill every layer of it before decoding")
-        _check_finite({"q": q, "k": k, "v": v})
+        if check_finite:
+            _check_finite({"q": q, "k": k, "v": v})
         return layer, seq_ids
+
+    @staticmethod
+    def _check_finite_host(q_host: np.ndarray, kv_host: np.ndarray) -> None:
+        """`_check_finite` on the host copies of q (scaled, fp32) and of k, v (fp32)."""
+        if np.isfinite(q_host).all() and np.isfinite(kv_host).all():
+            return
+        raise _nonfinite_error({"q": (int((~np.isfinite(q_host)).sum()), q_host.size),
+                                "k": (int((~np.isfinite(kv_host[0])).sum()), kv_host[0].size),
+                                "v": (int((~np.isfinite(kv_host[1])).sum()), kv_host[1].size)})
 
     def _event(self) -> torch.cuda.Event:
         ev = torch.cuda.Event(enable_timing=True)
@@ -464,26 +479,37 @@ class HybridRuntime:
         """
         t_entry = time.perf_counter()
         self._check_open()
-        layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v)
-        store, geo = self.store, self.geometry
         cuda = self.cuda
+        has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
+        layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
+        store, geo = self.store, self.geometry
         prof = self._timeline.enabled
         ev_entry = self._event() if cuda and prof else None
         # A spill moves window pages into the CPU segment the tasks read: it must come first.
         # Otherwise the append only touches the GPU window and runs while the tasks do.
         spill = self._will_spill(layer, seq_ids)
+        # NaN/inf in q, k, v is refused before anything changes. On CUDA with a CPU lane the
+        # check rides on the copy of q to the host that the CPU workers need anyway (k and v go
+        # along), read after the one wait for it; otherwise (or before a spill, which changes
+        # the store first) the inputs are checked here, which costs a device sync of its own.
+        deferred_check = cuda and has_cpu and not spill
+        if not deferred_check:
+            _check_finite({"q": q, "k": k, "v": v})
         if spill:
             store.append(layer, seq_ids, k, v)
 
         b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
         n = b * hq * d
         qs = q.to(device=self.device, dtype=torch.float32) * self.scale
-        has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         cpu_q = self._q_host[:n].view(b, hq, d)
         res = self._res_host[: b * hq * (d + 1)]
         cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
         if has_cpu:
             cpu_q.copy_(qs, non_blocking=True)  # device -> pinned host, ordered on the main stream
+        if deferred_check:
+            kv_host = self._kv_host[: 2 * b * geo.kv_heads * d].view(2, b, geo.kv_heads, d)
+            kv_host[0].copy_(k, non_blocking=True)
+            kv_host[1].copy_(v, non_blocking=True)
         ev_qhost = self._event() if cuda and has_cpu else None
         if has_gpu:
             gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
@@ -522,6 +548,9 @@ class HybridRuntime:
 
         plan = self.planner(layer, seq_ids, store)
         tasks = self._tasks(layer, seq_ids, plan)
+        if deferred_check:
+            ev_qhost.synchronize()  # the CPU lane's wait for q, moved before anything changes
+            self._check_finite_host(cpu_q.numpy(), kv_host.numpy())
         job = None
         if tasks:
 
@@ -541,10 +570,8 @@ class HybridRuntime:
                 record=prof,
             )
             # The window attention is the step's side work: issued after the CPU workers were
-            # released and before the GPU lane's reserved claim, whose programs would otherwise
-            # hold the SMs it needs until PCIe delivers their reads. Measured both ways on the
-            # device: issued before the workers are released, it delayed their first task by
-            # 0.3-0.9 ms (benchmarks/notes/gpu_lane.md).
+            # released (issued before, it delayed their first task by 0.3-0.9 ms) and after the
+            # GPU lane's first claim (benchmarks/notes/gpu_lane.md).
             self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False)
         else:
             window_part()

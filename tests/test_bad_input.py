@@ -514,3 +514,26 @@ def test_hybrid_cache_refuses_use_after_disable():
         finally:
             disable_hybrid_attention(model)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)  # a new cache is exact (budget 1.0, fp32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bad", ["q", "k", "v"])
+def test_nan_refused_on_cuda_by_the_check_riding_on_the_q_copy(bad):
+    """On CUDA with a CPU lane the NaN/inf check reads the host copies made for the CPU workers;
+    it still refuses before anything changes and names the tensor."""
+    runtime = HybridRuntime(make_config(kv_cache={"sink": SINK, "local": LOCAL, "generated_cap": GEN_CAP,
+                                                  "cpu_capacity_tokens": CAPACITY, "max_sequences": MAX_SEQS,
+                                                  "device": "cuda"}))
+    try:
+        for s in (0, 1):
+            runtime.prefill(s, 0, *(x.cuda() for x in kv(300, seed=s)))
+        assert not runtime._will_spill(0, [0, 1])  # the deferred path, not the spill's upfront check
+        q, k, v = (x.cuda() for x in step_inputs(2, seed=3))
+        {"q": q, "k": k, "v": v}[bad][1, 0, 2] = float("inf")
+        expect_refused(runtime, lambda: runtime.decode(0, [0, 1], q, k, v), ValueError, [f"{bad} has 1 NaN/inf"])
+        q, k, v = (x.cuda() for x in step_inputs(2, seed=3))
+        out = runtime.decode(0, [0, 1], q, k, v)  # usable after the refusal
+        assert torch.isfinite(out).all()
+    finally:
+        runtime.close()
