@@ -246,7 +246,8 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         f = next(r for r in rows if r["policy"] == "fluxion")
         print(f"  fluxion's launch model: {f['gpu_launch_latency_us']:.0f} us + bytes / {f['gpu_launch_GBps']:.1f} GB/s; "
               f"CPU worker {f['tp_cpu_worker_GBps']:.2f} GB/s; CPU lane {f['cpu_lane_GBps']:.1f} GB/s after "
-              f"{f['cpu_lane_start_us']:.0f} us", flush=True)
+              f"{f['cpu_lane_start_us']:.0f} us; claim delay {f['gpu_claim_delay_us']:.0f} us; balance "
+              f"{f['gpu_share_balance']:+.3f}", flush=True)
         if args.trace_dir and (batch, context) == METRIC_POINT:
             rt.timeline.write_chrome_trace(os.path.join(args.trace_dir, "layer_attention-trace-8x32k.json"))
         # After the measured steps: the probe's launches neither disturb nor teach the policies.
@@ -353,6 +354,8 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
         "tp_cpu_worker_GBps": sched["tp_cpu_worker_GBps"],
         "cpu_lane_GBps": sched["cpu_lane_GBps"],
         "cpu_lane_start_us": sched["cpu_lane_start_us"],
+        "gpu_share_balance": sched["gpu_share_balance"],
+        "gpu_claim_delay_us": sched["gpu_claim_delay_us"],
         "tp_gpu_GBps": sched["tp_gpu_GBps"],
         "static_gpu_share": sched["gpu_share"] if policy in ("uniform", "length") else None,
         "gpu_launch_latency_us": sched["gpu_launch_latency_us"],

@@ -139,7 +139,7 @@ class GpuLane:
         workers are woken: sized from the lanes' rates so both finish together, it cannot be
         eaten by workers that start popping the moment the step is published."""
         gq = job.gpu_queue
-        want = self.claim_bytes(job, gq, 0.0, idle_stream=True)
+        want = self.claim_bytes(job, gq, 0.0, idle_stream=True, bias=self.rates.balance * gq.total_bytes)
         if want <= 0 and self.skipped >= self.EXPLORE_AFTER:
             want = 1.0  # one task: re-measure the GPU lane
         if want > 0:
@@ -190,6 +190,7 @@ class GpuLane:
                 t_done = time.perf_counter()
                 if self.clock is not None and not isinstance(handle.end, float):
                     t_done = self.clock.to_host(handle.end)  # when it ended, not when it was noticed
+                job.gpu_last_end = max(job.gpu_last_end, t_done)
                 self._record(job, handle, rows[i:j], per_task, nbytes)
                 if job.error is None:
                     self._learn(handle, nb, t_claim, t_done, prev_done, nbytes)
@@ -315,7 +316,7 @@ class GpuLane:
         return True
 
     def claim_bytes(self, job: StepJob, queue: Any, busy_s: float = 0.0, idle_stream: bool = True,
-                    claimed: float = 0.0) -> float:
+                    claimed: float = 0.0, bias: float = 0.0) -> float:
         """Modeled bytes to claim now (0: claim nothing).
 
         Shared queue: the GPU's share `g` makes both lanes finish together,
@@ -329,7 +330,8 @@ class GpuLane:
         never less than the queue's rest at that rate (a lane slower than modeled).
         g <= 0 means the CPUs finish sooner than a launch would. The first claim takes g at once
         (`FIRST_FRACTION`), later ones half (guided self-scheduling: a short tail), never less
-        than a batch whose fixed cost is half its time unless that is all of g. A GPU-only queue
+        than a batch whose fixed cost is half its time unless that is all of g. `bias`: bytes
+        added to g (the first claim's learned correction, `LaneRates.balance`). A GPU-only queue
         is split the same way with nothing competing for it.
         """
         remaining = queue.remaining_bytes
@@ -346,7 +348,7 @@ class GpuLane:
         # than modeled shows as bytes still waiting in the queue.
         cpu_left = max(rates.cpu_start.seconds + (queue.total_bytes - claimed) / tp_c - elapsed, remaining / tp_c)
         lat = m.lat + rates.delay.seconds if idle_stream else 0.0
-        g = min((cpu_left - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c), remaining)
+        g = min((cpu_left - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c) + bias, remaining)
         if g <= 0:
             return 0.0
         frac = self.FIRST_FRACTION if idle_stream else self.GUIDED_FRACTION

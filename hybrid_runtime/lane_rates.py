@@ -133,9 +133,30 @@ class LaneRates:
         self.cpu = Throughput(4e9)
         self.cpu_lane = Throughput(3e9 * max(1, n_cpu))
         self.cpu_start = Delay(300e-6)
+        # Fraction of a shared step's modeled bytes added to the GPU's first claim, learned from
+        # how far apart the lanes finished (see `learn_balance`).
+        self.balance = 0.0
         self.gpu = Throughput(30e9)
         self.model = LaunchModel(lat=100e-6, bw=45e9, link_bw=link_bw)
         self.delay = Delay(200e-6)
+
+    # Weight of one step's imbalance in `balance`, and its bound.
+    BALANCE_GAIN = 0.5
+    BALANCE_LIMIT = 0.5
+
+    def learn_balance(self, cpu_end: float, gpu_end: float, total_bytes: float) -> None:
+        """Fold in one shared step's outcome: the CPU lane finished at `cpu_end`, the GPU lane at
+        `gpu_end` (host seconds). Moving x bytes to the GPU would have ended both together when
+        `x = (cpu_end - gpu_end) / (1/bw + 1/tp_c)`; `balance` integrates x as a fraction of the
+        step's bytes. The lane models size claims from rates, delays and fixed costs that each
+        carry some error (modeled vs read bytes, the selection's share of a claim, host noise);
+        this term removes what is systematic in their sum, so the lanes end together on average.
+        """
+        if total_bytes <= 0:
+            return
+        x = (cpu_end - gpu_end) / (1.0 / self.model.bw + 1.0 / self.cpu_lane.bytes_per_s)
+        b = self.balance + self.BALANCE_GAIN * x / total_bytes
+        self.balance = min(self.BALANCE_LIMIT, max(-self.BALANCE_LIMIT, b))
 
 
 __all__ = ["EMA", "Delay", "LaneRates", "LaunchModel", "Throughput"]

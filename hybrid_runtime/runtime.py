@@ -687,6 +687,8 @@ class HybridRuntime:
             # the delay from the workers' release to their first task.
             "cpu_lane_GBps": sch.rates.cpu_lane.bytes_per_s / 1e9,
             "cpu_lane_start_us": sch.rates.cpu_start.seconds * 1e6,
+            # The learned correction to the GPU's first claim, as a fraction of a step's bytes.
+            "gpu_share_balance": sch.rates.balance,
             "tp_gpu_GBps": sch.tp_gpu / 1e9,
             "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
             "gpu_claim_delay_us": sch.rates.delay.seconds * 1e6,

@@ -283,6 +283,11 @@ class Scheduler:
             rates.cpu_lane.update(job.cpu_bytes, job.cpu_last_end - job.cpu_first_start)
             if job.t_release > 0.0:
                 rates.cpu_start.update(max(0.0, job.cpu_first_start - job.t_release))
+        if job.shared and job.gpu_last_end > 0.0 and job.error is None:
+            # Where the CPU lane ended; with no CPU task, where it could have started.
+            cpu_end = job.cpu_last_end or (job.t_release + rates.cpu_start.seconds if job.t_release > 0.0 else 0.0)
+            if cpu_end > 0.0:
+                rates.learn_balance(cpu_end, job.gpu_last_end, job.gpu_queue.total_bytes)
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:

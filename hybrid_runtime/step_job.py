@@ -60,6 +60,7 @@ class StepJob:
     t_release: float = 0.0
     cpu_first_start: float = 0.0
     cpu_last_end: float = 0.0
+    gpu_last_end: float = 0.0  # host time the GPU lane's last claim of the step ended
     # What is running, for timeout and failure messages (no per-step allocation: the CPU workers
     # hand over their own list, the GPU lane its pipeline): the task each Python CPU worker is in
     # (None between tasks), and the GPU claims launched and not yet retired,

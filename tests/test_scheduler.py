@@ -289,6 +289,9 @@ def test_gpu_batches_shrink_towards_the_end_of_the_queue():
     try:
         s.tp_gpu, s.tp_cpu_worker = 1e9, 1e9  # comparable lanes
         s.rates.cpu_lane.bytes_per_s = 2e9
+        # No host delay before a claim starts (on a loaded 2-core machine it is learned as ~1 ms,
+        # which would keep every later claim out: this test is about the claims' sizes).
+        s.rates.delay.seconds, s.rates.delay.weight = 0.0, 0.0
         run_job(s, fake_tasks(400))
         b = gpu.batches
         assert len(b) >= 2 and b[0] >= b[-1] and b[0] > 1
@@ -593,5 +596,42 @@ def test_gpu_lane_reserves_the_queue_head_before_cpu_workers_start():
         assert first == set(gpu.runs[: gpu.batches[0]])  # its first claim is the head of the queue
         ran_on_cpu = {t.seq_id for t in tasks if hits[t.cpu_len]}
         assert not first & ran_on_cpu  # ... and no CPU worker touched it
+    finally:
+        s.close()
+
+
+def test_balance_moves_bytes_towards_the_lane_that_ended_first_and_is_bounded():
+    from hybrid_runtime.lane_rates import LaneRates
+
+    r = LaneRates(n_cpu=4)
+    r.model.bw, r.cpu_lane.bytes_per_s = 40e9, 60e9
+    # The CPU lane ended 1 ms after the GPU lane: x = 1e-3 / (1/40e9 + 1/60e9) = 24 MB of 100 MB.
+    r.learn_balance(cpu_end=2.0e-3, gpu_end=1.0e-3, total_bytes=100e6)
+    assert r.balance == pytest.approx(LaneRates.BALANCE_GAIN * 0.24)
+    r.learn_balance(cpu_end=1.0e-3, gpu_end=2.0e-3, total_bytes=100e6)  # the reverse undoes it
+    assert r.balance == pytest.approx(0.0, abs=1e-12)
+    for _ in range(50):
+        r.learn_balance(cpu_end=10e-3, gpu_end=0.0, total_bytes=100e6)
+    assert r.balance == LaneRates.BALANCE_LIMIT
+
+
+def test_first_claim_follows_the_learned_balance():
+    gpu = CountingGpu()
+    s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(), gpu)
+    try:
+        tasks = fake_tasks(200)
+        total = sum(t.modeled_bytes for t in tasks)
+        s.rates.cpu_lane.bytes_per_s = 1e15  # the model alone: the CPU lane finishes at once, no claim
+        s.rates.cpu_start.seconds = s.rates.delay.seconds = s.gpu_model.lat = 0.0
+        job = StepJob(0, tasks, batch=1)
+        s.split(job)
+        s.lane.reserve_first(job)
+        assert job.gpu_first is None or job.cpu_queue.range_bytes(*job.gpu_first) < 0.02 * total
+        s.rates.balance = 0.3  # learned: the GPU should take 30% more than modeled
+        job = StepJob(0, tasks, batch=1)
+        s.split(job)
+        s.lane.reserve_first(job)
+        i, j = job.gpu_first
+        assert job.cpu_queue.range_bytes(i, j) == pytest.approx(0.3 * total, rel=0.05)
     finally:
         s.close()
