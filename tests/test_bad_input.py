@@ -52,7 +52,7 @@ def step_inputs(b, seed=0, dtype=torch.float32):
 
 
 def _bytes(x: torch.Tensor) -> bytes:
-    x = x.contiguous()
+    x = x.contiguous().cpu()
     if x.dtype == torch.bfloat16:
         x = x.view(torch.int16)
     return x.numpy().tobytes()
