@@ -120,6 +120,18 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
                             for name, x in tensors.items()})
 
 
+# Exponent bits of the 16-bit floats: all set means +-inf or NaN.
+_EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def _nonfinite_mask(x: torch.Tensor) -> np.ndarray:
+    """Where a host tensor holds NaN or +-inf (numpy has no bfloat16: its bits are read)."""
+    mask = _EXPONENT_MASK.get(x.dtype)
+    if mask is None:
+        return ~np.isfinite(x.numpy())
+    return (x.view(torch.int16).numpy() & mask) == mask
+
+
 def _nonfinite_error(counts: dict[str, tuple[int, int]]) -> ValueError:
     """The error for inputs holding NaN/inf: `counts` maps a name to (bad values, values)."""
     bad = [f"{name} has {n} NaN/inf value{'s' if n > 1 else ''} of {total}" for name, (n, total) in counts.items() if n]
@@ -207,8 +219,9 @@ class HybridRuntime:
         pin = torch.cuda.is_available()
         self._q_host = torch.zeros(s * hq * d, dtype=torch.float32, pin_memory=pin)
         self._res_host = torch.zeros(s * hq * (d + 1), dtype=torch.float32, pin_memory=pin)
-        # Host copies of a step's k and v for the NaN/inf check that rides on q's copy.
-        self._kv_host = torch.zeros(2 * s * geometry.kv_heads * d, dtype=torch.float32, pin_memory=pin)
+        # Raw host copies of a step's k and v (any float dtype, up to 8 bytes an element) for the
+        # NaN/inf check that rides on q's copy.
+        self._kv_host = torch.zeros(2 * s * geometry.kv_heads * d * 8 + 8, dtype=torch.uint8, pin_memory=pin)
         self._res_dev = torch.zeros(s * hq * (d + 1), dtype=torch.float32, device=self.device) if self.cuda else None
         dev = self.gpu_lane_device
         self._gq = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
@@ -380,13 +393,11 @@ class HybridRuntime:
         return layer, seq_ids
 
     @staticmethod
-    def _check_finite_host(q_host: np.ndarray, kv_host: np.ndarray) -> None:
-        """`_check_finite` on the host copies of q (scaled, fp32) and of k, v (fp32)."""
-        if np.isfinite(q_host).all() and np.isfinite(kv_host).all():
+    def _check_finite_host(tensors: dict[str, torch.Tensor]) -> None:
+        """`_check_finite` on host copies (q scaled to fp32, k and v in their own dtypes)."""
+        if not any(_nonfinite_mask(x).any() for x in tensors.values()):
             return
-        raise _nonfinite_error({"q": (int((~np.isfinite(q_host)).sum()), q_host.size),
-                                "k": (int((~np.isfinite(kv_host[0])).sum()), kv_host[0].size),
-                                "v": (int((~np.isfinite(kv_host[1])).sum()), kv_host[1].size)})
+        raise _nonfinite_error({name: (int(_nonfinite_mask(x).sum()), x.numel()) for name, x in tensors.items()})
 
     def _event(self) -> torch.cuda.Event:
         ev = torch.cuda.Event(enable_timing=True)
@@ -507,9 +518,12 @@ class HybridRuntime:
         if has_cpu:
             cpu_q.copy_(qs, non_blocking=True)  # device -> pinned host, ordered on the main stream
         if deferred_check:
-            kv_host = self._kv_host[: 2 * b * geo.kv_heads * d].view(2, b, geo.kv_heads, d)
-            kv_host[0].copy_(k, non_blocking=True)
-            kv_host[1].copy_(v, non_blocking=True)
+            # Raw copies in the inputs' own dtypes: one memcpy each, no conversion kernel.
+            k_nbytes = -(-k.numel() * k.element_size() // 8) * 8  # v starts 8-byte aligned
+            k_host = self._kv_host[:k_nbytes].view(k.dtype)[: k.numel()].view(k.shape)
+            v_host = self._kv_host[k_nbytes : k_nbytes + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+            k_host.copy_(k, non_blocking=True)
+            v_host.copy_(v, non_blocking=True)
         ev_qhost = self._event() if cuda and has_cpu else None
         if has_gpu:
             gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
@@ -550,7 +564,7 @@ class HybridRuntime:
         tasks = self._tasks(layer, seq_ids, plan)
         if deferred_check:
             ev_qhost.synchronize()  # the CPU lane's wait for q, moved before anything changes
-            self._check_finite_host(cpu_q.numpy(), kv_host.numpy())
+            self._check_finite_host({"q": cpu_q, "k": k_host, "v": v_host})
         job = None
         if tasks:
 
