@@ -12,7 +12,7 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         compile is recorded (`compile_error`) and the variant runs uncompiled.
     offloaded           HF `cache_implementation="offloaded"` (KV on the host, layers prefetched)
     cpu_only            hybrid runtime, every task on the CPU workers ("w/o Fluxion"), fixed (blk 16, budget 0.05)
-    fluxion             hybrid runtime, Fluxion scheduling, the same fixed policy
+    fluxion             hybrid runtime, Fluxion placement, the same fixed selection
     fluxion_predictor   hybrid runtime with the head-property predictor as head planner: the hook is
                         `PREDICTOR_PLANNER`; while it is None the variant is recorded as skipped with
                         reason "predictor not implemented" (never faked)
@@ -158,7 +158,7 @@ class Variant:
     name: str
     kind: str  # "hf": a transformers cache; "hybrid": the runtime through enable_hybrid_attention
     generate_kwargs: dict = field(default_factory=dict)
-    policy: str | None = None  # scheduler policy of a hybrid variant
+    placement: str | None = None  # scheduler placement of a hybrid variant
     planner: str | None = None  # "predictor": the head planner comes from PREDICTOR_PLANNER
     needs_cuda: bool = False
 
@@ -172,11 +172,11 @@ class Variant:
 # In run order (the default --variants): what the metrics need first, the costly compile last.
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("dense", "hf"),
-    Variant("fluxion", "hybrid", policy="fluxion"),
+    Variant("fluxion", "hybrid", placement="fluxion"),
     Variant("offloaded", "hf", {"cache_implementation": "offloaded"}, needs_cuda=True),
-    Variant("cpu_only", "hybrid", policy="cpu_only"),
+    Variant("cpu_only", "hybrid", placement="cpu_only"),
     Variant("static", "hf"),
-    Variant("fluxion_predictor", "hybrid", policy="fluxion", planner="predictor"),
+    Variant("fluxion_predictor", "hybrid", placement="fluxion", planner="predictor"),
 )}
 
 
@@ -285,8 +285,8 @@ def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, c
     data = {
         "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
                      "cpu_capacity_tokens": batch * (context + new_tokens), "max_sequences": batch},
-        "policy": {"name": "fixed", "block_size": 16, "budget": 0.05},
-        "scheduler": {"policy": variant.policy, "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
+        "selection": {"name": "fixed", "block_size": 16, "budget": 0.05},
+        "scheduler": {"placement": variant.placement, "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
                       "step_timeout_s": 60.0},
     }
     for section, values in (overrides or {}).items():
@@ -551,7 +551,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["reserved_host_bytes"] = mem["reserved_bytes"]
         row.update(_timeline_fields(rt, rt.geometry.layers))
         st = rt.stats()
-        row["runtime_stats"] = {k: st[k] for k in ("policy", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
+        row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps") if k in st}
         return row
     finally:
@@ -915,15 +915,15 @@ def run(args, device: str | None = None) -> Path | None:
     from hybrid_runtime.scheduler import plan_cores
 
     transformers.logging.set_verbosity_error()
-    cores = plan_cores(args.cpu_workers, gpu_lane=True, pin=True)
-    measured_limits = [measure_limits(args.cpu_workers, cores.cpu, cores.gpu)] if cuda and not args.no_limits else []
+    cores = plan_cores(args.cpu_workers, pin=True)
+    measured_limits = [measure_limits(args.cpu_workers, cores.cpu, cores.caller)] if cuda and not args.no_limits else []
     rows: list[dict] = []
     floors: dict = {}
     config = {"models": models, "points": points, "variants": variants, "new_tokens": args.new_tokens,
               "cpu_workers": args.cpu_workers, "warmup_tokens": args.warmup_tokens, "decode_cap_s": args.decode_cap_s,
               "budget_s": args.budget_s, "attempt_all": args.attempt_all, "seed": args.seed, "torch": torch.__version__,
               "transformers": transformers.__version__, "pinning": cores.note, "runtime_overrides": args.runtime_set,
-              "policy": {"name": "fixed", "block_size": 16, "budget": 0.05}}
+              "selection": {"name": "fixed", "block_size": 16, "budget": 0.05}}
 
     def save(complete: bool) -> Path:
         limits = best_limits(measured_limits) if measured_limits else None
@@ -989,7 +989,7 @@ def run(args, device: str | None = None) -> Path | None:
         del model
         release_memory()
     if measured_limits and args.budget_s - (time.perf_counter() - t_start) > LIMITS_S:
-        measured_limits.append(measure_limits(args.cpu_workers, cores.cpu, cores.gpu))
+        measured_limits.append(measure_limits(args.cpu_workers, cores.cpu, cores.caller))
     path = save(True)
     print(path.with_suffix(".md").read_text())
     print(f"wrote {path}")

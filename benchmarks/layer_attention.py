@@ -9,9 +9,10 @@ bandwidth over the run hit every policy alike:
     cpu_only         cpu_only on the head mix below
     gpu_only, uniform, length, fluxion   on the head mix
 
-Each policy runs as on a fresh scheduler: `rt.scheduler.set_policy(policy)`, called before every
-step, switches to that policy's own lane-rate estimates, which learn only from that policy's
-steps (cpu_only and cpu_only_fixed are one scheduler policy and share them). The reported
+Each policy (a placement with a head plan) runs as on a fresh scheduler:
+`rt.scheduler.set_placement(placement)`, called before every step, switches to that placement's
+own lane-rate estimates, which learn only from that placement's steps (cpu_only and
+cpu_only_fixed are one placement and share them). The reported
 estimates (tp_*, gpu_launch_*) are each policy's own.
 
 Head mix (configurable): `--streaming` of the query heads streaming (no task), retrieval heads
@@ -60,7 +61,7 @@ from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 from hybrid_runtime.scheduler import HeadPlan, plan_cores  # noqa: E402
 
 POINTS = [(4, 32768), (8, 32768), (16, 32768), (4, 65536), (4, 131072)]
-RUNS = [  # (name, scheduler policy, head plan)
+RUNS = [  # (name, scheduler placement, head plan)
     ("fluxion", "fluxion", "mix"),
     ("uniform", "uniform", "mix"),
     ("length", "length", "mix"),
@@ -177,7 +178,7 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         "geometry": {"layers": geo.layers, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads, "head_dim": geo.head_dim},
         "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
                      "cpu_capacity_tokens": batch * context, "max_sequences": batch},
-        "scheduler": {"policy": "fluxion", "cpu_workers": args.cpu_workers, "gpu_worker": True, "pin_cores": True,
+        "scheduler": {"placement": "fluxion", "cpu_workers": args.cpu_workers, "gpu_worker": True, "pin_cores": True,
                       "step_timeout_s": 60.0},
     })
     mix = MixPlanner(geo, args.streaming, tuple(args.budget_range), tuple(args.blocks), args.seed)
@@ -199,11 +200,11 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         prefill_s = time.perf_counter() - t0
         print(f"  prefill {batch}x{context} x {geo.layers} layers: {prefill_s:.1f} s; {rt.stats()['pinning']}", flush=True)
         seq_ids = list(range(batch))
-        runs = {name: (policy, plan) for name, policy, plan in RUNS}
+        runs = {name: (placement, plan) for name, placement, plan in RUNS}
 
         def one_step(name: str) -> None:
-            policy, plan = runs[name]
-            rt.scheduler.set_policy(policy)  # this policy's own lane-rate estimates
+            placement, plan = runs[name]
+            rt.scheduler.set_placement(placement)  # this placement's own lane-rate estimates
             rt.planner = mix if plan == "mix" else fixed
             for layer in range(geo.layers):
                 q = torch.randn((batch, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -229,8 +230,8 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
             torch.cuda.synchronize()
         recs = rt.timeline.records
         rows = []
-        for name, (policy, plan) in runs.items():
-            row = summarize_run(rt, [r for r, o in zip(recs, owner) if o == name], name, policy, plan, batch, context)
+        for name, (placement, plan) in runs.items():
+            row = summarize_run(rt, [r for r, o in zip(recs, owner) if o == name], name, placement, plan, batch, context)
             row["gc_gen2_collections"] = gcw.count.get(name, 0)
             row["gc_gen2_ms"] = gcw.ms.get(name, 0.0)
             row["point_gc_gen2_collections"] = sum(gcw.count.values())
@@ -303,7 +304,7 @@ def attention_stats(att_s: np.ndarray) -> dict:
     }
 
 
-def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
+def summarize_run(rt, recs, name, placement, plan, batch, context) -> dict:
     from hybrid_runtime.profiling import layer_table
 
     tl = rt.timeline
@@ -314,7 +315,7 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
     gpu_bytes = sum(int(r.bytes_read[r.lane == LANE_GPU].sum()) for r in recs)
     over = np.concatenate([r.overhead[(r.lane == LANE_CPU)] for r in recs])
     over = over[over > 0]
-    rt.scheduler.set_policy(policy)  # stats() then shows this policy's own estimates
+    rt.scheduler.set_placement(placement)  # stats() then shows this placement's own estimates
     sched = rt.stats()
 
     def lane_start(lane):  # from q available to the lane's first task start
@@ -327,7 +328,7 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
         "batch": batch,
         "context": context,
         "policy": name,
-        "scheduler_policy": policy,
+        "scheduler_placement": placement,
         "head_plan": plan,
         "steps": len(recs),
         **stats,
@@ -357,7 +358,7 @@ def summarize_run(rt, recs, name, policy, plan, batch, context) -> dict:
         "gpu_share_balance": sched["gpu_share_balance"],
         "gpu_claim_delay_us": sched["gpu_claim_delay_us"],
         "tp_gpu_GBps": sched["tp_gpu_GBps"],
-        "static_gpu_share": sched["gpu_share"] if policy in ("uniform", "length") else None,
+        "static_gpu_share": sched["gpu_share"] if placement in ("uniform", "length") else None,
         "gpu_launch_latency_us": sched["gpu_launch_latency_us"],
         "gpu_launch_GBps": sched["gpu_launch_GBps"],
         "layers": layer_table(recs),
@@ -488,8 +489,8 @@ def main() -> None:
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
 
     # The cores the runtime's scheduler will use: launcher first, then one per CPU worker.
-    cores = plan_cores(args.cpu_workers, gpu_lane=True, pin=True)
-    measured = [measure_limits(args.cpu_workers, cores.cpu, cores.gpu)]
+    cores = plan_cores(args.cpu_workers, pin=True)
+    measured = [measure_limits(args.cpu_workers, cores.cpu, cores.caller)]
     points_out, probes = [], []
     for b, c in points:
         print(f"point batch={b} context={c}", flush=True)
@@ -497,7 +498,7 @@ def main() -> None:
         points_out += rows
         if probe is not None:
             probes.append(probe)
-    measured.append(measure_limits(args.cpu_workers, cores.cpu, cores.gpu))
+    measured.append(measure_limits(args.cpu_workers, cores.cpu, cores.caller))
     limits = best_limits(measured)
     annotate_points(points_out, limits["concurrent_ceiling_GBps"])
     metrics = assemble_metrics(points_out, limits, probes)

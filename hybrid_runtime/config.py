@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,8 +98,8 @@ class KVCacheConfig:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """How heads are given blocks and budgets until the predictor exists."""
+class SelectionConfig:
+    """Which blocks each head reads: the head plan's block size and budget per head."""
 
     name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming"))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
@@ -107,13 +108,21 @@ class PolicyConfig:
     streaming_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
+def _check_gpu_worker(value: bool | str) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "'auto', true or false"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = field(
+    """Where tasks run (placement) and the lanes that run them."""
+
+    placement: str = field(
         default="fluxion", metadata=_choices("fluxion", "cpu_only", "gpu_only", "uniform", "length")
     )
     cpu_workers: int = field(default=2, metadata=_range(0, 1024))
-    gpu_worker: bool = True
+    # The GPU lane: "auto" runs one where CUDA is; true without CUDA runs it with the torch
+    # reference executor on the host (tests of the GPU-lane placements on CPU-only machines).
+    gpu_worker: bool | str = field(default="auto", metadata=_check(_check_gpu_worker))
     pin_cores: bool = True
     # Longest wait for one decode step's tasks, in seconds; a task still running then cannot be
     # interrupted (docs/architecture.md, "A task that does not return"). Also bounds close()'s joins.
@@ -124,6 +133,10 @@ class SchedulerConfig:
     spin_us: float = field(default=20000.0, metadata=_range(0.0, None))
     # Freeze the objects alive at runtime start out of the collector's walks (gc_control.py).
     gc_freeze: bool = True
+
+    def gpu_lane(self, cuda: bool) -> bool:
+        """Whether the runtime has a GPU lane on a machine with (`cuda`) or without CUDA."""
+        return self.gpu_worker is True or (self.gpu_worker == "auto" and cuda)
 
 
 @dataclass(frozen=True)
@@ -142,15 +155,17 @@ class WorkloadConfig:
     batch: int = field(default=2, metadata=_range(1, None))
     context: int = field(default=4096, metadata=_range(1, None))
     decode_steps: int = field(default=8, metadata=_range(1, None))
-    layers: int = field(default=0, metadata=_range(0, None))  # 0: every layer of the geometry
     seed: int = 0
+    # The run warns when its largest relative output error against dense attention exceeds this
+    # (Fluxion's error bound tau is 0.10; `full` selection is exact, `streaming` ignores the store).
+    rel_error_tolerance: float = field(default=0.10, metadata=_range(0.0, None))
 
 
 @dataclass(frozen=True)
 class Config:
     geometry: GeometryConfig = field(default_factory=GeometryConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -176,12 +191,24 @@ def _type_name(tp: Any) -> str:
     if origin in (dict,):
         k, v = typing.get_args(tp)
         return f"mapping of {_type_name(k)} to {_type_name(v)}"
+    if tp is bool:
+        return "true/false"
+    if tp is str:
+        return "string"
     return getattr(tp, "__name__", str(tp))
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
     """Check `value` against the annotation `tp`; return it in the dataclass's own types."""
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # the first alternative the value is
+        arms = typing.get_args(tp)
+        for arm in arms:
+            try:
+                return _convert(arm, value, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in arms)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping of {tp.__name__} keys, got {value!r}")
@@ -241,10 +268,23 @@ def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+# Keys that were renamed or moved: where each setting lives now.
+MOVED_KEYS = {
+    "policy": "selection (which blocks each head reads: name fixed / full / streaming, block_size, "
+              "budget, streaming_heads)",
+    "scheduler.policy": "scheduler.placement (where tasks run: fluxion, cpu_only, gpu_only, uniform, length)",
+    "workload.layers": "geometry.layers (a runtime is built for the layers it decodes; e.g. "
+                       "geometry: {name: llama-3.1-8b, layers: 4})",
+}
+
+
 def _build(cls: type, data: Mapping, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
+    for key in unknown:
+        if _join(path, key) in MOVED_KEYS:
+            raise ConfigError(f"{_join(path, key)}: replaced by {MOVED_KEYS[_join(path, key)]}")
     if unknown:
         where = f"keys of {path}" if path else "top-level keys"
         raise ConfigError(f"{_join(path, unknown[0])}: unknown key; allowed {where}: {', '.join(fields)}")
@@ -262,17 +302,25 @@ def _build(cls: type, data: Mapping, path: str) -> Any:
 
 
 def _geometry_from(data: Any, path: str) -> GeometryConfig:
-    """`geometry` is a reference name, a mapping with `name` of a reference, or a full mapping."""
+    """`geometry` is a reference name; a mapping with `name` of a reference and optionally `layers`
+    (that model's first layers: a runtime is built for the layers it serves); or a full mapping."""
     if isinstance(data, str):
         data = {"name": data}
-    if isinstance(data, Mapping) and set(data) == {"name"}:
-        name = data["name"]
-        if name not in GEOMETRIES:
+    name = data.get("name") if isinstance(data, Mapping) else None
+    if isinstance(name, str) and name in GEOMETRIES:
+        extra = sorted(set(data) - {"name", "layers"})
+        if extra:
             raise ConfigError(
-                f"{path}.name: unknown geometry {name!r}; allowed: {', '.join(GEOMETRIES)} "
-                "or a mapping with layers, q_heads, kv_heads, head_dim"
+                f"{path}.{extra[0]}: the reference geometry {name!r} takes only `layers` beside its name; "
+                "allowed: a reference name (with layers), or a geometry of another name with layers, q_heads, "
+                "kv_heads, head_dim"
             )
-        return GEOMETRIES[name]
+        return _convert(GeometryConfig, {**dataclasses.asdict(GEOMETRIES[name]), **data}, path)
+    if isinstance(data, Mapping) and set(data) == {"name"}:
+        raise ConfigError(
+            f"{path}.name: unknown geometry {name!r}; allowed: {', '.join(GEOMETRIES)} "
+            "or a mapping with layers, q_heads, kv_heads, head_dim"
+        )
     return _convert(GeometryConfig, data, path)
 
 
@@ -292,21 +340,21 @@ def config_from_dict(data: Mapping | None) -> Config:
 
 
 def _validate_cross(cfg: Config) -> None:
-    policy, geometry, kv = cfg.policy, cfg.geometry, cfg.kv_cache
-    if policy.block_size not in kv.block_sizes:
+    selection, geometry, kv = cfg.selection, cfg.geometry, cfg.kv_cache
+    if selection.block_size not in kv.block_sizes:
         raise ConfigError(
-            f"policy.block_size: {policy.block_size} is not one of "
+            f"selection.block_size: {selection.block_size} is not one of "
             f"kv_cache.block_sizes={list(kv.block_sizes)}"
         )
-    for layer, heads in policy.streaming_heads.items():
+    for layer, heads in selection.streaming_heads.items():
         if not 0 <= layer < geometry.layers:
             raise ConfigError(
-                f"policy.streaming_heads.{layer}: layer out of range; allowed: 0..{geometry.layers - 1}"
+                f"selection.streaming_heads.{layer}: layer out of range; allowed: 0..{geometry.layers - 1}"
             )
         bad = [h for h in heads if not 0 <= h < geometry.q_heads]
         if bad:
             raise ConfigError(
-                f"policy.streaming_heads.{layer}: query heads {bad} out of range; "
+                f"selection.streaming_heads.{layer}: query heads {bad} out of range; "
                 f"allowed: 0..{geometry.q_heads - 1}"
             )
     if kv.local % PAGE_SIZE or kv.generated_cap % PAGE_SIZE:
@@ -314,6 +362,18 @@ def _validate_cross(cfg: Config) -> None:
             f"kv_cache: local={kv.local} and generated_cap={kv.generated_cap} must be "
             f"multiples of the page size {PAGE_SIZE}"
         )
+
+
+def resolved(cfg: Config, cuda: bool) -> Config:
+    """`cfg` with its "auto" settings replaced by what they mean on a machine with (`cuda`) or
+    without CUDA: what a run records as having run."""
+    kv, sc = cfg.kv_cache, cfg.scheduler
+    device = ("cuda" if cuda else "cpu") if kv.device == "auto" else kv.device
+    return dataclasses.replace(
+        cfg,
+        kv_cache=dataclasses.replace(kv, device=device),
+        scheduler=dataclasses.replace(sc, gpu_worker=sc.gpu_lane(cuda)),
+    )
 
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
@@ -352,11 +412,13 @@ __all__ = [
     "ConfigError",
     "GeometryConfig",
     "KVCacheConfig",
-    "PolicyConfig",
+    "MOVED_KEYS",
     "ProfilingConfig",
     "SchedulerConfig",
+    "SelectionConfig",
     "WorkloadConfig",
     "config_from_dict",
     "load_config",
     "parse_override",
+    "resolved",
 ]

@@ -86,7 +86,7 @@ class GpuLane:
     Plan once per step, run many claims: at the step's start the executor uploads the queue's
     table (rows in queue order; packed once per task set and cached on the task list); a claim is
     then a range of queue positions, and recording it touches arrays only, never task objects.
-    `rates` (the current policy's `LaneRates`, swapped by the scheduler) holds the CPU lane's
+    `rates` (the current placement's `LaneRates`, swapped by the scheduler) holds the CPU lane's
     per-worker rate, which with `n_cpu` lets a shared-queue claim leave the CPU workers their
     part, and the GPU lane's own estimates.
     `wait_on_cpu_queue`: the CPU workers are Python threads, so an idle round blocks on their
@@ -383,7 +383,7 @@ class GpuLane:
 
     def _learn(self, handle: Any, nbytes: float, t_claim: float, t_done: float, prev_done: float | None,
                bytes_read: np.ndarray | None) -> None:
-        """Learn from one retired claim of this lane (under the current policy only).
+        """Learn from one retired claim of this lane (under the current placement only).
 
         Two separate things: the launch model fits the claim's time *on the GPU* -- from its
         start (or the previous claim's end, when it was queued behind one) to its end -- so its

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hybrid_runtime.config import GeometryConfig, PolicyConfig
+from hybrid_runtime.config import GeometryConfig, SelectionConfig
 
 
 @dataclass
@@ -26,19 +26,19 @@ class HeadPlan:
 class ConfigHeadPlanner:
     """The head plan from config until the predictor exists.
 
-    `fixed`: every head `(policy.block_size, policy.budget)`; `full`: budget 1.0; `streaming`: no
-    head has a task. In all three, `policy.streaming_heads[layer]` marks query heads streaming.
+    `fixed`: every head `(selection.block_size, selection.budget)`; `full`: budget 1.0; `streaming`:
+    no head has a task. In all three, `selection.streaming_heads[layer]` marks query heads streaming.
     """
 
-    def __init__(self, policy: PolicyConfig, geometry: GeometryConfig):
-        self.policy = policy
+    def __init__(self, selection: SelectionConfig, geometry: GeometryConfig):
+        self.selection = selection
         self.geometry = geometry
         self._per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         cached = self._per_layer.get(layer)
         if cached is None:
-            p, g = self.policy, self.geometry
+            p, g = self.selection, self.geometry
             budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0}[p.name]
             budgets = np.full(g.q_heads, budget, dtype=np.float32)
             heads = list(p.streaming_heads.get(layer, ()))

@@ -1,7 +1,7 @@
 """What the scheduler knows about how fast each lane is, learned from the steps it ran.
 
-The fluxion policy sizes the GPU lane's claims so both lanes finish a step together, and the
-static policies split by the lanes' throughput ratio; both need current rates. Every estimate
+The fluxion placement sizes the GPU lane's claims so both lanes finish a step together, and the
+static placements split by the lanes' throughput ratio; both need current rates. Every estimate
 starts from a prior and moves towards measurements, so a machine unlike the reference host is
 learned within a few steps.
 """
@@ -113,16 +113,15 @@ class Delay:
 
 
 class LaneRates:
-    """Everything one policy has learned about both lanes.
+    """Everything one placement has learned about both lanes.
 
-    Each policy keeps its own (the scheduler swaps them in `set_policy`): a policy's launches and
-    task mix differ, and one policy's samples must not size another's claims.
+    Each placement keeps its own (the scheduler swaps them in `set_placement`): a placement's
+    launches and task mix differ, and one placement's samples must not size another's claims.
     `cpu`: one CPU worker's rate over its busy time (static shares, reports); `cpu_lane`: the
     CPU lane's rate as a whole, modeled bytes over the time from its first task's start to its
     last task's end (idle workers, the tail, DRAM shared with the GPU's reads all included), and
     `cpu_start`: seconds from releasing the workers to their first task -- these two size the
-    fluxion claims (the busy-time rate times the worker count overstates the lane by 1.5-2x on
-    the reference host, so the GPU claimed too little and idled while the CPU finished);
+    fluxion claims (they also count the tasks the workers hold, which the queue's rest does not);
     `gpu`: the GPU lane's average rate per launch (static shares, reports); `model`: the GPU
     launch model (fluxion claims), fitted on GPU time; `delay`: host time from a claim to the
     GPU starting it.

@@ -18,7 +18,7 @@ tensor by tensor from the operations that make them), so a change there must cha
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable
 
 import psutil
@@ -304,7 +304,7 @@ def _torch_lane_task_bytes(cpu_len: int, block_size: int, budget: float, geometr
 
 # ---------------------------------------------------------------------------- plans
 def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cuda: bool | None = None,
-                     layers_key: str = "geometry.layers", recorded_steps: int | None = None) -> MemoryPlan:
+                     recorded_steps: int | None = None) -> MemoryPlan:
     """Everything `HybridRuntime(cfg, geometry)` allocates, and the temporaries of its largest prefill
     (one prompt filling `kv_cache.cpu_capacity_tokens`) and decode task (budget 1.0 at the smallest
     block size: any head plan). `cuda`: plan for a machine with (True) or without CUDA (default:
@@ -317,8 +317,8 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
     s = kv.max_sequences
     window_on_gpu = kv.device == "cuda" or (kv.device == "auto" and cuda)
     host_kind = HOST_PINNED if cuda else HOST
-    lane_on_gpu = sc.gpu_worker and cuda
-    cap_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences", "kv_cache.dtype", layers_key)
+    lane_on_gpu = sc.gpu_lane(cuda) and cuda
+    cap_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences", "kv_cache.dtype", "geometry.layers")
     parts = []
 
     n_chunks, arenas = arena_bytes(kv, geometry)
@@ -331,7 +331,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
     one_window = s * hkv * w * d * es
     parts.append(MemoryPart(
         "kv_windows", win_where, RESIDENT, 2 * layers * _on(win_where, one_window),
-        ("kv_cache.max_sequences", "kv_cache.generated_cap", "kv_cache.local", "kv_cache.sink", layers_key),
+        ("kv_cache.max_sequences", "kv_cache.generated_cap", "kv_cache.local", "kv_cache.sink", "geometry.layers"),
         f"k and v x {layers} layers x {s} slots x {hkv} heads x {w} tokens x {d} x {es} B"))
 
     # Step buffers (runtime.__init__): q and packed results on the host, their device copies.
@@ -390,7 +390,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         "prefill_staging", staging_where, "prefill", _on(staging_where, staging),
         ("kv_cache.cpu_capacity_tokens", "kv_cache.dtype"),
         f"cast, chunk images and block metadata of one {longest}-token prompt"))
-    if sc.gpu_worker and not cuda:
+    if sc.gpu_lane(cuda) and not cuda:
         blk = min(kv.block_sizes)
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode", _torch_lane_task_bytes(kv.cpu_capacity_tokens, blk, 1.0, geometry, es),
@@ -416,10 +416,7 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
     cuda = torch.cuda.is_available() if cuda is None else cuda
     wl, kv = cfg.workload, cfg.kv_cache
     geometry = cfg.geometry
-    if wl.layers:
-        geometry = replace(geometry, layers=min(wl.layers, geometry.layers))
-    plan = estimate_runtime(cfg, geometry, cuda=cuda, layers_key="workload.layers",
-                            recorded_steps=wl.decode_steps * geometry.layers)
+    plan = estimate_runtime(cfg, geometry, cuda=cuda, recorded_steps=wl.decode_steps * geometry.layers)
     layers, hkv, d, g = geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.group_size
     es = _ESIZE[kv.dtype]
     window_on_gpu = kv.device == "cuda" or (kv.device == "auto" and cuda)
@@ -448,13 +445,14 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
                             f"cast, chunk images and block metadata of one {ctx}-token prompt"))
 
     cpu_len = min(_cpu_tokens_after(kv, ctx, wl.decode_steps), kv.cpu_capacity_tokens)
-    if cfg.scheduler.gpu_worker and not cuda:
-        budget = {"fixed": cfg.policy.budget, "full": 1.0, "streaming": 0.0}[cfg.policy.name]
+    if cfg.scheduler.gpu_lane(cuda) and not cuda:
+        sel = cfg.selection
+        budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0}[sel.name]
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode",
-            _torch_lane_task_bytes(cpu_len, cfg.policy.block_size, budget, geometry, es),
-            ("workload.context", "policy.budget", "policy.block_size"),
-            f"one task of {cpu_len} tokens at block {cfg.policy.block_size}, budget {budget:g}"))
+            _torch_lane_task_bytes(cpu_len, sel.block_size, budget, geometry, es),
+            ("workload.context", "selection.budget", "selection.block_size"),
+            f"one task of {cpu_len} tokens at block {sel.block_size}, budget {budget:g}"))
 
     # The final check, per (layer, sequence): `KVStore.full_kv` gathers whole chunks (all their
     # rows), slices keys and values and concatenates; dense attention then makes fp32 copies

@@ -18,7 +18,7 @@ Shared state (`ctrl`, int64, hot words on their own cache lines):
     DONE   positions finished (CPU side) in the current job
     LAYER, B, N   the job: layer, batch size, number of queue positions
 The host writes the task table, then publishes (SEQ odd, parameters, WORD, DONE, SEQ even). The
-GPU lane claims ranges of positions from the same WORD (`claim`), so the fluxion policy's two
+GPU lane claims ranges of positions from the same WORD (`claim`), so the fluxion placement's two
 devices pull from one priority queue. `close` stops further pops and returns how many positions
 were handed out, so the host can wait for exactly the tasks in flight.
 

@@ -2,7 +2,7 @@
 
 With native CPU workers the queue lives in shared memory (`native_pool`): workers pop positions
 with an atomic compare-and-swap inside their numba loop, without the GIL, while the GPU lane
-claims ranges of positions from the same control word -- so the fluxion policy's two devices still
+claims ranges of positions from the same control word -- so the fluxion placement's two devices still
 pull from one queue. Python workers use `tasks.TaskQueue` instead; both serve the GPU lane
 through the same interface.
 """

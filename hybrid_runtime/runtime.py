@@ -12,12 +12,14 @@ buffers); one small host-to-device copy brings the CPU results over; log-sum-exp
 in q's dtype and device.
 
 Without CUDA everything runs on the host: the window attention and the merge use the torch
-reference, and the GPU lane (when `scheduler.gpu_worker` is true) is served by the torch
-reference executor on the CPU, so every policy keeps its meaning and its tests.
+reference, and there is no GPU lane unless `scheduler.gpu_worker` is set to true (the default
+"auto" has one only where CUDA is); then the torch reference executor serves it on the CPU, so
+every placement keeps its meaning and its tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -169,10 +171,10 @@ class HybridRuntime:
         memory_plan: MemoryPlan | None = None,
     ):
         geometry = cfg.geometry if geometry is None else geometry
-        for layer, heads in cfg.policy.streaming_heads.items():
+        for layer, heads in cfg.selection.streaming_heads.items():
             if not 0 <= layer < geometry.layers or any(not 0 <= h < geometry.q_heads for h in heads):
                 raise ConfigError(
-                    f"policy.streaming_heads.{layer}: layer or heads {list(heads)} out of range for geometry "
+                    f"selection.streaming_heads.{layer}: layer or heads {list(heads)} out of range for geometry "
                     f"{geometry.name!r} ({geometry.layers} layers, {geometry.q_heads} q heads)"
                 )
         admit(estimate_runtime(cfg, geometry) if memory_plan is None else memory_plan, cfg.kv_cache)
@@ -184,7 +186,8 @@ class HybridRuntime:
         self.device = store.device
         self.cuda = self.device.type == "cuda"
         self.scale = 1.0 / math.sqrt(geometry.head_dim)
-        sc = cfg.scheduler
+        # "auto" resolved for this machine: what the scheduler, stats and traces see.
+        sc = dataclasses.replace(cfg.scheduler, gpu_worker=cfg.scheduler.gpu_lane(torch.cuda.is_available()))
         # An executor argument may also be a factory `store -> executor` (executors need the store).
         if cpu_executor is not None and (isinstance(cpu_executor, type) or not hasattr(cpu_executor, "run")):
             cpu_executor = cpu_executor(store)
@@ -200,7 +203,8 @@ class HybridRuntime:
                 # Compile the claim kernels and measure the link now, not in the first decode step.
                 gpu_executor.warm_up()
             else:
-                log.info("no CUDA device: the GPU lane runs the torch reference executor on the CPU")
+                log.info("no CUDA device: the GPU lane (scheduler.gpu_worker: true) runs the torch reference "
+                         "executor on the CPU")
                 gpu_executor = TorchRefExecutor(store, device="cpu")
         self.cpu_executor = cpu_executor if sc.cpu_workers > 0 else None
         self.gpu_executor = gpu_executor if sc.gpu_worker else None
@@ -209,7 +213,7 @@ class HybridRuntime:
             self.gpu_executor is not None and torch.cuda.is_available() and getattr(self.gpu_executor, "device", "") == "gpu"
         )
         self.gpu_lane_device = torch.device("cuda") if lane_cuda else torch.device("cpu")
-        self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.policy, geometry)
+        self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.selection, geometry)
         self._task_cache: dict = {}
 
         # Step buffers, allocated once for the largest batch (the hot path allocates no pinned
@@ -618,7 +622,7 @@ class HybridRuntime:
             self._timeline.record(
                 layer=layer,
                 batch=b,
-                policy=self.scheduler.policy,
+                placement=self.scheduler.placement,
                 t_entry=t_entry,
                 ev_entry=ev_entry,
                 tasks=tasks,
@@ -649,7 +653,7 @@ class HybridRuntime:
         self._check_open()
         ex = self.scheduler.lane.executor
         if ex is None:
-            raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker: false)")
+            raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker false, or 'auto' without CUDA)")
         seq_ids = [int(s) for s in seq_ids]
         tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
         if not tasks:
@@ -688,31 +692,35 @@ class HybridRuntime:
         return rows
 
     def stats(self) -> dict:
-        """Scheduler estimates and placement, for reports."""
+        """Scheduler estimates and placement, for reports; the GPU lane's only where there is one."""
         sch = self.scheduler
-        return {
-            "policy": sch.policy,
+        stats = {
+            "placement": sch.placement,
             "cpu_workers": sch.n_cpu,
             "gpu_worker": self.gpu_executor is not None,
-            "gpu_executor": type(self.gpu_executor).__name__ if self.gpu_executor is not None else None,
             "pinning": sch.cores.note,
             "tp_cpu_worker_GBps": sch.tp_cpu_worker / 1e9,
             # The CPU lane as the fluxion claims see it: its rate from first task to last, and
             # the delay from the workers' release to their first task.
             "cpu_lane_GBps": sch.rates.cpu_lane.bytes_per_s / 1e9,
             "cpu_lane_start_us": sch.rates.cpu_start.seconds * 1e6,
-            # The learned correction to the GPU's first claim, as a fraction of a step's bytes.
-            "gpu_share_balance": sch.rates.balance,
-            "tp_gpu_GBps": sch.tp_gpu / 1e9,
-            "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
-            "gpu_claim_delay_us": sch.rates.delay.seconds * 1e6,
-            "gpu_launch_GBps": sch.gpu_model.bw / 1e9,
-            "gpu_link_GBps": sch.link_bw / 1e9 if sch.link_bw else None,
             "cpu_workers_native": sch.native is not None,
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
-            "gpu_share": sch.gpu_share(),
         }
+        if self.gpu_executor is not None:
+            stats.update({
+                "gpu_executor": type(self.gpu_executor).__name__,
+                "tp_gpu_GBps": sch.tp_gpu / 1e9,
+                "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
+                "gpu_claim_delay_us": sch.rates.delay.seconds * 1e6,
+                "gpu_launch_GBps": sch.gpu_model.bw / 1e9,
+                "gpu_link_GBps": sch.link_bw / 1e9 if sch.link_bw else None,
+                "gpu_share": sch.gpu_share(),
+                # The learned correction to the GPU's first claim, as a fraction of a step's bytes.
+                "gpu_share_balance": sch.rates.balance,
+            })
+        return stats
 
 
 __all__ = ["HybridRuntime", "window_attention_torch"]

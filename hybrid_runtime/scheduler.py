@@ -1,11 +1,11 @@
-"""The scheduling policies and the step loop; one `Scheduler` per runtime.
+"""Task placement and the step loop; one `Scheduler` per runtime.
 
 The scheduler owns the CPU lane (`workers.CpuWorkers`, started once for the runtime's whole
 lifetime) and the GPU lane (`gpu_lane.GpuLane`, driven from the thread that calls `decode`).
-Per step it splits the tasks into queues by policy, releases the CPU workers, and drives the GPU
+Per step it splits the tasks into queues by placement, releases the CPU workers, and drives the GPU
 lane until every task finished.
 
-Policies (config `scheduler.policy`, the ablation of Fluxion Fig. 10c):
+Placements (config `scheduler.placement`, the ablation of Fluxion Fig. 10c):
     fluxion   one shared priority queue (largest V first); both devices pull dynamically
     cpu_only  every task on the CPU workers (the paper's "w/o Fluxion" hybrid baseline)
     gpu_only  every task on the GPU lane (UVA reads)
@@ -41,8 +41,8 @@ from hybrid_runtime.workers import CpuWorkers
 log = logging.getLogger(__name__)
 
 
-POLICIES = ("fluxion", "cpu_only", "gpu_only", "uniform", "length")
-NEEDS = {  # lanes a policy needs: (cpu, gpu)
+PLACEMENTS = ("fluxion", "cpu_only", "gpu_only", "uniform", "length")
+NEEDS = {  # lanes a placement needs: (cpu, gpu)
     "fluxion": (False, False),  # at least one of the two, checked separately
     "cpu_only": (True, False),
     "gpu_only": (False, True),
@@ -52,7 +52,7 @@ NEEDS = {  # lanes a policy needs: (cpu, gpu)
 
 
 class Scheduler:
-    """Policies, throughput estimates and the step loop over the two lanes; one per runtime."""
+    """Placements, throughput estimates and the step loop over the two lanes; one per runtime."""
 
     # Read by tests; the GPU lane owns it.
     EXPLORE_AFTER = GpuLane.EXPLORE_AFTER
@@ -73,19 +73,20 @@ class Scheduler:
         `native_kernel` is None or missing, CPU workers are Python threads calling `run_one`."""
         self.cfg = cfg
         self.cpu_executor = cpu_executor if cfg.cpu_workers > 0 else None
-        self.gpu_executor = gpu_executor if cfg.gpu_worker else None
+        # "auto" serves a GPU lane only with a CUDA executor (the runtime makes none without CUDA).
+        self.gpu_executor = gpu_executor if cfg.gpu_lane(gpu_is_cuda) else None
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         if not (has_cpu or has_gpu):
             raise ConfigError("scheduler: no worker at all; set scheduler.cpu_workers >= 1 or scheduler.gpu_worker: true")
-        # What each policy has learned about the lanes (its own samples only), bounded by the
+        # What each placement has learned about the lanes (its own samples only), bounded by the
         # GPU executor's measured link bandwidth when it has one.
         self.link_bw = getattr(self.gpu_executor, "link_bytes_per_s", None) if has_gpu else None
         self._rates: dict[str, LaneRates] = {}
         self.lane: GpuLane | None = None
         self.n_cpu = cfg.cpu_workers if has_cpu else 0
-        self.set_policy(cfg.policy)
+        self.set_placement(cfg.placement)
         self.gpu_is_cuda = gpu_is_cuda
-        self.cores = plan_cores(self.n_cpu, has_gpu or gpu_is_cuda, cfg.pin_cores)
+        self.cores = plan_cores(self.n_cpu, cfg.pin_cores)
         pinned = self.n_cpu > 0 and self.cores.cpu[0] is not None
         # Idle native workers spin this long for the next job before blocking (only when they
         # own their cores; oversubscribed, spinning would steal the cores from real work).
@@ -108,7 +109,7 @@ class Scheduler:
         )
         self._closed = False
         self.workers.start(cfg.step_timeout_s)
-        log.info("scheduler: policy %s, %d %s CPU workers, GPU lane %s; %s", self.policy, self.n_cpu,
+        log.info("scheduler: placement %s, %d %s CPU workers, GPU lane %s; %s", self.placement, self.n_cpu,
                  "native" if self.native is not None else "Python", has_gpu, self.cores.note)
 
     # ------------------------------------------------------------------ state the runtime and tests read
@@ -119,7 +120,7 @@ class Scheduler:
 
     @property
     def tp_cpu_worker(self) -> float:
-        """The current policy's estimate of one CPU worker's rate (modeled bytes/s)."""
+        """The current placement's estimate of one CPU worker's rate (modeled bytes/s)."""
         return self.rates.cpu.bytes_per_s
 
     @tp_cpu_worker.setter
@@ -128,7 +129,7 @@ class Scheduler:
 
     @property
     def tp_gpu(self) -> float:
-        """The current policy's estimate of the GPU lane's rate per launch (modeled bytes/s)."""
+        """The current placement's estimate of the GPU lane's rate per launch (modeled bytes/s)."""
         return self.rates.gpu.bytes_per_s
 
     @tp_gpu.setter
@@ -137,7 +138,7 @@ class Scheduler:
 
     @property
     def gpu_model(self) -> LaunchModel:
-        """The current policy's GPU launch model."""
+        """The current placement's GPU launch model."""
         return self.rates.model
 
     @gpu_model.setter
@@ -162,37 +163,37 @@ class Scheduler:
         """Why no step may run any more (a timed-out step's task never returned), or None."""
         return self.lane.broken
 
-    # ------------------------------------------------------------------ policies
-    def set_policy(self, policy: str) -> None:
-        """Switch the policy between steps (benchmarks compare policies on one KV store).
+    # ------------------------------------------------------------------ placements
+    def set_placement(self, placement: str) -> None:
+        """Switch the placement between steps (benchmarks compare placements on one KV store).
 
-        Each policy keeps its own lane estimates: switching back resumes what that policy learned
-        from its own steps, and nothing learned under another policy sizes its claims.
+        Each placement keeps its own lane estimates: switching back resumes what that placement
+        learned from its own steps, and nothing learned under another placement sizes its claims.
         """
-        if policy not in POLICIES:
-            raise ConfigError(f"scheduler.policy: {policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
-        need_cpu, need_gpu = NEEDS[policy]
+        if placement not in PLACEMENTS:
+            raise ConfigError(f"scheduler.placement: {placement!r} is not allowed; allowed: {', '.join(PLACEMENTS)}")
+        need_cpu, need_gpu = NEEDS[placement]
         if need_cpu and self.cpu_executor is None:
-            raise ConfigError(f"scheduler.policy: {policy!r} needs CPU workers; set scheduler.cpu_workers >= 1")
+            raise ConfigError(f"scheduler.placement: {placement!r} needs CPU workers; set scheduler.cpu_workers >= 1")
         if need_gpu and self.gpu_executor is None:
             raise ConfigError(
-                f"scheduler.policy: {policy!r} needs the GPU worker; set scheduler.gpu_worker: true "
+                f"scheduler.placement: {placement!r} needs the GPU lane; set scheduler.gpu_worker: true "
                 "(without CUDA the GPU lane runs the torch reference executor)"
             )
-        self.policy = policy
-        self.rates = self._rates.setdefault(policy, LaneRates(self.link_bw, self.n_cpu))
+        self.placement = placement
+        self.rates = self._rates.setdefault(placement, LaneRates(self.link_bw, self.n_cpu))
         if self.lane is not None:
             self.lane.rates = self.rates
 
     def gpu_share(self) -> float:
-        """The static policies' GPU share: configured, else measured throughput ratio."""
+        """The static placements' GPU share: configured, else measured throughput ratio."""
         if 0.0 < self.gpu_share_cfg < 1.0:
             return self.gpu_share_cfg
         cpu = self.tp_cpu_worker * self.n_cpu
         return self.tp_gpu / (self.tp_gpu + cpu) if self.tp_gpu + cpu > 0 else 0.5
 
     def _static_split(self, tasks: Sequence[Task]) -> tuple[list, list]:
-        if self.policy == "uniform":
+        if self.placement == "uniform":
             weight = np.fromiter((int(np.count_nonzero(t.n_select)) for t in tasks), dtype=np.float64, count=len(tasks))
             order = np.arange(len(tasks))
         else:  # length: longest sequences first, weighted by their CPU-resident tokens
@@ -207,10 +208,10 @@ class Scheduler:
         return [t for t, g in zip(tasks, on_gpu.tolist()) if not g], [t for t, g in zip(tasks, on_gpu.tolist()) if g]
 
     def split(self, job: StepJob) -> None:
-        """Set the job's queues for the policy; O(tasks)."""
+        """Set the job's queues for the placement; O(tasks)."""
         tasks = job.tasks
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
-        pol = self.policy
+        pol = self.placement
         job.shared = False
         if not tasks:
             job.cpu_queue = job.gpu_queue = None
@@ -311,7 +312,7 @@ class Scheduler:
 
 __all__ = [
     "NEEDS",
-    "POLICIES",
+    "PLACEMENTS",
     "ConfigHeadPlanner",
     "CorePlan",
     "HeadPlan",

@@ -195,8 +195,7 @@ def test_the_reported_command_is_refused_on_the_reported_machine():
     check (80%: 17.66 GiB); the run as a whole does not, and the error says by how much and why."""
     cfg = load_config(QUICKSTART, ISSUE_SET)
     machine = MachineMemory(host_available=int(22.08 * GiB), host_total=24_100_000_000)
-    geometry = dataclasses.replace(cfg.geometry, layers=cfg.workload.layers)
-    arenas = arena_bytes(cfg.kv_cache, geometry)[1]
+    arenas = arena_bytes(cfg.kv_cache, cfg.geometry)[1]
     assert arenas < 0.8 * machine.host_available  # what let it through before
     with pytest.raises(AdmissionError) as info:
         mp.admit(mp.estimate_synthetic_run(cfg, cuda=False), cfg.kv_cache, machine)

@@ -33,8 +33,8 @@ def make_config(**over):
         "geometry": GEOM,
         "kv_cache": {"sink": SINK, "local": LOCAL, "generated_cap": GEN_CAP, "cpu_capacity_tokens": CAPACITY,
                      "max_sequences": MAX_SEQS},
-        "policy": {"name": "fixed", "block_size": 16, "budget": 0.2},
-        "scheduler": {"policy": "fluxion", "cpu_workers": 1, "pin_cores": False, "step_timeout_s": 30.0},
+        "selection": {"name": "fixed", "block_size": 16, "budget": 0.2},
+        "scheduler": {"placement": "fluxion", "cpu_workers": 1, "pin_cores": False, "step_timeout_s": 30.0},
         "profiling": {"enabled": False},
     }
     data.update(over)
@@ -401,8 +401,8 @@ VALID = {
     "geometry": dict(GEOM),
     "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 1024, "max_sequences": 3,
                  "dtype": "bf16", "max_host_memory_fraction": 0.5, "block_sizes": [16, 32]},
-    "policy": {"name": "fixed", "block_size": 16, "budget": 0.2, "streaming_heads": {0: [1, 2]}},
-    "scheduler": {"policy": "fluxion", "cpu_workers": 1, "gpu_worker": True, "pin_cores": False,
+    "selection": {"name": "fixed", "block_size": 16, "budget": 0.2, "streaming_heads": {0: [1, 2]}},
+    "scheduler": {"placement": "fluxion", "cpu_workers": 1, "gpu_worker": True, "pin_cores": False,
                   "step_timeout_s": 30.0, "gpu_share": 0.0, "spin_us": 100.0},
     "profiling": {"enabled": False},
     "workload": {"batch": 2, "context": 512},
@@ -438,7 +438,7 @@ def test_config_refuses_bad_values_with_the_key_named(leaf, value):
     except ConfigError as exc:
         msg = str(exc)
         # The key itself, or (cross-field checks) its section or the key it conflicts with.
-        assert msg.startswith((f"{section}.{key}", f"{section}:", "policy.block_size", "policy.streaming_heads",
+        assert msg.startswith((f"{section}.{key}", f"{section}:", "selection.block_size", "selection.streaming_heads",
                                "kv_cache:", "geometry.q_heads")), msg  # q_heads must be a multiple of kv_heads
         assert "allowed" in msg or "expected" in msg or "must be" in msg, msg
         return
@@ -455,7 +455,7 @@ def test_config_refuses_bad_top_level(data):
 
 
 @pytest.mark.parametrize("text, where", [
-    ("policy: {budget: .nan}\n", "policy.budget: nan"),
+    ("selection: {budget: .nan}\n", "selection.budget: nan"),
     ("scheduler: {step_timeout_s: .inf}\n", "scheduler.step_timeout_s: inf"),
     ("scheduler: {spin_us: .inf}\n", "scheduler.spin_us: inf"),
     ("kv_cache: {max_host_memory_fraction: .nan}\n", "kv_cache.max_host_memory_fraction: nan"),

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import yaml
 
 from hybrid_runtime.cli import main
@@ -7,9 +8,9 @@ from hybrid_runtime.cli import main
 TINY = {
     "geometry": {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32},
     "kv_cache": {"sink": 16, "local": 64, "generated_cap": 32, "cpu_capacity_tokens": 4096, "max_sequences": 2},
-    "policy": {"name": "fixed", "block_size": 16, "budget": 0.1},
-    "scheduler": {"policy": "fluxion", "cpu_workers": 2, "gpu_worker": True, "pin_cores": False},
-    "workload": {"batch": 2, "context": 1500, "decode_steps": 3, "layers": 0, "seed": 1},
+    "selection": {"name": "fixed", "block_size": 16, "budget": 0.1},
+    "scheduler": {"placement": "fluxion", "cpu_workers": 2, "gpu_worker": True, "pin_cores": False},
+    "workload": {"batch": 2, "context": 1500, "decode_steps": 3, "seed": 1},
 }
 
 
@@ -17,17 +18,64 @@ def test_run_writes_a_complete_run_folder(tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(TINY))
     out = tmp_path / "run"
-    assert main(["run", str(cfg), "--out", str(out), "--set", "policy.budget=1.0"]) == 0
+    assert main(["run", str(cfg), "--out", str(out), "--set", "selection.budget=1.0"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["policy"]["budget"] == 1.0
+    assert results["selection"]["budget"] == 1.0
     assert len(results["step_ms"]) == 3
     # Budget 1.0: the hybrid result is dense attention up to bf16 storage.
-    assert results["max_rel_output_error"] < 1e-3
+    assert results["max_rel_output_error"] < 1e-3 and results["rel_error_within_tolerance"]
     assert results["timeline"]["tasks"] > 0
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
-    assert yaml.safe_load((out / "config.yaml").read_text())["policy"]["budget"] == 1.0
+    assert yaml.safe_load((out / "config.yaml").read_text())["selection"]["budget"] == 1.0
     assert not (out / "FAILED").exists()
-    assert "max relative output error" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "max relative output error" in printed.out and "warning" not in printed.err
+    # The summary names both choices: which blocks heads read, and where tasks ran.
+    assert "selection fixed (block 16, budget 1)" in printed.out and "placement fluxion" in printed.out
+
+
+def test_resolved_config_records_what_ran(tmp_path):
+    """The run folder's config.yaml has the geometry's layers the runtime was built for and the
+    "auto" settings resolved; on a host without CUDA no GPU lane and nothing called GPU ran."""
+    torch = pytest.importorskip("torch")
+    data = {**TINY, "geometry": {"name": "llama-3.1-8b", "layers": 1},
+            "kv_cache": {**TINY["kv_cache"], "cpu_capacity_tokens": 2048, "max_sequences": 1},
+            "scheduler": {"cpu_workers": 1, "pin_cores": False}, "workload": {"batch": 1, "context": 600,
+                                                                          "decode_steps": 2}}
+    cfg = tmp_path / "auto.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    ran = yaml.safe_load((out / "config.yaml").read_text())
+    assert ran["geometry"] == {"name": "llama-3.1-8b", "layers": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128}
+    cuda = torch.cuda.is_available()
+    assert ran["scheduler"]["gpu_worker"] is cuda and ran["kv_cache"]["device"] == ("cuda" if cuda else "cpu")
+    results = json.loads((out / "results.json").read_text())
+    assert results["geometry"]["layers"] == 1
+    if not cuda:  # no GPU figure: only the record that no GPU lane ran
+        assert results["scheduler"]["gpu_worker"] is False
+        assert "gpu" not in json.dumps(results).lower().replace('"gpu_worker": false', "")
+        assert "GPU" not in (out / "trace.json").read_text()
+
+
+def test_output_error_above_the_tolerance_warns(tmp_path, capsys):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--set", "selection.name=streaming"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["max_rel_output_error"] > 0.1 and not results["rel_error_within_tolerance"]
+    printed = capsys.readouterr()
+    assert "warning: max relative output error" in printed.err and "workload.rel_error_tolerance=0.1" in printed.err
+    assert "`streaming` selection attends the GPU window only" in printed.err
+    assert "prefilled" not in printed.out  # --quiet: the summary only
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith("hybrid-runtime ")
 
 
 def test_bad_config_exits_2_and_names_the_key(tmp_path, capsys):
@@ -36,6 +84,15 @@ def test_bad_config_exits_2_and_names_the_key(tmp_path, capsys):
     assert main(["run", str(cfg), "--out", str(tmp_path / "r")]) == 2
     assert "kv_cache.sinks: unknown key" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.yaml")]) == 2
+    # A key of the old names: the error names the new one.
+    assert main(["run", _write(tmp_path, TINY), "--set", "policy.name=full", "--out", str(tmp_path / "r2")]) == 2
+    assert "policy: replaced by selection" in capsys.readouterr().err
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
 
 
 def test_failed_run_is_marked_failed(tmp_path):

@@ -1,22 +1,25 @@
+import dataclasses
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from hybrid_runtime.config import GEOMETRIES, ConfigError, config_from_dict, load_config, parse_override
+from hybrid_runtime.config import GEOMETRIES, ConfigError, config_from_dict, load_config, parse_override, resolved
 
 
 def test_defaults_match_design():
     cfg = config_from_dict({})
     assert (cfg.kv_cache.sink, cfg.kv_cache.local, cfg.kv_cache.page_size) == (64, 256, 16)
     assert cfg.kv_cache.block_sizes == (16, 32, 64, 128)
-    assert (cfg.policy.block_size, cfg.policy.budget) == (16, 0.05)
+    assert (cfg.selection.block_size, cfg.selection.budget) == (16, 0.05)
+    assert (cfg.scheduler.placement, cfg.scheduler.gpu_worker) == ("fluxion", "auto")
 
 
 def test_keys_that_would_do_nothing_are_refused():
     # The error bound tau arrives with the predictor that reads it; executors are chosen by the
     # runtime (numba on the CPU, UVA on CUDA, the torch reference without CUDA), not by config.
     with pytest.raises(ConfigError, match="tau"):
-        config_from_dict({"policy": {"tau": 0.1}})
+        config_from_dict({"selection": {"tau": 0.1}})
     with pytest.raises(ConfigError, match="executors"):
         config_from_dict({"executors": {"cpu": "numba"}})
 
@@ -24,6 +27,28 @@ def test_keys_that_would_do_nothing_are_refused():
 def test_reference_geometry_by_name():
     assert config_from_dict({"geometry": "qwen2.5-7b"}).geometry == GEOMETRIES["qwen2.5-7b"]
     assert config_from_dict({"geometry": {"name": "smollm2-135m"}}).geometry.group_size == 3
+    # A reference model's first layers: the runtime (and the resolved config) has exactly those.
+    first4 = config_from_dict({"geometry": {"name": "qwen2.5-7b", "layers": 4}}).geometry
+    assert first4 == dataclasses.replace(GEOMETRIES["qwen2.5-7b"], layers=4)
+
+
+def test_gpu_worker_auto_means_a_gpu_lane_only_with_cuda():
+    auto = config_from_dict({}).scheduler
+    assert auto.gpu_lane(cuda=True) and not auto.gpu_lane(cuda=False)
+    on = config_from_dict({"scheduler": {"gpu_worker": True}}).scheduler
+    assert on.gpu_lane(cuda=False)  # the torch reference lane on a host without CUDA
+    assert not config_from_dict({"scheduler": {"gpu_worker": False}}).scheduler.gpu_lane(cuda=True)
+    ran = resolved(config_from_dict({}), cuda=False)
+    assert (ran.scheduler.gpu_worker, ran.kv_cache.device) == (False, "cpu")
+    assert resolved(config_from_dict({}), cuda=True).scheduler.gpu_worker is True
+
+
+def test_shipped_configs_load():
+    root = Path(__file__).resolve().parents[1] / "configs"
+    quick = load_config(root / "quickstart.yaml")
+    assert quick.geometry == dataclasses.replace(GEOMETRIES["llama-3.1-8b"], layers=4)
+    hf = load_config(root / "hf_smollm2.yaml")
+    assert hf.geometry == config_from_dict({}).geometry  # left unset: taken from the model
 
 
 def test_config_is_frozen():
@@ -42,13 +67,21 @@ def test_config_is_frozen():
         ({"kv_cache": {"dtype": "fp16"}}, "kv_cache.dtype", "'bf16', 'fp32'"),
         ({"kv_cache": {"block_sizes": [16, 48]}}, "kv_cache.block_sizes", "[16, 32, 64, 128]"),
         ({"kv_cache": {"local": 250}}, "kv_cache", "multiples of the page size"),
-        ({"policy": {"budget": 1.5}}, "policy.budget", "value <= 1.0"),
-        ({"scheduler": {"policy": "greedy"}}, "scheduler.policy", "'fluxion'"),
+        ({"selection": {"budget": 1.5}}, "selection.budget", "value <= 1.0"),
+        ({"scheduler": {"placement": "greedy"}}, "scheduler.placement", "'fluxion'"),
+        ({"scheduler": {"gpu_worker": "yes"}}, "scheduler.gpu_worker", "'auto', true or false"),
+        ({"scheduler": {"gpu_worker": 1}}, "scheduler.gpu_worker", "expected true/false or string"),
+        ({"geometry": {"name": "qwen2.5-7b", "q_heads": 4}}, "geometry.q_heads", "only `layers`"),
+        ({"geometry": {"name": "qwen2.5-7b", "layers": 0}}, "geometry.layers", "1 <= value"),
         ({"scheduler": {"pin_cores": "yes"}}, "scheduler.pin_cores", "true or false"),
         ({"geometry": "gpt-5"}, "geometry.name", "llama-3.1-8b"),
         ({"geometry": {"layers": 2, "q_heads": 9, "kv_heads": 2, "head_dim": 64}}, "geometry.q_heads", "multiple"),
-        ({"policy": {"streaming_heads": {40: [0]}}}, "policy.streaming_heads.40", "0..31"),
-        ({"policy": {"block_size": 64}, "kv_cache": {"block_sizes": [16, 32]}}, "policy.block_size", "[16, 32]"),
+        ({"selection": {"streaming_heads": {40: [0]}}}, "selection.streaming_heads.40", "0..31"),
+        ({"selection": {"block_size": 64}, "kv_cache": {"block_sizes": [16, 32]}}, "selection.block_size", "[16, 32]"),
+        # The names of before: the error names where each setting lives now.
+        ({"policy": {"name": "full"}}, "policy: replaced by selection", "fixed / full / streaming"),
+        ({"scheduler": {"policy": "cpu_only"}}, "scheduler.policy: replaced by scheduler.placement", "fluxion"),
+        ({"workload": {"layers": 4}}, "workload.layers: replaced by geometry.layers", "layers: 4"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(data, where, allowed):
@@ -66,13 +99,13 @@ def test_yaml_file_and_overrides(tmp_path):
             """
             geometry: llama-3.1-8b
             kv_cache: {sink: 32, dtype: fp32}
-            scheduler: {policy: cpu_only}
+            scheduler: {placement: cpu_only}
             """
         )
     )
-    cfg = load_config(path, dict([parse_override("scheduler.cpu_workers=3"), parse_override("policy.budget=0.02")]))
+    cfg = load_config(path, dict([parse_override("scheduler.cpu_workers=3"), parse_override("selection.budget=0.02")]))
     assert cfg.kv_cache.sink == 32 and cfg.kv_cache.dtype == "fp32"
-    assert cfg.scheduler.cpu_workers == 3 and cfg.policy.budget == pytest.approx(0.02)
+    assert cfg.scheduler.cpu_workers == 3 and cfg.selection.budget == pytest.approx(0.02)
     assert cfg.to_dict()["kv_cache"]["block_sizes"] == [16, 32, 64, 128]
 
 

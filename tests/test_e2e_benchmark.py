@@ -97,7 +97,7 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert row["pinned_host_bytes"] == (0 if not row["host_arena_pinned"] else row["pinned_host_bytes"])
     assert 0 <= row["pinned_host_bytes"] <= row["reserved_host_bytes"]
     assert seen["kv_cfg"].cpu_capacity_tokens == BATCH * (CONTEXT + NEW)
-    assert row["runtime_stats"]["policy"] == "cpu_only"
+    assert row["runtime_stats"]["placement"] == "cpu_only"
     assert row["torch_threads_decode"] >= 1
 
 

@@ -49,14 +49,14 @@ NONE, FAIL, HOLD, RAISE = 0, 1, 2, 3  # RAISE: a native kernel that raises inste
 NATIVE_STATUS = -7  # what the injected native kernel returns for FAIL
 
 
-def config(policy: str, timeout: float = 30.0, capacity: int = 8192, gpu_worker: bool = True):
+def config(placement: str, timeout: float = 30.0, capacity: int = 8192, gpu_worker: bool = True):
     return config_from_dict({
         "geometry": GEOM,
         "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": capacity, "max_sequences": 4},
-        "policy": {"name": "full"},
+        "selection": {"name": "full"},
         # uniform at share 0.5 gives the GPU lane the first three tasks (sequence 0, sequence 1's
         # first KV head) and the CPU workers the rest: both lanes run, the target's on each.
-        "scheduler": {"policy": policy, "cpu_workers": 2, "gpu_worker": gpu_worker, "step_timeout_s": timeout,
+        "scheduler": {"placement": placement, "cpu_workers": 2, "gpu_worker": gpu_worker, "step_timeout_s": timeout,
                       "gpu_share": 0.5, "gc_freeze": False},  # (its full collection per start: 0.5 s here)
         "profiling": {"enabled": False},
     })
@@ -194,7 +194,7 @@ class AsyncRefLaunch:
         return RefClaim(self, t0, time.perf_counter(), nbytes, self.holding, hit and self.mode == FAIL)
 
 
-def make_runtime(cpu: str, gpu: str | None, policy: str, timeout: float = 30.0, capacity: int = 8192):
+def make_runtime(cpu: str, gpu: str | None, placement: str, timeout: float = 30.0, capacity: int = 8192):
     """A runtime with the injection points: `cpu` "native" or "python", `gpu` "sync", "async" or None."""
     kw = {}
     if cpu == "native":
@@ -203,7 +203,7 @@ def make_runtime(cpu: str, gpu: str | None, policy: str, timeout: float = 30.0, 
         kw.update(cpu_executor=PythonFaultCpu)
     if gpu is not None:
         kw["gpu_executor"] = FaultyRef if gpu == "sync" else AsyncRefLaunch
-    rt = HybridRuntime(config(policy, timeout, capacity, gpu_worker=gpu is not None), **kw)
+    rt = HybridRuntime(config(placement, timeout, capacity, gpu_worker=gpu is not None), **kw)
     assert (rt.scheduler.native is not None) == (cpu == "native")
     return rt
 
@@ -329,10 +329,10 @@ CPU_FAULTS = {  # how a failing task reaches decode: native kernels return a sta
 
 
 @pytest.mark.parametrize("cpu", ["native", "python"])
-@pytest.mark.parametrize("policy", ["cpu_only", "fluxion"])
-def test_cpu_task_failing_mid_step_fails_decode_and_the_next_step_is_exact(cpu, policy):
+@pytest.mark.parametrize("placement", ["cpu_only", "fluxion"])
+def test_cpu_task_failing_mid_step_fails_decode_and_the_next_step_is_exact(cpu, placement):
     before = set(threading.enumerate())
-    rt = make_runtime(cpu, "sync" if policy == "fluxion" else None, policy)
+    rt = make_runtime(cpu, "sync" if placement == "fluxion" else None, placement)
     refs = arena_refs(rt)
     try:
         prefill(rt)
@@ -409,10 +409,10 @@ def test_native_kernel_raising_still_fails_decode_and_close_reports_what_it_keep
 
 # ---------------------------------------------------------------------------- (b) a GPU launch fails
 @pytest.mark.parametrize("launch", ["sync", "async"])
-@pytest.mark.parametrize("cpu,policy", [("native", "gpu_only"), ("native", "uniform"), ("python", "uniform")])
-def test_gpu_launch_failing_fails_decode_and_the_next_step_is_exact(launch, cpu, policy):
+@pytest.mark.parametrize("cpu,placement", [("native", "gpu_only"), ("native", "uniform"), ("python", "uniform")])
+def test_gpu_launch_failing_fails_decode_and_the_next_step_is_exact(launch, cpu, placement):
     before = set(threading.enumerate())
-    rt = make_runtime(cpu, launch, policy)
+    rt = make_runtime(cpu, launch, placement)
     refs = arena_refs(rt)
     prefill(rt)
     assert_step_exact(rt, seed=0)
@@ -439,10 +439,10 @@ def _stall_name(lane, cpu):
     return rf"CPU worker hybrid-cpu\d on sequence {TARGET}, KV head \d"
 
 
-@pytest.mark.parametrize("lane,cpu,gpu,policy", STALLS, ids=STALL_IDS)
-def test_stalled_task_times_out_naming_it_and_the_step_after_its_return_is_exact(lane, cpu, gpu, policy):
+@pytest.mark.parametrize("lane,cpu,gpu,placement", STALLS, ids=STALL_IDS)
+def test_stalled_task_times_out_naming_it_and_the_step_after_its_return_is_exact(lane, cpu, gpu, placement):
     before = set(threading.enumerate())
-    rt = make_runtime(cpu, gpu, policy, timeout=STALL_TIMEOUT_S)
+    rt = make_runtime(cpu, gpu, placement, timeout=STALL_TIMEOUT_S)
     refs = arena_refs(rt)
     inj = Injector(rt, lane)
     try:
@@ -461,10 +461,10 @@ def test_stalled_task_times_out_naming_it_and_the_step_after_its_return_is_exact
     close_and_check(rt, before, refs)
 
 
-@pytest.mark.parametrize("lane,cpu,gpu,policy", STALLS, ids=STALL_IDS)
-def test_task_that_never_returns_breaks_the_runtime_clearly_and_close_is_bounded(lane, cpu, gpu, policy):
+@pytest.mark.parametrize("lane,cpu,gpu,placement", STALLS, ids=STALL_IDS)
+def test_task_that_never_returns_breaks_the_runtime_clearly_and_close_is_bounded(lane, cpu, gpu, placement):
     before = set(threading.enumerate())
-    rt = make_runtime(cpu, gpu, policy, timeout=STALL_TIMEOUT_S)
+    rt = make_runtime(cpu, gpu, placement, timeout=STALL_TIMEOUT_S)
     refs = arena_refs(rt)
     inj = Injector(rt, lane)
     stuck_name = _stall_name(lane, cpu)
@@ -512,7 +512,7 @@ def test_task_that_never_returns_breaks_the_runtime_clearly_and_close_is_bounded
 # ---------------------------------------------------------------------------- nothing leaks
 CYCLE_CAPACITY = 64 * 1024  # arenas of 18 MiB: a leak of one per cycle is 360 MiB over 20 cycles
 CYCLE_LENGTHS = [100, 300, 600]  # short prompts: the cycles measure what is left, not the kernels
-CYCLE_KINDS = [  # (lane, CPU workers, GPU lane, policy, fault, error)
+CYCLE_KINDS = [  # (lane, CPU workers, GPU lane, placement, fault, error)
     ("cpu", "native", "sync", "fluxion", FAIL, RuntimeError),
     ("gpu", "native", "sync", "uniform", FAIL, RuntimeError),
     ("cpu", "python", None, "cpu_only", FAIL, FloatingPointError),
@@ -532,8 +532,8 @@ def test_twenty_build_fault_close_cycles_leave_no_threads_memory_or_arenas():
     threads_before = set(threading.enumerate())
 
     def cycle(i):
-        lane, cpu, gpu, policy, mode, expected = CYCLE_KINDS[i % len(CYCLE_KINDS)]
-        rt = make_runtime(cpu, gpu, policy, timeout=0.3 if mode == HOLD else 30.0, capacity=CYCLE_CAPACITY)
+        lane, cpu, gpu, placement, mode, expected = CYCLE_KINDS[i % len(CYCLE_KINDS)]
+        rt = make_runtime(cpu, gpu, placement, timeout=0.3 if mode == HOLD else 30.0, capacity=CYCLE_CAPACITY)
         refs = arena_refs(rt)
         inj = Injector(rt, lane)
         try:

@@ -175,27 +175,27 @@ def test_chunked_prefill_leaves_the_store_as_one_shot(device, split):
     assert chunked.cpu_tokens(1) == whole.cpu_tokens(1) == sum(sizes) - 36
 
 
-def decode_config(policy: str = "cpu_only", **kv):
+def decode_config(placement: str = "cpu_only", **kv):
     kv_cache = {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192, "max_sequences": 4}
     kv_cache.update(kv)
     return config_from_dict({
         "geometry": {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32},
         "kv_cache": kv_cache,
-        "policy": {"name": "fixed", "block_size": 16, "budget": 0.2},
-        "scheduler": {"policy": policy, "cpu_workers": 1, "pin_cores": False},
+        "selection": {"name": "fixed", "block_size": 16, "budget": 0.2},
+        "scheduler": {"placement": placement, "cpu_workers": 1, "gpu_worker": True, "pin_cores": False},
         "profiling": {"enabled": False},
     })
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("policy", ["cpu_only", "gpu_only"])
-def test_chunked_prefill_decodes_like_one_shot(device, policy):
+@pytest.mark.parametrize("placement", ["cpu_only", "gpu_only"])
+def test_chunked_prefill_decodes_like_one_shot(device, placement):
     """Same prompts, whole (sequences 0, 1) or in chunks (2, 3) in one runtime: every decode
     step's output is identical, spills included. One lane per run (the CPU kernels reading the
     arena, or the GPU lane: UVA claims with CUDA), so both batches run the same arithmetic."""
     lengths, chunk = [700, 333], 96
     prompts = [random_kv(n, 2, 32, seed=20 + i) for i, n in enumerate(lengths)]
-    with HybridRuntime(decode_config(policy)) as rt:
+    with HybridRuntime(decode_config(placement)) as rt:
         for s, (k, v) in enumerate(prompts):
             for layer in (0, 1):
                 rt.prefill(s, layer, k.to(device), v.to(device))
@@ -207,7 +207,7 @@ def test_chunked_prefill_decodes_like_one_shot(device, policy):
             kn, vn = torch.randn(2, 2, 2, 32, generator=gen).to(device)
             for layer in (0, 1):
                 whole, chunked = rt.decode(layer, [0, 1], q, kn, vn), rt.decode(layer, [2, 3], q, kn, vn)
-                if HAS_CUDA and policy == "gpu_only":  # a claim's split count follows its grouping
+                if HAS_CUDA and placement == "gpu_only":  # a claim's split count follows its grouping
                     torch.testing.assert_close(whole, chunked, atol=1e-6, rtol=1e-5)
                 else:
                     assert torch.equal(whole, chunked)
@@ -365,7 +365,7 @@ def test_generate_with_prefill_chunks_matches_one_shot():
     ids, mask = left_padded([200, 120, 40])
     dense = greedy(model, ids, mask, 8)
     cfg = hybrid_cfg(generated_cap=32)  # the GPU lane alone (the torch reference without CUDA): no compiles
-    lane = dataclasses.replace(cfg.scheduler, policy="gpu_only", cpu_workers=0, gpu_worker=True)
+    lane = dataclasses.replace(cfg.scheduler, placement="gpu_only", cpu_workers=0, gpu_worker=True)
     cfg = dataclasses.replace(cfg, scheduler=lane)
     rt = enable_hybrid_attention(model, cfg)
     extends = []

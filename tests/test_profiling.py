@@ -34,7 +34,7 @@ def test_union_length_merges_overlaps_and_clips():
 def synthetic_record(layer: int, t0: float, gpu_iv, has_gpu=True) -> StepRecord:
     n = 3
     return StepRecord(
-        index=0, layer=layer, batch=2, policy="fluxion", t_start=t0, t_end=t0 + 5.0,
+        index=0, layer=layer, batch=2, placement="fluxion", t_start=t0, t_end=t0 + 5.0,
         worker=np.array([0, 1, 2], np.int16), lane=np.array([LANE_CPU, LANE_CPU, LANE_GPU], np.int8),
         seq_id=np.arange(n), kv_head=np.zeros(n, np.int16),
         start=t0 + np.array([0.1, 0.2, 1.0]), end=t0 + np.array([2.0, 4.0, 2.0]),
@@ -64,8 +64,8 @@ def test_gpu_idle_per_layer_as_in_table_5():
     assert st["cpu_busy_s"] == pytest.approx(1.9 + 3.8)
 
 
-def run_steps(policy="fluxion", steps=3, plan="fixed", budget=0.2):
-    rt = HybridRuntime(rt_config(policy, plan=plan, budget=budget))
+def run_steps(placement="fluxion", steps=3, plan="fixed", budget=0.2):
+    rt = HybridRuntime(rt_config(placement, plan=plan, budget=budget))
     prefill_all(rt)
     gen = torch.Generator().manual_seed(0)
     bytes_before = sum(ex.bytes_read for ex in (rt.cpu_executor, rt.gpu_executor) if ex is not None)
@@ -78,9 +78,9 @@ def run_steps(policy="fluxion", steps=3, plan="fixed", budget=0.2):
     return rt, bytes_after - bytes_before
 
 
-@pytest.mark.parametrize("policy", ["fluxion", "uniform"])
-def test_timeline_totals_add_up(policy):
-    rt, nbytes = run_steps(policy)
+@pytest.mark.parametrize("placement", ["fluxion", "uniform"])
+def test_timeline_totals_add_up(placement):
+    rt, nbytes = run_steps(placement)
     try:
         recs = rt.timeline.records
         assert len(recs) == 6 and [r.layer for r in recs] == [0, 1] * 3
@@ -167,7 +167,7 @@ def test_timeline_resolves_in_batches():
     tl = Timeline(["cpu0"], [LANE_CPU], clock=None)
     tl.RESOLVE_EVERY = 4  # (256 by default)
     for i in range(10):
-        tl.record(layer=0, batch=1, policy="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
+        tl.record(layer=0, batch=1, placement="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
                   gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
     assert len(tl._records) == 8 and len(tl._pending) == 2  # resolved in two batches of four
     assert [r.attention_s for r in tl.records] == [0.5] * 10
@@ -177,7 +177,7 @@ def test_timeline_keeps_the_last_max_steps_and_counts_the_dropped():
     tl = Timeline(["cpu0"], [LANE_CPU], clock=None, max_steps=6)
     tl.RESOLVE_EVERY = 4
     for i in range(23):
-        tl.record(layer=i % 2, batch=1, policy="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
+        tl.record(layer=i % 2, batch=1, placement="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
                   gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
         assert len(tl._records) + len(tl._pending) <= 6 + tl.RESOLVE_EVERY  # bounded on the way, not only at the end
         assert len(tl) == min(i + 1, 6) and tl.recorded_steps == i + 1

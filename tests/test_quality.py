@@ -44,10 +44,10 @@ def test_policy_slugs_and_runtime_configs():
     assert QualitySettings().policies == tuple(POLICIES)
     s = QualitySettings(lengths=(512,), positions=8, passkey_lengths=())
     cfg = runtime_config(s, "fixed32_002")
-    assert (cfg.policy.name, cfg.policy.block_size, cfg.policy.budget) == ("fixed", 32, 0.02)
+    assert (cfg.selection.name, cfg.selection.block_size, cfg.selection.budget) == ("fixed", 32, 0.02)
     full = runtime_config(s, "runtime_full", store_dtype="fp32")
-    assert full.policy.name == "full" and cfg.kv_cache.dtype == "bf16" and full.kv_cache.dtype == "fp32"
-    assert runtime_config(s, "streaming").policy.name == "streaming"
+    assert full.selection.name == "full" and cfg.kv_cache.dtype == "bf16" and full.kv_cache.dtype == "fp32"
+    assert runtime_config(s, "streaming").selection.name == "streaming"
     with pytest.raises(ValueError, match="allowed: runtime_full"):
         runtime_config(s, "dense")
     assert length_tag(2048) == "2k" and length_tag(8192) == "8k" and length_tag(1000) == "1000"

@@ -1,6 +1,6 @@
-"""HybridRuntime end to end on the CPU: every policy against the reference, failures, timeouts,
+"""HybridRuntime end to end on the CPU: every placement against the reference, failures, timeouts,
 lifecycle. Without CUDA the GPU lane is the torch reference executor, so the static and shared
-policies really split tasks between two lanes here."""
+placements really split tasks between two lanes here."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.reference import dense_attention, merge_attention, sparse_reference
 from hybrid_runtime.runtime import HybridRuntime
-from hybrid_runtime.scheduler import POLICIES, HeadPlan, StepTimeoutError
+from hybrid_runtime.scheduler import PLACEMENTS, HeadPlan, StepTimeoutError
 from tests.helpers import random_kv
 
 GEOM = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
@@ -26,14 +26,15 @@ TOL = dict(atol=2e-3, rtol=2e-3) if torch.cuda.is_available() else dict(atol=3e-
 LENGTHS = [300, 1000, 2500]
 
 
-def rt_config(policy="fluxion", plan="full", block_size=32, budget=0.05, timeout=30.0, **kv):
+def rt_config(placement="fluxion", plan="full", block_size=32, budget=0.05, timeout=30.0, **kv):
     kv_cache = {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192, "max_sequences": 4}
     kv_cache.update(kv)
     return config_from_dict({
         "geometry": GEOM,
         "kv_cache": kv_cache,
-        "policy": {"name": plan, "block_size": block_size, "budget": budget},
-        "scheduler": {"policy": policy, "cpu_workers": 2, "step_timeout_s": timeout},
+        "selection": {"name": plan, "block_size": block_size, "budget": budget},
+        # A GPU lane on every host (the torch reference without CUDA): every placement splits tasks.
+        "scheduler": {"placement": placement, "cpu_workers": 2, "gpu_worker": True, "step_timeout_s": timeout},
     })
 
 
@@ -52,7 +53,7 @@ def dense_reference(rt, layer, seq_ids, q):
 
 
 class RandomPlanner:
-    """A fixed random head mix (streaming heads, budgets, block sizes), the same for every policy."""
+    """A fixed random head mix (streaming heads, budgets, block sizes), the same for every placement."""
 
     def __init__(self, seed=0):
         self.seed = seed
@@ -102,9 +103,9 @@ def sparse_step_reference(rt, layer, seq_ids, q, plan):
 
 
 # ---------------------------------------------------------------------------- correctness
-@pytest.mark.parametrize("policy", POLICIES)
-def test_full_budget_equals_dense_attention_for_every_policy(policy):
-    with HybridRuntime(rt_config(policy, plan="full")) as rt:
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_full_budget_equals_dense_attention_for_every_placement(placement):
+    with HybridRuntime(rt_config(placement, plan="full")) as rt:
         prefill_all(rt)
         gen = torch.Generator().manual_seed(1)
         for step in range(2):
@@ -114,18 +115,18 @@ def test_full_budget_equals_dense_attention_for_every_policy(policy):
                 out = rt.decode(layer, [0, 1, 2], q, k, v)
                 torch.testing.assert_close(out, dense_reference(rt, layer, [0, 1, 2], q), **TOL)
         lanes = {int(w) for r in rt.timeline.records for w in r.worker}
-        if policy in ("uniform", "length"):
+        if placement in ("uniform", "length"):
             assert len(lanes & {0, 1}) and 2 in lanes  # both lanes ran tasks
-        if policy == "cpu_only":
+        if placement == "cpu_only":
             assert lanes <= {0, 1}
-        if policy == "gpu_only":
+        if placement == "gpu_only":
             assert lanes == {2}
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_matches_the_reference_on_the_same_task_set(policy):
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_placement_matches_the_reference_on_the_same_task_set(placement):
     planner = RandomPlanner(seed=3)
-    with HybridRuntime(rt_config(policy), head_planner=planner) as rt:
+    with HybridRuntime(rt_config(placement), head_planner=planner) as rt:
         prefill_all(rt)
         gen = torch.Generator().manual_seed(7)
         for layer in (0, 1):
@@ -137,7 +138,7 @@ def test_every_policy_matches_the_reference_on_the_same_task_set(policy):
             torch.testing.assert_close(out, ref, **TOL)
 
 
-def test_streaming_policy_attends_the_window_only():
+def test_streaming_selection_attends_the_window_only():
     with HybridRuntime(rt_config("fluxion", plan="streaming")) as rt:
         prefill_all(rt, layers=(0,))
         q = torch.randn(3, 8, 32)
@@ -191,9 +192,9 @@ class FlakyRef(TorchRefExecutor):
         return super().run_one(task, step)
 
 
-@pytest.mark.parametrize("policy", ["cpu_only", "gpu_only", "fluxion"])
-def test_worker_failure_fails_decode_and_runtime_stays_usable(policy):
-    rt = HybridRuntime(rt_config(policy, plan="full"), cpu_executor=FlakyCpu, gpu_executor=FlakyRef)
+@pytest.mark.parametrize("placement", ["cpu_only", "gpu_only", "fluxion"])
+def test_worker_failure_fails_decode_and_runtime_stays_usable(placement):
+    rt = HybridRuntime(rt_config(placement, plan="full"), cpu_executor=FlakyCpu, gpu_executor=FlakyRef)
     try:
         prefill_all(rt, layers=(0,))
         q = torch.randn(3, 8, 32)
@@ -259,7 +260,7 @@ def test_bad_inputs_are_rejected_before_anything_changes():
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="scheduler.gpu_worker"):
         HybridRuntime(config_from_dict({"geometry": GEOM, "kv_cache": {"cpu_capacity_tokens": 4096},
-                                        "scheduler": {"policy": "uniform", "gpu_worker": False}}))
+                                        "scheduler": {"placement": "uniform", "gpu_worker": False}}))
 
 
 def test_close_joins_every_thread_and_refuses_further_calls():

@@ -1,4 +1,4 @@
-"""Task queue, task construction, core pinning, policies and worker lifecycle (CPU only)."""
+"""Task queue, task construction, core pinning, placements and worker lifecycle (CPU only)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_runtime.config import ConfigError, PolicyConfig, SchedulerConfig
+from hybrid_runtime.config import ConfigError, SchedulerConfig, SelectionConfig
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.scheduler import (
     ConfigHeadPlanner,
@@ -123,8 +123,8 @@ def test_build_tasks_matches_make_task_and_skips_streaming_groups():
     lengths = [30, 500, 2000]
     for s, n in enumerate(lengths):
         store.prefill(s, 0, *random_kv(n, 2, 32, seed=s))
-    policy = PolicyConfig(name="fixed", block_size=32, budget=0.07, streaming_heads={0: (0, 1, 2, 3, 5)})
-    plan = ConfigHeadPlanner(policy, store.geometry)(0, [2, 0, 1], store)
+    selection = SelectionConfig(name="fixed", block_size=32, budget=0.07, streaming_heads={0: (0, 1, 2, 3, 5)})
+    plan = ConfigHeadPlanner(selection, store.geometry)(0, [2, 0, 1], store)
     tasks = build_tasks(store, 0, [2, 0, 1], plan)
     # Sequence 0 has no CPU tokens (30 < sink + local); KV group 0 is all streaming.
     assert [(t.seq_id, t.kv_head, t.batch_index) for t in tasks] == [(2, 1, 0), (1, 1, 2)]
@@ -140,11 +140,11 @@ def test_build_tasks_matches_make_task_and_skips_streaming_groups():
 def test_config_head_planner_names():
     store = make_store()
     geo = store.geometry
-    full = ConfigHeadPlanner(PolicyConfig(name="full"), geo)(0, [0, 1], store)
+    full = ConfigHeadPlanner(SelectionConfig(name="full"), geo)(0, [0, 1], store)
     assert full.budgets.shape == (2, 8) and (full.budgets == 1.0).all()
-    streaming = ConfigHeadPlanner(PolicyConfig(name="streaming"), geo)(1, [0], store)
+    streaming = ConfigHeadPlanner(SelectionConfig(name="streaming"), geo)(1, [0], store)
     assert (streaming.budgets == 0).all()
-    fixed = ConfigHeadPlanner(PolicyConfig(name="fixed", block_size=64, budget=0.1, streaming_heads={1: (7,)}), geo)
+    fixed = ConfigHeadPlanner(SelectionConfig(name="fixed", block_size=64, budget=0.1, streaming_heads={1: (7,)}), geo)
     p0, p1 = fixed(0, [0], store), fixed(1, [0], store)
     assert (p0.block_size == 64).all() and np.allclose(p0.budgets, 0.1)
     assert p1.budgets[0, 7] == 0 and np.allclose(p1.budgets[0, :7], 0.1)
@@ -162,18 +162,19 @@ def test_build_tasks_rejects_bad_plans():
 
 
 # ---------------------------------------------------------------------------- core pinning
-def test_plan_cores_leaves_the_launcher_core_free(monkeypatch):
+def test_plan_cores_leaves_the_caller_core_free(monkeypatch):
     import hybrid_runtime.scheduler as sched
 
     monkeypatch.setattr(sched.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr(sched.os, "sched_setaffinity", lambda pid, cores: None, raising=False)
-    p = plan_cores(15, True, True)
-    assert p.gpu == 0 and p.cpu == list(range(1, 16))
-    p = plan_cores(16, True, True)  # 17 threads on 16 cores: pin nothing
-    assert p.gpu is None and p.cpu == [None] * 16 and "not pinned" in p.note
-    p = plan_cores(4, False, True)
-    assert p.cpu == [0, 1, 2, 3]
-    assert plan_cores(4, True, False).cpu == [None] * 4
+    p = plan_cores(15, True)
+    assert p.caller == 0 and p.cpu == list(range(1, 16)) and p.torch_threads == 1
+    p = plan_cores(16, True)  # 17 threads on 16 cores: pin nothing
+    assert p.caller is None and p.cpu == [None] * 16 and "not pinned" in p.note and p.torch_threads == 1
+    p = plan_cores(4, True)  # the caller's core whether or not there is a GPU lane: it polls, or runs the model
+    assert p.caller == 0 and p.cpu == [1, 2, 3, 4] and p.torch_threads == 12
+    p = plan_cores(4, False)
+    assert p.cpu == [None] * 4 and p.torch_threads == 12
 
 
 # ---------------------------------------------------------------------------- scheduler with fake executors
@@ -245,8 +246,8 @@ class CountingGpu:
         return _Handle(t0, time.perf_counter() + 1e-6, np.ones(stop - start, dtype=np.int64))
 
 
-def sched_cfg(policy="fluxion", cpu_workers=4, gpu_worker=True, timeout=120.0):
-    return SchedulerConfig(policy=policy, cpu_workers=cpu_workers, gpu_worker=gpu_worker, pin_cores=True,
+def sched_cfg(placement="fluxion", cpu_workers=4, gpu_worker=True, timeout=120.0):
+    return SchedulerConfig(placement=placement, cpu_workers=cpu_workers, gpu_worker=gpu_worker, pin_cores=True,
                            step_timeout_s=timeout)
 
 
@@ -256,10 +257,10 @@ def run_job(s: Scheduler, tasks, timeout=None) -> StepJob:
     return job
 
 
-@pytest.mark.parametrize("policy", ["fluxion", "cpu_only", "gpu_only", "uniform", "length"])
-def test_every_task_runs_exactly_once_under_contention(policy):
+@pytest.mark.parametrize("placement", ["fluxion", "cpu_only", "gpu_only", "uniform", "length"])
+def test_every_task_runs_exactly_once_under_contention(placement):
     cpu, gpu = CountingCpu(), CountingGpu()
-    s = Scheduler(sched_cfg(policy, cpu_workers=8), cpu, gpu)
+    s = Scheduler(sched_cfg(placement, cpu_workers=8), cpu, gpu)
     try:
         for step in range(5):
             cpu.runs.clear()
@@ -269,14 +270,14 @@ def test_every_task_runs_exactly_once_under_contention(policy):
             ran = sorted(cpu.runs + gpu.runs)
             assert ran == list(range(3000)), f"step {step}: tasks lost or repeated"
             assert job.done()
-            if policy == "cpu_only":
+            if placement == "cpu_only":
                 assert not gpu.runs
-            if policy == "gpu_only":
+            if placement == "gpu_only":
                 assert not cpu.runs
-            if policy in ("uniform", "length"):  # static splits give both lanes work
+            if placement in ("uniform", "length"):  # static splits give both lanes work
                 assert cpu.runs and gpu.runs
             assert (job.columns["worker"] >= 0).all()  # every task recorded by the lane that ran it
-            if policy != "cpu_only":
+            if placement != "cpu_only":
                 assert gpu.uploads == step + 1  # the GPU lane's table: once per step
     finally:
         s.close()
@@ -299,7 +300,7 @@ def test_gpu_batches_shrink_towards_the_end_of_the_queue():
         s.close()
 
 
-def test_policy_needs_its_lanes():
+def test_placement_needs_its_lanes():
     with pytest.raises(ConfigError, match="gpu_worker"):
         Scheduler(sched_cfg("gpu_only", gpu_worker=False), CountingCpu(), None)
     with pytest.raises(ConfigError, match="cpu_workers"):
@@ -322,7 +323,7 @@ def test_static_split_follows_the_share():
         gpu_len = sum(t.cpu_len for t in gq.tasks)
         assert abs(gpu_len / 3600 - 0.25) < 0.1
         assert min(t.cpu_len for t in gq.tasks) > max(t.cpu_len for t in cq.tasks)  # longest to the GPU
-        s.policy = "uniform"
+        s.placement = "uniform"
         s.split(job)
         assert job.gpu_queue.total == 2  # a quarter of the 16 retrieval heads
     finally:
@@ -334,8 +335,8 @@ def test_static_split_follows_the_share():
 def test_worker_exception_fails_the_step_and_scheduler_stays_usable(lane):
     cpu = CountingCpu(fail_on=7 if lane == "cpu_lane" else None)
     gpu = CountingGpu(fail_on=7 if lane != "cpu_lane" else None)
-    policy = "cpu_only" if lane == "cpu_lane" else "gpu_only"
-    s = Scheduler(sched_cfg(policy), cpu, gpu)
+    placement = "cpu_only" if lane == "cpu_lane" else "gpu_only"
+    s = Scheduler(sched_cfg(placement), cpu, gpu)
     try:
         with pytest.raises((ValueError, RuntimeError), match="failed on task 7"):
             run_job(s, fake_tasks(200))
@@ -446,12 +447,12 @@ def id_tasks(n, seed=0):
     return tasks
 
 
-@pytest.mark.parametrize("policy", ["fluxion", "cpu_only", "uniform"])
-def test_native_workers_run_every_task_exactly_once(policy):
+@pytest.mark.parametrize("placement", ["fluxion", "cpu_only", "uniform"])
+def test_native_workers_run_every_task_exactly_once(placement):
     n = 4000
     hits = np.zeros(n, dtype=np.int64)
     gpu = CountingGpu()
-    s = Scheduler(sched_cfg(policy, cpu_workers=6), CountingNativeCpu(hits), gpu, native=native_args(n, counting_kernel))
+    s = Scheduler(sched_cfg(placement, cpu_workers=6), CountingNativeCpu(hits), gpu, native=native_args(n, counting_kernel))
     try:
         assert s.native is not None and len(s.threads) == 6
         for step in range(4):
@@ -464,7 +465,7 @@ def test_native_workers_run_every_task_exactly_once(policy):
             on_gpu[[t.cpu_len for t in tasks if t.seq_id in set(gpu.runs)]] = 1
             assert ((hits + on_gpu) == 1).all(), f"step {step}: a task ran {int((hits + on_gpu).max())} times or never"
             assert job.columns["worker"].min() >= 0  # every task recorded
-            if policy == "cpu_only":
+            if placement == "cpu_only":
                 assert not gpu.runs
     finally:
         s.close()
@@ -547,16 +548,16 @@ def test_launch_model_clips_outliers_and_gpu_lane_is_re_explored():
 
 
 # ---------------------------------------------------------------------------- lane rates and the reserved head
-def test_each_policy_learns_its_own_lane_rates():
+def test_each_placement_learns_its_own_lane_rates():
     s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(), CountingGpu())
     try:
         s.tp_cpu_worker = 7e9
         s.gpu_model.update(40e6, 2e-3)
         learned = (s.gpu_model.lat, s.gpu_model.bw)
-        s.set_policy("uniform")
+        s.set_placement("uniform")
         assert s.tp_cpu_worker == 4e9  # the prior: nothing carried over from fluxion
         assert (s.gpu_model.lat, s.gpu_model.bw) != learned
-        s.set_policy("fluxion")
+        s.set_placement("fluxion")
         assert s.tp_cpu_worker == 7e9 and (s.gpu_model.lat, s.gpu_model.bw) == learned
     finally:
         s.close()

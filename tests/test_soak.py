@@ -2,7 +2,7 @@
 
 Sequences join (prefill), leave (release), spill (the GPU window overflows into CPU pages), come
 back under a released id, and are decoded in random subsets and orders, under every scheduling
-policy in turn, all drawn from one seeded generator. At budget 1.0 every output of every step
+placement in turn, all drawn from one seeded generator. At budget 1.0 every output of every step
 must equal dense attention over the test's own copy of each sequence's KV; the store's chunk
 accounting is checked after every step and its contents against that copy every 50 steps.
 After warm-up, the process's resident memory, its count of Python objects and torch's pinned
@@ -28,7 +28,7 @@ from hybrid_runtime.head_plans import HeadPlan
 from hybrid_runtime.profiling import Timeline
 from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.runtime import HybridRuntime
-from hybrid_runtime.scheduler import POLICIES
+from hybrid_runtime.scheduler import PLACEMENTS
 
 GEOM = {"layers": 2, "q_heads": 4, "kv_heads": 2, "head_dim": 16}
 SINK, LOCAL, GENERATED = 4, 16, 16  # a sequence spills one page every 16 tokens it decodes
@@ -37,7 +37,7 @@ SLOTS = 4
 STEPS = 2000
 SEED = 20240607
 FULL_CHECK_EVERY = 50
-POLICY_EVERY = 250
+PLACEMENT_EVERY = 250
 TIMELINE_STEPS = 256  # the profiling timeline fills within warm-up and then drops its oldest steps
 # Python objects are counted in the same phase of the timeline's batched resolution (every
 # RESOLVE_EVERY layer-steps), so its sawtooth of pending steps does not show as change.
@@ -63,9 +63,9 @@ def soak_config():
         "geometry": GEOM,
         "kv_cache": {"sink": SINK, "local": LOCAL, "generated_cap": GENERATED, "cpu_capacity_tokens": CAPACITY,
                      "max_sequences": SLOTS, "dtype": "fp32"},
-        "policy": {"name": "full"},
+        "selection": {"name": "full"},
         # Workers block instead of spinning: the soak shares two CI cores with the test itself.
-        "scheduler": {"policy": "fluxion", "cpu_workers": 2, "gpu_worker": True, "pin_cores": False, "spin_us": 0},
+        "scheduler": {"placement": "fluxion", "cpu_workers": 2, "gpu_worker": True, "pin_cores": False, "spin_us": 0},
         "profiling": {"enabled": True, "max_steps": TIMELINE_STEPS},
     })
 
@@ -158,8 +158,8 @@ def run_soak(rt, steps: int, seed: int):
 
     for step in range(steps):
         where = f"step {step} (seed {seed})"
-        if step % POLICY_EVERY == 0:
-            rt.scheduler.set_policy(POLICIES[(step // POLICY_EVERY) % len(POLICIES)])
+        if step % PLACEMENT_EVERY == 0:
+            rt.scheduler.set_placement(PLACEMENTS[(step // PLACEMENT_EVERY) % len(PLACEMENTS)])
         # Leave: each live sequence with a small chance (a mean lifetime of 100 steps).
         for s in [s for s in live if rng.random() < 0.01]:
             release(s)

@@ -16,25 +16,26 @@ from tests.helpers import random_kv
 GEOM = {"layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 64}
 
 
-def split_config(policy: str, dtype: str) -> dict:
+def split_config(placement: str, dtype: str) -> dict:
     return config_from_dict({
         "geometry": GEOM,
         "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 16384, "max_sequences": 3,
                      "dtype": dtype},
-        "policy": {"name": "full", "block_size": 16},
-        "scheduler": {"policy": policy, "cpu_workers": 3, "step_timeout_s": 60.0, "spin_us": 0},
+        "selection": {"name": "full", "block_size": 16},
+        "scheduler": {"placement": placement, "cpu_workers": 3, "gpu_worker": True, "step_timeout_s": 60.0,
+                      "spin_us": 0},
     })
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("policy", ["cpu_only", "fluxion"])
-def test_split_tasks_equal_dense_attention(policy, dtype):
+@pytest.mark.parametrize("placement", ["cpu_only", "fluxion"])
+def test_split_tasks_equal_dense_attention(placement, dtype):
     # 2 sequences x 2 KV groups = 4 tasks for 3 workers: every task is popped with fewer positions
     # left than workers, and at budget 1.0 each reads far more than two ranges' worth.
     lengths = [5000, 3100]
     d = GEOM["head_dim"]
     assert min(lengths) * 2 * d * 2 >= 2 * MIN_PART_BYTES
-    with HybridRuntime(split_config(policy, dtype)) as rt:
+    with HybridRuntime(split_config(placement, dtype)) as rt:
         for s, n in enumerate(lengths):
             rt.prefill(s, 0, *random_kv(n, GEOM["kv_heads"], d, seed=s))
         gen = torch.Generator().manual_seed(1)

@@ -37,14 +37,14 @@ needs_smollm2 = pytest.mark.skipif(
 )
 
 
-def hybrid_cfg(dtype: str = "fp32", policy: dict | None = None, **kv) -> "object":
+def hybrid_cfg(dtype: str = "fp32", selection: dict | None = None, **kv) -> "object":
     kv_cache = {"dtype": dtype, "sink": 16, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192,
                 "max_sequences": 4}
     kv_cache.update(kv)
     return config_from_dict({
         "kv_cache": kv_cache,
-        "policy": policy or {"name": "full"},
-        "scheduler": {"policy": "cpu_only", "cpu_workers": 1, "gpu_worker": False, "pin_cores": False},
+        "selection": selection or {"name": "full"},
+        "scheduler": {"placement": "cpu_only", "cpu_workers": 1, "gpu_worker": False, "pin_cores": False},
     })
 
 
@@ -127,9 +127,9 @@ def test_generate_left_padded_batch_matches_single_sequences_tiny():
         batch = greedy(model, ids, mask, 24)
         singles = [greedy(model, ids[b : b + 1, mask[b].argmax():], mask[b : b + 1, mask[b].argmax():], 24)
                    for b in range(2)]
-        # A sparse policy too: selection is per sequence, so batching must not change it.
+        # A sparse selection too: it is per sequence, so batching must not change it.
         disable_hybrid_attention(model)
-        enable_hybrid_attention(model, hybrid_cfg(dtype="bf16", policy={"name": "fixed", "block_size": 16, "budget": 0.1}))
+        enable_hybrid_attention(model, hybrid_cfg(dtype="bf16", selection={"name": "fixed", "block_size": 16, "budget": 0.1}))
         sparse_batch = greedy(model, ids, mask, 24)
         sparse_singles = [greedy(model, ids[b : b + 1, mask[b].argmax():], mask[b : b + 1, mask[b].argmax():], 24)
                           for b in range(2)]
@@ -251,6 +251,74 @@ def test_cores_for_runtime_restores_torch_threads():
         disable_hybrid_attention(model)
 
 
+class ThreadProbe:
+    """A logits processor recording torch's thread count at every generated token."""
+
+    def __init__(self):
+        self.threads = []
+
+    def __call__(self, input_ids, scores):
+        self.threads.append(torch.get_num_threads())
+        return scores
+
+
+def _generate_probed(model, ids, mask, new_tokens=4):
+    from transformers import LogitsProcessorList
+
+    probe = ThreadProbe()
+    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                   logits_processor=LogitsProcessorList([probe]))
+    return probe.threads
+
+
+def test_generate_decodes_on_the_cores_the_workers_leave_and_restores_threads(monkeypatch, caplog):
+    """Defaults: the prefill keeps torch's threads, decoding runs on the cores the runtime's CPU
+    workers leave (torch_threads), generate restores the count, and no contention warning."""
+    import hybrid_runtime.integrations.transformers as integration
+
+    monkeypatch.setattr(integration, "_warned_contention", False)
+    monkeypatch.setattr(integration, "log", __import__("logging").getLogger("hybrid_runtime.test_threads"))
+    model = tiny_model("llama")
+    ids, mask = left_padded([80, 60])
+    saved = torch.get_num_threads()
+    torch.set_num_threads(4)  # more threads than cores left beside the worker on any small host
+    try:
+        rt = enable_hybrid_attention(model, hybrid_cfg(sink=16, local=32))
+        free = rt.scheduler.cores.torch_threads
+        with caplog.at_level("WARNING", logger="hybrid_runtime.test_threads"):
+            threads = _generate_probed(model, ids, mask)
+        assert threads[0] == 4 and threads[1:] == [min(4, free)] * 3  # first token: the prefill's forward
+        assert torch.get_num_threads() == 4
+        assert not [r for r in caplog.records if "intra-op threads beside" in r.getMessage()]
+        disable_hybrid_attention(model)
+        assert "generate" not in model.__dict__  # the instance is as before
+
+        # decode_threads=None leaves torch's setting: when it exceeds the free cores, that is the
+        # user's choice forcing contention, and the warning says so (once).
+        enable_hybrid_attention(model, hybrid_cfg(sink=16, local=32), decode_threads=None)
+        with caplog.at_level("WARNING", logger="hybrid_runtime.test_threads"):
+            threads = _generate_probed(model, ids, mask)
+        assert threads == [4] * 4
+        warned = [r for r in caplog.records if "intra-op threads beside" in r.getMessage()]
+        assert len(warned) == (1 if free < 4 else 0)
+        disable_hybrid_attention(model)
+
+        enable_hybrid_attention(model, hybrid_cfg(sink=16, local=32), decode_threads=1)
+        assert _generate_probed(model, ids, mask)[1:] == [1] * 3
+    finally:
+        if hybrid_runtime_of(model) is not None:
+            disable_hybrid_attention(model)
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "all", 1.5, True])
+def test_decode_threads_refuses_bad_values(bad):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="decode_threads.*allowed: 'auto', None or an integer >= 1"):
+        enable_hybrid_attention(model, hybrid_cfg(), decode_threads=bad)
+    assert hybrid_runtime_of(model) is None
+
+
 def test_model_geometry_names_reference_shapes():
     assert model_geometry(tiny_model("llama")).name == "llama"
     g = model_geometry(tiny_model("llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -273,18 +341,18 @@ def test_missing_model_package_names_the_install_command(monkeypatch):
 @pytest.mark.gpu
 def test_cuda_tiny_model_decodes_through_runtime():
     """On CUDA (window and merge in Triton, GPU lane on): budget 1.0 matches dense logits; a
-    left-padded batch decodes through generate; a sparse policy runs tasks."""
+    left-padded batch decodes through generate; a sparse selection runs tasks."""
     model = tiny_model("llama", device="cuda")
     ids, mask = left_padded([300, 180, 90], device="cuda")
     cont = torch.randint(3, 256, (3, 12), generator=torch.Generator().manual_seed(2)).cuda()
     ref = forced_logits(model, ids, mask, cont, DynamicCache(config=model.config))
     dense = greedy(model, ids, mask, 16)
 
-    def cuda_cfg(policy):
+    def cuda_cfg(selection):
         return config_from_dict({
             "kv_cache": {"dtype": "fp32", "sink": 16, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192,
                          "max_sequences": 4},
-            "policy": policy, "scheduler": {"cpu_workers": 1, "pin_cores": False},
+            "selection": selection, "scheduler": {"cpu_workers": 1, "pin_cores": False},
         })
 
     rt = enable_hybrid_attention(model, cuda_cfg({"name": "full"}))
@@ -361,8 +429,8 @@ def test_smollm2_left_padded_batch_matches_per_sequence(smollm2):
     enc = _chat_prompts(tok, [("assignment", 4000), ("compound", 2500)])
     lengths = enc.attention_mask.sum(1).tolist()
     assert lengths[0] != lengths[1]
-    for dtype, policy in (("fp32", {"name": "full"}), ("bf16", {"name": "fixed", "block_size": 16, "budget": 0.05})):
-        rt = enable_hybrid_attention(model, hybrid_cfg(dtype, policy, sink=64, local=256, generated_cap=512))
+    for dtype, selection in (("fp32", {"name": "full"}), ("bf16", {"name": "fixed", "block_size": 16, "budget": 0.05})):
+        rt = enable_hybrid_attention(model, hybrid_cfg(dtype, selection, sink=64, local=256, generated_cap=512))
         try:
             with cores_for_runtime(rt):
                 batch = _generate(model, enc, 16)
@@ -373,4 +441,4 @@ def test_smollm2_left_padded_batch_matches_per_sequence(smollm2):
                     singles.append(_generate(model, one, 16))
         finally:
             disable_hybrid_attention(model)
-        assert torch.equal(batch, torch.cat(singles)), policy
+        assert torch.equal(batch, torch.cat(singles)), selection

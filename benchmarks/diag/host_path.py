@@ -1,12 +1,12 @@
-"""Diagnostic (device): host time of each part of a decode step, per policy. Writes no results file.
+"""Diagnostic (device): host time of each part of a decode step, per placement. Writes no results file.
 
 Wraps the runtime's step parts with timers (`reserve_first`, the GPU lane's table plan, each
 claim launch, waking the CPU workers, the window attention, the whole scheduler step, decode),
-runs `--steps` decode steps of one layer per policy and prints the medians; then profiles the
-first policy's steps with cProfile (cumulative time). This is how the GPU lane's host costs in
+runs `--steps` decode steps of one layer per placement and prints the medians; then profiles the
+first placement's steps with cProfile (cumulative time). This is how the GPU lane's host costs in
 `benchmarks/notes/gpu_lane.md` were found.
 
-    python benchmarks/diag/host_path.py [--batch 8 --context 32768 --policies fluxion cpu_only]
+    python benchmarks/diag/host_path.py [--batch 8 --context 32768 --placements fluxion cpu_only]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--policies", nargs="+", default=["fluxion", "cpu_only"])
+    ap.add_argument("--placements", nargs="+", default=["fluxion", "cpu_only"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("host_path needs a CUDA device")
@@ -60,7 +60,7 @@ def main() -> None:
         "geometry": {"layers": 1, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads, "head_dim": geo.head_dim},
         "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
                      "cpu_capacity_tokens": b * ctx, "max_sequences": b},
-        "scheduler": {"policy": args.policies[0], "cpu_workers": max(1, (os.cpu_count() or 2) - 1),
+        "scheduler": {"placement": args.placements[0], "cpu_workers": max(1, (os.cpu_count() or 2) - 1),
                       "gpu_worker": True, "pin_cores": True},
     })
     rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
@@ -82,15 +82,15 @@ def main() -> None:
                       (sch.workers, "wake"), (sch, "run"), (rt, "_window"), (rt, "decode")):
         timed(times, obj, name, name)
     try:
-        for policy in args.policies:
-            sch.set_policy(policy)
+        for placement in args.placements:
+            sch.set_placement(placement)
             for i in range(args.steps):
                 if i == args.steps // 3:
                     times.clear()  # the first third settles the lane estimates
                 step()
             torch.cuda.synchronize()
-            print(policy, {k: f"{np.median(v) * 1e6:.0f} us x{len(v)}" for k, v in times.items()}, flush=True)
-        sch.set_policy(args.policies[0])
+            print(placement, {k: f"{np.median(v) * 1e6:.0f} us x{len(v)}" for k, v in times.items()}, flush=True)
+        sch.set_placement(args.placements[0])
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.steps // 2):

@@ -42,7 +42,7 @@ def main() -> None:
         "geometry": {"layers": 1, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads, "head_dim": geo.head_dim},
         "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
                      "cpu_capacity_tokens": b * ctx, "max_sequences": b},
-        "scheduler": {"policy": args.policies[0], "cpu_workers": max(1, (os.cpu_count() or 2) - 1),
+        "scheduler": {"placement": args.policies[0], "cpu_workers": max(1, (os.cpu_count() or 2) - 1),
                       "gpu_worker": True, "pin_cores": True},
     })
     rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
@@ -58,7 +58,7 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     try:
         for policy in args.policies:
-            rt.scheduler.set_policy(policy)
+            rt.scheduler.set_placement(policy)
             for i in range(args.warm):
                 rt.decode(0, ids, qs[i % 4], kvs[i % 4], kvs[i % 4])
             torch.cuda.synchronize()

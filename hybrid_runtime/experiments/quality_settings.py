@@ -17,7 +17,7 @@ import yaml
 
 from hybrid_runtime.config import Config, config_from_dict
 
-#: Policy slug -> `policy` section of the runtime config. A new policy is one entry here: every
+#: Policy slug -> `selection` section of the runtime config. A new policy is one entry here: every
 #: measurement, metric name and table column iterates this table or `QualitySettings.policies`.
 POLICIES: dict[str, dict] = {
     "runtime_full": {"name": "full"},
@@ -53,7 +53,7 @@ class QualitySettings:
     budget1_prompt_tokens: int = 2048
     budget1_new_tokens: int = 64
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    # Extra runtime config (kv_cache, scheduler, profiling sections); the policy is set per run.
+    # Extra runtime config (kv_cache, scheduler, profiling sections); the selection is set per run.
     runtime: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,9 +98,9 @@ def runtime_config(settings: QualitySettings, policy: str, store_dtype: str | No
     data: dict = {
         "kv_cache": {"dtype": store_dtype or settings.store_dtype, "max_sequences": 2,
                      "cpu_capacity_tokens": longest + 512},
-        # One CPU worker beside the model's own threads; no GPU lane on a host without CUDA.
-        "scheduler": {"policy": "cpu_only" if not torch.cuda.is_available() else "fluxion",
-                      "cpu_workers": 1, "gpu_worker": torch.cuda.is_available(), "pin_cores": False},
+        # One CPU worker beside the model's own threads; a GPU lane only where CUDA is (gpu_worker "auto").
+        "scheduler": {"placement": "cpu_only" if not torch.cuda.is_available() else "fluxion",
+                      "cpu_workers": 1, "pin_cores": False},
         "profiling": {"enabled": True, "chrome_trace": False},
     }
     for section, values in (settings.runtime or {}).items():
@@ -108,7 +108,7 @@ def runtime_config(settings: QualitySettings, policy: str, store_dtype: str | No
             data.setdefault(section, {}).update(values)
         else:
             data[section] = values
-    data["policy"] = dict(POLICIES[policy])
+    data["selection"] = dict(POLICIES[policy])
     return config_from_dict(data)
 
 

@@ -24,6 +24,13 @@ then the function registered in `AttentionInterface` under `config._attn_impleme
 * The mask function registered under the same name is transformers' `sdpa_mask`, so prefill gets
   the causal + padding mask the dense kernel expects, and the padding of each sequence is read
   from it.
+* The runtime owns its cores: from the first decode step of a `generate` call until it returns,
+  torch runs only the intra-op threads the runtime's CPU workers leave cores for
+  (`enable_hybrid_attention(..., decode_threads="auto")`); the prefill keeps every thread. Torch's
+  threads would otherwise take the workers' cores and every decode step would wait for a worker
+  to be scheduled (`benchmarks/hf_overhead.py` compares with plain `generate`). A warning says so
+  when decoding runs with more threads anyway (`decode_threads=None` or a number above the free
+  cores, or a loop of your own over `HybridCache` without `cores_for_runtime`).
 
 Left padding keeps positions right without any help: `generate` derives `position_ids` from the
 attention mask, RoPE is applied by the model before the cache sees the keys, and padded tokens
@@ -34,10 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -48,6 +55,7 @@ import torch
 
 from hybrid_runtime.config import GEOMETRIES, Config, GeometryConfig
 from hybrid_runtime.kvcache import CapacityError
+from hybrid_runtime.pinning import torch_threads
 from hybrid_runtime.runtime import HybridRuntime
 
 try:  # transformers is an optional dependency (extra `models`)
@@ -91,6 +99,9 @@ class _HybridState:
     eager_fn: Callable | None
     saved_attn_implementation: Any
     saved_prepare_cache: Any  # instance attribute `_prepare_cache_for_generation` before, or _MISSING
+    saved_generate: Any  # instance attribute `generate` before, or _MISSING
+    decode_threads: int | str | None  # torch threads from a generate call's first decode step: "auto", a count, None
+    generate_threads: int = 0  # torch's thread count when the current generate call began; 0: none under way
     model_ref: Any = None
     seq_counter: Any = field(default_factory=itertools.count)
     owns_runtime: bool = True
@@ -214,14 +225,26 @@ def _check_geometry(cfg: Config, geometry: GeometryConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- enable / disable
-def enable_hybrid_attention(model: torch.nn.Module, cfg: Config, runtime: HybridRuntime | None = None) -> HybridRuntime:
+def enable_hybrid_attention(
+    model: torch.nn.Module,
+    cfg: Config,
+    runtime: HybridRuntime | None = None,
+    *,
+    decode_threads: int | str | None = "auto",
+) -> HybridRuntime:
     """Make `model.generate` decode through a `HybridRuntime`; returns the runtime.
 
-    `cfg` configures the runtime (KV store dtype and window, policy, scheduler); its geometry is
+    `cfg` configures the runtime (KV store dtype and window, selection, scheduler); its geometry is
     taken from the model. Pass `runtime` to use one you made (its geometry must match; it is then
-    not closed by `disable_hybrid_attention`). Raises `UnsupportedModelError` for a model it
-    cannot serve, before anything changes.
+    not closed by `disable_hybrid_attention`). `decode_threads`: torch's intra-op threads from a
+    `generate` call's first decode step until it returns (the prefill keeps torch's setting):
+    "auto" the cores the runtime's CPU workers leave (`CorePlan.torch_threads`; never more than
+    torch had), a number exactly that many, None leaves torch's setting alone. Raises
+    `UnsupportedModelError` for a model it cannot serve, before anything changes.
     """
+    count = isinstance(decode_threads, int) and not isinstance(decode_threads, bool)
+    if not (decode_threads in ("auto", None) or (count and decode_threads >= 1)):
+        raise ValueError(f"decode_threads is {decode_threads!r}; allowed: 'auto', None or an integer >= 1")
     mods, impl, geometry = _check_model(model)
     eager_fn = getattr(sys.modules.get(type(mods[0]).__module__), "eager_attention_forward", None)
     if impl == "eager" and eager_fn is None:  # pragma: no cover - every supported type has one
@@ -245,10 +268,11 @@ def enable_hybrid_attention(model: torch.nn.Module, cfg: Config, runtime: Hybrid
         eager_fn=eager_fn,
         saved_attn_implementation=model.config._attn_implementation_internal,
         saved_prepare_cache=model.__dict__.get("_prepare_cache_for_generation", _MISSING),
+        saved_generate=model.__dict__.get("generate", _MISSING),
+        decode_threads=decode_threads,
         model_ref=weakref.ref(model),
         owns_runtime=owns,
     )
-    _warn_oversubscribed(runtime)
     # From here on the model changes; nothing below can fail on a validated model.
     _MODEL_STATES[model] = state
     for m in mods:
@@ -256,6 +280,7 @@ def enable_hybrid_attention(model: torch.nn.Module, cfg: Config, runtime: Hybrid
     # LlamaForCausalLM and its LlamaModel share one config object: one assignment switches both.
     model.config._attn_implementation_internal = ATTN_IMPLEMENTATION
     model._prepare_cache_for_generation = _make_prepare_cache(model)
+    model.generate = _make_generate(model)
     return runtime
 
 
@@ -274,10 +299,12 @@ def disable_hybrid_attention(model: torch.nn.Module) -> None:
         if m is not None:
             _ATTN_STATES.pop(m, None)
     model.config._attn_implementation_internal = state.saved_attn_implementation
-    if state.saved_prepare_cache is _MISSING:
-        model.__dict__.pop("_prepare_cache_for_generation", None)
-    else:
-        model.__dict__["_prepare_cache_for_generation"] = state.saved_prepare_cache
+    for name, saved in (("_prepare_cache_for_generation", state.saved_prepare_cache),
+                        ("generate", state.saved_generate)):
+        if saved is _MISSING:
+            model.__dict__.pop(name, None)
+        else:
+            model.__dict__[name] = saved
     if state.owns_runtime:
         state.runtime.close()
 
@@ -288,42 +315,60 @@ def hybrid_runtime_of(model: torch.nn.Module) -> HybridRuntime | None:
     return state.runtime if state is not None else None
 
 
-def _free_cores(runtime: HybridRuntime) -> int:
-    """Cores this process may use minus the runtime's CPU workers (at least 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - int(getattr(runtime.scheduler, "n_cpu", 0)))
+_warned_contention = False
 
 
-_warned_oversubscribed = False
-
-
-def _warn_oversubscribed(runtime: HybridRuntime) -> None:
-    global _warned_oversubscribed
-    if not _warned_oversubscribed and runtime.scheduler.n_cpu and torch.get_num_threads() > _free_cores(runtime):
-        _warned_oversubscribed = True
-        log.warning(
-            "torch uses %d intra-op threads and the runtime %d CPU workers on %d free cores: when the model "
-            "runs on the CPU, its threads take the workers' cores and decode steps stall (measured on 2 cores: "
-            "p90 70 ms per layer instead of 2 ms); wrap decoding in `with cores_for_runtime(rt):` or lower "
-            "torch.set_num_threads", torch.get_num_threads(), runtime.scheduler.n_cpu, _free_cores(runtime),
-        )
+def _warn_contention(runtime: HybridRuntime) -> None:
+    """Once per process, when a decode step on the CPU starts with more torch threads than the
+    cores the runtime's workers leave: the user's settings make them compete."""
+    global _warned_contention
+    free, workers = runtime.scheduler.cores.torch_threads, runtime.scheduler.n_cpu
+    if _warned_contention or not workers or torch.get_num_threads() <= free:
+        return
+    _warned_contention = True
+    log.warning(
+        "decoding on the CPU with %d torch intra-op threads beside the runtime's %d CPU workers, which leave %d "
+        "core(s): torch's threads take the workers' cores and every decode step waits for a worker to be "
+        "scheduled; decode through generate with enable_hybrid_attention(..., decode_threads='auto') (the default), "
+        "or wrap your own loop in `with cores_for_runtime(rt):`",
+        torch.get_num_threads(), workers, free,
+    )
 
 
 @contextlib.contextmanager
 def cores_for_runtime(runtime: HybridRuntime) -> Iterator[int]:
     """Within the block torch uses only the cores the runtime's CPU workers leave free; yields that count.
 
-    For models computed on the CPU: torch's intra-op threads otherwise compete with the workers
-    for cores, and every decode step waits for a worker to be scheduled. The thread count is
-    restored on exit.
+    For a decode loop of your own over a model computed on the CPU (`generate` does this itself
+    from its first decode step): torch's intra-op threads otherwise compete with the workers for
+    cores, and every decode step waits for a worker to be scheduled. Restored on exit.
     """
-    saved = torch.get_num_threads()
-    n = min(saved, _free_cores(runtime))
-    torch.set_num_threads(n)
-    try:
+    with torch_threads(runtime.scheduler.cores.torch_threads) as n:
         yield n
-    finally:
-        torch.set_num_threads(saved)
+
+
+def _make_generate(model: torch.nn.Module) -> Callable:
+    """`generate` bound to the instance: torch's thread count is restored when it returns (its
+    decode steps lower it to `decode_threads`, see `HybridCache._own_cores`)."""
+    original = type(model).generate
+    model_ref = weakref.ref(model)  # no reference cycle model -> closure -> model
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        m = model_ref()
+        state = _MODEL_STATES.get(m)
+        saved = torch.get_num_threads()
+        outer = state is not None and not state.generate_threads
+        if outer:
+            state.generate_threads = saved
+        try:
+            return original(m, *args, **kwargs)
+        finally:
+            if outer:
+                state.generate_threads = 0
+            torch.set_num_threads(saved)
+
+    return generate
 
 
 def _make_prepare_cache(model: torch.nn.Module) -> Callable:
@@ -631,6 +676,17 @@ class HybridCache(Cache):
             self.release()
             raise
 
+    def _own_cores(self) -> None:
+        """At each decode step of a model on the CPU: inside `generate`, torch's threads leave the
+        runtime's workers their cores until it returns; otherwise say so if they do not."""
+        state = self._state
+        want = state.decode_threads
+        if state.generate_threads and want is not None:
+            n = min(state.generate_threads, self.runtime.scheduler.cores.torch_threads) if want == "auto" else want
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+        _warn_contention(self.runtime)
+
     # -- the per-layer work, called from hybrid_attention_forward
     def _attend(
         self,
@@ -673,6 +729,8 @@ class HybridCache(Cache):
             if empty:
                 raise ValueError(f"batch rows {empty} have no real (unpadded) prompt token; every row needs at least one")
             self._decoding = True
+        if layer == 0 and query.device.type == "cpu":  # a model on the GPU leaves torch's host threads idle
+            self._own_cores()
         # The runtime scales q by 1/sqrt(D); a model with another softmax scale gets q rescaled.
         if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-6:
             query = query * (scaling * d**0.5)

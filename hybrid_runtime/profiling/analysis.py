@@ -80,7 +80,7 @@ def summarize(timeline: "Timeline") -> dict:
         m = worker == w
         workers.append({"name": name, "tasks": int(m.sum()), "busy_s": float(dur[m].sum()), "bytes": int(nbytes[m].sum())})
     cpu_overhead = overhead[(lane == LANE_CPU) & (overhead > 0)]
-    return {
+    out = {
         "steps": len(recs),
         "tasks": int(worker.shape[0]),
         "attention_s_total": float(att.sum()),
@@ -97,3 +97,8 @@ def summarize(timeline: "Timeline") -> dict:
         "layers": layer_table(recs),
         "workers": workers,
     }
+    if not has_gpu and not timeline.has_gpu_lane:  # a run without any GPU reports no GPU figure
+        del out["bytes_gpu"], out["gpu_idle_ratio"]
+        for row in out["layers"]:
+            del row["gpu_idle_ms_mean"], row["gpu_idle_ratio"]
+    return out

@@ -24,11 +24,16 @@ def chrome_trace(timeline: "Timeline") -> dict:
     """`{"traceEvents": [...]}`: one row per CPU worker, the GPU streams, and the decode steps."""
     recs = timeline.records
     events = [_meta(PID_HOST, None, "decode"), _meta(PID_HOST, 0, "attention steps"),
-              _meta(PID_CPU, None, "CPU workers"), _meta(PID_GPU, None, "GPU")]
+              _meta(PID_CPU, None, "CPU workers")]
+    # A GPU row only where there is a GPU: CUDA (window and merge on the main stream) or a GPU lane.
+    cuda = timeline.clock is not None
+    if cuda or timeline.has_gpu_lane:
+        events.append(_meta(PID_GPU, None, "GPU"))
     for w, name in enumerate(timeline.worker_names):
         pid = PID_GPU if timeline.worker_lanes[w] == LANE_GPU else PID_CPU
         events.append(_meta(pid, w + 1, name))
-    events.append(_meta(PID_GPU, 0, "main stream (window, merge)"))
+    if cuda:
+        events.append(_meta(PID_GPU, 0, "main stream (window, merge)"))
     if not recs:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
     origin = min(r.t_start for r in recs)
@@ -39,8 +44,8 @@ def chrome_trace(timeline: "Timeline") -> dict:
     for r in recs:
         events.append({"ph": "X", "pid": PID_HOST, "tid": 0, "name": f"attention L{r.layer}", "ts": us(r.t_start),
                        "dur": us(r.t_end) - us(r.t_start),
-                       "args": {"step": r.index, "batch": r.batch, "policy": r.policy, "tasks": r.n_tasks,
-                                "gpu_idle_ratio": r.gpu_idle_ratio()}})
+                       "args": {"step": r.index, "batch": r.batch, "placement": r.placement, "tasks": r.n_tasks,
+                                **({"gpu_idle_ratio": r.gpu_idle_ratio()} if r.has_gpu else {})}})
         for (a, b), label in zip(r.gpu_intervals, r.gpu_labels):
             if label == "sparse":
                 continue  # sparse launches are drawn per task on the GPU worker's row

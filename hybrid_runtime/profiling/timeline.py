@@ -74,7 +74,7 @@ class StepRecord:
     index: int
     layer: int
     batch: int
-    policy: str
+    placement: str
     t_start: float  # first q available (decode entry, or the q-ready event on the GPU)
     t_end: float  # merged output available
     worker: np.ndarray  # [T] int16, index into Timeline.worker_names
@@ -138,7 +138,7 @@ class _Pending:
     index: int
     layer: int
     batch: int
-    policy: str
+    placement: str
     t_entry: float
     ev_entry: Any
     tasks: list
@@ -181,7 +181,7 @@ class Timeline:
         *,
         layer: int,
         batch: int,
-        policy: str,
+        placement: str,
         t_entry: float,
         ev_entry: Any,
         tasks: list,
@@ -200,7 +200,7 @@ class Timeline:
             return
         t0 = time.perf_counter()
         self._pending.append(
-            _Pending(self._next_index, layer, batch, policy, t_entry, ev_entry, tasks, columns, list(gpu_events),
+            _Pending(self._next_index, layer, batch, placement, t_entry, ev_entry, tasks, columns, list(gpu_events),
                      list(gpu_batches), t_end_host, ev_end, self.clock is not None)
         )
         self._next_index += 1
@@ -273,7 +273,7 @@ class Timeline:
             index=p.index,
             layer=p.layer,
             batch=p.batch,
-            policy=p.policy,
+            placement=p.placement,
             t_start=t_start,
             t_end=t_end,
             worker=worker,
@@ -318,6 +318,11 @@ class Timeline:
         return len(self._records) + len(self._pending) + self.dropped_steps
 
     # ------------------------------------------------------------------ reports
+    @property
+    def has_gpu_lane(self) -> bool:
+        """Whether one of the timeline's workers is a GPU lane."""
+        return bool((self.worker_lanes == LANE_GPU).any())
+
     def summary(self) -> dict:
         from hybrid_runtime.profiling.analysis import summarize
 
