@@ -34,6 +34,7 @@ from hybrid_runtime.config import config_from_dict
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.reference import dense_attention
+from hybrid_runtime.gpu_lane import GpuLane
 from hybrid_runtime.runtime import HybridRuntime
 from hybrid_runtime.step_job import RuntimeBrokenError, StepTimeoutError
 from tests.helpers import random_kv
@@ -330,7 +331,11 @@ CPU_FAULTS = {  # how a failing task reaches decode: native kernels return a sta
 
 @pytest.mark.parametrize("cpu", ["native", "python"])
 @pytest.mark.parametrize("placement", ["cpu_only", "fluxion"])
-def test_cpu_task_failing_mid_step_fails_decode_and_the_next_step_is_exact(cpu, placement):
+def test_cpu_task_failing_mid_step_fails_decode_and_the_next_step_is_exact(cpu, placement, monkeypatch):
+    # The target's tasks must reach a CPU worker: under fluxion which lane takes a task depends
+    # on the learned lane rates, so here the GPU lane (present, driven, polled) claims nothing.
+    monkeypatch.setattr(GpuLane, "claim_bytes", lambda self, *args, **kwargs: 0.0)
+    monkeypatch.setattr(GpuLane, "EXPLORE_AFTER", 10**9)
     before = set(threading.enumerate())
     rt = make_runtime(cpu, "sync" if placement == "fluxion" else None, placement)
     refs = arena_refs(rt)
