@@ -97,15 +97,29 @@ class KVCacheConfig:
     max_host_memory_fraction: float = field(default=0.8, metadata=_range(0.01, 1.0))
 
 
+def _open_unit_interval(value: float) -> str | None:
+    return None if 0.0 < value < 1.0 else "0 < value < 1"
+
+
 @dataclass(frozen=True)
 class SelectionConfig:
-    """Which blocks each head reads: the head plan's block size and budget per head."""
+    """Which blocks each head reads: from config (fixed, full, streaming) or per step by the
+    head-property predictor and the granularity selector (predicted)."""
 
-    name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming"))
+    name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming", "predicted"))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
     budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
     # layer -> query heads treated as streaming (GPU window only, no CPU task).
     streaming_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # predicted: the predictor checkpoint (a relative path is looked up from the working directory,
+    # then from the repository root); the error bound tau is the one it was trained for.
+    checkpoint: str = "predictor/checkpoints/smollm2.pt"
+    # predicted: the block sizes the selector chooses among (a subset of kv_cache.block_sizes).
+    block_sizes: tuple[int, ...] = field(default=BLOCK_SIZES, metadata=_check(_check_block_sizes))
+    # predicted: a head with p_streaming >= this is streaming (reads no CPU-resident KV).
+    streaming_threshold: float = field(default=0.5, metadata=_check(_open_unit_interval))
+    # predicted: false gives every head its predicted budget (the ablation without streaming heads).
+    skip_streaming: bool = True
 
 
 def _check_gpu_worker(value: bool | str) -> str | None:
@@ -339,8 +353,28 @@ def config_from_dict(data: Mapping | None) -> Config:
     return cfg
 
 
+def resolve_checkpoint(path: str) -> Path | None:
+    """`selection.checkpoint` as an existing file: absolute, or relative to the working directory, then
+    to the repository root; None when it is none of these."""
+    p = Path(path)
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, Path(__file__).resolve().parents[1] / p]
+    return next((c for c in candidates if c.is_file()), None)
+
+
 def _validate_cross(cfg: Config) -> None:
     selection, geometry, kv = cfg.selection, cfg.geometry, cfg.kv_cache
+    if selection.name == "predicted":
+        missing = [b for b in selection.block_sizes if b not in kv.block_sizes]
+        if missing:
+            raise ConfigError(
+                f"selection.block_sizes: {missing} are not in kv_cache.block_sizes={list(kv.block_sizes)}, the "
+                "granularities whose metadata the store keeps; allowed: a subset of them"
+            )
+        if resolve_checkpoint(selection.checkpoint) is None:
+            raise ConfigError(
+                f"selection.checkpoint: {selection.checkpoint!r} is not a file (looked up from the working directory and "
+                "the repository root); allowed: a predictor checkpoint written by python -m predictor.train"
+            )
     if selection.block_size not in kv.block_sizes:
         raise ConfigError(
             f"selection.block_size: {selection.block_size} is not one of "
@@ -421,4 +455,5 @@ __all__ = [
     "load_config",
     "parse_override",
     "resolved",
+    "resolve_checkpoint",
 ]

@@ -41,7 +41,7 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import psutil
@@ -685,11 +685,17 @@ class KVStore:
             log.warning("background commit of KV arena memory failed: %s", exc)
 
     # ------------------------------------------------------------------ writing the CPU segment
+    # Called as `spill_listener(slot, layer, k, v)` with the window rows `[Hkv, n, D]` a spill is about
+    # to move into the CPU segment (the predicted policy folds them into its cached statistics).
+    spill_listener: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None
+
     def _spill(self, seq_id: int, layer: int, st: _SeqLayer, n: int) -> None:
         """Move the oldest `n` recent tokens (whole pages) to the end of the CPU segment."""
         slot = self._slots[seq_id]
         win_k, win_v = self._win_k[layer], self._win_v[layer]
         s0 = st.sink_len
+        if self.spill_listener is not None:
+            self.spill_listener(slot, layer, win_k[slot, :, s0 : s0 + n], win_v[slot, :, s0 : s0 + n])
         # The tasks of this very step read the spilled pages: the copy must land first.
         self._write_cpu(st, layer, win_k[slot, :, s0 : s0 + n], win_v[slot, :, s0 : s0 + n], wait=True)
         remain = st.recent_len - n

@@ -28,6 +28,7 @@ from cpu_kernels import layout
 from hybrid_runtime import native_pool
 from hybrid_runtime.config import Config, GeometryConfig, KVCacheConfig
 from hybrid_runtime.kvcache import CapacityError, arena_bytes
+from hybrid_runtime.prefill_statistics import statistics_bytes
 from hybrid_runtime.tasks import blocks_for_budget
 
 HOST_PINNED = "host pinned"
@@ -334,6 +335,18 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         ("kv_cache.max_sequences", "kv_cache.generated_cap", "kv_cache.local", "kv_cache.sink", "geometry.layers"),
         f"k and v x {layers} layers x {s} slots x {hkv} heads x {w} tokens x {d} x {es} B"))
 
+    if cfg.selection.name == "predicted":
+        parts.append(MemoryPart(
+            "prefill_statistics", win_where, RESIDENT, _on(win_where, statistics_bytes(geometry, kv, layers)),
+            ("kv_cache.max_sequences", "geometry.layers"),
+            f"predictor statistics and previous queries of {s} + 1 slots x {layers} layers, fp32"))
+        # The anchor's budget search at prefill (predictor.features.compute_prefill_statistics): the
+        # weighted values of every CPU-resident prompt token per query head and their block sums, fp32.
+        _, longest_cpu = _prompt_split(kv, kv.sink + kv.local + kv.cpu_capacity_tokens)
+        parts.append(MemoryPart(
+            "prefill_statistics_search", win_where, "prefill", _on(win_where, 2 * hq * longest_cpu * d * _F32),
+            ("kv_cache.cpu_capacity_tokens",), f"anchor budget search over {longest_cpu} tokens x {hq} heads x {d}, fp32"))
+
     # Step buffers (runtime.__init__): q and packed results on the host, their device copies.
     step_keys = ("kv_cache.max_sequences",)
     host_step = _on(host_kind, s * hq * d * _F32) + _on(host_kind, s * hq * (d + 1) * _F32)
@@ -447,12 +460,14 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
     cpu_len = min(_cpu_tokens_after(kv, ctx, wl.decode_steps), kv.cpu_capacity_tokens)
     if cfg.scheduler.gpu_lane(cuda) and not cuda:
         sel = cfg.selection
-        budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0}[sel.name]
+        # A predicted plan may give any head budget 1.0 at its smallest block size.
+        budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0, "predicted": 1.0}[sel.name]
+        blk = min(sel.block_sizes) if sel.name == "predicted" else sel.block_size
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode",
-            _torch_lane_task_bytes(cpu_len, sel.block_size, budget, geometry, es),
+            _torch_lane_task_bytes(cpu_len, blk, budget, geometry, es),
             ("workload.context", "selection.budget", "selection.block_size"),
-            f"one task of {cpu_len} tokens at block {sel.block_size}, budget {budget:g}"))
+            f"one task of {cpu_len} tokens at block {blk}, budget {budget:g}"))
 
     # The final check, per (layer, sequence): `KVStore.full_kv` gathers whole chunks (all their
     # rows), slices keys and values and concatenates; dense attention then makes fp32 copies

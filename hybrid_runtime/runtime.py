@@ -45,7 +45,11 @@ from hybrid_runtime.tasks import Step
 
 log = logging.getLogger(__name__)
 
-HeadPlanner = Callable[[int, Sequence[int], KVStore], HeadPlan]
+# `planner(layer, seq_ids, store)`, or `planner(layer, seq_ids, store, q)` for a planner whose
+# `uses_queries` is true. Optional hooks a planner may define: `reads_window` (true: the step's k, v
+# are in the window before it is called), `prefill(seq_id, layer, k, v, q_last, extend)`,
+# `release(seq_id)` and `absorb_spill(slot, layer, k, v)` (the store's spill listener).
+HeadPlanner = Callable[..., HeadPlan]
 
 
 def window_attention_torch(
@@ -148,7 +152,8 @@ class HybridRuntime:
 
     `geometry` overrides `cfg.geometry` (e.g. fewer layers for a benchmark). `cpu_executor` and
     `gpu_executor` (an executor, or a factory `store -> executor`) and `head_planner` replace the
-    defaults (tests inject failing executors; the predictor will be a head planner).
+    defaults (tests inject failing executors). `selection.name: predicted` makes the head planner a
+    `PredictedHeadPlanner` (features, predictor and selector per step and layer).
     `cpu_kernel` replaces the numba task kernel the native CPU workers call (same signature as
     `cpu_kernels.sparse_attention.run_task`; tests inject a failing one). Workers start here and
     live until `close()`.
@@ -213,7 +218,14 @@ class HybridRuntime:
             self.gpu_executor is not None and torch.cuda.is_available() and getattr(self.gpu_executor, "device", "") == "gpu"
         )
         self.gpu_lane_device = torch.device("cuda") if lane_cuda else torch.device("cpu")
+        if head_planner is None and cfg.selection.name == "predicted":
+            from hybrid_runtime.predicted_plans import PredictedHeadPlanner
+
+            # On CUDA its graphs are captured here, before the first step.
+            head_planner = PredictedHeadPlanner(cfg.selection, geometry, store)
         self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.selection, geometry)
+        if getattr(self.planner, "absorb_spill", None) is not None:
+            store.spill_listener = self.planner.absorb_spill
         self._task_cache: dict = {}
 
         # Step buffers, allocated once for the largest batch (the hot path allocates no pinned
@@ -322,7 +334,8 @@ class HybridRuntime:
         return self._timeline
 
     # ------------------------------------------------------------------ prefill / release
-    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, *, extend: bool = False) -> None:
+    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, *, extend: bool = False,
+                q_last: torch.Tensor | None = None) -> None:
         """Store one layer of a prompt's KV `[L, Hkv, D]` (sink and recent window, CPU pages, metadata).
 
         `extend=True` appends the next chunk of the same prompt to what the layer already holds,
@@ -333,6 +346,10 @@ class HybridRuntime:
         k, v on the CPU (or CUDA) without NaN/inf; the store refuses wrong shapes, an empty prompt,
         a layer the sequence already has (without `extend`) or lacks (with it) and a prompt past the
         capacity.
+
+        `q_last [Hq, D]` (unscaled) is the query of the prompt's last token at this layer: a head
+        planner that caches prefill statistics (the `predicted` policy) needs it on every prefill
+        call and computes the statistics of the prompt so far from it; other planners ignore it.
         """
         self._check_open()
         seq_id = _as_int(seq_id, "seq_id")
@@ -343,9 +360,23 @@ class HybridRuntime:
             raise IndexError(f"layer {layer} out of range; the runtime has layers 0..{self.store.layers - 1}")
         _check_tensor("k", k)
         _check_tensor("v", v)
-        _check_finite({"k": k, "v": v})
+        planner_prefill = getattr(self.planner, "prefill", None)
+        tensors = {"k": k, "v": v}
+        if q_last is not None:
+            _check_tensor("q_last", q_last)
+            g = self.geometry
+            if tuple(q_last.shape) != (g.q_heads, g.head_dim):
+                raise ValueError(f"q_last has shape {tuple(q_last.shape)}; expected [{g.q_heads}, {g.head_dim}] "
+                                 "([q_heads, head_dim]: the query of the prompt's last token)")
+            tensors["q_last"] = q_last
+        elif planner_prefill is not None:
+            raise ValueError(f"the {self.cfg.selection.name!r} head planner needs q_last, the query of the prompt's last "
+                             "token at this layer ([q_heads, head_dim]), at every prefill; nothing was changed")
+        _check_finite(tensors)
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._forget_tasks(seq_id)
+        if planner_prefill is not None:
+            planner_prefill(seq_id, layer, k, v, q_last, extend=bool(extend))
 
     def release(self, seq_id: int) -> None:
         """Free a sequence's pages and window slot (memory stays pinned for reuse)."""
@@ -356,6 +387,9 @@ class HybridRuntime:
                 f"release({seq_id}): sequence {seq_id} is not in the store (never prefilled, or already released); "
                 f"sequences in the store: {sorted(self.store.sequences())}"
             )
+        planner_release = getattr(self.planner, "release", None)
+        if planner_release is not None:
+            planner_release(seq_id)
         self.store.release(seq_id)
         self._forget_tasks(seq_id)
 
@@ -500,17 +534,19 @@ class HybridRuntime:
         store, geo = self.store, self.geometry
         prof = self._timeline.enabled
         ev_entry = self._event() if cuda and prof else None
-        # A spill moves window pages into the CPU segment the tasks read: it must come first.
+        # A spill moves window pages into the CPU segment the tasks read: it must come first; so
+        # must the append when the planner reads the window (its features include this token).
         # Otherwise the append only touches the GPU window and runs while the tasks do.
-        spill = self._will_spill(layer, seq_ids)
+        append_first = self._will_spill(layer, seq_ids) or getattr(self.planner, "reads_window", False)
         # NaN/inf in q, k, v is refused before anything changes. On CUDA with a CPU lane the
         # check rides on the copy of q to the host that the CPU workers need anyway (k and v go
-        # along), read after the one wait for it; otherwise (or before a spill, which changes
-        # the store first) the inputs are checked here, which costs a device sync of its own.
-        deferred_check = cuda and has_cpu and not spill
+        # along), read after the one wait for it; otherwise (or before an append that must come
+        # first: a spill, or a planner that reads the window) the inputs are checked here, which
+        # costs a device sync of its own.
+        deferred_check = cuda and has_cpu and not append_first
         if not deferred_check:
             _check_finite({"q": q, "k": k, "v": v})
-        if spill:
+        if append_first:
             store.append(layer, seq_ids, k, v)
 
         b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
@@ -544,7 +580,7 @@ class HybridRuntime:
 
         def window_part() -> None:
             if not cuda:
-                if not spill:
+                if not append_first:
                     store.append(layer, seq_ids, k, v)
                 window["ev0"] = window["ev1"] = None
                 window["out"], window["lse"] = self._window(layer, seq_ids, qs)
@@ -554,7 +590,7 @@ class HybridRuntime:
             side = self._side_stream
             side.wait_stream(caller)
             with torch.cuda.stream(side):
-                if not spill:
+                if not append_first:
                     store.append(layer, seq_ids, k, v)
                 window["ev0"] = self._event() if prof else None
                 out, lse = self._window(layer, seq_ids, qs)
@@ -564,7 +600,10 @@ class HybridRuntime:
             lse.record_stream(caller)
             window["out"], window["lse"] = out, lse
 
-        plan = self.planner(layer, seq_ids, store)
+        if getattr(self.planner, "uses_queries", False):
+            plan = self.planner(layer, seq_ids, store, q)
+        else:
+            plan = self.planner(layer, seq_ids, store)
         tasks = self._tasks(layer, seq_ids, plan)
         if deferred_check:
             ev_qhost.synchronize()  # the CPU lane's wait for q, moved before anything changes
@@ -654,6 +693,9 @@ class HybridRuntime:
         ex = self.scheduler.lane.executor
         if ex is None:
             raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker false, or 'auto' without CUDA)")
+        if getattr(self.planner, "uses_queries", False):
+            raise RuntimeError("probe_gpu_lane: the head planner plans from the step's queries (and keeps state per "
+                               "step); probe with a planner that does not, e.g. a fixed policy")
         seq_ids = [int(s) for s in seq_ids]
         tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
         if not tasks:

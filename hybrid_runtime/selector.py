@@ -17,6 +17,9 @@ Eq. 3 adds the heads' budgets, while a task reads the union of its heads' blocks
 
 Everything is vectorised over the batch, the heads and the candidate block sizes (numpy, on
 the host, where the tasks are built); there is no Python loop over sequences or heads.
+`DeviceSelector` (`GranularitySelector.on_device`) is the same selection in torch ops, for a
+caller whose budget laws are on the GPU: the predicted policy selects inside its CUDA graph and
+copies only the plan to the host.
 """
 
 from __future__ import annotations
@@ -142,6 +145,51 @@ class GranularitySelector:
         mbytes = (volume * (self.head_dim * self.element_size)).astype(np.int64)
         return Selection(plan, has_task, volume, mbytes, volumes, self.block_sizes)
 
+    def on_device(self, device: Any) -> "DeviceSelector":
+        """The same selection in torch ops on `device` (see `DeviceSelector`)."""
+        return DeviceSelector(self, device)
+
+
+class DeviceSelector:
+    """`GranularitySelector.__call__` as torch ops on one device, for a caller whose budget laws are
+    there (the predicted policy, inside its CUDA graph): no host synchronisation, no allocation
+    from host memory, the same float32 budgets and float64 volumes, the same first-minimum choice.
+
+    `__call__(bgt0, k, p_streaming, cpu_len, skip_streaming)` with `bgt0, k, p_streaming [B, Hq]`
+    float32 and `cpu_len [B]` int64 on the device returns `block_size [B, Hkv]` int64, `budgets
+    [B, Hq]` float32 and `volume [B, Hkv]` float64 (0 where the group has no task). Shapes and
+    dtypes are the caller's to get right (checked by `GranularitySelector.__call__` on the host).
+    """
+
+    def __init__(self, selector: GranularitySelector, device: Any):
+        import torch
+
+        self.group_size = selector.group_size
+        self.threshold = selector.streaming_threshold
+        self.blk = torch.as_tensor(selector._blk, device=device)
+        self.log_blk = torch.as_tensor(selector._log_blk, device=device)
+        self.meta_per_token = torch.as_tensor(selector._meta_per_token, device=device)
+        self.arange = torch.arange(selector._blk.size, device=device)
+
+    def __call__(self, bgt0: Any, k: Any, p_streaming: Any, cpu_len: Any, skip_streaming: bool = True):
+        import torch
+
+        b, hq = bgt0.shape
+        g = self.group_size
+        bgt = (bgt0[..., None] + k[..., None] * self.log_blk).clamp(0.0, 1.0)  # [B, Hq, K] float32
+        if skip_streaming:
+            bgt = bgt.masked_fill((p_streaming >= self.threshold)[..., None], 0.0)
+        bgt = bgt.view(b, hq // g, g, -1)
+        lf = cpu_len.to(torch.float64)[:, None, None]
+        volumes = lf * self.meta_per_token + 2.0 * lf * bgt.sum(dim=2, dtype=torch.float32)  # [B, Hkv, K]
+        choice = volumes.argmin(dim=-1)  # the first minimum, as numpy's argmin
+        onehot = choice[..., None] == self.arange
+        chosen = (bgt * onehot[:, :, None, :]).sum(dim=-1)  # [B, Hkv, G]
+        has_task = (chosen > 0.0).any(dim=-1) & (cpu_len[:, None] > 0)
+        chosen = chosen * has_task[..., None]
+        volume = (volumes * onehot).sum(dim=-1) * has_task
+        return self.blk[choice], chosen.reshape(b, hq), volume
+
 
 def select_granularity(
     bgt0: Any,
@@ -257,5 +305,5 @@ def compare_bytes(
     return ByteComparison(modeled, head_sum, counted_bytes, metadata)
 
 
-__all__ = ["BLOCK_SIZES", "ByteComparison", "GranularitySelector", "Selection", "budgets_at", "compare_bytes",
-           "select_granularity"]
+__all__ = ["BLOCK_SIZES", "ByteComparison", "DeviceSelector", "GranularitySelector", "Selection", "budgets_at",
+           "compare_bytes", "select_granularity"]

@@ -396,13 +396,13 @@ def decode_features(stats: PrefillStatistics, q: torch.Tensor, q_prev: torch.Ten
     n = stats.n_cpu.view(b, 1, 1)
     has_cpu = n > 0
     mean_s = torch.einsum("bkgd,bkd->bkg", qs, stats.key_mean)
-    var_s = torch.einsum("bkgd,bkde,bkge->bkg", qs, stats.key_cov, qs).clamp_min(0)
+    var_s = (torch.matmul(qs, stats.key_cov) * qs).sum(-1).clamp_min(0)  # matmul: no copy of the covariances
     std_s = var_s.sqrt()
     lse_c = torch.where(has_cpu, torch.log(n.clamp_min(1)) + mean_s + var_s / 2, lse_w - _LOGIT_CLIP)
     logit = (lse_c - lse_w).clamp(-_LOGIT_CLIP, _LOGIT_CLIP)
     mass = torch.where(has_cpu, torch.sigmoid(logit), torch.zeros_like(logit))
     max_c = mean_s + std_s * torch.sqrt(2 * torch.log(n.clamp_min(1)))
-    o_c = stats.value_mean[:, :, None] + torch.einsum("bkde,bkge->bkgd", stats.value_key_cov, qs)
+    o_c = stats.value_mean[:, :, None] + torch.matmul(qs, stats.value_key_cov.transpose(-1, -2))
     o_hat = (1 - mass)[..., None] * o_w + mass[..., None] * o_c
     o_hat_norm = o_hat.norm(dim=-1)
     norm_max = o_hat_norm.amax((1, 2), keepdim=True).clamp_min(_EPS)
@@ -420,7 +420,9 @@ def decode_features(stats: PrefillStatistics, q: torch.Tensor, q_prev: torch.Ten
     gram = torch.einsum("bkgd,bkhd->bkgh", qn, qn)
     group_cos = (gram.sum(-1) - 1) / (g - 1) if g > 1 else torch.ones_like(q_norm)
     recent_n = recent.sum(-1).view(b, 1, 1)
-    recent_mean = torch.einsum("bw,bkwd->bkd", recent.float(), kw) / recent_n.view(b, 1).clamp_min(1)[..., None]
+    # matmul over (b, k) batches reads kw in place (einsum here would copy it into [b, w, k, d]).
+    recent_sum = torch.matmul(recent.float()[:, None, None, :].expand(b, hkv, 1, -1), kw)[:, :, 0]
+    recent_mean = recent_sum / recent_n.view(b, 1).clamp_min(1)[..., None]
     total = wl.view(b, 1, 1).float() + n
     steps = (wl.view(b, 1, 1) - stats.window_len.view(b, 1, 1)).clamp_min(0).float()
 

@@ -1,7 +1,7 @@
 """Offline labels for the head-property predictor: SmolLM2-135M on real text, exact budgets per head.
 
     python -m predictor.labels --out runs/predictor/smollm2_labels.npz
-        [--lengths 2048,4096,8192] [--positions 8] [--texts 8] [--tau 0.1] [--threads 1]
+        [--lengths 2048,4096,8192] [--positions 8] [--texts 8] [--tau 0.1] [--criterion output] [--threads 1]
 
 **Texts.** The corpus is `pydoc_data.topics` (every topic, in key order), cut into disjoint
 chunks of `max(lengths)` tokens. For a chunk and a length `L` the prompt is its first
@@ -24,7 +24,8 @@ ranked by Quest min/max scores, exact top-k tokens for blk = 1) from which every
 meets `||o(bgt, blk) - o|| / max_h' ||o_h'|| <= tau` (Fluxion Eq. 2, `h'` over the layer's
 query heads at that position; `predictor.budget_search`), searched over every block count (for
 blk = 1: every count up to 64 tokens, then steps of at most 5%); the least-squares fit
-`bgt(blk) = bgt0 + k * log2(blk)`; `streaming` when the window alone meets `tau`. Features: `predictor.features`
+`bgt(blk) = bgt0 + k * log2(blk)`; `streaming` when the window alone meets `tau`. `--criterion`
+replaces Eq. 2 by one of the ablation's criteria (`predictor.budget_criteria`). Features: `predictor.features`
 from the prompt's prefill statistics (anchor = the prompt's last query), the window K/V and q.
 
 **Saved** (`np.load`): `features` float32 [N, 41], `feature_names` str [41], `bgt0` float32 [N],
@@ -53,6 +54,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from predictor.budget_criteria import CRITERIA, criterion_curve, prefix_mass
 from predictor.budget_search import (
     BLOCK_SIZES,
     all_counts,
@@ -60,7 +62,6 @@ from predictor.budget_search import (
     error_curves,
     fit_budget_law,
     geometric_counts,
-    relative_errors,
     smallest_budget,
 )
 from predictor.features import FEATURE_NAMES, compute_prefill_statistics, decode_features, window_attention
@@ -83,6 +84,9 @@ class LabelSettings:
     heldout_every: int = 4  # the i-th text used is held out when i % heldout_every == 1
     seed: int = 0
     position_batch: int = 8  # positions labelled at once (memory: ~ batch x Hq x L x D floats)
+    # What "good enough" means (predictor.budget_criteria): Eq. 2 (`output`, Fluxion's), the same
+    # without the head-contribution term, or 95% of the attention score (`score95`, tau unused).
+    criterion: str = "output"
 
     def __post_init__(self) -> None:
         if not self.lengths or sorted(set(self.lengths)) != list(self.lengths):
@@ -101,6 +105,8 @@ class LabelSettings:
             raise ValueError("sink and local must be >= 0 and span >= 1")
         if not 0.0 < self.max_repeat <= 1.0:
             raise ValueError(f"max_repeat must be in (0, 1], got {self.max_repeat}")
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"criterion {self.criterion!r} is not one of {list(CRITERIA)}")
 
 
 # ---------------------------------------------------------------------------- text
@@ -244,9 +250,15 @@ def label_layer(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, q_prev: torch
         qb = q[lo:hi]
         out_w, lse_w = window_attention(qb, wk, wv, wl)
         errs, o_full = error_curves(qb, k_cpu, v_cpu, out_w, lse_w, counts, bounds=bounds)
-        rel = {blk: relative_errors(e, o_full) for blk, e in errs.items()}
-        budgets = [smallest_budget(rel[blk], counts[blk], blk, n_cpu, settings.tau) for blk in BLOCK_SIZES]
-        out["streaming"].append((rel[BLOCK_SIZES[0]][..., 0] <= settings.tau).reshape(-1))
+        if settings.criterion == "score95":  # mass at the same block counts as the error curves
+            curves = {blk: criterion_curve("score95", settings.tau, mass=prefix_mass(qb, k_cpu, lse_w, blk)[..., counts[blk]])
+                      for blk in BLOCK_SIZES}
+        else:
+            curves = {blk: criterion_curve(settings.criterion, settings.tau, err=e, o_full=o_full) for blk, e in errs.items()}
+        rel = {blk: c for blk, (c, _) in curves.items()}
+        bound = curves[BLOCK_SIZES[0]][1]
+        budgets = [smallest_budget(rel[blk], counts[blk], blk, n_cpu, bound) for blk in BLOCK_SIZES]
+        out["streaming"].append((rel[BLOCK_SIZES[0]][..., 0] <= bound).reshape(-1))
         out["budgets"].append(torch.stack(budgets, -1).reshape(b * hq, -1))
         out["o_full"].append(o_full)
         rows = torch.zeros(b, dtype=torch.long, device=dev)
@@ -388,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tau", type=float, default=LabelSettings.tau, help="Eq. 2 error bound (default 0.1)")
     parser.add_argument("--span", type=int, default=LabelSettings.span, help="decode positions after each prompt")
     parser.add_argument("--seed", type=int, default=LabelSettings.seed)
+    parser.add_argument("--criterion", choices=CRITERIA, default=LabelSettings.criterion,
+                        help="budget criterion (default output: Fluxion's Eq. 2; see predictor.budget_criteria)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default; 1 is fastest on a host shared with other jobs)")
     args = parser.parse_args(argv)
@@ -399,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
     try:
         settings = LabelSettings(lengths=lengths, positions=args.positions, texts=args.texts, tau=args.tau,
-                                 span=args.span, seed=args.seed)
+                                 span=args.span, seed=args.seed, criterion=args.criterion)
     except ValueError as e:
         parser.error(str(e))
     out = Path(args.out)

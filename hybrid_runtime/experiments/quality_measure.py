@@ -129,15 +129,18 @@ def output_errors(rt: Any, ref: dict, prompt_len: int, n: int, seq_id: int = 1_0
 
 
 @torch.no_grad()
-def teacher_forced(model: Any, ref: dict, ids: torch.Tensor, prompt_len: int, n: int) -> tuple[torch.Tensor, int]:
+def teacher_forced(model: Any, ref: dict, ids: torch.Tensor, prompt_len: int, n: int,
+                   last_queries: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """Logits `[n, V]` of decoding `ids[P .. P+n-1]` one token per step through a `HybridCache`,
-    and the CPU-resident tokens per layer and KV head after the prompt."""
+    and the CPU-resident tokens per layer and KV head after the prompt. `last_queries[l]`
+    `[Hq, D]`: the query of the prompt's last token at layer `l` (the `predicted` policy needs it)."""
     from hybrid_runtime.integrations.transformers import HybridCache
 
     cache = HybridCache(model)
     try:
         cache.load_prompt([k[:prompt_len].transpose(0, 1)[None] for k in ref["k"]],
-                          [v[:prompt_len].transpose(0, 1)[None] for v in ref["v"]])
+                          [v[:prompt_len].transpose(0, 1)[None] for v in ref["v"]],
+                          last_queries=None if last_queries is None else [q[None] for q in last_queries])
         cpu_tokens = cache.runtime.store.cpu_len(cache.seq_ids[0], 0)
         dev = model.device
         rows = []

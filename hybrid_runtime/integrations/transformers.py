@@ -601,16 +601,20 @@ class HybridCache(Cache):
         self.seq_ids.extend(next(self._state.seq_counter) for _ in range(b))
         self._real_lengths = list(real_lengths)
 
-    def _prefill_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, lengths: list[int]) -> None:
+    def _prefill_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
+                       last_query: torch.Tensor | None = None) -> None:
         """Hand one layer's prompt KV `[B,Hkv,T,D]` to the runtime, real tokens only (left padding);
-        a row the layer already holds tokens of gets them appended (a later chunk of its prompt)."""
+        a row the layer already holds tokens of gets them appended (a later chunk of its prompt).
+        `last_query [B, Hq, D]`: each row's query of its last token, in the runtime's scaling (the
+        `predicted` policy caches prefill statistics from it)."""
         rt = self.runtime
         t = key.shape[2]
         for b, (s, n) in enumerate(zip(self.seq_ids, lengths)):
             if n:
                 k_b = key[b, :, t - n :].transpose(0, 1)  # [n, Hkv, D]
                 v_b = value[b, :, t - n :].transpose(0, 1)
-                rt.prefill(s, layer, k_b, v_b, extend=self._holds(s, layer))
+                q_b = None if last_query is None else last_query[b]
+                rt.prefill(s, layer, k_b, v_b, extend=self._holds(s, layer), q_last=q_b)
         self.layers[layer].prefilled = True
 
     def _holds(self, seq_id: int, layer: int) -> bool:
@@ -648,13 +652,16 @@ class HybridCache(Cache):
         return keys.sum(dim=1).tolist()
 
     def load_prompt(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], attention_mask: torch.Tensor | None = None,
+        last_queries: list[torch.Tensor] | None = None,
     ) -> None:
         """Prefill every layer from KV computed elsewhere: `keys[l]`, `values[l]` `[B,Hkv,T,D]`, post-RoPE.
 
         Equivalent to running the prompt through the model with this cache (the dense prefill),
         for callers that already have the prompt's KV (e.g. a quality harness comparing policies).
         `attention_mask` `[B, T]` marks real tokens (left padding); None means all real.
+        `last_queries[l]` `[B, Hq, D]`: the query of each row's last prompt token at layer `l`
+        (post-RoPE, scaled as the runtime's decode queries), which the `predicted` policy needs.
         """
         self._check_usable()
         if self.seq_ids or any(layer.length for layer in self.layers):
@@ -670,7 +677,7 @@ class HybridCache(Cache):
         self._allocate(lengths)
         try:
             for layer, (k, v) in enumerate(zip(keys, values)):
-                self._prefill_layer(layer, k, v, lengths)
+                self._prefill_layer(layer, k, v, lengths, None if last_queries is None else last_queries[layer])
                 self.layers[layer].update(k, v)
         except BaseException:
             self.release()
@@ -715,8 +722,11 @@ class HybridCache(Cache):
             past = lyr.length - t
             keys, values = self._with_stored(layer, key, value, past) if past else (key, value)
             out = _dense(state, module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+            last_query = query[:, :, -1]  # [B, Hq, D]: each row's last token (left padding)
+            if scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1.0) > 1e-6:
+                last_query = last_query * (scaling * query.shape[-1] ** 0.5)
             try:
-                self._prefill_layer(layer, key, value, lengths)
+                self._prefill_layer(layer, key, value, lengths, last_query)
             except BaseException:
                 self.release()
                 raise

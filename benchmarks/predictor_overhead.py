@@ -1,0 +1,332 @@
+"""What the `predicted` head-plan policy costs per decode step and layer, against the step itself (device).
+
+At (batch 8, context 32K) of the Llama-3.1-8B geometry (32 q heads, 8 KV heads, D 128; `--layers`
+layers, KV and queries drawn at random, bf16 store, sink 64, local 256) one runtime holds the KV
+with `selection.name: predicted`. The predictor is the shipped SmolLM2 checkpoint: its 41 features
+are per (sequence, query head) and defined for any geometry (counts, fractions, cosines, scores),
+so it runs unchanged on this one; on random KV its budgets mean nothing, and timing does not
+depend on them. Per layer-step it measures, for the CUDA-graph path and the eager path:
+
+* `wall`: host time of one planner call (staging, features + predictor + selector on the device,
+  the copy of the plan to the host and the host's wait for it, the plan's arrays), median / mean /
+  p99 over `--steps` x layers calls;
+* `gpu`: CUDA-event time from the staging copies to the end of the plan's device-to-host copy;
+* host parts: `stage` (the step's inputs into the static buffers), `wait` (from the replay's launch
+  to the plan on the host), and `task_build` (building the step's tasks from a new plan: with
+  predicted plans the runtime's task cache rarely hits, a cost fixed plans do not pay; outside
+  the fraction below);
+
+and the decode step's layer time in the same run (the runtime's timeline, entry to return):
+
+* `decode_fixed`: every head at (16, 0.05), the fixed baseline -- the denominator;
+* `decode_in_situ`: the predicted planner runs in every step (graph path) but the step executes the
+  fixed plan, so the bytes read match the baseline and the difference is the planner in place.
+
+With `--compile` a third path, `graph_compiled`, is the device step through `torch.compile`
+(inductor fuses the ~150 small ops of features, predictor and selector) captured in CUDA graphs of
+the point's batch; a compile failure is recorded, not fatal.
+
+Metric `predictor_overhead_fraction_8x32k` = median planner wall of the fastest graph path /
+median `decode_fixed` layer time; also `predictor_in_situ_fraction_8x32k` = (in situ - fixed) /
+fixed, with the runtime's own planner (uncompiled graphs) in place.
+Graph capture time (all layers and batch buckets, at runtime construction) and the prefill time
+of the statistics are reported beside them.
+
+    python benchmarks/predictor_overhead.py                      # the device run, about a minute
+    python benchmarks/predictor_overhead.py --quick --out-dir D  # tiny shapes, CPU (eager only): a smoke run
+
+Writes `benchmarks/results/predictor_overhead-<device>.json` (results contract in
+docs/architecture.md) and a markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_results  # noqa: E402
+from hybrid_runtime.config import GEOMETRIES, SelectionConfig, config_from_dict  # noqa: E402
+from hybrid_runtime.head_plans import ConfigHeadPlanner  # noqa: E402
+from hybrid_runtime.predicted_plans import PredictedHeadPlanner  # noqa: E402
+from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
+from hybrid_runtime.task_building import build_tasks  # noqa: E402
+
+POINT = (8, 32768)
+QUICK_GEOMETRY = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
+
+
+def point_tag(batch: int, context: int) -> str:
+    return f"{batch}x{context // 1024}k" if context % 1024 == 0 else f"{batch}x{context}"
+
+
+def timing_stats(seconds: list[float]) -> dict:
+    """Median, mean and p99 in microseconds, and the sample count."""
+    us = np.asarray(seconds, dtype=np.float64) * 1e6
+    return {"median_us": float(np.median(us)), "mean_us": float(us.mean()), "p99_us": float(np.percentile(us, 99)),
+            "samples": int(us.size)}
+
+
+class InSituPlanner:
+    """Runs the predicted planner in every step but hands the runtime another plan (the baseline's)."""
+
+    uses_queries = True
+    reads_window = True
+
+    def __init__(self, predicted, fixed):
+        self.predicted, self.fixed = predicted, fixed
+
+    def __call__(self, layer, seq_ids, store, q):
+        self.predicted(layer, seq_ids, store, q)
+        return self.fixed(layer, seq_ids, store)
+
+
+def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, PredictedHeadPlanner | None, dict]:
+    geometry = QUICK_GEOMETRY if args.quick else {**{k: getattr(GEOMETRIES["llama-3.1-8b"], k)
+                                                     for k in ("q_heads", "kv_heads", "head_dim")}, "layers": args.layers}
+    cuda = torch.cuda.is_available()
+    cfg = config_from_dict({
+        "geometry": geometry,
+        "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
+                     "cpu_capacity_tokens": batch * context, "max_sequences": batch},
+        "selection": {"name": "predicted"},
+        "scheduler": {"placement": "fluxion" if cuda else "cpu_only", "cpu_workers": args.cpu_workers, "gpu_worker": cuda,
+                      "pin_cores": cuda},
+        "profiling": {"enabled": True, "chrome_trace": False},
+    })
+    t0 = time.perf_counter()
+    rt = HybridRuntime(cfg)
+    info = {"runtime_construction_s": time.perf_counter() - t0, "graph_capture_s": rt.planner.capture_seconds,
+            "graphs": len(rt.planner._graphs), "buckets": list(rt.planner.buckets)}
+    dev = rt.device
+    g = rt.geometry
+    compiled = None
+    if args.compile and cuda:
+        compiled = PredictedHeadPlanner(cfg.selection, g, rt.store, cuda_graphs=False, compile=True)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    stats_s = 0.0
+    for s in range(batch):
+        for layer in range(g.layers):
+            k = torch.randn((context, g.kv_heads, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
+            v = torch.randn((context, g.kv_heads, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
+            rt.store.prefill(s, layer, k, v)
+            q_last = torch.randn((g.q_heads, g.head_dim), generator=gen, device=dev)
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            rt.planner.prefill(s, layer, k, v, q_last)
+            if cuda:
+                torch.cuda.synchronize()
+            stats_s += time.perf_counter() - t
+            if compiled is not None:
+                compiled.prefill(s, layer, k, v, q_last)
+    info["statistics_prefill_ms_per_sequence_layer"] = stats_s / (batch * g.layers) * 1e3
+    if compiled is not None:
+        t = time.perf_counter()
+        try:
+            compiled.capture_all(buckets=[n for n in compiled.buckets if n >= batch][:1])
+            info["compile_and_capture_s"] = time.perf_counter() - t
+        except Exception as e:  # recorded: the other paths still measure
+            info["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"  torch.compile path failed: {info['compile_error'][:300]}", flush=True)
+            compiled = None
+    return rt, compiled, info
+
+
+def planner_timings(rt: HybridRuntime, planner, batch: int, steps: int, warmup: int, gen: torch.Generator) -> dict:
+    """Wall, GPU, staging, wait and task-build times of one planner path (its graphs, or eager)."""
+    g, store, dev = rt.geometry, rt.store, rt.device
+    cuda = dev.type == "cuda"
+    ids = list(range(batch))
+    wall, gpu, stage, wait, task_build = [], [], [], [], []
+    for i in range(warmup + steps):
+        for layer in range(g.layers):
+            q = torch.randn((batch, g.q_heads, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            plan = planner(layer, ids, store, q)
+            t1 = time.perf_counter()
+            # The same work again, piece by piece: CUDA events around the device part, host clocks
+            # around the staging and the wait.
+            ev0 = torch.cuda.Event(enable_timing=True) if cuda else None
+            ev1 = torch.cuda.Event(enable_timing=True) if cuda else None
+            if cuda:
+                ev0.record()
+            t2 = time.perf_counter()
+            bucket, _ = planner._stage(layer, ids, store, q)
+            t3 = time.perf_counter()
+            graph = planner._graphs.get((layer, bucket))
+            graph.replay() if graph is not None else planner._compute(layer, bucket)
+            if cuda:
+                planner._out_host[bucket].copy_(planner._out[bucket], non_blocking=True)
+                ev1.record()
+                ev1.synchronize()
+            t4 = time.perf_counter()
+            build_tasks(store, layer, ids, plan)
+            t5 = time.perf_counter()
+            if i >= warmup:
+                wall.append(t1 - t0)
+                stage.append(t3 - t2)
+                wait.append(t4 - t3)
+                gpu.append(ev0.elapsed_time(ev1) * 1e-3 if cuda else t4 - t3)
+                task_build.append(t5 - t4)
+    return {"wall": timing_stats(wall), "gpu": timing_stats(gpu), "stage": timing_stats(stage),
+            "wait": timing_stats(wait), "task_build": timing_stats(task_build)}
+
+
+def decode_layer_times(rt: HybridRuntime, planner, batch: int, steps: int, warmup: int, gen: torch.Generator) -> dict:
+    """The decode step's layer time (timeline: entry to return) with `planner` as the head planner."""
+    g, dev = rt.geometry, rt.device
+    rt.planner = planner
+    ids = list(range(batch))
+    for i in range(warmup + steps):
+        if i == warmup:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            rt.timeline.clear()
+        for layer in range(g.layers):
+            q, k, v = (torch.randn((batch, h, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
+                       for h in (g.q_heads, g.kv_heads, g.kv_heads))
+            rt.decode(layer, ids, q, k, v)
+    recs = rt.timeline.records
+    out = timing_stats([r.attention_s for r in recs])
+    out["bytes_per_layer_step"] = float(np.mean([r.bytes_read.sum() for r in recs]))
+    out["tasks_per_layer_step"] = float(np.mean([r.n_tasks for r in recs]))
+    return out
+
+
+def run_point(args, batch: int, context: int) -> dict:
+    print(f"point batch={batch} context={context}", flush=True)
+    rt, compiled, info = make_runtime(args, batch, context)
+    try:
+        predicted = rt.planner
+        gen = torch.Generator(device=rt.device).manual_seed(args.seed + 1)
+        row: dict = {"batch": batch, "context": context, **info}
+        modes = ["graph", "eager"] if rt.device.type == "cuda" else ["eager"]
+        if compiled is not None:
+            modes.append("graph_compiled")
+        for mode in modes:
+            planner = compiled if mode == "graph_compiled" else predicted
+            graphs = planner._graphs
+            if mode == "eager":
+                planner._graphs = {}  # the same planner without its graphs: plain torch per step
+            try:
+                row[mode] = planner_timings(rt, planner, batch, args.steps, args.warmup, gen)
+            finally:
+                planner._graphs = graphs
+            r = row[mode]
+            print(f"  planner {mode:5s}: wall med {r['wall']['median_us']:8.1f} mean {r['wall']['mean_us']:8.1f} "
+                  f"p99 {r['wall']['p99_us']:8.1f} us; device {r['gpu']['median_us']:7.1f} us; stage "
+                  f"{r['stage']['median_us']:6.1f}, launch + wait {r['wait']['median_us']:6.1f}, task build "
+                  f"{r['task_build']['median_us']:6.1f} us", flush=True)
+        fixed = ConfigHeadPlanner(SelectionConfig(name="fixed", block_size=16, budget=0.05), rt.geometry)
+        row["decode_fixed"] = decode_layer_times(rt, fixed, batch, args.steps, args.warmup, gen)
+        row["decode_in_situ"] = decode_layer_times(rt, InSituPlanner(predicted, fixed), batch, args.steps, args.warmup, gen)
+        rt.planner = predicted
+        graph_modes = [m for m in modes if m != "eager"] or ["eager"]
+        best = min(graph_modes, key=lambda m: row[m]["wall"]["median_us"])
+        base = row["decode_fixed"]["median_us"]
+        row["path"] = best
+        row["overhead_fraction"] = row[best]["wall"]["median_us"] / base
+        row["in_situ_fraction"] = (row["decode_in_situ"]["median_us"] - base) / base
+        print(f"  decode layer: fixed (16, 0.05) {base:8.1f} us, with the planner in situ "
+              f"{row['decode_in_situ']['median_us']:8.1f} us; planner ({best}) / step = {row['overhead_fraction']:.2%}, "
+              f"in situ {row['in_situ_fraction']:+.2%}", flush=True)
+        return row
+    finally:
+        rt.close()
+
+
+def metrics_of(row: dict) -> dict:
+    tag = point_tag(row["batch"], row["context"])
+    best = row["path"]
+    m = {
+        f"predictor_overhead_fraction_{tag}": row["overhead_fraction"],
+        f"predictor_in_situ_fraction_{tag}": row["in_situ_fraction"],
+        f"predictor_wall_us_median_{tag}": row[best]["wall"]["median_us"],
+        f"predictor_wall_us_p99_{tag}": row[best]["wall"]["p99_us"],
+        f"predictor_device_us_median_{tag}": row[best]["gpu"]["median_us"],
+        f"wait_host_us_median_{tag}": row[best]["wait"]["median_us"],
+        f"stage_host_us_median_{tag}": row[best]["stage"]["median_us"],
+        f"task_build_us_median_{tag}": row[best]["task_build"]["median_us"],
+        f"decode_fixed_layer_us_median_{tag}": row["decode_fixed"]["median_us"],
+        f"decode_in_situ_layer_us_median_{tag}": row["decode_in_situ"]["median_us"],
+        "graph_capture_s": row["graph_capture_s"],
+        "statistics_prefill_ms_per_sequence_layer": row["statistics_prefill_ms_per_sequence_layer"],
+    }
+    for mode in ("graph", "eager", "graph_compiled"):
+        if mode in row and mode != best:
+            m[f"predictor_{mode}_wall_us_median_{tag}"] = row[mode]["wall"]["median_us"]
+            m[f"predictor_{mode}_device_us_median_{tag}"] = row[mode]["gpu"]["median_us"]
+    m[f"predictor_best_path_is_compiled_{tag}"] = int(best == "graph_compiled")
+    return m
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# predictor_overhead on {result['device']}", "",
+             f"host: {result['host_cpu']}; commit {result['commit']}; {result['created']}", "",
+             "| batch | context | path | wall med us | wall mean us | wall p99 us | device med us | stage us | wait us "
+             "| task build us | decode layer (16, 0.05) us | planner / layer |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in result["points"]:
+        base = p["decode_fixed"]["median_us"]
+        for mode in ("graph", "graph_compiled", "eager"):
+            if mode in p:
+                r = p[mode]
+                lines.append(f"| {p['batch']} | {p['context']} | {mode} | {r['wall']['median_us']:.1f} | {r['wall']['mean_us']:.1f} "
+                             f"| {r['wall']['p99_us']:.1f} | {r['gpu']['median_us']:.1f} | {r['stage']['median_us']:.1f} "
+                             f"| {r['wait']['median_us']:.1f} | {r['task_build']['median_us']:.1f} | {base:.1f} "
+                             f"| {r['wall']['median_us'] / base:.2%} |")
+    lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny geometry and context; runs on the CPU (eager only)")
+    ap.add_argument("--points", default=None, help=f"BxCONTEXT list (default {POINT[0]}x{POINT[1]}; --quick: 2x2048)")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the Llama geometry (a graph each per bucket)")
+    ap.add_argument("--steps", type=int, default=100, help="measured steps (each over every layer)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--cpu-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="also measure the device step through torch.compile (CUDA)")
+    ap.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        print("predictor_overhead measures the GPU path; without CUDA run it with --quick", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.cpu_workers = 1
+    spec = args.points or ("2x2048" if args.quick else f"{POINT[0]}x{POINT[1]}")
+    points = [tuple(int(x) for x in p.split("x")) for p in spec.split(",")]
+    if not args.quick:
+        torch.set_num_threads(1)  # idle intra-op threads must not spin on the workers' cores
+    rows = [run_point(args, b, c) for b, c in points]
+    metrics: dict = {}
+    for row in rows:
+        metrics.update(metrics_of(row))
+    config = {"quick": args.quick, "compile": args.compile, "layers": QUICK_GEOMETRY["layers"] if args.quick else args.layers,
+              "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers, "seed": args.seed,
+              "checkpoint": "predictor/checkpoints/smollm2.pt (per-head features; weights do not change the timing)",
+              "torch": torch.__version__}
+    path = write_results("predictor_overhead", metrics, rows, out_dir=args.out_dir, extra={"config": config})
+    md = markdown(json.loads(path.read_text()))
+    path.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

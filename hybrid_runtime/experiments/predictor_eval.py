@@ -1,0 +1,578 @@
+"""Evaluation of the `predicted` head-plan policy on SmolLM2-135M-Instruct.
+
+    python -m hybrid_runtime.experiments.predictor_eval --config configs/predictor_smollm2.yaml \\
+        --out runs/predictor_eval --results-dir benchmarks/results
+
+**Predictor, held out.** Streaming-head accuracy and the MAE of `bgt0` and `k` of the shipped
+checkpoint on the held-out texts of its labels file (the file the checkpoint names; its SHA-256
+must match), and the held-out metrics every other checkpoint recorded when it was trained.
+
+**Policies, end to end.** Per context length (4K and 8K) and policy, through `HybridRuntime`
+and `HybridCache` exactly as the quality harness does (`quality_measure`: one dense reference
+forward, then teacher-forced decoding of the last `positions` tokens, sparse attention at every
+layer, errors compounding): next-token top-1 agreement with the dense model, KL(dense || sparse),
+perplexity, and the CPU-resident KV bytes read per decode step (all layers), counted by the
+executors and modeled by Eq. 3. The prompt's last query of every layer (captured in the same
+reference forward) goes to the runtime's prefill, as `generate` through `HybridCache` hands it.
+For predicted policies the plans are tallied per step: heads with a budget, groups with a task,
+the block sizes chosen.
+
+Policies (`POLICIES`): the fixed baselines (16, 0.05) and (32, 0.02); `predicted` (the shipped
+tau = 0.1 checkpoint); the tau sweep; the ablations of Fluxion Fig. 10: dynamic granularity vs a
+fixed block of 16 or 32 (`selection.block_sizes`), with and without streaming-head skipping
+(`selection.skip_streaming`), and the three budget criteria of the labels (Eq. 2, Eq. 2 without the
+head-contribution term, 95% attention score). The tau sweep cannot re-select with one predictor:
+the selector has no tau -- the predictor outputs the budget law that met the tau of its labels,
+and four of its features (the anchor budgets and the Gaussian budget) are computed at that tau --
+so every tau (and every criterion) is its own checkpoint, trained on labels of the same texts and
+positions made with that tau (or criterion); `checkpoint_commands` prints how each was made.
+
+**Oracle** (`ORACLES`, `oracle_plans.py`, evaluation only): the same selector fed each step's exact labels (the
+budget law fitted to the smallest budgets meeting tau, and the streaming flag, computed like the
+offline labels from the full KV the store holds) instead of the predictor's. It reads the whole
+CPU-resident KV every step, which no serving policy may; it separates what the criterion and tau
+cost (oracle vs fixed) from what the predictor's errors cost (predicted vs oracle).
+
+**Text.** One window of the quality harness's corpus at `text_offset`, the same for every length
+(a length's window is the first `L + 1` tokens), which must (a) not repeat its own context
+(`quality_text.check_novel`, < 5% of the scored 8-grams) and (b) share no `overlap_ngram`-token
+sequence (16) with any text the predictor's labels were made from: those texts are the label
+file's (text, position) rows, chunks of `predictor.labels.corpus_text`, tokenised here (every
+other checkpoint's labels use the same texts: same settings, only tau or the criterion differ).
+Both are checked before the model runs; the run refuses an offset that fails and names ones that
+pass.
+
+Writes `predictor_eval.json` and `.md` to `--out`; with `--results-dir`,
+`predictor_smollm2-<device>.json` (`cpu` on a host without CUDA) and its table.
+Exit codes: 0 success, 2 bad settings or text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import yaml
+
+from hybrid_runtime.config import config_from_dict, resolve_checkpoint
+
+Progress = Callable[[str], None]
+
+BASELINE = "fixed16_005"  # bytes ratios are against this policy
+
+#: Oracle slug -> the tau of its exact labels (Eq. 2, as the shipped checkpoint's labels).
+ORACLES: dict[str, float] = {"oracle_tau010": 0.10, "oracle_tau015": 0.15}
+
+#: Slug -> (`selection` section, what it is). Checkpoints of the tau sweep and the criteria are made by
+#: `checkpoint_commands`.
+POLICIES: dict[str, tuple[dict, str]] = {
+    "fixed16_005": ({"name": "fixed", "block_size": 16, "budget": 0.05}, "fixed (16, 0.05)"),
+    "fixed32_002": ({"name": "fixed", "block_size": 32, "budget": 0.02}, "fixed (32, 0.02)"),
+    "predicted": ({"name": "predicted"}, "predicted, tau 0.1 (shipped checkpoint)"),
+    "predicted_q80": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_q80.pt"},
+                      "predicted, tau 0.1, budgets at the 0.8 quantile"),
+    "predicted_tau002": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.02.pt"},
+                         "predicted, tau 0.02"),
+    "predicted_tau005": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.05.pt"},
+                         "predicted, tau 0.05"),
+    "predicted_tau015": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.15.pt"},
+                         "predicted, tau 0.15"),
+    "predicted_tau020": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.2.pt"},
+                         "predicted, tau 0.2"),
+    "predicted_blk16": ({"name": "predicted", "block_sizes": [16]}, "predicted budgets, block fixed at 16"),
+    "predicted_blk32": ({"name": "predicted", "block_sizes": [32]}, "predicted budgets, block fixed at 32"),
+    "predicted_no_streaming": ({"name": "predicted", "skip_streaming": False},
+                               "predicted, no streaming heads (every head its budget law)"),
+    # 0.8: the threshold at which the held-out streaming precision reaches 0.98 (0.948 at 0.5).
+    "predicted_thr08": ({"name": "predicted", "streaming_threshold": 0.8},
+                        "predicted, streaming only at p_streaming >= 0.8"),
+    "predicted_no_head_contribution": (
+        {"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_output_no_head_contribution.pt"},
+        "predicted, criterion: Eq. 2 without the head-contribution term"),
+    "predicted_score95": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_score95.pt"},
+                          "predicted, criterion: 95% of the attention score"),
+    "predicted_t11p16": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16.pt"},
+                         "predicted, tau 0.1, trained on 11 texts x 16 positions"),
+    # Operating points: a looser tau with the stricter streaming threshold.
+    "predicted_tau015_thr08": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.15.pt",
+                                "streaming_threshold": 0.8}, "predicted, tau 0.15, streaming at p >= 0.8"),
+    "predicted_tau020_thr08": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.2.pt",
+                                "streaming_threshold": 0.8}, "predicted, tau 0.2, streaming at p >= 0.8"),
+    "predicted_t11p16_thr08": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16.pt",
+                                "streaming_threshold": 0.8}, "predicted, 11 texts x 16 positions, streaming at p >= 0.8"),
+}
+#: How the labels of each checkpoint made here differ from the shipped checkpoint's (`predictor.labels` flags).
+LABEL_FLAGS = {
+    "predicted_tau002": "--tau 0.02", "predicted_tau005": "--tau 0.05", "predicted_tau015": "--tau 0.15",
+    "predicted_tau020": "--tau 0.2", "predicted_no_head_contribution": "--criterion output_no_head_contribution",
+    "predicted_score95": "--criterion score95", "predicted_t11p16": "--texts 11 --positions 16",
+    "predicted_tau015_thr08": "--tau 0.15", "predicted_tau020_thr08": "--tau 0.2",
+    "predicted_t11p16_thr08": "--texts 11 --positions 16",
+}
+GROUPS = {
+    "baselines": ("fixed16_005", "fixed32_002", "predicted", "predicted_q80", "predicted_t11p16"),
+    "tau sweep": ("predicted_tau002", "predicted_tau005", "predicted", "predicted_tau015", "predicted_tau020"),
+    "granularity": ("predicted", "predicted_blk16", "predicted_blk32"),
+    "predictor vs exact labels": ("predicted", "oracle_tau010", "predicted_tau015", "oracle_tau015"),
+    "streaming heads": ("predicted", "predicted_thr08", "predicted_no_streaming"),
+    "operating points": ("predicted_thr08", "predicted_tau015_thr08", "predicted_tau020_thr08", "predicted_t11p16_thr08"),
+    "budget criterion": ("predicted", "predicted_no_head_contribution", "predicted_score95"),
+}
+
+
+def checkpoint_commands(slug: str) -> list[str]:
+    """How the checkpoint of a predicted policy of the sweep or the ablations was made (labels, then training)."""
+    if slug not in LABEL_FLAGS:
+        return []
+    ckpt = POLICIES[slug][0]["checkpoint"]
+    data = f"runs/predictor/smollm2_labels_{Path(ckpt).stem.replace('smollm2_', '')}.npz"
+    settings = {"--lengths": "2048,4096,8192", "--positions": "8", "--texts": "8", "--tau": "0.1"}
+    flags = LABEL_FLAGS[slug].split()
+    settings.update(zip(flags[::2], flags[1::2]))
+    args = " ".join(f"{k} {v}" for k, v in settings.items())
+    return [f"python -m predictor.labels --out {data} {args} --threads 1",
+            f"python -m predictor.train --data {data} --out {ckpt} --refit --threads 1 --hidden 256,256,128"]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    lengths: tuple[int, ...] = (4096, 8192)
+    positions: int = 256  # teacher-forced positions after the prompt
+    policies: tuple[str, ...] = tuple(POLICIES)
+    # 16-gram-disjoint from every labelled text and novel at 4K and 8K (measured: 0 shared 16-grams,
+    # 8-gram repeat 0.016 and 0.020); the quality harness's 30000 lies inside a training text.
+    text_offset: int = 91750
+    overlap_ngram: int = 16
+    labels: str = "runs/predictor/smollm2_labels.npz"  # the shipped checkpoint's labels (held-out metrics)
+    model_dtype: str = "float32"
+    store_dtype: str = "bf16"
+    threads: int = 0
+    runtime: dict = field(default_factory=dict)  # extra runtime sections (kv_cache, scheduler, profiling)
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.policies if p not in POLICIES and p not in ORACLES]
+        if bad:
+            raise ValueError(f"predictor_eval.policies: unknown {bad}; allowed: {', '.join([*POLICIES, *ORACLES])}")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"predictor_eval.policies: {list(self.policies)} names a policy twice")
+        if not self.lengths or self.positions < 1 or any(n <= self.positions + 1 for n in self.lengths):
+            raise ValueError(f"predictor_eval.lengths {list(self.lengths)} must each exceed positions + 1 = {self.positions + 1}")
+        if self.overlap_ngram < 4:
+            raise ValueError(f"predictor_eval.overlap_ngram must be >= 4, got {self.overlap_ngram}")
+        for slug in self.policies:
+            ckpt = POLICIES.get(slug, ({}, ""))[0].get("checkpoint")
+            if ckpt is not None and resolve_checkpoint(ckpt) is None:
+                how = "; ".join(checkpoint_commands(slug)) or "it is shipped with the repository"
+                raise ValueError(f"predictor_eval.policies: {slug} needs the checkpoint {ckpt}, which does not exist "
+                                 f"(made by: {how})")
+
+
+def load_settings(path: str | None, overrides: dict | None = None) -> EvalSettings:
+    data: dict = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        unknown = set(raw) - {"predictor_eval", "runtime"}
+        if unknown:
+            raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: predictor_eval, runtime")
+        data = dict(raw.get("predictor_eval") or {})
+        if raw.get("runtime"):
+            data["runtime"] = raw["runtime"]
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    names = {f.name for f in dataclasses.fields(EvalSettings)}
+    bad = set(data) - names
+    if bad:
+        raise ValueError(f"predictor_eval: unknown keys {sorted(bad)}; allowed: {', '.join(sorted(names))}")
+    for k in ("lengths", "policies"):
+        if k in data:
+            data[k] = tuple(data[k])
+    return EvalSettings(**data)
+
+
+def runtime_config(settings: EvalSettings, slug: str, longest: int):
+    """One policy's runtime config: the quality harness's small-host defaults, then `settings.runtime`."""
+    cuda = torch.cuda.is_available()
+    data: dict = {
+        "kv_cache": {"dtype": settings.store_dtype, "max_sequences": 2, "cpu_capacity_tokens": longest + 512},
+        "scheduler": {"placement": "fluxion" if cuda else "cpu_only", "cpu_workers": 1, "gpu_worker": cuda, "pin_cores": False},
+        "profiling": {"enabled": True, "chrome_trace": False},
+    }
+    for section, values in (settings.runtime or {}).items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    # An oracle's plans come from its own planner; the section only makes a valid config.
+    data["selection"] = {"name": "full"} if slug in ORACLES else dict(POLICIES[slug][0])
+    return config_from_dict(data)
+
+
+def describe(slug: str) -> str:
+    return POLICIES[slug][1] if slug in POLICIES else f"oracle: exact tau {ORACLES[slug]:g} labels every step"
+
+
+# ---------------------------------------------------------------------------- the predictor alone
+def heldout_metrics(labels_path: str) -> dict:
+    """The shipped checkpoint on the held-out texts of its labels file (checked by SHA-256)."""
+    from predictor.model import load_checkpoint
+    from predictor.train import describe_file, evaluate, load_labels
+
+    ckpt_path = resolve_checkpoint(POLICIES["predicted"][0].get("checkpoint", "predictor/checkpoints/smollm2.pt"))
+    ckpt = load_checkpoint(ckpt_path)
+    path = Path(labels_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"predictor_eval.labels: no labels file at {labels_path}; it is made by "
+                                f"{ckpt.data.get('file', 'python -m predictor.labels')} (see predictor/labels.py)")
+    digest = describe_file(str(path))["sha256"]
+    if digest != ckpt.data.get("sha256"):
+        raise ValueError(f"predictor_eval.labels: {labels_path} (sha256 {digest[:12]}) is not the file the checkpoint "
+                         f"was trained on (sha256 {str(ckpt.data.get('sha256'))[:12]})")
+    labels = load_labels(path)
+    ckpt.check_feature_names(labels.feature_names)
+    out = evaluate(ckpt.model, labels.rows(labels.split == "heldout"), labels.rows(labels.split == "train"))
+    out["heldout_texts"] = sorted(set(labels.text_id[labels.split == "heldout"].tolist()))
+    return out
+
+
+# ---------------------------------------------------------------------------- the text
+def labelled_ranges(labels_path: str) -> list[tuple[int, int]]:
+    """Token ranges `[start, end)` of `predictor.labels.corpus_text` that the labels file's texts used."""
+    from predictor.labels import LabelSettings
+
+    with np.load(labels_path, allow_pickle=False) as z:
+        text_id, position = z["text_id"], z["position"]
+    summary = Path(labels_path).with_suffix(".json")
+    lengths = json.loads(summary.read_text())["settings"]["lengths"] if summary.is_file() else LabelSettings().lengths
+    chunk = max(lengths)  # a text is chunk `text_id`; its positions count from the chunk's start
+    return [(int(t) * chunk, int(t) * chunk + int(position[text_id == t].max()) + 1) for t in np.unique(text_id)]
+
+
+def _ngrams(ids: np.ndarray, n: int) -> set:
+    if ids.size < n:
+        return set()
+    return set(map(bytes, np.lib.stride_tricks.sliding_window_view(ids.astype(np.int64), n)))
+
+
+def training_overlap(window: np.ndarray, labelled: np.ndarray, ranges: list[tuple[int, int]], n: int) -> float:
+    """Fraction of the window's `n`-grams that occur in any labelled range of `labelled` (token ids)."""
+    seen: set = set()
+    for a, b in ranges:
+        seen |= _ngrams(labelled[a:b], n)
+    grams = _ngrams(window, n)
+    return len(grams & seen) / max(1, len(grams))
+
+
+def label_files(settings: EvalSettings) -> list[str]:
+    """The labels files of the shipped checkpoint and of every predicted policy's checkpoint (its
+    recorded `data.file`), each required: the evaluation text must avoid all their texts."""
+    from predictor.model import load_checkpoint
+
+    files = [settings.labels]
+    for slug in settings.policies:
+        section = POLICIES.get(slug, ({}, ""))[0]
+        if section.get("name") != "predicted":
+            continue
+        ckpt = section.get("checkpoint", "predictor/checkpoints/smollm2.pt")
+        data = load_checkpoint(resolve_checkpoint(ckpt)).data.get("file")
+        if data is None:
+            raise ValueError(f"{ckpt} does not record its labels file; the evaluation cannot check its texts")
+        if not Path(data).is_file():
+            how = "; ".join(checkpoint_commands(slug)) or "python -m predictor.labels (see the checkpoint's .json)"
+            raise FileNotFoundError(f"{ckpt} was trained on {data}, which is not here (made by: {how}); the evaluation "
+                                    "needs it to check that its text is not one the predictor was trained on")
+        if data not in files:
+            files.append(data)
+    return files
+
+
+def check_text(tokenizer: Any, corpus: torch.Tensor, settings: EvalSettings) -> dict:
+    """Novelty and training overlap of the evaluation window; `UnusableTextError` naming passing offsets."""
+    from hybrid_runtime.experiments.quality_text import UnusableTextError, check_novel, scored_repeat, text_window
+    from predictor.labels import corpus_text as labels_corpus_text
+
+    longest = max(settings.lengths)
+    repeated = check_novel(corpus, settings.lengths, settings.positions, settings.text_offset)
+    labelled = tokenizer(labels_corpus_text(), add_special_tokens=False, return_tensors="np").input_ids[0]
+    ranges = sorted({r for f in label_files(settings) for r in labelled_ranges(f)})
+    window = text_window(corpus, longest, settings.text_offset)[0].numpy()
+    overlap = training_overlap(window, labelled, ranges, settings.overlap_ngram)
+    if overlap > 0:
+        passing = []
+        for off in range(0, corpus.shape[1] - longest - 1, 250):
+            w = corpus[0, off : off + longest + 1].numpy()
+            if training_overlap(w, labelled, ranges, settings.overlap_ngram) == 0 and all(
+                    scored_repeat(corpus, n, settings.positions, off) < 0.05 for n in settings.lengths):
+                passing.append(off)
+                if len(passing) == 5:
+                    break
+        raise UnusableTextError(
+            f"predictor_eval.text_offset {settings.text_offset}: {overlap:.2%} of the window's {settings.overlap_ngram}-grams "
+            f"occur in the predictor's labelled texts (ranges {ranges}); allowed: none; offsets that pass: {passing}")
+    return {"first_token": settings.text_offset, "repeated_8gram": {str(n): r for n, r in repeated.items()},
+            f"labelled_{settings.overlap_ngram}gram_overlap": overlap,
+            "labelled_8gram_overlap": training_overlap(window, labelled, ranges, 8),
+            "labelled_ranges": ranges, "label_files": label_files(settings)}
+
+
+# ---------------------------------------------------------------------------- plans of a predicted run
+class PlanTally:
+    """Per step and layer, what the predicted plans asked for (the planner's `on_selection` hook)."""
+
+    def __init__(self) -> None:
+        self.heads = self.heads_with_budget = self.groups = self.groups_with_task = 0
+        self.budget_sum = 0.0
+        self.block_sizes: dict[int, int] = {}
+
+    def __call__(self, layer: int, seq_ids: list, selection: Any) -> None:
+        budgets, has_task = selection.plan.budgets, selection.has_task
+        self.heads += budgets.size
+        self.heads_with_budget += int((budgets > 0).sum())
+        self.budget_sum += float(budgets.sum())
+        self.groups += has_task.size
+        self.groups_with_task += int(has_task.sum())
+        for blk, n in zip(*np.unique(selection.plan.block_size[has_task], return_counts=True)):
+            self.block_sizes[int(blk)] = self.block_sizes.get(int(blk), 0) + int(n)
+
+    def summary(self) -> dict:
+        return {"heads_with_budget": self.heads_with_budget / max(1, self.heads),
+                "groups_with_task": self.groups_with_task / max(1, self.groups),
+                "mean_budget_of_budgeted_heads": self.budget_sum / max(1, self.heads_with_budget),
+                "block_sizes": {str(k): v / max(1, self.groups_with_task) for k, v in sorted(self.block_sizes.items())}}
+
+
+# ---------------------------------------------------------------------------- the run
+def run_eval(model: Any, tokenizer: Any, settings: EvalSettings, progress: Progress = print) -> dict:
+    from hybrid_runtime.experiments.quality_measure import compare_logits, reference_pass, step_bytes, teacher_forced
+    from hybrid_runtime.experiments.quality_text import corpus_ids, text_window
+    from hybrid_runtime.integrations.transformers import (
+        cores_for_runtime,
+        disable_hybrid_attention,
+        enable_hybrid_attention,
+        model_geometry,
+    )
+    from hybrid_runtime.experiments.oracle_plans import OraclePlanner
+    from hybrid_runtime.runtime import HybridRuntime
+    from predictor.model import load_checkpoint
+
+    t_start = time.perf_counter()
+    corpus = corpus_ids(tokenizer)
+    text = check_text(tokenizer, corpus, settings)
+    progress(f"text at {settings.text_offset}: 8-gram repeat {text['repeated_8gram']}, "
+             f"{text[f'labelled_{settings.overlap_ngram}gram_overlap']:.4f} of its {settings.overlap_ngram}-grams in the "
+             f"predictor's labelled texts ({text['labelled_8gram_overlap']:.4f} of its 8-grams)")
+    heldout = heldout_metrics(settings.labels)
+    progress(f"held out: streaming accuracy {heldout['streaming_accuracy']:.3f}, bgt0 MAE {heldout['bgt0_mae']:.4f}, "
+             f"k MAE {heldout['k_mae']:.4f}")
+    checkpoints = {}
+    for slug in settings.policies:
+        if slug in ORACLES:
+            continue
+        ckpt = POLICIES[slug][0].get("checkpoint", POLICIES["predicted"][0].get("checkpoint"))
+        if POLICIES[slug][0]["name"] == "predicted":
+            c = load_checkpoint(resolve_checkpoint(ckpt or "predictor/checkpoints/smollm2.pt"))
+            checkpoints[slug] = {"checkpoint": ckpt or "predictor/checkpoints/smollm2.pt", "tau": c.tau,
+                                 "heldout": c.metrics.get("heldout", {}), "data": c.data}
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    n = settings.positions
+    longest = max(settings.lengths)
+    results: dict = {"settings": dataclasses.asdict(settings), "text": text, "heldout": heldout,
+                     "checkpoints": checkpoints, "lengths": {}}
+    for length in settings.lengths:
+        prompt_len = length - n
+        ids = text_window(corpus, length, settings.text_offset)
+        targets = ids[0, prompt_len + 1 : length + 1]
+        t0 = time.perf_counter()
+        # One more position than scored: the prompt's last query, which predicted policies prefill with.
+        ref = reference_pass(model, ids[:, :length].to(model.device), n + 1)
+        last_queries = [q[0] for q in ref["q"]]
+        ref_logits = ref["logits"][1:]
+        dense_ppl = compare_logits(ref_logits, ref_logits, targets)["ppl"]
+        entry: dict = {"prompt_tokens": prompt_len, "positions": n, "dense": {"ppl": dense_ppl,
+                       "seconds": time.perf_counter() - t0}, "policies": {}}
+        progress(f"{length}: dense reference in {entry['dense']['seconds']:.0f} s, ppl {dense_ppl:.3f}")
+        for slug in settings.policies:
+            t0 = time.perf_counter()
+            cfg = runtime_config(settings, slug, longest)
+            own = None
+            if slug in ORACLES:
+                geometry = model_geometry(model)
+                own = HybridRuntime(dataclasses.replace(cfg, geometry=geometry), geometry, head_planner=None)
+                own.planner = OraclePlanner(own.store, ORACLES[slug], cfg.selection.block_sizes)
+            rt = enable_hybrid_attention(model, cfg, runtime=own)
+            tally = None
+            if slug in ORACLES or rt.cfg.selection.name == "predicted":
+                tally = rt.planner.on_selection = PlanTally()
+            try:
+                with cores_for_runtime(rt):
+                    logits, cpu_tokens = teacher_forced(model, ref, ids, prompt_len, n, last_queries=last_queries)
+                nbytes = step_bytes(rt, n)
+            finally:
+                disable_hybrid_attention(model)
+                if own is not None:
+                    own.close()
+            m = compare_logits(logits, ref_logits, targets)
+            r = {**m, "bytes_per_step_counted": nbytes["counted"], "bytes_per_step_modeled": nbytes["modeled"],
+                 "tasks_per_step": nbytes["tasks"], "cpu_tokens_per_layer": cpu_tokens,
+                 "seconds": time.perf_counter() - t0}
+            if tally is not None:
+                r["plans"] = tally.summary()
+            entry["policies"][slug] = r
+            progress(f"{length} {slug}: agreement {m['agreement']:.3f}, KL {m['kl']:.4f}, ppl {m['ppl']:.3f}, "
+                     f"{nbytes['counted'] / 1e6:.3f} MB/step counted ({nbytes['modeled'] / 1e6:.3f} modeled)"
+                     + (f", heads with budget {r['plans']['heads_with_budget']:.2f}, groups with a task "
+                        f"{r['plans']['groups_with_task']:.2f}, blocks {r['plans']['block_sizes']}" if tally else "")
+                     + f", {r['seconds']:.0f} s")
+        base = entry["policies"].get(BASELINE)
+        for slug, r in entry["policies"].items():
+            if base is not None and base["bytes_per_step_counted"] > 0:
+                r[f"bytes_ratio_vs_{BASELINE}"] = r["bytes_per_step_counted"] / base["bytes_per_step_counted"]
+        results["lengths"][str(length)] = entry
+        del ref
+    results["seconds"] = time.perf_counter() - t_start
+    return results
+
+
+# ---------------------------------------------------------------------------- reports
+def metrics_of(results: dict) -> dict:
+    """The results contract's metrics: held-out predictor figures and, per length and policy,
+    agreement, KL, perplexity, counted bytes per step and their ratio to fixed (16, 0.05)."""
+    h = results["heldout"]
+    out = {"streaming_accuracy": h["streaming_accuracy"], "bgt0_mae": h["bgt0_mae"], "k_mae": h["k_mae"]}
+    for length, entry in results["lengths"].items():
+        for slug, r in entry["policies"].items():
+            out[f"agreement_{slug}_{length}"] = r["agreement"]
+            out[f"kl_{slug}_{length}"] = r["kl"]
+            out[f"ppl_{slug}_{length}"] = r["ppl"]
+            out[f"bytes_per_step_{slug}_{length}"] = r["bytes_per_step_counted"]
+            if f"bytes_ratio_vs_{BASELINE}" in r:
+                out[f"bytes_ratio_{slug}_vs_{BASELINE}_{length}"] = r[f"bytes_ratio_vs_{BASELINE}"]
+    return out
+
+
+def markdown(results: dict) -> str:
+    h, text = results["heldout"], results["text"]
+    s = results["settings"]
+    ngram = s["overlap_ngram"]
+    lines = ["# SmolLM2-135M-Instruct: the predicted head-plan policy", ""]
+    if "meta" in results:
+        m = results["meta"]
+        lines += [f"{m['device']}; commit {m['commit']}; {m['created']}", "", f"`{m['command']}`", ""]
+    lines += [f"Text: corpus tokens from {text['first_token']}, {s['positions']} teacher-forced positions per length; "
+              f"8-gram repeat of the scored part {text['repeated_8gram']}; "
+              f"{text[f'labelled_{ngram}gram_overlap']:.4f} of its {ngram}-grams and "
+              f"{text['labelled_8gram_overlap']:.4f} of its 8-grams occur in the predictor's labelled texts.", "",
+              "## Predictor on held-out texts", "",
+              "| checkpoint | tau | streaming accuracy | majority baseline | bgt0 MAE | k MAE |", "| --- | --- | --- | --- | --- | --- |",
+              f"| smollm2.pt (recomputed here) | 0.1 | {h['streaming_accuracy']:.3f} | "
+              f"{h['streaming_accuracy_majority_baseline']:.3f} | {h['bgt0_mae']:.4f} | {h['k_mae']:.4f} |"]
+    shown = set()
+    for slug, c in results["checkpoints"].items():
+        ho = c["heldout"]
+        if ho and c["checkpoint"] not in shown:
+            shown.add(c["checkpoint"])
+            lines.append(f"| {Path(c['checkpoint']).name} | {c['tau']:g} | {ho.get('streaming_accuracy', float('nan')):.3f} | "
+                         f"{ho.get('streaming_accuracy_majority_baseline', float('nan')):.3f} | "
+                         f"{ho.get('bgt0_mae', float('nan')):.4f} | {ho.get('k_mae', float('nan')):.4f} |")
+    for length, entry in results["lengths"].items():
+        lines += ["", f"## {length} tokens (dense ppl {entry['dense']['ppl']:.3f})", "",
+                  "| policy | agreement | KL | ppl | MB/step counted | MB/step modeled | bytes vs fixed (16, 0.05) "
+                  "| heads with budget | groups with task | blocks (16/32/64/128) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for slug, r in entry["policies"].items():
+            p = r.get("plans")
+            blocks = "/".join(f"{p['block_sizes'].get(str(b), 0.0):.2f}" for b in (16, 32, 64, 128)) if p else "-"
+            ratio = r.get(f"bytes_ratio_vs_{BASELINE}")
+            lines.append(f"| {describe(slug)} | {r['agreement']:.3f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
+                         f"{r['bytes_per_step_counted'] / 1e6:.3f} | {r['bytes_per_step_modeled'] / 1e6:.3f} | "
+                         + ("-" if ratio is None else f"{ratio:.3f}") + " | "
+                         + (f"{p['heads_with_budget']:.2f} | {p['groups_with_task']:.2f} | {blocks} |" if p else "- | - | - |"))
+    lines += ["", "## Target: agreement at least fixed (16, 0.05)'s at no more than half its bytes", ""]
+    for length, entry in results["lengths"].items():
+        pol = entry["policies"]
+        for slug in (x for x in pol if x.startswith(("predicted", "oracle")) and BASELINE in pol):
+            r, base = pol[slug], pol[BASELINE]
+            ratio = r.get(f"bytes_ratio_vs_{BASELINE}", float("nan"))
+            met = r["agreement"] >= base["agreement"] and ratio <= 0.5
+            lines.append(f"- {length}, {slug}: agreement {r['agreement']:.3f} vs {base['agreement']:.3f} "
+                         f"({r['agreement'] - base['agreement']:+.3f}), bytes {ratio:.3f}x: {'met' if met else 'missed'}")
+    lines += ["", "Groups: " + "; ".join(f"{g}: {', '.join(v)}" for g, v in GROUPS.items()), ""]
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict, out: Path, results_dir: Path | None, command: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if results_dir is not None:
+        root = Path(__file__).resolve().parents[2]  # benchmarks/ is a folder of the repository
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        from benchmarks.common import device_slug, write_results
+
+        points = [{"length": int(n), "policy": slug, **r} for n, e in results["lengths"].items()
+                  for slug, r in e["policies"].items()]
+        extra = {"command": command, "settings": results["settings"], "text": results["text"],
+                 "heldout": results["heldout"], "checkpoints": results["checkpoints"]}
+        path = write_results("predictor_smollm2", metrics_of(results), points, out_dir=results_dir, extra=extra)
+        slug = device_slug() if torch.cuda.is_available() else "cpu"  # one file per kind of device
+        final = path.with_name(f"predictor_smollm2-{slug}.json")
+        if final != path:
+            path.replace(final)
+        record = json.loads(final.read_text())
+        results["meta"] = {k: record[k] for k in ("device", "commit", "command", "created")}
+        final.with_suffix(".md").write_text(markdown(results))
+        written += [final, final.with_suffix(".md")]
+    (out / "predictor_eval.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+    (out / "predictor_eval.md").write_text(markdown(results))
+    return written + [out / "predictor_eval.json", out / "predictor_eval.md"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid_runtime.experiments.predictor_eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for predictor_eval.json and .md")
+    parser.add_argument("--config", help="YAML with `predictor_eval:` and `runtime:` sections")
+    parser.add_argument("--results-dir", help="also write predictor_smollm2-<device>.json here (benchmarks/results)")
+    parser.add_argument("--lengths", type=int, nargs="+")
+    parser.add_argument("--positions", type=int)
+    parser.add_argument("--text-offset", type=int)
+    parser.add_argument("--policies", nargs="+", choices=[*POLICIES, *ORACLES])
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args.config, {"lengths": args.lengths, "positions": args.positions,
+                                               "text_offset": args.text_offset, "policies": args.policies})
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from hybrid_runtime.experiments.quality_text import UnusableTextError
+    from hybrid_runtime.models import load_smollm2
+
+    def progress(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    model, tok = load_smollm2(dtype=settings.model_dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        results = run_eval(model, tok, settings, progress)
+    except (UnusableTextError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = " ".join(["python -m hybrid_runtime.experiments.predictor_eval",
+                        *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    for p in write_outputs(results, Path(args.out), Path(args.results_dir) if args.results_dir else None, command):
+        progress(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""The `predicted` head-plan policy: per decode step and layer, features -> predictor -> selector -> plan.
+
+Per call (`PredictedHeadPlanner.__call__`, once per step and layer, before the step's tasks are
+built):
+
+1. on the device that holds the GPU window: the 41 features of every (sequence, query head)
+   from this step's queries, the window (its rows include this step's token: the runtime appends
+   before it plans) and the statistics cached at prefill (`prefill_statistics`); then the
+   head-property predictor (`predictor.model`) -> `bgt0`, `k`, `p_streaming` per head;
+2. still on the device, the granularity selector (`selector.GranularitySelector` as torch ops,
+   Eq. 1 and Eq. 3) turns the budget laws into the plan: a block size per KV group, a budget per
+   query head, 0 for streaming heads (a group whose heads are all streaming gets no task);
+3. one device-to-host copy of the plan (and of the predictions, for reports) and the host's wait
+   for it: the **one synchronisation** of the policy. The host needs the plan to build the step's
+   tasks (which blocks of which chunks each CPU worker and the GPU lane read), and the plan
+   depends on values computed on the device, so the wait cannot be avoided -- only made short,
+   which is what the CUDA graph is for.
+
+On CUDA, steps 1 and 2 are one CUDA graph per (layer, batch bucket), captured when the planner is
+built (warm-up) and replayed per step, followed by the copy of step 3: a batch of `b` sequences runs the graph of
+the smallest bucket (powers of two up to `kv_cache.max_sequences`) holding it, its extra rows
+pointing at a scratch row. Static input buffers per bucket take this step's queries (one copy)
+and the rows' window slots, statistics rows, window lengths and CPU lengths (one small pinned
+host-to-device copy). On the CPU the same functions run as plain torch.
+
+Statistics of a sequence come from `prefill(seq_id, layer, k, v, q_last)`, which the runtime calls
+from its own `prefill` with the query of the prompt's last token; a sequence decoded without them
+is refused with an error saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from hybrid_runtime.config import GeometryConfig, SelectionConfig, resolve_checkpoint
+from hybrid_runtime.head_plans import HeadPlan
+from hybrid_runtime.prefill_statistics import PrefillStatisticsCache
+from hybrid_runtime.selector import GranularitySelector, Selection
+from predictor.features import FEATURE_NAMES, decode_features
+from predictor.model import Checkpoint, load_checkpoint
+
+
+def batch_buckets(max_sequences: int) -> tuple[int, ...]:
+    """Batch sizes with a graph of their own: powers of two below `max_sequences`, and it."""
+    return tuple(sorted({1 << i for i in range(max_sequences.bit_length()) if 1 << i < max_sequences} | {max_sequences}))
+
+
+class PredictedHeadPlanner:
+    """Head plans from the head-property predictor and the granularity selector (module docstring).
+
+    `store` is the runtime's `KVStore`; the planner keeps its statistics and graphs on the store's
+    window device. `checkpoint` overrides `selection.checkpoint` (tests, benchmarks). `cuda_graphs`
+    false runs the features eagerly on CUDA too (the benchmark's comparison); `compile` runs the
+    device step through `torch.compile` (inside the graphs on CUDA). `on_selection`, when
+    set, is called with `(layer, seq_ids, selection)` after every step's selection (reports).
+    """
+
+    uses_queries = True  # the runtime passes the step's queries `[B, Hq, D]`
+    reads_window = True  # the runtime appends the step's k, v to the window before planning
+
+    def __init__(self, policy: SelectionConfig, geometry: GeometryConfig, store: Any, *,
+                 checkpoint: Checkpoint | None = None, cuda_graphs: bool = True, compile: bool = False):
+        kv = store.cfg
+        missing = [b for b in policy.block_sizes if b not in kv.block_sizes]
+        if missing:
+            raise ValueError(f"selection.block_sizes {missing} are not in kv_cache.block_sizes={list(kv.block_sizes)}: "
+                             "the store keeps no metadata at those granularities")
+        if checkpoint is None:
+            path = resolve_checkpoint(policy.checkpoint)
+            if path is None:
+                raise FileNotFoundError(f"selection.checkpoint {policy.checkpoint!r}: no such file (looked up from the "
+                                        "working directory and the repository root)")
+            checkpoint = load_checkpoint(path)
+        checkpoint.check_feature_names(FEATURE_NAMES)
+        self.store = store
+        self.geometry = geometry
+        self.device = store.device
+        self.cuda = self.device.type == "cuda"
+        self.tau = checkpoint.tau
+        self.model = checkpoint.model.to(self.device).eval()
+        self.statistics = PrefillStatisticsCache(geometry, kv, store.layers, self.device, checkpoint.tau)
+        element_size = torch.tensor([], dtype=store.dtype).element_size()
+        self.selector = GranularitySelector(geometry.group_size, geometry.head_dim, element_size,
+                                            policy.block_sizes, policy.streaming_threshold)
+        self.skip_streaming = policy.skip_streaming
+        self.device_selector = self.selector.on_device(self.device)
+        self.on_selection: Callable[[int, list, Selection], None] | None = None
+        self.buckets = batch_buckets(kv.max_sequences)
+        hq, d = geometry.q_heads, geometry.head_dim
+        pin = self.cuda
+        # Per bucket: static inputs (queries; window slot, statistics row, window length and CPU
+        # length per row) and the output (bgt0, k, p_streaming and the budget per head, then the
+        # block size per KV group), on the device and, for the output, pinned on the host.
+        hkv = geometry.kv_heads
+        self._q = {n: torch.zeros(n, hq, d, device=self.device) for n in self.buckets}
+        self._idx = {n: torch.zeros(4, n, dtype=torch.int64, device=self.device) for n in self.buckets}
+        self._idx_host = {n: torch.zeros(4, n, dtype=torch.int64, pin_memory=pin) for n in self.buckets}
+        self._out = {n: torch.zeros(4 * n * hq + n * hkv, device=self.device) for n in self.buckets}
+        self._out_host = {n: torch.zeros(4 * n * hq + n * hkv, pin_memory=pin) for n in self.buckets} if self.cuda else self._out
+        for n in self.buckets:
+            self._park(n)
+        self._no_streaming = {n: np.zeros((n, hq), dtype=bool) for n in self.buckets}
+        # `compile`: the device step through torch.compile (fused kernels; compiled during the
+        # warm-up run before each capture, at most twice per bucket: layers share the code).
+        self._step = torch.compile(self._device_step) if compile else self._device_step
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        if self.cuda:
+            self._done = torch.cuda.Event()
+            if cuda_graphs:
+                self.capture_all()
+
+    # ------------------------------------------------------------------ prefill and release
+    def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor,
+                extend: bool = False) -> None:
+        """Statistics of the sequence's prompt at `layer`, after the store took `k, v`; `q_last [Hq, D]` is
+        the query of the prompt's last token so far. With `extend` the prompt is everything the store
+        holds of the sequence at the layer (read once, on k's device)."""
+        if extend:
+            k, v = self.store.full_kv(seq_id, layer, device=k.device)
+        self.statistics.store_prompt(layer, self.store.slot(seq_id), k, v, q_last)
+
+    def release(self, seq_id: int) -> None:
+        """Before the store frees the sequence's slot: its statistics are stale from now on."""
+        self.statistics.forget(self.store.slot(seq_id))
+
+    def absorb_spill(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The store's spill listener: window tokens `[Hkv, n, D]` of a slot move into its CPU segment."""
+        self.statistics.absorb_spill(layer, slot, k, v)
+
+    # ------------------------------------------------------------------ the device part
+    def _park(self, bucket: int) -> None:
+        """Point every row of a bucket at the scratch row (what capture and warm-up run on)."""
+        idx = self._idx[bucket]
+        idx[0].zero_()
+        idx[1].fill_(self.statistics.scratch)
+        idx[2].fill_(1)
+        idx[3].zero_()
+
+    def _features(self, stats_rows: torch.Tensor, previous: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+                  idx: torch.Tensor, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Features `[bucket * Hq, 41]` of a staged bucket from the layer's buffers (all arguments, so
+        that a compiled version serves every layer)."""
+        rows = idx[1]
+        stats = self.statistics.unpack(stats_rows.index_select(0, rows))
+        return decode_features(stats, q, previous.index_select(0, rows), win_k.index_select(0, idx[0]),
+                               win_v.index_select(0, idx[0]), idx[2], layer, self.store.layers)
+
+    def _device_step(self, stats_rows: torch.Tensor, previous: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+                     idx: torch.Tensor, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Features, predictor and selector of a staged bucket: `[4 * bucket * Hq + bucket * Hkv]` (bgt0, k,
+        p_streaming and budget per head, block size per group). Updates the rows' previous queries."""
+        features = self._features(stats_rows, previous, win_k, win_v, idx, q, layer)
+        previous.index_copy_(0, idx[1], q)  # padding rows all write the scratch row
+        bgt0, k, p = self.model.predict(features)
+        shape = (q.shape[0], self.geometry.q_heads)
+        block_size, budgets, _ = self.device_selector(bgt0.view(shape), k.view(shape), p.view(shape), idx[3],
+                                                      self.skip_streaming)
+        return torch.cat([bgt0, k, p, budgets.view(-1), block_size.view(-1).float()])
+
+    def _layer_inputs(self, layer: int, bucket: int) -> tuple:
+        win_k, win_v = self.store.window(layer)
+        return (self.statistics.layer_rows(layer), self.statistics.previous_queries(layer), win_k, win_v,
+                self._idx[bucket], self._q[bucket], layer)
+
+    def _compute(self, layer: int, bucket: int) -> None:
+        """The device step of one bucket at one layer into its static output (what a graph holds)."""
+        self._out[bucket].copy_(self._step(*self._layer_inputs(layer, bucket)))
+
+    def capture_all(self, buckets: Sequence[int] | None = None) -> None:
+        """Capture the graph of every (layer, bucket) (the planner's warm-up; `buckets`: only these); idempotent."""
+        import time
+
+        buckets = self.buckets if buckets is None else buckets
+        bad = [n for n in buckets if n not in self.buckets]
+        if bad:
+            raise ValueError(f"buckets {bad} are not among the planner's {list(self.buckets)}")
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        for layer in range(self.store.layers):
+            for bucket in buckets:
+                if (layer, bucket) in self._graphs:
+                    continue
+                with torch.cuda.stream(side):  # eager run first: library handles and workspaces exist before capture
+                    self._park(bucket)
+                    self._compute(layer, bucket)
+                side.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the store's committer thread may register host memory meanwhile.
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    self._compute(layer, bucket)
+                self._graphs[(layer, bucket)] = graph
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the step
+    def _stage(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> tuple[int, np.ndarray]:
+        """Copy the step's inputs into its bucket's static buffers; returns the bucket and the rows' CPU lengths."""
+        b = len(seq_ids)
+        hq = self.geometry.q_heads
+        if tuple(q.shape) != (b, hq, self.geometry.head_dim):
+            raise ValueError(f"q has shape {tuple(q.shape)}; expected [{b}, {hq}, {self.geometry.head_dim}]")
+        bucket = next((n for n in self.buckets if n >= b), None)
+        if bucket is None or b == 0:
+            raise ValueError(f"{b} sequences in one step; allowed 1..kv_cache.max_sequences={self.buckets[-1]}")
+        slots = [store.slot(s) for s in seq_ids]
+        ready = self.statistics.ready(layer, slots)
+        if not ready.all():
+            missing = [s for s, r in zip(seq_ids, ready) if not r]
+            raise ValueError(
+                f"sequences {missing} have no prefill statistics at layer {layer}: the predicted policy needs the query of "
+                "the prompt's last token at prefill (HybridRuntime.prefill(..., q_last=q) for every layer)")
+        host = self._idx_host[bucket].numpy()
+        host[0, :b] = slots
+        host[0, b:] = 0
+        host[1, :b] = slots
+        host[1, b:] = self.statistics.scratch
+        host[2, :b] = [store.window_len(s, layer) for s in seq_ids]
+        host[2, b:] = 1
+        cpu_len = np.fromiter((store.cpu_len(s, layer) for s in seq_ids), dtype=np.int64, count=b)
+        host[3, :b] = cpu_len
+        host[3, b:] = 0
+        self._idx[bucket].copy_(self._idx_host[bucket], non_blocking=True)
+        self._q[bucket][:b].copy_(q)
+        return bucket, cpu_len
+
+    def step_features(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor) -> torch.Tensor:
+        """The features `[B * Hq, 41]` a step with queries `q` would see now, computed eagerly and
+        changing no state (tests and reports; a step runs `__call__`)."""
+        bucket, _ = self._stage(layer, seq_ids, self.store, q)
+        features = self._features(*self._layer_inputs(layer, bucket))[: len(seq_ids) * self.geometry.q_heads].clone()
+        if self.cuda:  # the staging buffers are reused by the next call
+            torch.cuda.current_stream(self.device).synchronize()
+        return features
+
+    def __call__(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> HeadPlan:
+        """The plan of one step at one layer for `seq_ids`, whose queries are `q [B, Hq, D]` (unscaled)."""
+        bucket, cpu_len = self._stage(layer, seq_ids, store, q)
+        b, hq = len(seq_ids), self.geometry.q_heads
+        graph = self._graphs.get((layer, bucket))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._compute(layer, bucket)
+        if self.cuda:
+            # Outside the graph: a copy into pinned memory records an event for the host allocator.
+            self._out_host[bucket].copy_(self._out[bucket], non_blocking=True)
+            # The one wait: the host builds the step's tasks from this plan (module docstring).
+            self._done.record()
+            self._done.synchronize()
+        out = self._out_host[bucket].numpy()
+        n = bucket * hq
+        budgets = out[3 * n : 3 * n + b * hq].reshape(b, hq).copy()
+        block_size = out[4 * n : 4 * n + b * self.geometry.kv_heads].reshape(b, -1).astype(np.int64)
+        if self.on_selection is not None:  # the host selector on the same predictions, for reports
+            pred = out[: 3 * n].reshape(3, bucket, hq)[:, :b]
+            streaming = pred[2] if self.skip_streaming else self._no_streaming[bucket][:b]
+            self.on_selection(layer, list(seq_ids), self.selector(pred[0], pred[1], streaming, cpu_len))
+        return HeadPlan(block_size, budgets)
+
+    def predictions(self, bucket: int, b: int) -> np.ndarray:
+        """`[3, b, Hq]` (bgt0, k, p_streaming) of the last step run for `b` rows of `bucket` (host copy)."""
+        n = bucket * self.geometry.q_heads
+        return self._out_host[bucket].numpy()[: 3 * n].reshape(3, bucket, -1)[:, :b]
+
+
+__all__ = ["PredictedHeadPlanner", "batch_buckets"]

@@ -1,0 +1,371 @@
+"""The `predicted` head-plan policy: statistics cached at prefill, features at decode, predictor,
+selector and the plan the runtime builds its tasks from (CPU; the CUDA-graph path is gpu-marked)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_runtime.config import ConfigError, config_from_dict, resolve_checkpoint
+from hybrid_runtime.kvcache import KVStore
+from hybrid_runtime.predicted_plans import PredictedHeadPlanner, batch_buckets
+from hybrid_runtime.reference import dense_attention
+from hybrid_runtime.runtime import HybridRuntime
+from hybrid_runtime.task_building import build_tasks
+from predictor.features import FEATURE_NAMES, compute_prefill_statistics, decode_features
+from predictor.model import Checkpoint, HeadPropertyNet, load_checkpoint
+from tests.helpers import random_kv
+from tests.test_runtime import sparse_step_reference
+
+GEOM = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
+HQ, HKV, D = 8, 2, 32
+KV = {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 4096, "max_sequences": 4, "dtype": "fp32"}
+TOL = dict(atol=2e-3, rtol=2e-3) if torch.cuda.is_available() else dict(atol=3e-5, rtol=1e-4)
+
+
+def config(policy: dict | None = None, scheduler: dict | None = None, **kv):
+    return config_from_dict({
+        "geometry": GEOM, "kv_cache": {**KV, **kv}, "selection": {"name": "predicted", **(policy or {})},
+        "scheduler": {"placement": "cpu_only", "cpu_workers": 1, "gpu_worker": False, "pin_cores": False,
+                      **(scheduler or {})},
+    })
+
+
+def constant_checkpoint(bgt0: float, k: float, streaming_logit: float, head_split: bool = False) -> Checkpoint:
+    """A predictor with known outputs: `bgt0`, `k` for every head; `p_streaming = sigmoid(streaming_logit)`,
+    or with `head_split` streaming for query heads 2.. of 8 (the logit rises with `head_frac`)."""
+    net = HeadPropertyNet(len(FEATURE_NAMES), hidden=(1,))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+        net.bgt0_head.bias.fill_(bgt0)
+        net.k_head.bias.fill_(k)
+        net.streaming_head.bias.fill_(streaming_logit)
+        if head_split:  # h = SiLU(10 * head_frac); logit = 10 h - 20: heads 0, 1 retrieval, 2..7 streaming
+            net.backbone[0].weight[0, FEATURE_NAMES.index("head_frac")] = 10.0
+            net.streaming_head.weight.fill_(10.0)
+            net.streaming_head.bias.fill_(-20.0)
+    return Checkpoint(net.eval(), list(FEATURE_NAMES), tau=0.1)
+
+
+def prefill(rt_or_planner, store, seq_id, length, seed, layers=(0, 1)):
+    """Prompt KV and last query per layer, into the runtime (or a store and a planner)."""
+    prompts = {}
+    for layer in layers:
+        k, v = random_kv(length, HKV, D, seed=seed + layer)
+        q_last = torch.randn(HQ, D, generator=torch.Generator().manual_seed(seed + 50 + layer))
+        if isinstance(rt_or_planner, HybridRuntime):
+            rt_or_planner.prefill(seq_id, layer, k, v, q_last=q_last)
+        else:
+            store.prefill(seq_id, layer, k, v)
+            rt_or_planner.prefill(seq_id, layer, k, v, q_last)
+        prompts[layer] = (k, v, q_last)
+    return prompts
+
+
+def step_inputs(b, gen):
+    return torch.randn(b, HQ, D, generator=gen), torch.randn(b, HKV, D, generator=gen), torch.randn(b, HKV, D, generator=gen)
+
+
+# ---------------------------------------------------------------------------- plans
+def test_plans_are_the_selector_of_the_predictions_and_streaming_heads_get_no_task():
+    cfg = config()
+    with HybridRuntime(cfg, head_planner=None) as rt:
+        planner = rt.planner
+        planner_ckpt = constant_checkpoint(0.05, 0.01, 0.0, head_split=True)
+        planner.model = planner_ckpt.model
+        prefill(rt, rt.store, 0, 700, seed=1)
+        prefill(rt, rt.store, 1, 300, seed=2)
+        gen = torch.Generator().manual_seed(3)
+        seen = []
+        planner.on_selection = lambda layer, ids, sel: seen.append(sel)
+        for step in range(3):
+            for layer in (0, 1):
+                q, k, v = step_inputs(2, gen)
+                rt.store.append(layer, [0, 1], k, v)  # what decode does first for this planner
+                features = planner.step_features(layer, [0, 1], q)
+                plan = planner(layer, [0, 1], rt.store, q)
+                bgt0, kk, p = (x.numpy().reshape(2, HQ) for x in planner.model.predict(features))
+                expected = planner.selector(bgt0, kk, p, np.array([rt.store.cpu_len(s, layer) for s in (0, 1)]))
+                np.testing.assert_array_equal(plan.block_size, expected.plan.block_size)
+                np.testing.assert_allclose(plan.budgets, expected.plan.budgets)
+                assert set(np.unique(plan.block_size)) <= set(cfg.selection.block_sizes)
+                assert (plan.budgets[:, 2:] == 0).all() and (plan.budgets[:, :2] > 0).all()
+                tasks = build_tasks(rt.store, layer, [0, 1], plan)
+                # Query heads 4..7 (KV group 1) are all streaming: only group 0 of each sequence reads blocks.
+                assert sorted((t.batch_index, t.kv_head) for t in tasks) == [(0, 0), (1, 0)]
+                assert all(list(t.n_select[2:]) == [0, 0] for t in tasks)
+                np.testing.assert_array_equal(seen[-1].has_task, [[True, False], [True, False]])
+
+
+def test_runtime_output_matches_the_sparse_reference_of_its_plan():
+    with HybridRuntime(config()) as rt:
+        rt.planner.model = constant_checkpoint(0.04, 0.02, 0.0, head_split=True).model
+        prefill(rt, rt.store, 0, 900, seed=4)
+        prefill(rt, rt.store, 1, 500, seed=5)
+        plans = []
+        rt.planner.on_selection = lambda layer, ids, sel: plans.append(sel.plan)
+        gen = torch.Generator().manual_seed(6)
+        for layer in (0, 1):
+            q, k, v = step_inputs(2, gen)
+            out = rt.decode(layer, [1, 0], q, k, v)
+            torch.testing.assert_close(out, sparse_step_reference(rt, layer, [1, 0], q, plans[-1]), **TOL)
+
+
+@pytest.mark.parametrize("streaming_logit", [-30.0, 30.0])
+def test_full_budget_checkpoint_equals_dense_and_all_streaming_the_window(streaming_logit):
+    with HybridRuntime(config()) as rt:
+        rt.planner.model = constant_checkpoint(1.0, 0.0, streaming_logit).model
+        prefill(rt, rt.store, 0, 800, seed=7)
+        prefill(rt, rt.store, 1, 1200, seed=8)
+        gen = torch.Generator().manual_seed(9)
+        for step in range(20):  # generated_cap 16: the windows spill on the way
+            for layer in (0, 1):
+                q, k, v = step_inputs(2, gen)
+                out = rt.decode(layer, [0, 1], q, k, v)
+                ref = []
+                for b, s in enumerate((0, 1)):
+                    kf, vf = rt.store.full_kv(s, layer)
+                    if streaming_logit > 0:  # no task: the sink and the recent tokens only
+                        sink, cpu = rt.store.cfg.sink, rt.store.cpu_len(s, layer)
+                        keep = torch.cat([torch.arange(sink), torch.arange(sink + cpu, kf.shape[0])])
+                        kf, vf = kf[keep], vf[keep]
+                    ref.append(dense_attention(q[b], kf, vf)[0])
+                torch.testing.assert_close(out, torch.stack(ref), **TOL)
+        assert rt.store.cpu_len(0, 0) > 800 - 36  # spilled
+        n_tasks = sum(r.n_tasks for r in rt.timeline.records)
+        assert (n_tasks == 0) == (streaming_logit > 0)
+
+
+# ---------------------------------------------------------------------------- features from cached statistics
+def test_decode_features_match_a_reference_from_the_full_kv_after_spills():
+    with HybridRuntime(config()) as rt:
+        store, planner = rt.store, rt.planner
+        prompts = prefill(rt, store, 0, 600, seed=11)
+        prefill(rt, store, 3, 250, seed=12)
+        gen = torch.Generator().manual_seed(13)
+        last_q = {layer: prompts[layer][2][None] for layer in (0, 1)}
+        for step in range(40):
+            for layer in (0, 1):
+                q, k, v = step_inputs(2, gen)
+                if step in (0, 17, 39):  # before this step's token: the reference appends it itself
+                    store.append(layer, [0, 3], k, v)
+                    got = planner.step_features(layer, [0, 3], q)
+                    kf, vf = store.full_kv(0, layer)
+                    sink_len, cpu = store.cfg.sink, store.cpu_len(0, layer)
+                    recent = kf.shape[0] - sink_len - cpu
+                    # Moments of today's CPU segment, straight from the full KV; anchor entries of the prompt.
+                    now = compute_prefill_statistics(kf, vf, q[0], sink=sink_len, local=recent, tau=planner.tau)
+                    pk, pv, pq = prompts[layer]
+                    at_prefill = compute_prefill_statistics(pk, pv, pq, sink=sink_len, local=store.cfg.local,
+                                                            tau=planner.tau)
+                    spilled = cpu - int(at_prefill.n_cpu)
+                    ref_stats = dataclasses.replace(
+                        now, anchor_q=at_prefill.anchor_q, anchor_cpu_mass=at_prefill.anchor_cpu_mass,
+                        anchor_stream_err=at_prefill.anchor_stream_err, anchor_budget=at_prefill.anchor_budget,
+                        window_len=at_prefill.window_len - spilled)
+                    keep = torch.cat([torch.arange(sink_len), torch.arange(sink_len + cpu, kf.shape[0])])
+                    win_k, win_v = kf[keep].transpose(0, 1)[None], vf[keep].transpose(0, 1)[None]
+                    ref = decode_features(ref_stats, q[:1], last_q[layer][:1], win_k, win_v,
+                                          torch.tensor([keep.numel()]), layer, 2)
+                    torch.testing.assert_close(got[:HQ], ref, atol=2e-4, rtol=2e-4)
+                    planner(layer, [0, 3], store, q)  # the plan (and the previous query) of this step
+                else:
+                    rt.decode(layer, [0, 3], q, k, v)
+                last_q[layer] = q
+        assert store.cpu_len(0, 0) > 600 - 36  # at least one spill was absorbed
+
+
+def test_chunked_prefill_statistics_equal_the_whole_prompt():
+    cfg = config()
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    planner = PredictedHeadPlanner(cfg.selection, cfg.geometry, store)
+    k, v = random_kv(500, HKV, D, seed=21)
+    q_last = torch.randn(HQ, D)
+    store.prefill(0, 0, k[:200], v[:200])
+    planner.prefill(0, 0, k[:200], v[:200], torch.randn(HQ, D))
+    store.prefill(0, 0, k[200:], v[200:], extend=True)
+    planner.prefill(0, 0, k[200:], v[200:], q_last, extend=True)
+    whole = compute_prefill_statistics(k, v, q_last, sink=KV["sink"], local=KV["local"], tau=planner.tau)
+    got = planner.statistics.gather(0, torch.tensor([store.slot(0)]))
+    for f in dataclasses.fields(whole):
+        if f.name != "tau":
+            torch.testing.assert_close(getattr(got, f.name), getattr(whole, f.name).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_buckets_and_released_slots():
+    assert batch_buckets(1) == (1,) and batch_buckets(8) == (1, 2, 4, 8) and batch_buckets(6) == (1, 2, 4, 6)
+    with HybridRuntime(config()) as rt:
+        prefill(rt, rt.store, 0, 300, seed=31)
+        slot = rt.store.slot(0)
+        assert rt.planner.statistics.ready(0, [slot]).all()
+        rt.release(0)
+        assert not rt.planner.statistics.ready(0, [slot]).any()
+        prefill(rt, rt.store, 5, 300, seed=32)  # the slot comes back with fresh statistics
+        q, k, v = step_inputs(1, torch.Generator().manual_seed(33))
+        assert torch.isfinite(rt.decode(0, [5], q, k, v)).all()
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_config_refuses_unknown_block_sizes_and_missing_checkpoints():
+    assert config().selection.name == "predicted"
+    with pytest.raises(ConfigError, match=r"selection.block_sizes: \[64\] are not in kv_cache.block_sizes"):
+        config({"block_sizes": [16, 64]}, block_sizes=[16, 32])
+    with pytest.raises(ConfigError, match="selection.checkpoint: 'nowhere.pt' is not a file"):
+        config({"checkpoint": "nowhere.pt"})
+    with pytest.raises(ConfigError, match="selection.streaming_threshold"):
+        config({"streaming_threshold": 1.0})
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    with HybridRuntime(config()) as rt:
+        k, v = random_kv(300, HKV, D)
+        with pytest.raises(ValueError, match="needs q_last"):
+            rt.prefill(0, 0, k, v)
+        with pytest.raises(ValueError, match=r"q_last has shape \(8, 16\)"):
+            rt.prefill(0, 0, k, v, q_last=torch.randn(8, 16))
+        bad = torch.randn(HQ, D)
+        bad[3, 5] = float("nan")
+        with pytest.raises(ValueError, match="q_last has 1 NaN/inf value"):
+            rt.prefill(0, 0, k, v, q_last=bad)
+        assert rt.store.sequences() == []
+    with HybridRuntime(config(scheduler={"placement": "fluxion", "gpu_worker": True})) as rt:
+        prefill(rt, rt.store, 0, 300, seed=1)
+        with pytest.raises(RuntimeError, match="plans from the step's queries"):
+            rt.probe_gpu_lane(0, [0])
+    cfg = config()
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    wrong = constant_checkpoint(0.1, 0.0, 0.0)
+    wrong.feature_names = list(reversed(wrong.feature_names))
+    with pytest.raises(ValueError, match="same names in another order"):
+        PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=wrong)
+    planner = PredictedHeadPlanner(cfg.selection, cfg.geometry, store)
+    store.prefill(0, 0, k, v)  # into the store only: no statistics
+    with pytest.raises(ValueError, match=r"sequences \[0\] have no prefill statistics at layer 0"):
+        planner(0, [0], store, torch.randn(1, HQ, D))
+    with pytest.raises(ValueError, match=r"q has shape \(2, 8, 32\); expected \[1, 8, 32\]"):
+        planner(0, [0], store, torch.randn(2, HQ, D))
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+@pytest.mark.gpu
+def test_graph_replay_equals_eager():
+    cfg = config()
+    cfg = dataclasses.replace(cfg, kv_cache=dataclasses.replace(cfg.kv_cache, dtype="bf16", max_sequences=4))
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    shipped = load_checkpoint(resolve_checkpoint(cfg.selection.checkpoint))
+    graphed = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped)
+    eager = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, cuda_graphs=False)
+    assert len(graphed._graphs) == 2 * len(graphed.buckets) and not eager._graphs
+    for s, n in ((0, 700), (1, 1500), (2, 400)):
+        for layer in (0, 1):
+            k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=40 + s + layer))
+            q_last = torch.randn(HQ, D, device="cuda")
+            store.prefill(s, layer, k, v)
+            graphed.prefill(s, layer, k, v, q_last)
+            eager.prefill(s, layer, k, v, q_last)
+    gen = torch.Generator().manual_seed(41)
+    for step in range(4):
+        for ids in ([0, 1, 2], [2], [1, 0]):  # buckets 4 (3 rows and a padding row), 1, 2
+            for layer in (0, 1):
+                q = torch.randn(len(ids), HQ, D, generator=gen).cuda()
+                store.append(layer, ids, *(torch.randn(len(ids), HKV, D, generator=gen).cuda() for _ in range(2)))
+                a, b = graphed(layer, ids, store, q), eager(layer, ids, store, q)
+                np.testing.assert_array_equal(a.block_size, b.block_size)
+                np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-4)
+    store.close()
+
+
+# ---------------------------------------------------------------------------- through transformers
+def test_generate_through_the_predicted_policy_equals_dense_at_full_budget(tmp_path):
+    """A left-padded batch through `HybridCache`: prefill hands each row's last query to the runtime,
+    and a predictor forcing budget 1.0 reproduces the model's own attention."""
+    pytest.importorskip("transformers", reason="the transformers backend needs the `models` extra")
+    from transformers import DynamicCache
+
+    from hybrid_runtime.integrations.transformers import HybridCache, disable_hybrid_attention, enable_hybrid_attention
+    from tests.test_transformers_integration import forced_logits, hybrid_cfg, left_padded, tiny_model
+
+    path = tmp_path / "full.pt"
+    constant_checkpoint(1.0, 0.0, -30.0).save(path)
+    model = tiny_model("llama")
+    ids, mask = left_padded([300, 180])
+    cont = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    ref = forced_logits(model, ids, mask, cont, DynamicCache(config=model.config))
+    rt = enable_hybrid_attention(model, hybrid_cfg(selection={"name": "predicted", "checkpoint": str(path)}))
+    try:
+        cache = HybridCache(model)
+        got = forced_logits(model, ids, mask, cont, cache)
+        assert sum(r.n_tasks for r in rt.timeline.records) > 0
+        slots = [rt.store.slot(s) for s in cache.seq_ids]
+        assert rt.planner.statistics.ready(1, slots).all()
+    finally:
+        disable_hybrid_attention(model)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- the selector on the device
+@pytest.mark.parametrize("skip_streaming", [True, False])
+def test_device_selector_equals_the_host_selector(skip_streaming):
+    from hybrid_runtime.selector import GranularitySelector
+
+    rng = np.random.default_rng(5)
+    b, hq = 6, 8
+    bgt0 = rng.uniform(-0.1, 0.3, (b, hq)).astype(np.float32)
+    k = rng.uniform(-0.02, 0.05, (b, hq)).astype(np.float32)
+    bgt0[0], k[0] = 0.05, 0.0  # equal budgets at every block size: ties of Eq. 3 go to the smallest block
+    p = rng.uniform(0, 1, (b, hq)).astype(np.float32)
+    p[1] = 0.9  # a sequence whose heads are all streaming
+    cpu_len = np.array([4096, 3000, 0, 17, 100000, 640])
+    for blocks in ((16, 32, 64, 128), (32,), (16, 64)):
+        sel = GranularitySelector(4, 64, 2, blocks)
+        host = sel(bgt0, k, p if skip_streaming else np.zeros((b, hq), bool), cpu_len)
+        blk, budgets, volume = sel.on_device("cpu")(torch.from_numpy(bgt0), torch.from_numpy(k), torch.from_numpy(p),
+                                                    torch.from_numpy(cpu_len), skip_streaming)
+        np.testing.assert_array_equal(blk.numpy(), host.plan.block_size)
+        np.testing.assert_array_equal(budgets.numpy(), host.plan.budgets)
+        np.testing.assert_allclose(volume.numpy(), host.volume)
+
+
+# ---------------------------------------------------------------------------- labels -> training -> plans, tiny
+@pytest.mark.parametrize("criterion", ["output", "score95"])
+def test_tiny_labels_train_a_predictor_that_plans(tmp_path, criterion):
+    transformers = pytest.importorskip("transformers")
+    from predictor.labels import LabelSettings, build
+    from predictor.train import TrainSettings, run
+
+    torch.manual_seed(0)
+    mcfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                    num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                                    max_position_embeddings=2048, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(mcfg).eval()
+    settings = LabelSettings(lengths=(400, 640), span=32, sink=4, local=32, positions=4, texts=3, criterion=criterion)
+    build(model, torch.randint(0, 256, (2100,)), settings, tmp_path / "labels.npz", progress=lambda _: None)
+    ckpt = str(tmp_path / "tiny.pt")
+    run(str(tmp_path / "labels.npz"), ckpt, TrainSettings(hidden=(32, 32), batch_size=64, max_epochs=20, patience=5,
+                                                        threads=1), log=None)
+    with HybridRuntime(config({"checkpoint": ckpt}, local=32, sink=4)) as rt:
+        prefill(rt, rt.store, 0, 600, seed=61)
+        gen = torch.Generator().manual_seed(62)
+        for layer in (0, 1):
+            q, k, v = step_inputs(1, gen)
+            assert torch.isfinite(rt.decode(layer, [0], q, k, v)).all()
+        assert rt.planner.tau == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------------- the overhead benchmark, tiny
+def test_overhead_benchmark_runs_quick_on_the_cpu(tmp_path):
+    import json
+
+    from benchmarks import predictor_overhead
+
+    assert predictor_overhead.main(["--quick", "--steps", "2", "--warmup", "1", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("predictor_overhead-*.json")
+    record = json.loads(path.read_text())
+    m = record["metrics"]
+    assert m["predictor_overhead_fraction_2x2k"] > 0 and m["decode_fixed_layer_us_median_2x2k"] > 0
+    assert record["points"][0]["eager"]["wall"]["samples"] == 2 * 2  # steps x layers
+    assert path.with_suffix(".md").is_file()

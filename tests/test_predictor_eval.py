@@ -1,0 +1,130 @@
+"""The predictor evaluation's pure pieces: settings, text overlap, plan tally, metrics and tables
+(the measurement itself runs the real model: see the module docstring for its command)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrid_runtime.experiments import predictor_eval as pe
+from hybrid_runtime.head_plans import HeadPlan
+from hybrid_runtime.selector import Selection
+
+
+def test_settings_are_validated(tmp_path):
+    s = pe.EvalSettings(policies=("fixed16_005", "predicted"))
+    assert s.lengths == (4096, 8192) and s.text_offset == 91750
+    with pytest.raises(ValueError, match="unknown"):
+        pe.EvalSettings(policies=("fixed16_005", "oracle"))
+    with pytest.raises(ValueError, match="twice"):
+        pe.EvalSettings(policies=("predicted", "predicted"))
+    with pytest.raises(ValueError, match="exceed positions"):
+        pe.EvalSettings(lengths=(200,), positions=256, policies=("predicted",))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("predictor_eval: {lenghts: [4096]}\n")
+    with pytest.raises(ValueError, match="lenghts"):
+        pe.load_settings(str(bad))
+    assert pe.main(["--out", str(tmp_path / "o"), "--config", str(bad)]) == 2  # refused before the model loads
+    good = tmp_path / "good.yaml"
+    good.write_text("predictor_eval: {lengths: [1024], positions: 4, policies: [predicted]}\n"
+                    "runtime: {kv_cache: {sink: 16}}\n")
+    s = pe.load_settings(str(good), {"positions": 8})
+    cfg = pe.runtime_config(s, "predicted_blk16", 1024)
+    assert s.positions == 8 and cfg.kv_cache.sink == 16 and cfg.selection.block_sizes == (16,)
+    assert pe.runtime_config(s, "predicted_no_streaming", 1024).selection.skip_streaming is False
+
+
+def test_a_missing_checkpoint_names_the_commands_that_make_it(monkeypatch):
+    monkeypatch.setitem(pe.POLICIES, "predicted_tau002",
+                        ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.02_missing.pt"}, "x"))
+    with pytest.raises(ValueError, match=r"python -m predictor.labels .* --tau 0.02 .*smollm2_tau0.02_missing.pt"):
+        pe.EvalSettings(policies=("predicted_tau002",))
+    assert pe.checkpoint_commands("predicted") == []
+    cmds = pe.checkpoint_commands("predicted_score95")
+    assert "--criterion score95" in cmds[0] and "smollm2_score95.pt" in cmds[1]
+
+
+def test_training_overlap_and_labelled_ranges(tmp_path):
+    rng = np.random.default_rng(0)
+    corpus = rng.integers(0, 50_000, size=5000)
+    ranges = [(0, 1000), (2000, 2500)]
+    assert pe.training_overlap(corpus[3000:4000], corpus, ranges, 16) == 0.0
+    window = np.concatenate([corpus[3000:3500], corpus[2100:2200]])  # 100 tokens copied from a labelled text
+    assert pe.training_overlap(window, corpus, ranges, 16) == pytest.approx(85 / (600 - 15))
+    path = tmp_path / "labels.npz"
+    np.savez(path, text_id=np.array([0, 0, 3], dtype=np.int32), position=np.array([10, 2047, 500], dtype=np.int32))
+    (tmp_path / "labels.json").write_text('{"settings": {"lengths": [1024, 2048]}}')
+    assert pe.labelled_ranges(str(path)) == [(0, 2048), (6144, 6645)]
+
+
+def test_plan_tally_metrics_and_markdown():
+    tally = pe.PlanTally()
+    plan = HeadPlan(np.array([[16, 64]]), np.array([[0.1, 0.0, 0.0, 0.0, 0.0, 0.0]], dtype=np.float32))
+    tally(0, [7], Selection(plan, np.array([[True, False]]), np.zeros((1, 2)), np.zeros((1, 2), np.int64),
+                            np.zeros((1, 2, 4)), (16, 32, 64, 128)))
+    summary = tally.summary()
+    assert summary["heads_with_budget"] == pytest.approx(1 / 6) and summary["groups_with_task"] == 0.5
+    assert summary["block_sizes"] == {"16": 1.0} and summary["mean_budget_of_budgeted_heads"] == pytest.approx(0.1)
+    policy = {"agreement": 0.9, "kl": 0.01, "ppl": 10.0, "bytes_per_step_counted": 5e6, "bytes_per_step_modeled": 6e6}
+    results = {
+        "settings": {"positions": 8, "overlap_ngram": 16},
+        "text": {"first_token": 91750, "repeated_8gram": {"4096": 0.0}, "labelled_16gram_overlap": 0.0,
+                 "labelled_8gram_overlap": 0.001},
+        "heldout": {"streaming_accuracy": 0.85, "streaming_accuracy_majority_baseline": 0.69, "bgt0_mae": 0.02,
+                    "k_mae": 0.01},
+        "checkpoints": {"predicted": {"checkpoint": "predictor/checkpoints/smollm2.pt", "tau": 0.1,
+                                      "heldout": {"streaming_accuracy": 0.85, "bgt0_mae": 0.02, "k_mae": 0.01}}},
+        "lengths": {"4096": {"dense": {"ppl": 9.0}, "policies": {
+            "fixed16_005": {**policy, "bytes_ratio_vs_fixed16_005": 1.0},
+            "predicted": {**policy, "bytes_per_step_counted": 2e6, "bytes_ratio_vs_fixed16_005": 0.4, "plans": summary}}}},
+    }
+    m = pe.metrics_of(results)
+    assert m["agreement_predicted_4096"] == 0.9 and m["bytes_ratio_predicted_vs_fixed16_005_4096"] == 0.4
+    assert m["streaming_accuracy"] == 0.85 and m["bgt0_mae"] == 0.02 and m["k_mae"] == 0.01
+    assert all(isinstance(v, float) for v in m.values())
+    md = pe.markdown(results)
+    assert "| predicted, tau 0.1 (shipped checkpoint) | 0.900 |" in md and "1.00/0.00/0.00/0.00" in md
+
+
+@pytest.mark.parametrize("tau", [1e-9, 10.0])
+def test_oracle_plans_read_everything_at_tau_0_and_nothing_at_a_loose_tau(tau):
+    import torch
+
+    from hybrid_runtime.experiments.oracle_plans import OraclePlanner
+    from hybrid_runtime.reference import dense_attention
+    from hybrid_runtime.runtime import HybridRuntime
+    from tests.test_predicted_plans import HQ, config, random_kv, step_inputs
+
+    cfg = config()
+    with HybridRuntime(cfg, head_planner=None) as rt:
+        rt.planner = OraclePlanner(rt.store, tau, cfg.selection.block_sizes)
+        for layer in (0, 1):
+            rt.prefill(0, layer, *random_kv(700, 2, 32, seed=layer), q_last=torch.randn(HQ, 32))
+        gen = torch.Generator().manual_seed(1)
+        for layer in (0, 1):
+            q, k, v = step_inputs(1, gen)
+            out = rt.decode(layer, [0], q, k, v)
+            kf, vf = rt.store.full_kv(0, layer)
+            if tau > 1:
+                sink, cpu = rt.store.cfg.sink, rt.store.cpu_len(0, layer)
+                keep = torch.cat([torch.arange(sink), torch.arange(sink + cpu, kf.shape[0])])
+                kf, vf = kf[keep], vf[keep]
+            torch.testing.assert_close(out[0], dense_attention(q[0], kf, vf)[0], atol=3e-5, rtol=1e-4)
+        assert (sum(r.n_tasks for r in rt.timeline.records) == 0) == (tau > 1)
+
+
+def test_every_evaluated_checkpoint_is_shipped_and_matches_the_features():
+    """The tau sweep's and the ablations' checkpoints: current feature columns, the tau of their labels."""
+    from hybrid_runtime.config import resolve_checkpoint
+    from predictor.features import FEATURE_NAMES
+    from predictor.model import load_checkpoint
+
+    for slug, (section, _) in pe.POLICIES.items():
+        if "checkpoint" not in section:
+            continue
+        ck = load_checkpoint(resolve_checkpoint(section["checkpoint"]))
+        ck.check_feature_names(FEATURE_NAMES)
+        flags = pe.LABEL_FLAGS.get(slug, "").split()
+        tau = float(flags[flags.index("--tau") + 1]) if "--tau" in flags else 0.1
+        assert ck.tau == pytest.approx(tau), slug
+        assert ck.metrics["heldout"]["streaming_accuracy"] > ck.metrics["heldout"]["streaming_accuracy_majority_baseline"]
