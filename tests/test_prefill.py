@@ -370,7 +370,7 @@ def test_generate_with_prefill_chunks_matches_one_shot():
     rt = enable_hybrid_attention(model, cfg)
     extends = []
     prefill = rt.prefill
-    rt.prefill = lambda *a, extend=False: (extends.append(extend), prefill(*a, extend=extend))
+    rt.prefill = lambda *a, extend=False, **kw: (extends.append(extend), prefill(*a, extend=extend, **kw))
     try:
         whole = greedy(model, ids, mask, 8)
         assert not any(extends)
