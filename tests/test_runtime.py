@@ -252,8 +252,9 @@ def test_bad_inputs_are_rejected_before_anything_changes():
             rt.decode(0, [0, 9, 2], q, k, v)
         with pytest.raises(IndexError, match="layer 5"):
             rt.decode(5, [0, 1, 2], q, k, v)
-        with pytest.raises(TypeError, match="q_last"):  # removed until the predictor uses it
-            rt.prefill(3, 0, *random_kv(100, 2, 32), q_last=torch.randn(4, 32))
+        with pytest.raises(ValueError, match=r"q_last has shape \(5, 32\)"):  # [q_heads, head_dim] expected
+            rt.prefill(3, 0, *random_kv(100, 2, 32), q_last=torch.randn(5, 32))
+        assert 3 not in rt.store.sequences()
         assert [rt.store.window_len(s, 0) for s in range(3)] == before
 
 
