@@ -53,6 +53,10 @@ class CpuWorkers:
                                                        native["d"], int(getattr(executor, "max_blocks", 0) or 0))
             self._native_args = native
         self.job: StepJob | None = None
+        # The job Python workers drain: set by `wake` under the condition, never earlier. A worker
+        # woken late for the previous step must not see a job whose buffers are not ready yet
+        # (`before_cpu` zeroes them after `job` is set): it raced and lost the results it wrote.
+        self._woken: StepJob | None = None
         self._cv = threading.Condition()
         self._gen = 0
         self._stopping = False
@@ -108,6 +112,7 @@ class CpuWorkers:
         else:
             job.cpu_running = self._running
         with self._cv:
+            self._woken = job
             self._gen += 1
             self._cv.notify_all()
 
@@ -138,7 +143,7 @@ class CpuWorkers:
             )
         # Every worker has returned: drop their views of the store's arenas so it can free them.
         self._native_args = None
-        self.job = None
+        self.job = self._woken = None
 
     def _ready(self, wid: int, core: int | None) -> Any:
         """In a new worker thread: pin it, make its workspace (native: its loop's arguments, and
@@ -258,7 +263,7 @@ class CpuWorkers:
                 if self._stopping:
                     return
                 seen = self._gen
-                job = self.job
+                job = self._woken
             if job is not None and job.cpu_queue is not None and not isinstance(job.cpu_queue, NativeQueue):
                 self._drain(job, job.cpu_queue, wid, ws)
 

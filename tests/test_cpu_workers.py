@@ -1,0 +1,79 @@
+"""The CPU lane's Python workers take a step's job only when it is handed to them (`wake`).
+
+The scheduler sets `workers.job` before `before_cpu` zeroes the step's result buffers and only
+then wakes the workers. A worker that was still busy when the previous step's wake came sees
+that wake late; if it then read `workers.job` it started the *next* step's tasks before their
+buffers were ready, and the zeroing erased what it wrote (a CI failure: every head of a step
+after a failed one was wrong). Here that ordering is forced with one worker held in a task.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from hybrid_runtime.step_job import StepJob
+from hybrid_runtime.tasks import Task
+from hybrid_runtime.workers import CpuWorkers
+
+
+class HeldExecutor:
+    """Python-worker executor: records which step each task came from; step 0's task blocks."""
+
+    def __init__(self):
+        self.ran: list[tuple[int, int]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def workspace(self):
+        return None
+
+    def run_one(self, task, q, out, lse, ws):
+        if task.layer == 0:
+            self.entered.set()
+            assert self.release.wait(30)
+        self.ran.append((task.layer, task.kv_head))
+        task.start_s = task.end_s = 0.0
+
+
+def _task(layer: int, kv_head: int) -> Task:
+    return Task(seq_id=0, layer=layer, kv_head=kv_head, batch_index=0, block_size=16,
+                budgets=np.ones(1, np.float32), n_select=np.ones(1, np.int32), cpu_len=16,
+                chunks=np.zeros(1, np.int32), priority=1.0, modeled_bytes=1)
+
+
+def _job(workers: CpuWorkers, layer: int) -> StepJob:
+    tasks = [_task(layer, h) for h in range(2)]
+    job = StepJob(layer, tasks, batch=1, cpu_arrays=(None, None, None), record=False)
+    job.cpu_queue = workers.queue(tasks, whole=False)
+    return job
+
+
+def test_a_worker_woken_late_drains_the_job_it_was_woken_for_not_the_next_one():
+    ex = HeldExecutor()
+    workers = CpuWorkers(ex, [None], native=None, spin_ns=0)
+    workers.start(10.0)
+    try:
+        job0 = _job(workers, 0)
+        workers.job = job0
+        workers.wake()
+        assert ex.entered.wait(10)  # the only worker is inside step 0's first task
+
+        job1 = _job(workers, 1)
+        workers.job = job1
+        workers.wake()  # the worker is busy: it sees this wake only after step 0
+
+        job2 = _job(workers, 2)
+        workers.job = job2  # set, buffers not ready yet: not woken
+        ex.release.set()
+        assert job0.cpu_queue.wait(10) and job1.cpu_queue.wait(10)
+        assert job2.cpu_queue.in_flight == 0 and len(job2.cpu_queue) == 2, "a worker took a job it was not woken for"
+        assert sorted(ex.ran) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+        workers.wake()  # step 2 is handed over now
+        assert job2.cpu_queue.wait(10)
+        assert sorted(ex.ran)[-2:] == [(2, 0), (2, 1)]
+    finally:
+        ex.release.set()
+        workers.stop(10.0)
