@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -126,6 +127,17 @@ def _check_gpu_worker(value: bool | str) -> str | None:
     return None if isinstance(value, bool) or value == "auto" else "'auto', true or false"
 
 
+def _check_cpu_workers(value: int | str) -> str | None:
+    if value == "auto" or (isinstance(value, int) and 0 <= value <= 1024):
+        return None
+    return "'auto' (one worker per core but the caller's) or an integer from 0 to 1024"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Where tasks run (placement) and the lanes that run them."""
@@ -133,7 +145,11 @@ class SchedulerConfig:
     placement: str = field(
         default="fluxion", metadata=_choices("fluxion", "cpu_only", "gpu_only", "uniform", "length")
     )
-    cpu_workers: int = field(default=2, metadata=_range(0, 1024))
+    # "auto": one worker per core this process may use, but one: the caller's thread keeps a core
+    # (it launches the GPU lane and, for a model on the CPU, computes the model). More workers than
+    # that oversubscribe the cores: on 2 cores a SmolLM2 decode layer took 0.78 ms with 2 workers
+    # against 0.53 ms with 1 (benchmarks/notes/cpu_window.md).
+    cpu_workers: int | str = field(default="auto", metadata=_check(_check_cpu_workers))
     # The GPU lane: "auto" runs one where CUDA is; true without CUDA runs it with the torch
     # reference executor on the host (tests of the GPU-lane placements on CPU-only machines).
     gpu_worker: bool | str = field(default="auto", metadata=_check(_check_gpu_worker))
@@ -143,10 +159,15 @@ class SchedulerConfig:
     step_timeout_s: float = field(default=60.0, metadata=_range(0.001, None))
     # Static GPU share of the `uniform` and `length` policies; 0: the measured throughput ratio.
     gpu_share: float = field(default=0.0, metadata=_range(0.0, 0.999))
-    # How long idle pinned CPU workers spin for the next step before they block (microseconds).
+    # How long idle pinned CPU workers spin for the next step before they block (microseconds);
+    # only with a CUDA GPU lane: without one the model computes on the host's cores between steps.
     spin_us: float = field(default=20000.0, metadata=_range(0.0, None))
     # Freeze the objects alive at runtime start out of the collector's walks (gc_control.py).
     gc_freeze: bool = True
+
+    def cpu_worker_count(self) -> int:
+        """CPU worker threads: `cpu_workers`, with "auto" resolved for this process's cores."""
+        return max(1, usable_cores() - 1) if self.cpu_workers == "auto" else self.cpu_workers
 
     def gpu_lane(self, cuda: bool) -> bool:
         """Whether the runtime has a GPU lane on a machine with (`cuda`) or without CUDA."""
@@ -406,7 +427,7 @@ def resolved(cfg: Config, cuda: bool) -> Config:
     return dataclasses.replace(
         cfg,
         kv_cache=dataclasses.replace(kv, device=device),
-        scheduler=dataclasses.replace(sc, gpu_worker=sc.gpu_lane(cuda)),
+        scheduler=dataclasses.replace(sc, gpu_worker=sc.gpu_lane(cuda), cpu_workers=sc.cpu_worker_count()),
     )
 
 

@@ -360,8 +360,8 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
                                 f"device copies of q and results of {s} sequences x {hq} heads, fp32"))
 
     mb = max_task_blocks(kv)
-    if sc.cpu_workers:
-        n = sc.cpu_workers
+    n = sc.cpu_worker_count()
+    if n:
         parts.append(MemoryPart(
             "cpu_workspaces", HOST, RESIDENT, n * workspace_bytes(g, d, mb),
             ("scheduler.cpu_workers", "kv_cache.cpu_capacity_tokens"),
@@ -371,7 +371,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
             ("kv_cache.max_sequences", "kv_cache.cpu_capacity_tokens", "scheduler.cpu_workers"),
             f"task table of {s * hkv} tasks, {n_chunks} chunk ids, split buffers of {n} workers"))
 
-    base = RUNTIME_BASE_BYTES + (NATIVE_LOOP_CODE_BYTES if sc.cpu_workers else 0)
+    base = RUNTIME_BASE_BYTES + (NATIVE_LOOP_CODE_BYTES if n else 0)
     parts.append(MemoryPart("runtime_code_threads", HOST, RESIDENT, base, ("scheduler.cpu_workers",),
                             "threads, compiled kernels and objects (measured)"))
     parts.append(MemoryPart("allocator_slack", HOST, RESIDENT, ALLOCATOR_SLACK_BYTES, (),

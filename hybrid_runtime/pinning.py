@@ -17,6 +17,8 @@ from typing import Iterator
 
 import torch
 
+from hybrid_runtime.config import usable_cores
+
 
 @dataclass
 class CorePlan:
@@ -24,11 +26,6 @@ class CorePlan:
     caller: int | None  # core of the thread that calls decode (None: not pinned)
     torch_threads: int  # torch intra-op threads that leave the workers their cores (at least 1)
     note: str
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask where the platform has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def plan_cores(n_cpu: int, pin: bool) -> CorePlan:

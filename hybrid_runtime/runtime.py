@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from cpu_kernels.window_attention import merge_into as merge_host
+from cpu_kernels.window_attention import window_attention as window_attention_host
 from hybrid_runtime.config import Config, ConfigError, GeometryConfig
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
@@ -37,7 +39,6 @@ from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
 from hybrid_runtime.kvcache import KVStore
 from hybrid_runtime.memory_plan import MemoryPlan, admit, estimate_runtime
 from hybrid_runtime.profiling.timeline import CudaClock, Timeline
-from hybrid_runtime.reference import merge_attention as merge_reference
 from hybrid_runtime.scheduler import Scheduler
 from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
 from hybrid_runtime.task_building import build_tasks
@@ -73,6 +74,11 @@ def window_attention_torch(
     p = torch.exp(s - safe[..., None])
     out = torch.einsum("bhgw,bhwd->bhgd", p, v)
     return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+def _host_view(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as numpy for the CPU kernels: bf16 as its uint16 bits, other dtypes as they are."""
+    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -192,7 +198,8 @@ class HybridRuntime:
         self.cuda = self.device.type == "cuda"
         self.scale = 1.0 / math.sqrt(geometry.head_dim)
         # "auto" resolved for this machine: what the scheduler, stats and traces see.
-        sc = dataclasses.replace(cfg.scheduler, gpu_worker=cfg.scheduler.gpu_lane(torch.cuda.is_available()))
+        sc = dataclasses.replace(cfg.scheduler, gpu_worker=cfg.scheduler.gpu_lane(torch.cuda.is_available()),
+                                 cpu_workers=cfg.scheduler.cpu_worker_count())
         # An executor argument may also be a factory `store -> executor` (executors need the store).
         if cpu_executor is not None and (isinstance(cpu_executor, type) or not hasattr(cpu_executor, "run")):
             cpu_executor = cpu_executor(store)
@@ -254,6 +261,21 @@ class HybridRuntime:
             self._win_dev = torch.zeros((self.WINDOW_RING, 2 * s), dtype=torch.int32, device=self.device)
             self._win_copied = [torch.cuda.Event() for _ in range(self.WINDOW_RING)]
             self._win_turn = 0
+        else:
+            # The window part on the host (cpu_kernels.window_attention): its result buffers, the
+            # kernel's score scratch and numpy views of the windows, made once.
+            w = store.window(0)[0].shape[2]
+            self._wout = torch.zeros((s, hq, d), dtype=torch.float32)
+            self._wlse = torch.zeros((s, hq), dtype=torch.float32)
+            self._wscores = np.zeros((geometry.group_size, max(1, w)), dtype=np.float32)
+            self._win_numpy = [tuple(_host_view(t) for t in store.window(layer)) for layer in range(store.layers)]
+            # Compile both kernels now, not in the first decode step (empty window, one row).
+            none = np.zeros(1, dtype=np.int32)
+            win_k, win_v = self._win_numpy[0]
+            window_attention_host(self._q_host[: hq * d].view(1, hq, d).numpy(), win_k, win_v, none, none,
+                                  self._wout[:1].numpy(), self._wlse[:1].numpy(), self._wscores)
+            merge_host(self._wout[0].numpy(), self._wlse[0].numpy(), self._wout[0].numpy(), self._wlse[0].numpy(),
+                       self._wout[0].numpy())
         native = {
             "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
             "q_flat": self._q_host.numpy(),
@@ -454,8 +476,11 @@ class HybridRuntime:
         slots = [store.slot(s) for s in seq_ids]
         b = len(seq_ids)
         if not self.cuda:
-            packed = torch.tensor(slots + lens, dtype=torch.int32)
-            return window_attention_torch(qs, win_k, win_v, packed[:b], packed[b:], max(lens))
+            out, lse = self._wout[:b], self._wlse[:b]
+            win_k, win_v = self._win_numpy[layer]
+            window_attention_host(qs.numpy(), win_k, win_v, np.array(slots, dtype=np.int32),
+                                  np.array(lens, dtype=np.int32), out.numpy(), lse.numpy(), self._wscores)
+            return out, lse
         i = self._win_turn = (self._win_turn + 1) % self.WINDOW_RING
         copied = self._win_copied[i]
         copied.synchronize()  # long done in practice: steps apart (returns at once if never recorded)
@@ -470,7 +495,10 @@ class HybridRuntime:
     def _merge(self, out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
         if self.cuda:
             return self._merge_gpu(out, lse, out_b, lse_b, out=out, lse=lse, validate=False)
-        return merge_reference(out, lse, out_b, lse_b)
+        d = out.shape[-1]
+        flat_out, flat_lse = out.view(-1, d).numpy(), lse.view(-1).numpy()
+        merge_host(flat_out, flat_lse, out_b.reshape(-1, d).numpy(), lse_b.reshape(-1).numpy(), flat_out)
+        return out, lse  # merged in place
 
     # Plans remembered per (layer, batch): a few, so alternating plans (benchmarks) still hit.
     TASK_CACHE_PLANS = 4
@@ -551,7 +579,7 @@ class HybridRuntime:
 
         b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
         n = b * hq * d
-        qs = q.to(device=self.device, dtype=torch.float32) * self.scale
+        qs = (q.to(device=self.device, dtype=torch.float32) * self.scale).contiguous()
         cpu_q = self._q_host[:n].view(b, hq, d)
         res = self._res_host[: b * hq * (d + 1)]
         cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
@@ -653,7 +681,8 @@ class HybridRuntime:
             if not cuda:
                 out_w, lse_w = res_m
         ev_end = self._event() if cuda and prof else None
-        out = out_w.to(device=q.device, dtype=q.dtype)
+        # On the host the window's result lives in the runtime's own buffer: the caller gets a copy.
+        out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda)
         if job is not None:
             self.scheduler.collect(job)  # bookkeeping, after the merge is queued
         if prof:
@@ -749,10 +778,13 @@ class HybridRuntime:
             "cpu_workers_native": sch.native is not None,
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
+            # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
+            "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }
         if self.gpu_executor is not None:
             stats.update({
                 "gpu_executor": type(self.gpu_executor).__name__,
+                "gpu_bytes_read": int(self.gpu_executor.bytes_read),
                 "tp_gpu_GBps": sch.tp_gpu / 1e9,
                 "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
                 "gpu_claim_delay_us": sch.rates.delay.seconds * 1e6,

@@ -72,7 +72,8 @@ class Scheduler:
         `max_chunks`, optional `kernel`); without it, or with a CPU executor whose
         `native_kernel` is None or missing, CPU workers are Python threads calling `run_one`."""
         self.cfg = cfg
-        self.cpu_executor = cpu_executor if cfg.cpu_workers > 0 else None
+        n_cpu = cfg.cpu_worker_count()
+        self.cpu_executor = cpu_executor if n_cpu > 0 else None
         # "auto" serves a GPU lane only with a CUDA executor (the runtime makes none without CUDA).
         self.gpu_executor = gpu_executor if cfg.gpu_lane(gpu_is_cuda) else None
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
@@ -83,14 +84,18 @@ class Scheduler:
         self.link_bw = getattr(self.gpu_executor, "link_bytes_per_s", None) if has_gpu else None
         self._rates: dict[str, LaneRates] = {}
         self.lane: GpuLane | None = None
-        self.n_cpu = cfg.cpu_workers if has_cpu else 0
+        self.n_cpu = n_cpu if has_cpu else 0
         self.set_placement(cfg.placement)
         self.gpu_is_cuda = gpu_is_cuda
         self.cores = plan_cores(self.n_cpu, cfg.pin_cores)
         pinned = self.n_cpu > 0 and self.cores.cpu[0] is not None
-        # Idle native workers spin this long for the next job before blocking (only when they
-        # own their cores; oversubscribed, spinning would steal the cores from real work).
-        spin_ns = int(cfg.spin_us * 1e3) if pinned else 0
+        # Idle native workers spin this long for the next job before blocking: only when they own
+        # their cores (oversubscribed, spinning would steal the cores from real work) and a GPU
+        # lane runs (the model is on the GPU and the host's cores wait between steps). Without
+        # CUDA the model computes on the host between steps, and spinning workers took its cores:
+        # `generate` on 2 cores ran 80 or 264 ms per token from one call to the next
+        # (benchmarks/notes/cpu_window.md).
+        spin_ns = int(cfg.spin_us * 1e3) if pinned and gpu_is_cuda and has_gpu else 0
         # Static GPU share; 0 means "from the measured throughputs".
         self.gpu_share_cfg = cfg.gpu_share
         self.worker_names = [f"cpu{i}" for i in range(self.n_cpu)] + (["gpu"] if has_gpu else [])
