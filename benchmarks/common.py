@@ -6,28 +6,15 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+# What a measurement ran on; `hybrid-runtime run` records the same.
+from hybrid_runtime.profiling.machine import device_name, git_commit, host_cpu  # noqa: F401
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def host_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
-
-
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({host_cpu()})"
 
 
 def device_slug() -> str:
@@ -39,20 +26,6 @@ def device_slug() -> str:
                 return slug
         return name.split()[-1]
     return f"cpu{os.cpu_count()}"
-
-
-def git_commit() -> str:
-    """The commit under test: $HYBRID_COMMIT (set when the tree is copied without .git) or git."""
-    if os.environ.get("HYBRID_COMMIT"):
-        return os.environ["HYBRID_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               cwd=Path(__file__).resolve().parent).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def write_results(benchmark: str, metrics: dict, points: list, out_dir: str | os.PathLike | None = None,

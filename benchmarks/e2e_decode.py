@@ -114,13 +114,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
-from benchmarks.layer_attention import GcWatch, attention_stats, best_limits, measure_limits  # noqa: E402
+from benchmarks.layer_attention import GcWatch, best_limits, measure_limits  # noqa: E402
 from hybrid_runtime.config import Config, ConfigError, GeometryConfig, config_from_dict, parse_override  # noqa: E402
+# The model-building and timing pieces, shared with the `tpot` experiment of `hybrid-runtime run`.
+from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
+    MODELS,
+    build_model,
+    kv_bytes,
+    model_config,
+    param_count,
+    random_prompt,
+    release_memory,
+    timed_generate,
+)
+from hybrid_runtime.experiments.generate_timing import model_dims as _dims  # noqa: E402
+from hybrid_runtime.experiments.generate_timing import timeline_fields as _timeline_fields  # noqa: E402
 from hybrid_runtime.kvcache import CapacityError, arena_bytes  # noqa: E402
-from hybrid_runtime.profiling import LANE_GPU  # noqa: E402
 
 BENCHMARK = "e2e_decode"
 POINTS = [(4, 32768), (8, 32768), (2, 98304), (4, 131072)]
@@ -133,19 +144,6 @@ LIMITS_S = 30.0  # measuring the machine limits once (pinned buffers, three roun
 H100_BYTES = int(79.1 * 2**30)
 H100_HOST_BYTES = 120 * 2**30
 QUICK = {"models": ["llama-3.1-8b"], "points": [(4, 32768)], "variants": ["dense", "offloaded", "cpu_only", "fluxion"]}
-
-# Geometries of the two models (their published configs; RoPE scaling left out: it does not
-# change any timing). Built with random weights by `build_model`.
-MODELS: dict[str, tuple[str, dict]] = {
-    "llama-3.1-8b": ("LlamaConfig", dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=262144,
-        tie_word_embeddings=False)),
-    "qwen2.5-7b": ("Qwen2Config", dict(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=262144,
-        tie_word_embeddings=False, use_sliding_window=False, sliding_window=None)),
-}
 
 # The head-property predictor as a head planner: a factory `(model, cfg) -> planner` with the
 # signature `HybridRuntime(head_planner=...)` takes. None until the predictor exists: the
@@ -181,35 +179,6 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
 
 
 # ---------------------------------------------------------------------------- geometry arithmetic
-def model_config(name: str, **over: Any):
-    cls, kw = MODELS[name]
-    return getattr(transformers, cls)(**{**kw, **over})
-
-
-def _dims(cfg) -> tuple[int, int, int, int, int, int, int]:
-    hq = cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or hq
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    return cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, hq, hkv, d
-
-
-def param_count(cfg) -> int:
-    """Parameters of a Llama/Qwen2-style causal LM from its config (Qwen2 adds q/k/v biases)."""
-    layers, h, inter, vocab, hq, hkv, d = _dims(cfg)
-    attn = h * hq * d + 2 * h * hkv * d + hq * d * h
-    if getattr(cfg, "model_type", "") == "qwen2":
-        attn += hq * d + 2 * hkv * d
-    per_layer = attn + 3 * h * inter + 2 * h
-    embed = vocab * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
-    return embed + layers * per_layer + h
-
-
-def kv_bytes(cfg, batch: int, context: int) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x 2 bytes (bf16) x batch x context."""
-    layers, _, _, _, _, hkv, d = _dims(cfg)
-    return 2 * layers * hkv * d * 2 * batch * context
-
-
 def prefill_flops(cfg, batch: int, context: int) -> float:
     """Matmul FLOPs of a whole-batch prefill: projections and MLP per token, causal attention
     (QK^T and PV over half the square), and the LM head for the last token only."""
@@ -264,21 +233,7 @@ def model_geometry_of(cfg) -> GeometryConfig:
     return GeometryConfig(getattr(cfg, "model_type", "model"), layers, hq, hkv, d)
 
 
-# ---------------------------------------------------------------------------- models and prompts
-def build_model(cfg, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A causal LM with random weights, created directly on `device`."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
-def random_prompt(vocab: int, batch: int, context: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (batch, context), generator=g)
-    return ids.to(device), torch.ones_like(ids, device=device)
-
-
+# ---------------------------------------------------------------------------- the hybrid variants' runtime config
 def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, cpu_workers: int,
                   overrides: dict | None = None) -> Config:
     """The runtime's config for a hybrid variant: bf16 store sized for the point, fixed (16, 0.05)."""
@@ -292,94 +247,6 @@ def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, c
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)
     return config_from_dict(data)
-
-
-# ---------------------------------------------------------------------------- timing one generate call
-class StepClock(LogitsProcessor):
-    """Host time of every generated token: `generate` calls a logits processor once per token,
-    right after the forward that produced it; the device is synchronized first, so a stamp is
-    when that token's logits exist. `on_first` callables run at the first token (after the prefill)."""
-
-    def __init__(self, cuda: bool, on_first: list | tuple = ()):
-        self.cuda = cuda
-        self.on_first = list(on_first)
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
-        if len(self.stamps) == 1:
-            for fn in self.on_first:
-                fn()
-        return scores
-
-
-class StopRule(StoppingCriteria):
-    """Stops after `max_tokens` tokens, or once the decode (from the first token) has run
-    `cap_s` seconds with at least `min_tokens` tokens out; either may be None."""
-
-    def __init__(self, clock: StepClock, max_tokens: int | None = None, cap_s: float | None = None,
-                 min_tokens: int = 4):
-        self.clock, self.max_tokens, self.cap_s, self.min_tokens = clock, max_tokens, cap_s, min_tokens
-        self.capped = False
-
-    def __call__(self, input_ids, scores, **kwargs):
-        st = self.clock.stamps
-        stop = self.max_tokens is not None and len(st) >= self.max_tokens
-        if not stop and self.cap_s is not None and len(st) >= self.min_tokens and st[-1] - st[0] >= self.cap_s:
-            stop = self.capped = True
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
-
-
-def timing_fields(t0: float, stamps: list, t_end: float) -> dict:
-    """TTFT and TPOT statistics from the stamps of one generate call (seconds in; TPOT in ms)."""
-    gaps = np.diff(np.asarray(stamps, dtype=np.float64))
-    out = {"ttft_s": stamps[0] - t0, "new_tokens": len(stamps), "tpot_samples": int(gaps.size),
-           "decode_s": stamps[-1] - stamps[0], "generate_s": t_end - t0, "tpot_ms": [float(g * 1e3) for g in gaps]}
-    if gaps.size:
-        out.update({k.replace("attention_ms", "tpot_ms"): v for k, v in attention_stats(gaps).items()})
-    return out
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s: float | None = None,
-                   on_first: list | tuple = (), max_tokens: int | None = None, measure_memory: bool = True) -> dict:
-    """One greedy `generate` of exactly `new_tokens` tokens (fewer when `cap_s` or `max_tokens`
-    stops it), timed by `StepClock`; with CUDA, the peak memory before and after the first token."""
-    cuda = ids.device.type == "cuda"
-    mem: dict = {}
-
-    def prefill_peak() -> None:
-        mem["prefill"] = torch.cuda.max_memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-
-    clock = StepClock(cuda, ([prefill_peak] if cuda and measure_memory else []) + list(on_first))
-    rule = StopRule(clock, max_tokens=max_tokens, cap_s=cap_s)
-    _sync(cuda)
-    if cuda and measure_memory:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                         min_new_tokens=min(new_tokens, max_tokens or new_tokens), do_sample=False, pad_token_id=0,
-                         logits_processor=LogitsProcessorList([clock]), stopping_criteria=StoppingCriteriaList([rule]),
-                         **gen_kwargs)
-    _sync(cuda)
-    t_end = time.perf_counter()
-    generated = out.shape[1] - ids.shape[1]
-    if generated != len(clock.stamps):
-        raise RuntimeError(f"generate made {generated} tokens but the clock saw {len(clock.stamps)}")
-    row = timing_fields(t0, clock.stamps, t_end)
-    row["stopped_by_time_cap"] = rule.capped
-    if cuda and measure_memory:
-        decode = torch.cuda.max_memory_allocated()
-        row.update(prefill_peak_gpu_bytes=mem.get("prefill"), decode_peak_gpu_bytes=decode,
-                   peak_gpu_bytes=max(mem.get("prefill", 0), decode))
-    return row
 
 
 # ---------------------------------------------------------------------------- the floor
@@ -421,13 +288,6 @@ def measure_floor(model, batch: int, new_tokens: int, seed: int = 0) -> dict:
 
 
 # ---------------------------------------------------------------------------- one (model, point, variant)
-def release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, CapacityError, MemoryError)) or "out of memory" in str(exc).lower()
 
@@ -481,22 +341,6 @@ def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_toke
             model.__dict__.pop("_compiled_call", None)
             model.__dict__.pop("_last_compile_config", None)
             torch._dynamo.reset()
-
-
-def _timeline_fields(rt, layers: int) -> dict:
-    recs = rt.timeline.records
-    total = sum(int(r.bytes_read.sum()) for r in recs)
-    gpu = sum(int(r.bytes_read[r.lane == LANE_GPU].sum()) for r in recs)
-    steps = len(recs) // layers if len(recs) % layers == 0 else len(recs) / layers
-    attn = sum(r.attention_s for r in recs)
-    return {
-        "timeline_records": len(recs),
-        "decode_steps": steps,
-        "timeline_bytes_total": total,
-        "bytes_per_step": total / steps if steps else None,
-        "gpu_byte_share": gpu / total if total else None,
-        "attention_ms_per_step": attn / steps * 1e3 if steps else None,
-    }
 
 
 def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import git_commit, write_results  # noqa: E402
-from benchmarks.machine_limits import _gather_pages_kernel  # noqa: E402
+from gpu_kernels.page_gather import gather_pages_kernel as _gather_pages_kernel  # noqa: E402
 from cpu_kernels import layout  # noqa: E402
 from gpu_kernels.block_scores import quest_scores, select_blocks  # noqa: E402
 from gpu_kernels.sparse_attention import SparseConfig, sparse_attention, sparse_attention_selected  # noqa: E402

@@ -196,6 +196,78 @@ class WorkloadConfig:
     rel_error_tolerance: float = field(default=0.10, metadata=_range(0.0, None))
 
 
+PLACEMENT_NAMES = ("fluxion", "cpu_only", "gpu_only", "uniform", "length")
+
+
+@dataclass(frozen=True)
+class PointConfig:
+    """One (batch, context) point of an experiment: every sequence `context` tokens long, or each
+    drawn uniformly from `context_range: [min, max]` (inclusive; a new draw per run)."""
+
+    batch: int = field(default=1, metadata=_range(1, None))
+    context: int = field(default=0, metadata=_range(0, None))
+    context_range: tuple[int, ...] = ()
+
+    def _validate(self, path: str) -> None:
+        if bool(self.context) == bool(self.context_range):
+            raise ConfigError(f"{path}: give either context (tokens) or context_range ([min, max] tokens), not "
+                              f"{'both' if self.context else 'neither'}")
+        r = self.context_range
+        if r and (len(r) != 2 or not 1 <= r[0] <= r[1]):
+            raise ConfigError(f"{path}.context_range: {list(r)} is not allowed; allowed: [min, max] with 1 <= min <= max")
+
+    @property
+    def max_context(self) -> int:
+        return self.context or self.context_range[1]
+
+
+def _check_variant_name(value: str) -> str | None:
+    ok = value and all(c.isalnum() or c in "_.-" for c in value)
+    return None if ok else "a non-empty name of letters, digits, '_', '.' or '-'"
+
+
+def _check_placement(value: str | None) -> str | None:
+    return None if value is None or value in PLACEMENT_NAMES else ", ".join(repr(p) for p in PLACEMENT_NAMES)
+
+
+@dataclass(frozen=True)
+class VariantConfig:
+    """One thing an experiment compares at every point: a placement and a selection. Unset fields
+    are the config's own `scheduler.placement` and `selection` (a variant's `selection` keys are
+    laid over the top-level section's)."""
+
+    name: str = field(default="", metadata=_check(_check_variant_name))
+    placement: str | None = field(default=None, metadata=_check(_check_placement))
+    selection: SelectionConfig | None = None
+
+    def _validate(self, path: str) -> None:
+        if not self.name:
+            raise ConfigError(f"{path}.name: missing; allowed: a name of letters, digits, '_', '.' or '-'")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """What `hybrid-runtime run` measures: the points, the variants compared at each, repetitions."""
+
+    # attention: decode steps of the runtime alone over random KV (per-layer times, GPU idle);
+    # tpot: `model.generate` of a random-weight transformers model of the geometry, end to end.
+    kind: str = field(default="attention", metadata=_choices("attention", "tpot"))
+    # Empty: the one point workload.batch x workload.context.
+    points: tuple[PointConfig, ...] = ()
+    # Repetitions of every point (a fresh prompt each; new lengths for a context_range).
+    runs: int = field(default=1, metadata=_range(1, None))
+    # Unmeasured decode steps (tokens, for tpot) per variant before workload.decode_steps measured ones.
+    warmup_steps: int = field(default=1, metadata=_range(0, None))
+    # Empty: one variant, the config's own placement and selection.
+    variants: tuple[VariantConfig, ...] = ()
+    # The variant speedups are relative to (its median step time over each variant's); "": none.
+    baseline: str = ""
+    # tpot: the most prompt tokens (summed over the batch) one prefill forward takes; longer prompts
+    # enter the model in chunks of prefill_batch_tokens // batch tokens per sequence, which bounds
+    # the prefill's activation memory (0: the whole prompt in one forward).
+    prefill_batch_tokens: int = field(default=0, metadata=_range(0, None))
+
+
 @dataclass(frozen=True)
 class Config:
     geometry: GeometryConfig = field(default_factory=GeometryConfig)
@@ -204,6 +276,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
     def to_dict(self) -> dict:
         return _to_plain(self)
@@ -228,6 +301,8 @@ def _type_name(tp: Any) -> str:
         return f"mapping of {_type_name(k)} to {_type_name(v)}"
     if tp is bool:
         return "true/false"
+    if tp is type(None):
+        return "null"
     if tp is str:
         return "string"
     return getattr(tp, "__name__", str(tp))
@@ -236,8 +311,17 @@ def _type_name(tp: Any) -> str:
 def _convert(tp: Any, value: Any, path: str) -> Any:
     """Check `value` against the annotation `tp`; return it in the dataclass's own types."""
     origin = typing.get_origin(tp)
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: expected null, got {value!r}")
+        return None
     if origin in (typing.Union, types.UnionType):  # the first alternative the value is
         arms = typing.get_args(tp)
+        if value is None and type(None) in arms:
+            return None
+        arms = tuple(a for a in arms if a is not type(None))
+        if len(arms) == 1:  # `X | None`: X's own message says what is wrong
+            return _convert(arms[0], value, path)
         for arm in arms:
             try:
                 return _convert(arm, value, path)
@@ -363,7 +447,8 @@ def config_from_dict(data: Mapping | None) -> Config:
     """Build a `Config` from plain data (parsed YAML); raises `ConfigError` on any bad key."""
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"top level: expected a mapping at the top level, got {type(data).__name__} {data!r}")
-    data = dict(data or {})
+    data = _merge_variant_selections(dict(data or {}))
+    _check_unused_keys(data)
     geometry = None
     if "geometry" in data:
         geometry = _geometry_from(data.pop("geometry"), "geometry")
@@ -382,41 +467,98 @@ def resolve_checkpoint(path: str) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
-def _validate_cross(cfg: Config) -> None:
-    selection, geometry, kv = cfg.selection, cfg.geometry, cfg.kv_cache
+def _validate_selection(selection: SelectionConfig, kv: KVCacheConfig, geometry: GeometryConfig, path: str) -> None:
     if selection.name == "predicted":
         missing = [b for b in selection.block_sizes if b not in kv.block_sizes]
         if missing:
             raise ConfigError(
-                f"selection.block_sizes: {missing} are not in kv_cache.block_sizes={list(kv.block_sizes)}, the "
+                f"{path}.block_sizes: {missing} are not in kv_cache.block_sizes={list(kv.block_sizes)}, the "
                 "granularities whose metadata the store keeps; allowed: a subset of them"
             )
         if resolve_checkpoint(selection.checkpoint) is None:
             raise ConfigError(
-                f"selection.checkpoint: {selection.checkpoint!r} is not a file (looked up from the working directory and "
+                f"{path}.checkpoint: {selection.checkpoint!r} is not a file (looked up from the working directory and "
                 "the repository root); allowed: a predictor checkpoint written by python -m predictor.train"
             )
     if selection.block_size not in kv.block_sizes:
         raise ConfigError(
-            f"selection.block_size: {selection.block_size} is not one of "
+            f"{path}.block_size: {selection.block_size} is not one of "
             f"kv_cache.block_sizes={list(kv.block_sizes)}"
         )
     for layer, heads in selection.streaming_heads.items():
         if not 0 <= layer < geometry.layers:
             raise ConfigError(
-                f"selection.streaming_heads.{layer}: layer out of range; allowed: 0..{geometry.layers - 1}"
+                f"{path}.streaming_heads.{layer}: layer out of range; allowed: 0..{geometry.layers - 1}"
             )
         bad = [h for h in heads if not 0 <= h < geometry.q_heads]
         if bad:
             raise ConfigError(
-                f"selection.streaming_heads.{layer}: query heads {bad} out of range; "
+                f"{path}.streaming_heads.{layer}: query heads {bad} out of range; "
                 f"allowed: 0..{geometry.q_heads - 1}"
             )
+
+
+def _validate_experiment(cfg: Config) -> None:
+    ex = cfg.experiment
+    names = [v.name for v in ex.variants]
+    for i, v in enumerate(ex.variants):
+        path = f"experiment.variants[{i}]"
+        if names.index(v.name) != i:
+            raise ConfigError(f"{path}.name: {v.name!r} is already the name of experiment.variants[{names.index(v.name)}]; "
+                              "allowed: a name of its own")
+        if v.selection is None:
+            continue
+        _validate_selection(v.selection, cfg.kv_cache, cfg.geometry, f"{path}.selection")
+        if v.selection.name == "predicted" and v.selection != cfg.selection:
+            raise ConfigError(
+                f"{path}.selection.name: a 'predicted' variant must plan with the top-level selection (the runtime's "
+                "predictor caches each prompt's statistics at prefill, for its own checkpoint); allowed: set the "
+                "top-level selection to it and leave this variant's selection out")
+    if ex.baseline and ex.baseline not in names:
+        raise ConfigError(f"experiment.baseline: {ex.baseline!r} is not a variant; allowed: "
+                          f"{', '.join(repr(n) for n in names) or 'a name from experiment.variants (none are listed)'}")
+    if ex.prefill_batch_tokens and ex.kind != "tpot":
+        raise ConfigError("experiment.prefill_batch_tokens: only experiment.kind 'tpot' prefills through a model; "
+                          "allowed: 0 (or kind: tpot)")
+
+
+def _check_unused_keys(data: Mapping) -> None:
+    """Keys the experiment would not read: refused rather than silently ignored."""
+    ex = data.get("experiment") if isinstance(data.get("experiment"), Mapping) else {}
+    wl = data.get("workload") if isinstance(data.get("workload"), Mapping) else {}
+    if ex.get("points"):
+        for key in ("batch", "context"):
+            if key in wl:
+                raise ConfigError(f"workload.{key}: not read when experiment.points is given (each point has its own "
+                                  "batch and context); allowed: remove it")
+    if ex.get("kind") == "tpot" and "rel_error_tolerance" in wl:
+        raise ConfigError("workload.rel_error_tolerance: a tpot experiment decodes a model and has no dense reference "
+                          "to compare with; allowed: remove it (or experiment.kind: attention)")
+
+
+def _merge_variant_selections(data: dict) -> dict:
+    """Each variant's `selection` keys laid over the top-level `selection` section (raw YAML)."""
+    ex = data.get("experiment")
+    if not isinstance(ex, Mapping) or not isinstance(ex.get("variants"), list):
+        return data
+    top = data.get("selection") if isinstance(data.get("selection"), Mapping) else {}
+    variants = [
+        {**v, "selection": {**top, **v["selection"]}} if isinstance(v, Mapping) and isinstance(v.get("selection"), Mapping)
+        else v
+        for v in ex["variants"]
+    ]
+    return {**data, "experiment": {**ex, "variants": variants}}
+
+
+def _validate_cross(cfg: Config) -> None:
+    kv = cfg.kv_cache
+    _validate_selection(cfg.selection, kv, cfg.geometry, "selection")
     if kv.local % PAGE_SIZE or kv.generated_cap % PAGE_SIZE:
         raise ConfigError(
             f"kv_cache: local={kv.local} and generated_cap={kv.generated_cap} must be "
             f"multiples of the page size {PAGE_SIZE}"
         )
+    _validate_experiment(cfg)
 
 
 def resolved(cfg: Config, cuda: bool) -> Config:
@@ -433,7 +575,12 @@ def resolved(cfg: Config, cuda: bool) -> Config:
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
     """Read a YAML file; `overrides` maps dotted keys (`scheduler.cpu_workers`) to values."""
-    text = Path(path).read_text()
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); allowed: a "
+                          "YAML file in UTF-8") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -456,7 +603,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key=value, e.g. scheduler.cpu_workers=4")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    key = key.strip()
+    try:
+        return key, yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        why = str(exc).splitlines()[0]
+        raise ConfigError(f"{key}: --set value {raw!r} is not valid YAML ({why}); allowed: a YAML value such as 8, "
+                          "0.05, true, fixed or [16, 32]") from None
 
 
 __all__ = [
@@ -465,12 +618,16 @@ __all__ = [
     "GEOMETRIES",
     "Config",
     "ConfigError",
+    "ExperimentConfig",
     "GeometryConfig",
     "KVCacheConfig",
     "MOVED_KEYS",
+    "PLACEMENT_NAMES",
+    "PointConfig",
     "ProfilingConfig",
     "SchedulerConfig",
     "SelectionConfig",
+    "VariantConfig",
     "WorkloadConfig",
     "config_from_dict",
     "load_config",

@@ -72,7 +72,7 @@ CHILD = textwrap.dedent("""
         cfg = load_config(sys.argv[2], dict(parse_override(s) for s in sys.argv[3:]))
         plan = memory_plan.estimate_synthetic_run(cfg)
         report["estimate"], report["gpu_estimate"] = plan.host_peak_bytes, plan.gpu_peak_bytes
-        synthetic.run_synthetic(cfg, progress=lambda msg: None)
+        synthetic.run_synthetic(cfg)
         if torch.cuda.is_available():
             report["gpu_peak"] = torch.cuda.max_memory_reserved()
     report["seconds"] = time.perf_counter() - t0

@@ -15,6 +15,7 @@ pytest.importorskip("transformers", reason="the e2e benchmark needs the `models`
 import transformers  # noqa: E402
 
 from benchmarks import e2e_decode as e2e  # noqa: E402
+from hybrid_runtime.experiments import generate_timing as gt  # noqa: E402
 from hybrid_runtime.kvcache import arena_bytes  # noqa: E402
 from hybrid_runtime.profiling import step_stats  # noqa: E402
 
@@ -295,20 +296,20 @@ def test_schedule_keeps_to_the_budget_and_records_why_units_do_not_run():
 
 
 def test_timing_fields_and_stop_rule():
-    f = e2e.timing_fields(10.0, [10.5, 10.6, 10.8, 11.1], 11.2)
+    f = gt.timing_fields(10.0, [10.5, 10.6, 10.8, 11.1], 11.2)
     assert f["ttft_s"] == pytest.approx(0.5) and f["tpot_samples"] == 3 and f["new_tokens"] == 4
     assert f["tpot_ms"] == pytest.approx([100.0, 200.0, 300.0]) and f["tpot_ms_median"] == pytest.approx(200.0)
     assert f["decode_s"] == pytest.approx(0.6) and f["generate_s"] == pytest.approx(1.2)
-    one = e2e.timing_fields(0.0, [1.0], 1.0)
+    one = gt.timing_fields(0.0, [1.0], 1.0)
     assert one["tpot_samples"] == 0 and "tpot_ms_median" not in one
-    clock = e2e.StepClock(cuda=False)
-    rule = e2e.StopRule(clock, cap_s=1.0, min_tokens=2)
+    clock = gt.StepClock(cuda=False)
+    rule = gt.StopRule(clock, cap_s=1.0, min_tokens=2)
     ids = torch.zeros(3, 1, dtype=torch.long)
     clock.stamps[:] = [0.0, 5.0]
     assert rule(ids, None).all() and rule.capped
     clock.stamps[:] = [0.0]
-    assert not e2e.StopRule(clock, cap_s=0.0, min_tokens=2)(ids, None).any()
-    assert e2e.StopRule(clock, max_tokens=1)(ids, None).all()
+    assert not gt.StopRule(clock, cap_s=0.0, min_tokens=2)(ids, None).any()
+    assert gt.StopRule(clock, max_tokens=1)(ids, None).all()
 
 
 def test_cost_model_learns_from_measured_rows():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from hybrid_runtime.profiling.timeline import LANE_GPU
+from hybrid_runtime.profiling.timeline import LANE_GPU, StepRecord
 
 if TYPE_CHECKING:
     from hybrid_runtime.profiling.timeline import Timeline
@@ -20,9 +20,10 @@ def _meta(pid: int, tid: int | None, name: str) -> dict:
     return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
 
 
-def chrome_trace(timeline: "Timeline") -> dict:
-    """`{"traceEvents": [...]}`: one row per CPU worker, the GPU streams, and the decode steps."""
-    recs = timeline.records
+def chrome_trace(timeline: "Timeline", records: Sequence[StepRecord] | None = None) -> dict:
+    """`{"traceEvents": [...]}`: one row per CPU worker, the GPU streams, and the decode steps
+    (`records`, default every step the timeline holds)."""
+    recs = timeline.records if records is None else records
     events = [_meta(PID_HOST, None, "decode"), _meta(PID_HOST, 0, "attention steps"),
               _meta(PID_CPU, None, "CPU workers")]
     # A GPU row only where there is a GPU: CUDA (window and merge on the main stream) or a GPU lane.
