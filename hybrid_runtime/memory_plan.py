@@ -48,6 +48,10 @@ _MiB = 2**20
 # their loop adds ~150 MB (the first runtime of a process; later ones reuse the code).
 RUNTIME_BASE_BYTES = 24 * _MiB
 NATIVE_LOOP_CODE_BYTES = 160 * _MiB
+# Without CUDA the runtime also compiles its host window kernels (cpu_kernels/window_attention.py)
+# at construction: the quickstart-shaped admission run's peak grew by 32 MB with them (fresh numba
+# cache, 823 -> 854 MB).
+HOST_WINDOW_CODE_BYTES = 32 * _MiB
 # Freed temporaries the C allocator keeps in its heaps (glibc serves requests up to 32 MiB from
 # them once a chunk that size was freed, and returns little of it): the measured peak RSS of the
 # synthetic run exceeded the counted parts by up to 82 MiB over eight configs (bf16 and fp32,
@@ -371,7 +375,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
             ("kv_cache.max_sequences", "kv_cache.cpu_capacity_tokens", "scheduler.cpu_workers"),
             f"task table of {s * hkv} tasks, {n_chunks} chunk ids, split buffers of {n} workers"))
 
-    base = RUNTIME_BASE_BYTES + (NATIVE_LOOP_CODE_BYTES if n else 0)
+    base = RUNTIME_BASE_BYTES + (NATIVE_LOOP_CODE_BYTES if n else 0) + (0 if window_on_gpu else HOST_WINDOW_CODE_BYTES)
     parts.append(MemoryPart("runtime_code_threads", HOST, RESIDENT, base, ("scheduler.cpu_workers",),
                             "threads, compiled kernels and objects (measured)"))
     parts.append(MemoryPart("allocator_slack", HOST, RESIDENT, ALLOCATOR_SLACK_BYTES, (),
