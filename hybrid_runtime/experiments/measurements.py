@@ -26,6 +26,15 @@ import numpy as np
 from hybrid_runtime.profiling import LANE_GPU, StepRecord, Timeline, chrome_trace, layer_table
 
 
+def record_point_run(results: dict, kept: list, run: int, entry: dict, steps: list, sample: list) -> None:
+    """File one finished point run: its entry in `results["runs"]`; the first run of each point
+    also gives the trace its steps (`kept`) and the report its timeline sample."""
+    results["runs"].append(entry)
+    if run == 0:
+        kept += steps
+        results["timeline_samples"] += sample
+
+
 def _ms(seconds: float) -> float:
     return round(float(seconds) * 1e3, 6)
 

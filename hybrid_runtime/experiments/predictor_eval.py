@@ -61,9 +61,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import yaml
 
 from hybrid_runtime.config import config_from_dict, resolve_checkpoint
+from hybrid_runtime.experiments.quality_settings import (
+    load_experiment_model,
+    load_section_settings,
+    timestamped_progress,
+)
 
 Progress = Callable[[str], None]
 
@@ -177,24 +181,7 @@ class EvalSettings:
 
 
 def load_settings(path: str | None, overrides: dict | None = None) -> EvalSettings:
-    data: dict = {}
-    if path is not None:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        unknown = set(raw) - {"predictor_eval", "runtime"}
-        if unknown:
-            raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: predictor_eval, runtime")
-        data = dict(raw.get("predictor_eval") or {})
-        if raw.get("runtime"):
-            data["runtime"] = raw["runtime"]
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    names = {f.name for f in dataclasses.fields(EvalSettings)}
-    bad = set(data) - names
-    if bad:
-        raise ValueError(f"predictor_eval: unknown keys {sorted(bad)}; allowed: {', '.join(sorted(names))}")
-    for k in ("lengths", "policies"):
-        if k in data:
-            data[k] = tuple(data[k])
-    return EvalSettings(**data)
+    return load_section_settings(path, overrides, "predictor_eval", EvalSettings, ("lengths", "policies"))
 
 
 def runtime_config(settings: EvalSettings, slug: str, longest: int):
@@ -554,23 +541,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from hybrid_runtime.experiments.quality_text import UnusableTextError
-    from hybrid_runtime.models import load_smollm2
 
-    def progress(msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    model, tok = load_smollm2(dtype=settings.model_dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_experiment_model(settings.threads, settings.model_dtype)
     try:
-        results = run_eval(model, tok, settings, progress)
+        results = run_eval(model, tok, settings, timestamped_progress)
     except (UnusableTextError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     command = " ".join(["python -m hybrid_runtime.experiments.predictor_eval",
                         *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     for p in write_outputs(results, Path(args.out), Path(args.results_dir) if args.results_dir else None, command):
-        progress(f"wrote {p}")
+        timestamped_progress(f"wrote {p}")
     return 0
 
 

@@ -21,14 +21,17 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 from pathlib import Path
 
-import torch
 
 from hybrid_runtime.experiments.quality_measure import run_quality
 from hybrid_runtime.experiments.quality_report import write_outputs
-from hybrid_runtime.experiments.quality_settings import POLICIES, load_settings
+from hybrid_runtime.experiments.quality_settings import (
+    POLICIES,
+    load_experiment_model,
+    load_settings,
+    timestamped_progress,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,22 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from hybrid_runtime.experiments.quality_text import UnusableTextError
-    from hybrid_runtime.models import load_smollm2
 
-    def progress(msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    model, tok = load_smollm2(dtype=settings.model_dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_experiment_model(settings.threads, settings.model_dtype)
     try:
-        results = run_quality(model, tok, settings, progress, passkey=not args.no_passkey, budget1=not args.no_budget1)
+        results = run_quality(model, tok, settings, timestamped_progress, passkey=not args.no_passkey, budget1=not args.no_budget1)
     except UnusableTextError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     command = " ".join(["python -m hybrid_runtime.experiments.quality", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     for p in write_outputs(results, Path(args.out), Path(args.results_dir) if args.results_dir else None, command):
-        progress(f"wrote {p}")
+        timestamped_progress(f"wrote {p}")
     return 0
 
 

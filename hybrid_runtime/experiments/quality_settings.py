@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,23 +113,46 @@ def runtime_config(settings: QualitySettings, policy: str, store_dtype: str | No
     return config_from_dict(data)
 
 
-def load_settings(path: str | os.PathLike | None, overrides: dict | None = None) -> QualitySettings:
-    """Settings from a YAML file's `quality:` section (and `runtime:` for the runtime config)."""
+def load_section_settings(path: str | os.PathLike | None, overrides: dict | None, section: str, cls: type,
+                          tuple_keys: tuple[str, ...]):
+    """`cls` (a settings dataclass) from a YAML file's `section:` (and `runtime:` for the runtime
+    config), with `overrides` (None values skipped) on top; unknown keys are refused by name."""
     data: dict = {}
     if path is not None:
         raw = yaml.safe_load(Path(path).read_text()) or {}
-        unknown = set(raw) - {"quality", "runtime"}
+        unknown = set(raw) - {section, "runtime"}
         if unknown:
-            raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: quality, runtime")
-        data = dict(raw.get("quality") or {})
+            raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: {section}, runtime")
+        data = dict(raw.get(section) or {})
         if raw.get("runtime"):
             data["runtime"] = raw["runtime"]
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    names = {f.name for f in dataclasses.fields(QualitySettings)}
+    names = {f.name for f in dataclasses.fields(cls)}
     bad = set(data) - names
     if bad:
-        raise ValueError(f"quality: unknown keys {sorted(bad)}; allowed: {', '.join(sorted(names))}")
-    for k in ("lengths", "policies", "passkey_lengths", "passkey_depths"):
+        raise ValueError(f"{section}: unknown keys {sorted(bad)}; allowed: {', '.join(sorted(names))}")
+    for k in tuple_keys:
         if k in data:
             data[k] = tuple(data[k])
-    return QualitySettings(**data)
+    return cls(**data)
+
+
+def load_settings(path: str | os.PathLike | None, overrides: dict | None = None) -> QualitySettings:
+    """Settings from a YAML file's `quality:` section (and `runtime:` for the runtime config)."""
+    return load_section_settings(path, overrides, "quality", QualitySettings,
+                                 ("lengths", "policies", "passkey_lengths", "passkey_depths"))
+
+
+def timestamped_progress(msg: str) -> None:
+    """The experiments' progress lines: wall-clock time, then the message."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def load_experiment_model(threads: int, model_dtype: str):
+    """SmolLM2 (model, tokenizer) for an experiment, on CUDA where there is one; `threads` > 0 sets
+    torch's intra-op threads first."""
+    from hybrid_runtime.models import load_smollm2
+
+    if threads:
+        torch.set_num_threads(threads)
+    return load_smollm2(dtype=model_dtype, device="cuda" if torch.cuda.is_available() else "cpu")

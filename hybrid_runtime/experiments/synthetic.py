@@ -30,7 +30,13 @@ import numpy as np
 import torch
 
 from hybrid_runtime.config import Config
-from hybrid_runtime.experiments.measurements import labelled_trace, median_record, timeline_sample, variant_measurement
+from hybrid_runtime.experiments.measurements import (
+    labelled_trace,
+    median_record,
+    record_point_run,
+    timeline_sample,
+    variant_measurement,
+)
 from hybrid_runtime.experiments.points import PointRun, experiment_points, point_runs
 from hybrid_runtime.experiments.progress import Progress
 from hybrid_runtime.experiments.variants import Variant, VariantSwitch, experiment_variants
@@ -116,10 +122,7 @@ def run_synthetic(cfg: Config, progress: Progress | None = None, results: dict |
             seq_ids = list(range(next_id, next_id + pr.batch))
             next_id += pr.batch
             entry, steps, sample = _run_point(rt, cfg, pr, variants, switch, seq_ids, progress)
-            results["runs"].append(entry)
-            if pr.run == 0:
-                kept += steps
-                results["timeline_samples"] += sample
+            record_point_run(results, kept, pr.run, entry, steps, sample)
             progress.run_done()
         results["runtime"] = rt.stats()
     finally:

@@ -27,7 +27,13 @@ import time
 import torch
 
 from hybrid_runtime.config import Config, GeometryConfig
-from hybrid_runtime.experiments.measurements import labelled_trace, median_record, timeline_sample, variant_measurement
+from hybrid_runtime.experiments.measurements import (
+    labelled_trace,
+    median_record,
+    record_point_run,
+    timeline_sample,
+    variant_measurement,
+)
 from hybrid_runtime.experiments.points import PointRun, experiment_points, point_runs
 from hybrid_runtime.experiments.progress import Progress
 from hybrid_runtime.experiments.variants import Variant, VariantSwitch, experiment_variants
@@ -144,10 +150,7 @@ def run_tpot(cfg: Config, progress: Progress | None = None, results: dict | None
             if pr.point == 0 and pr.run == 0:
                 _generate(model, rt, cfg, pr, variants, switch, progress, warm_up=True)
             entry, steps, sample = _generate(model, rt, cfg, pr, variants, switch, progress, warm_up=False)
-            results["runs"].append(entry)
-            if pr.run == 0:
-                kept += steps
-                results["timeline_samples"] += sample
+            record_point_run(results, kept, pr.run, entry, steps, sample)
             progress.run_done()
         results["runtime"] = rt.stats()
     finally:
