@@ -264,7 +264,7 @@ class KVStore:
         # Address space only: memory is committed slab by slab as chunks are first used.
         self._host = [_HostArena(n_chunks, self.head_dim, self.dtype, self.pinned) for _ in range(self.layers)]
         self._arenas = [a.tensor for a in self._host]
-        self._arenas_np = [_numpy_view(a) for a in self._arenas]
+        self._arenas_np = [numpy_view(a) for a in self._arenas]
         self._arenas_cuda: list[torch.Tensor | None] = [None] * self.layers
         self._unpin = weakref.finalize(self, _unregister, [a.registered for a in self._host])
         # Free chunks per layer as a stack: _free[l][:_n_free[l]] are free; `_alloc` pops from the
@@ -875,7 +875,9 @@ class KVStore:
         return meta[:, off : off + per_chunk].reshape(-1, 2, self.head_dim)[:n_blocks]
 
 
-def _numpy_view(arena: torch.Tensor) -> np.ndarray:
-    if arena.dtype == torch.bfloat16:
-        return arena.view(torch.int16).numpy().view(np.uint16)
-    return arena.numpy()
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as numpy sharing its memory, for the numba kernels: bf16 as its uint16 bits
+    (numpy has no bfloat16), other dtypes as they are."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()

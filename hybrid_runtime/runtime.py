@@ -36,7 +36,7 @@ from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
-from hybrid_runtime.kvcache import KVStore
+from hybrid_runtime.kvcache import KVStore, numpy_view
 from hybrid_runtime.memory_plan import MemoryPlan, admit, estimate_runtime
 from hybrid_runtime.profiling.timeline import CudaClock, Timeline
 from hybrid_runtime.scheduler import Scheduler
@@ -74,11 +74,6 @@ def window_attention_torch(
     p = torch.exp(s - safe[..., None])
     out = torch.einsum("bhgw,bhwd->bhgd", p, v)
     return out.reshape(b, hq, d), lse.reshape(b, hq)
-
-
-def _host_view(t: torch.Tensor) -> np.ndarray:
-    """A host tensor as numpy for the CPU kernels: bf16 as its uint16 bits, other dtypes as they are."""
-    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -268,7 +263,7 @@ class HybridRuntime:
             self._wout = torch.zeros((s, hq, d), dtype=torch.float32)
             self._wlse = torch.zeros((s, hq), dtype=torch.float32)
             self._wscores = np.zeros((geometry.group_size, max(1, w)), dtype=np.float32)
-            self._win_numpy = [tuple(_host_view(t) for t in store.window(layer)) for layer in range(store.layers)]
+            self._win_numpy = [tuple(numpy_view(t) for t in store.window(layer)) for layer in range(store.layers)]
             # Compile both kernels now, not in the first decode step (empty window, one row).
             none = np.zeros(1, dtype=np.int32)
             win_k, win_v = self._win_numpy[0]

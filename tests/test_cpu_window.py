@@ -7,12 +7,9 @@ import pytest
 import torch
 
 from cpu_kernels.window_attention import merge_into, window_attention
+from hybrid_runtime.kvcache import numpy_view
 from hybrid_runtime.reference import merge_attention
 from hybrid_runtime.runtime import window_attention_torch
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -29,7 +26,7 @@ def test_window_attention_equals_the_torch_reference(dtype, hkv, g, d):
     out = torch.full_like(ref_out, 7.0)  # stale values must be overwritten
     lse = torch.full_like(ref_lse, 7.0)
     scratch = np.empty((g, width), dtype=np.float32)
-    window_attention(q.numpy(), _host(win_k), _host(win_v), slots.numpy(), lengths.numpy(), out.numpy(), lse.numpy(),
+    window_attention(q.numpy(), numpy_view(win_k), numpy_view(win_v), slots.numpy(), lengths.numpy(), out.numpy(), lse.numpy(),
                      scratch)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
