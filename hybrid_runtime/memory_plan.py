@@ -49,9 +49,11 @@ _MiB = 2**20
 RUNTIME_BASE_BYTES = 24 * _MiB
 NATIVE_LOOP_CODE_BYTES = 160 * _MiB
 # Without CUDA the runtime also compiles its host window kernels (cpu_kernels/window_attention.py)
-# at construction: the quickstart-shaped admission run's peak grew by 32 MB with them (fresh numba
-# cache, 823 -> 854 MB).
-HOST_WINDOW_CODE_BYTES = 32 * _MiB
+# at construction. The quickstart-shaped admission run (tests/test_admission.py) with a fresh numba
+# cache peaked at 858-872 MB on one 2-core host and at 909 MB on the CI host (another CPU, so other
+# LLVM code generation), against 786-809 MB with a warm cache: the compiled code's share depends on
+# the host, and this allowance takes the largest seen.
+HOST_WINDOW_CODE_BYTES = 80 * _MiB
 # Freed temporaries the C allocator keeps in its heaps (glibc serves requests up to 32 MiB from
 # them once a chunk that size was freed, and returns little of it): the measured peak RSS of the
 # synthetic run exceeded the counted parts by up to 82 MiB over eight configs (bf16 and fp32,
