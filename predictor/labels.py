@@ -216,6 +216,18 @@ def decode_positions(settings: LabelSettings, text_id: int, length: int) -> list
     return sorted(int(first + x) for x in rng.choice(settings.span, size=settings.positions, replace=False))
 
 
+def text_ranges(ids: torch.Tensor, settings: LabelSettings) -> list[tuple[int, int]]:
+    """Token ranges `[start, end)` of the corpus `ids` that a labels run with `settings` reads: each
+    chosen text's chunk up to its last decode position. Computed without the model: the texts and
+    positions depend on the corpus, lengths, span, texts, positions, max_repeat and seed only, never
+    on tau or the criterion."""
+    ranges = []
+    for text in select_texts(ids, settings):
+        last = max(max(decode_positions(settings, text.text_id, n)) for n in text.lengths)
+        ranges.append((text.offset, text.offset + last + 1))
+    return ranges
+
+
 @torch.no_grad()
 def label_layer(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, q_prev: torch.Tensor, q_anchor: torch.Tensor,
                 positions: list[int], prompt_len: int, layer: int, n_layers: int, settings: LabelSettings

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from hybrid_runtime.experiments import predictor_eval as pe
 from hybrid_runtime.head_plans import HeadPlan
@@ -55,6 +56,25 @@ def test_training_overlap_and_labelled_ranges(tmp_path):
     np.savez(path, text_id=np.array([0, 0, 3], dtype=np.int32), position=np.array([10, 2047, 500], dtype=np.int32))
     (tmp_path / "labels.json").write_text('{"settings": {"lengths": [1024, 2048]}}')
     assert pe.labelled_ranges(str(path)) == [(0, 2048), (6144, 6645)]
+
+
+def test_labelled_text_reads_present_files_and_recomputes_absent_ones(tmp_path, monkeypatch):
+    """A sweep checkpoint whose labels file is absent contributes the ranges its labels command reads."""
+    from predictor.labels import LabelSettings, text_ranges
+
+    monkeypatch.chdir(tmp_path)  # no runs/predictor/ here: every sweep checkpoint's labels file is absent
+    shipped = tmp_path / "shipped.npz"
+    np.savez(shipped, text_id=np.array([0, 2], dtype=np.int32), position=np.array([2047, 100], dtype=np.int32))
+    (tmp_path / "shipped.json").write_text('{"settings": {"lengths": [2048, 4096, 8192]}}')
+    labelled = np.random.default_rng(0).integers(0, 50_000, size=9 * 8192)  # random text: every chunk usable
+    settings = pe.EvalSettings(policies=("fixed16_005", "predicted_tau002", "predicted_score95"), labels=str(shipped))
+    ranges, sources = pe.labelled_text(settings, labelled)
+    recomputed = text_ranges(torch.as_tensor(labelled), LabelSettings())
+    assert len(recomputed) == 8 and recomputed[0][0] == 0
+    assert ranges == sorted({(0, 2048), (16384, 16485), *recomputed})
+    assert sources[0] == {"labels": str(shipped), "ranges_from": "file"}
+    assert [s["ranges_from"].split(" --out ")[0] for s in sources[1:]] == ["python -m predictor.labels"] * 2
+    assert "--tau 0.02" in sources[1]["ranges_from"] and "--criterion score95" in sources[2]["ranges_from"]
 
 
 def test_plan_tally_metrics_and_markdown():

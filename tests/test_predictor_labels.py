@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -20,7 +21,8 @@ from predictor.budget_search import (
     smallest_budget,
 )
 from predictor.features import FEATURE_NAMES, window_attention
-from predictor.labels import LabelSettings, build, label_layer, main, repeated_fraction, save_npz, select_texts
+from predictor.labels import (LabelSettings, build, label_layer, main, repeated_fraction, save_npz, select_texts,
+                             text_ranges)
 from tests.helpers import random_kv
 
 CONTRACT = {"features", "feature_names", "bgt0", "k", "streaming", "split", "text_id", "layer", "head", "position", "tau"}
@@ -224,5 +226,12 @@ def test_dataset_contract_on_a_tiny_model(tmp_path):
     # The labels' dense outputs are the model's own attention outputs.
     assert summary["max_output_deviation_vs_model"] < 1e-4
     assert summary["labels"]["rows"] == n
+    # The ranges a labels run reads are known without the model, whatever tau (the evaluation's
+    # training-overlap check relies on it when a checkpoint's labels file is absent).
+    chunk = max(settings.lengths)
+    read = [(int(t) * chunk, int(t) * chunk + int(pos[data["text_id"] == t].max()) + 1)
+            for t in np.unique(data["text_id"])]
+    assert text_ranges(corpus, settings) == read
+    assert text_ranges(corpus, dataclasses.replace(settings, tau=0.02, criterion="score95")) == read
     save_npz(out, arrays)  # rewriting in place leaves no temporary file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["labels.npz"]

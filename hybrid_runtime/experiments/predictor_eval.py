@@ -133,18 +133,33 @@ GROUPS = {
 }
 
 
+def label_arguments(slug: str) -> dict[str, str]:
+    """The `python -m predictor.labels` flags of the labels a sweep or ablation checkpoint was trained on."""
+    args = {"--lengths": "2048,4096,8192", "--positions": "8", "--texts": "8", "--tau": "0.1"}
+    flags = LABEL_FLAGS[slug].split()
+    args.update(zip(flags[::2], flags[1::2]))
+    return args
+
+
 def checkpoint_commands(slug: str) -> list[str]:
     """How the checkpoint of a predicted policy of the sweep or the ablations was made (labels, then training)."""
     if slug not in LABEL_FLAGS:
         return []
     ckpt = POLICIES[slug][0]["checkpoint"]
     data = f"runs/predictor/smollm2_labels_{Path(ckpt).stem.replace('smollm2_', '')}.npz"
-    settings = {"--lengths": "2048,4096,8192", "--positions": "8", "--texts": "8", "--tau": "0.1"}
-    flags = LABEL_FLAGS[slug].split()
-    settings.update(zip(flags[::2], flags[1::2]))
-    args = " ".join(f"{k} {v}" for k, v in settings.items())
+    args = " ".join(f"{k} {v}" for k, v in label_arguments(slug).items())
     return [f"python -m predictor.labels --out {data} {args} --threads 1",
             f"python -m predictor.train --data {data} --out {ckpt} --refit --threads 1 --hidden 256,256,128"]
+
+
+def label_settings(slug: str) -> Any:
+    """`predictor.labels.LabelSettings` of the labels command of `slug`'s checkpoint."""
+    from predictor.labels import LabelSettings
+
+    args = label_arguments(slug)
+    return LabelSettings(lengths=tuple(int(x) for x in args["--lengths"].split(",")), positions=int(args["--positions"]),
+                         texts=int(args["--texts"]), tau=float(args["--tau"]),
+                         criterion=args.get("--criterion", LabelSettings.criterion))
 
 
 @dataclass(frozen=True)
@@ -257,12 +272,19 @@ def training_overlap(window: np.ndarray, labelled: np.ndarray, ranges: list[tupl
     return len(grams & seen) / max(1, len(grams))
 
 
-def label_files(settings: EvalSettings) -> list[str]:
-    """The labels files of the shipped checkpoint and of every predicted policy's checkpoint (its
-    recorded `data.file`), each required: the evaluation text must avoid all their texts."""
+def labelled_text(settings: EvalSettings, labelled: np.ndarray) -> tuple[list[tuple[int, int]], list[dict]]:
+    """The corpus ranges every checkpoint of the evaluation was trained on, and where each came from.
+
+    The shipped checkpoint's labels file is required (its held-out metrics are reported). A sweep or
+    ablation checkpoint's labels file is read when present; when absent its ranges are recomputed
+    from the labels command that made it (`predictor.labels.text_ranges`: texts and positions do
+    not depend on tau or the criterion), so the evaluation does not need 18 CPU-minutes per file."""
+    from predictor.labels import text_ranges
     from predictor.model import load_checkpoint
 
-    files = [settings.labels]
+    ranges: set = set(labelled_ranges(settings.labels))
+    sources = [{"labels": settings.labels, "ranges_from": "file"}]
+    seen = {settings.labels}
     for slug in settings.policies:
         section = POLICIES.get(slug, ({}, ""))[0]
         if section.get("name") != "predicted":
@@ -271,13 +293,20 @@ def label_files(settings: EvalSettings) -> list[str]:
         data = load_checkpoint(resolve_checkpoint(ckpt)).data.get("file")
         if data is None:
             raise ValueError(f"{ckpt} does not record its labels file; the evaluation cannot check its texts")
-        if not Path(data).is_file():
-            how = "; ".join(checkpoint_commands(slug)) or "python -m predictor.labels (see the checkpoint's .json)"
-            raise FileNotFoundError(f"{ckpt} was trained on {data}, which is not here (made by: {how}); the evaluation "
-                                    "needs it to check that its text is not one the predictor was trained on")
-        if data not in files:
-            files.append(data)
-    return files
+        if data in seen:
+            continue
+        seen.add(data)
+        if Path(data).is_file():
+            ranges.update(labelled_ranges(data))
+            sources.append({"labels": data, "ranges_from": "file"})
+        elif slug in LABEL_FLAGS:
+            ranges.update(text_ranges(torch.as_tensor(labelled), label_settings(slug)))
+            sources.append({"labels": data, "ranges_from": checkpoint_commands(slug)[0]})
+        else:
+            raise FileNotFoundError(f"{ckpt} was trained on {data}, which is not here and was not made by a known "
+                                    "labels command; the evaluation needs it to check that its text is not one the "
+                                    "predictor was trained on")
+    return sorted(ranges), sources
 
 
 def check_text(tokenizer: Any, corpus: torch.Tensor, settings: EvalSettings) -> dict:
@@ -288,7 +317,7 @@ def check_text(tokenizer: Any, corpus: torch.Tensor, settings: EvalSettings) -> 
     longest = max(settings.lengths)
     repeated = check_novel(corpus, settings.lengths, settings.positions, settings.text_offset)
     labelled = tokenizer(labels_corpus_text(), add_special_tokens=False, return_tensors="np").input_ids[0]
-    ranges = sorted({r for f in label_files(settings) for r in labelled_ranges(f)})
+    ranges, sources = labelled_text(settings, labelled)
     window = text_window(corpus, longest, settings.text_offset)[0].numpy()
     overlap = training_overlap(window, labelled, ranges, settings.overlap_ngram)
     if overlap > 0:
@@ -306,7 +335,7 @@ def check_text(tokenizer: Any, corpus: torch.Tensor, settings: EvalSettings) -> 
     return {"first_token": settings.text_offset, "repeated_8gram": {str(n): r for n, r in repeated.items()},
             f"labelled_{settings.overlap_ngram}gram_overlap": overlap,
             "labelled_8gram_overlap": training_overlap(window, labelled, ranges, 8),
-            "labelled_ranges": ranges, "label_files": label_files(settings)}
+            "labelled_ranges": ranges, "label_files": sources}
 
 
 # ---------------------------------------------------------------------------- plans of a predicted run
