@@ -22,6 +22,16 @@ GPU lane claims ranges of positions from the same WORD (`claim`), so the fluxion
 devices pull from one priority queue. `close` stops further pops and returns how many positions
 were handed out, so the host can wait for exactly the tasks in flight.
 
+Sleeping between jobs: a worker that saw no job for `spin_ns` blocks on its own POSIX semaphore
+(its *doorbell*, `sem_wait` called from numba with the GIL released) and the host rings the
+doorbells after publishing a job or STOP (`ring`). Before doorbells, an idle worker returned to
+Python and blocked on a condition variable: every wake-up then took the GIL twice (leaving the
+loop, re-entering it through numba's dispatcher), while the caller ran the step's Python. With
+one worker on a 2-core host that cost ~100-140 us from the release to the first task and ~90 us
+between the last task and the merge, per layer (benchmarks/notes/cpu_window.md). Where unnamed
+semaphores are missing (`sem_init` fails), workers fall back to returning LOOP_IDLE and blocking
+in Python.
+
 Helping at the end of a step: a step's tasks are few and coarse (one per sequence and KV group,
 hundreds of microseconds each), so when the queue runs dry most workers would idle while a few
 finish their last tasks. A worker that pops a task when fewer positions are left than there are
@@ -52,6 +62,7 @@ error names.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numba
@@ -63,6 +74,24 @@ from numba.extending import intrinsic
 
 from cpu_kernels.layout import CHUNK_TOKENS
 from cpu_kernels.sparse_attention import Workspace, attend_blocks, merge_parts, select_task, split_bounds
+
+
+def _libc_semaphores() -> tuple:
+    """libc's `sem_init`, `sem_wait`, `sem_post`, `sem_getvalue`, typed for numba (addresses as
+    size_t); None each where the C library has none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fns = tuple(getattr(libc, name) for name in ("sem_init", "sem_wait", "sem_post", "sem_getvalue"))
+    except (OSError, AttributeError):
+        return (None,) * 4
+    size_t, c_int = ctypes.c_size_t, ctypes.c_int
+    for fn, args in zip(fns, ([size_t, c_int, ctypes.c_uint], [size_t], [size_t], [size_t, size_t])):
+        fn.argtypes, fn.restype = args, c_int
+    return fns
+
+
+_sem_init, _sem_wait, _sem_post, _sem_getvalue = _libc_semaphores()
+SEM_BYTES = 64  # one doorbell per cache line (a glibc sem_t is 32 bytes)
 
 C_SEQ, C_STOP, C_WORD, C_DONE = 0, 8, 16, 24
 C_LAYER, C_B, C_N = 32, 33, 34
@@ -209,11 +238,39 @@ def failed_task_error(status: int, row: np.ndarray, max_blocks: int) -> Exceptio
     return RuntimeError(f"the CPU task kernel returned failure status {status}")
 
 
+if _sem_wait is not None:
+
+    @numba.njit(nogil=True)
+    def _doorbell_wait(bell):
+        # A signal interrupts sem_wait (-1, EINTR) like any spurious wake-up: the caller looks again.
+        _sem_wait(bell)
+
+    @numba.njit(nogil=True)
+    def _ring(bells, value):
+        """Post every doorbell in `bells` (addresses) that is not already posted: a worker
+        consumes at most one stale post, and a spinning worker does not pile posts up."""
+        for i in range(bells.shape[0]):
+            _sem_getvalue(bells[i], value.ctypes.data)
+            if value[0] <= 0:
+                _sem_post(bells[i])
+
+else:  # no semaphores: every bell address is 0 and the loop never sleeps on one
+
+    @numba.njit(nogil=True)
+    def _doorbell_wait(bell):
+        pass
+
+    @numba.njit(nogil=True)
+    def _ring(bells, value):
+        pass
+
+
 # Not cached on disk: its signature holds the kernel (a dispatcher), which numba cannot pickle.
 @numba.njit(nogil=True)
-def worker_loop(ctrl, wid, spin_ns, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur, kernel,
+def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur, kernel,
                 scratch, team):
-    """Serve jobs until STOP (returns LOOP_STOPPED) or `spin_ns` without a new job (LOOP_IDLE).
+    """Serve jobs until STOP (returns LOOP_STOPPED); after `spin_ns` without a new job, sleep on
+    the doorbell at address `bell` until rung (`bell` 0: return LOOP_IDLE instead).
 
     `kernel(arena, chunks, cpu_len, block_size, q, n_select, out, lse, *scratch) -> bytes` is the
     task kernel (`cpu_kernels.sparse_attention.run_task`); `scratch` is this worker's workspace
@@ -247,7 +304,11 @@ def worker_loop(ctrl, wid, spin_ns, mode, arenas, q_flat, res_flat, hq, d, g, ta
                     break
                 continue
             if monotonic_ns() - t_idle > spin_ns:
-                return LOOP_IDLE
+                if bell == 0:
+                    return LOOP_IDLE
+                _doorbell_wait(bell)
+                t_idle = monotonic_ns()
+                continue
             cpu_relax()
         last = job
         cur[wid, 1] = job
@@ -481,6 +542,7 @@ def warm_up() -> None:
     done(c)
     add_done(c, 0)
     set_stop(c, 0)
+    _ring(np.zeros(0, dtype=np.uint64), np.zeros(1, dtype=np.int32))
 
 
 class NativeJobBuffers:
@@ -512,6 +574,28 @@ class NativeJobBuffers:
         self.part_lse = np.zeros((w, parts, group_size), dtype=np.float32)
         self.masks = np.zeros((w, max(1, max_blocks) if self.split else 1), dtype=np.uint32)
         self.split_tasks = np.zeros(LINE, dtype=np.int64)  # [0]: tasks run as a split so far
+        # Doorbells (see "Sleeping between jobs"): worker w sleeps on the semaphore at bells[w].
+        self._bell_mem = np.zeros((max(1, n_workers), SEM_BYTES), dtype=np.uint8)
+        self.bells = np.zeros(max(1, n_workers), dtype=np.uint64)
+        self._bell_value = np.zeros(1, dtype=np.int32)
+        if _sem_init is not None:
+            addrs = [self._bell_mem[w].ctypes.data for w in range(self.bells.size)]
+            if all(_sem_init(a, 0, 0) == 0 for a in addrs):
+                self.bells[:] = addrs
+
+    @property
+    def has_doorbells(self) -> bool:
+        """Workers sleep on doorbells (else they return LOOP_IDLE and block in Python)."""
+        return bool(self.bells[0])
+
+    def bell(self, wid: int) -> int:
+        """The `bell` argument of `worker_loop` for worker `wid` (0: none)."""
+        return int(self.bells[wid])
+
+    def ring(self) -> None:
+        """Wake every sleeping worker: after publishing a job, or after STOP."""
+        if self.has_doorbells:
+            _ring(self.bells, self._bell_value)
 
     def team(self, workspace, enabled: bool = True) -> tuple:
         """The `team` argument of `worker_loop` for a worker with this `workspace` (split off

@@ -109,6 +109,9 @@ class CpuWorkers:
         job = self.job
         if self.native is not None:
             job.cpu_queue.publish(job.layer, job.batch)
+            if self.native.has_doorbells:
+                self.native.ring()  # no GIL taken by the woken workers: see native_pool
+                return
         else:
             job.cpu_running = self._running
         with self._cv:
@@ -128,6 +131,7 @@ class CpuWorkers:
                 q.close()
         if self.native is not None:
             native_pool.set_stop(self.native.ctrl, 1)
+            self.native.ring()
         with self._cv:
             self._cv.notify_all()
         end = time.monotonic() + timeout
@@ -157,7 +161,7 @@ class CpuWorkers:
                 state = ws
             else:
                 args = self._loop_args(ws, wid)
-                native_pool.worker_loop(self.native.ctrl, wid, 0, native_pool.LOOP_WARM, *args)
+                native_pool.worker_loop(self.native.ctrl, wid, 0, self.native.bell(wid), native_pool.LOOP_WARM, *args)
                 self._capacity.append(int(getattr(ws, "max_blocks", 0) or 0))
                 state = args
         except BaseException as exc:
@@ -184,7 +188,7 @@ class CpuWorkers:
         ctrl, cur = self.native.ctrl, self.native.cur
         while True:
             try:
-                status = native_pool.worker_loop(ctrl, wid, self.spin_ns, 0, *args)
+                status = native_pool.worker_loop(ctrl, wid, self.spin_ns, self.native.bell(wid), 0, *args)
             except BaseException as exc:  # a kernel that raised instead of returning a status
                 self._native_failed(wid, exc)
                 continue
@@ -193,7 +197,7 @@ class CpuWorkers:
                 continue
             if status == native_pool.LOOP_STOPPED:
                 return
-            with self._cv:  # idle: block until the next job (or stop)
+            with self._cv:  # idle without doorbells: block until the next job (or stop)
                 while not self._stopping and (ctrl[native_pool.C_SEQ] & 1 or ctrl[native_pool.C_SEQ] >> 1 == cur[wid, 1]):
                     self._cv.wait()
                 if self._stopping:

@@ -5,6 +5,7 @@ placements really split tasks between two lanes here."""
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 
@@ -353,6 +354,41 @@ def test_native_kernel_failure_or_stall_fails_decode_and_runtime_stays_usable(mo
         FAIL[0] = 0
         rt.close()
     assert not any(t.is_alive() for t in rt.scheduler.threads)
+
+
+def _thread_state(native_id: int) -> str:
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("doorbells", [True, False])
+def test_idle_native_workers_sleep_and_wake_for_every_step(doorbells, monkeypatch):
+    """Between steps native workers sleep (on their doorbells, or in Python where the C library has
+    no unnamed semaphores) and every step wakes them: many steps, each against the reference,
+    some after a pause long enough for every worker to be asleep; close wakes and joins them."""
+    from hybrid_runtime import native_pool
+
+    if not doorbells:
+        monkeypatch.setattr(native_pool, "_sem_init", None)
+    rt = HybridRuntime(rt_config("cpu_only", plan="full"))
+    try:
+        native = rt.scheduler.native
+        assert native is not None and native.has_doorbells is (doorbells and sys.platform == "linux")
+        prefill_all(rt, layers=(0,))
+        gen = torch.Generator().manual_seed(1)
+        for step in range(12):
+            if step % 4 == 3:
+                time.sleep(0.05)
+                if sys.platform == "linux":
+                    assert {_thread_state(t.native_id) for t in rt.scheduler.threads} == {"S"}
+            q = torch.randn(3, 8, 32, generator=gen)
+            out = rt.decode(0, [0, 1, 2], q, torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen))
+            torch.testing.assert_close(out, dense_reference(rt, 0, [0, 1, 2], q), **TOL)
+        assert rt.stats()["cpu_bytes_read"] > 0
+    finally:
+        t0 = time.monotonic()
+        rt.close()
+    assert time.monotonic() - t0 < 5 and not any(t.is_alive() for t in rt.scheduler.threads)
 
 
 def test_native_scheduling_overhead_per_task_is_recorded():
