@@ -211,7 +211,8 @@ def native_job_bytes(max_tasks: int, group_size: int, max_chunks: int, n_workers
     parts = native_pool.MAX_PARTS if split else 1
     team = 3 * w * native_pool.LINE * _I64 + w * (parts + 1) * _I64 + native_pool.LINE * _I64
     team += w * parts * group_size * (max(1, head_dim) + 1) * _F32 + w * (max(1, max_blocks) if split else 1) * 4
-    return fixed + team
+    doorbells = max(1, n_workers) * (native_pool.SEM_BYTES + _I64) + 4
+    return fixed + team + doorbells
 
 
 def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int]:
