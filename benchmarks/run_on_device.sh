@@ -3,15 +3,19 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead
-#   (default: the first four)
+#   steps: gpu_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead tpot_grid
+#   (default: the first four). Experiments need matplotlib: carry its wheels in .carry/wheels
+#   (the device has no index); tpot_grid runs the grid's first point and returns its run folder
+#   as tpot_grid.tgz (a run folder has more files than come back one by one).
 set -u
 commit=${1:?commit sha under test (the device copy has no .git)}
 shift
 steps=${*:-gpu_tests gpu_attention cpu_attention layer_attention}
 out=${OUT:?run this through the device tool, which sets OUT}
 export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
-{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; pip install -q --no-deps --no-build-isolation -e .; } \
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
+  if ls .carry/wheels/*.whl >/dev/null 2>&1; then pip install -q --no-deps .carry/wheels/*.whl; fi
+  pip install -q --no-deps --no-build-isolation -e .; } \
     >"$out/setup.log" 2>&1
 for step in $steps; do
     case $step in
@@ -21,6 +25,10 @@ for step in $steps; do
         layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-h100.json" ;;
         e2e_decode) timeout 590 python benchmarks/e2e_decode.py --out "$out/e2e_decode-h100.json" ;;
         predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --out-dir "$out" ;;
+        tpot_grid) work=$(mktemp -d)
+            timeout 590 python -m hybrid_runtime.cli run configs/tpot_grid.yaml --out "$work/tpot" \
+                --set 'experiment.points=[{batch: 4, context: 32768}]'
+            rc=$?; tar czf "$out/tpot_grid.tgz" -C "$work" .; (exit $rc) ;;
         *) echo "unknown step $step"; false ;;
     esac >"$out/$step.log" 2>&1
     echo "$step rc=$?"

@@ -80,7 +80,12 @@ def _run(args: argparse.Namespace) -> int:
         _error(exc)
         return EXIT_NO_MEMORY if isinstance(exc, AdmissionError) else EXIT_USAGE
     except Exception as exc:
-        run_folder.mark_unfinished(out, "FAILED", traceback.format_exc(), results)
+        details = traceback.format_exc()
+        if type(exc).__name__ == "OutOfMemoryError":  # torch's CUDA OOM: what held the memory
+            import torch
+
+            details += "\n" + torch.cuda.memory_summary()
+        run_folder.mark_unfinished(out, "FAILED", details, results)
         _error("run failed: " + "".join(traceback.format_exception_only(exc)).strip())
         _error(f"details in {out / 'FAILED'}")
         return EXIT_FAILED
