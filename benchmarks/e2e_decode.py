@@ -13,9 +13,12 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     offloaded           HF `cache_implementation="offloaded"` (KV on the host, layers prefetched)
     cpu_only            hybrid runtime, every task on the CPU workers ("w/o Fluxion"), fixed (blk 16, budget 0.05)
     fluxion             hybrid runtime, Fluxion placement, the same fixed selection
-    fluxion_predictor   hybrid runtime with the head-property predictor as head planner: the hook is
-                        `PREDICTOR_PLANNER`; while it is None the variant is recorded as skipped with
-                        reason "predictor not implemented" (never faked)
+    fluxion_predictor   hybrid runtime, Fluxion placement, the `predicted` selection: per step and layer
+                        the head-property predictor (the shipped SmolLM2 checkpoint; its features do not
+                        depend on the geometry) and the granularity-budget selector plan every head.
+                        Random weights make the plans meaningless for quality; the timing is what counts
+                        (predictor and selector cost, and the bytes its plans read). Recorded as skipped
+                        when the checkpoint is not in the tree.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -117,7 +120,15 @@ import transformers  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from benchmarks.layer_attention import GcWatch, best_limits, measure_limits  # noqa: E402
-from hybrid_runtime.config import Config, ConfigError, GeometryConfig, config_from_dict, parse_override  # noqa: E402
+from hybrid_runtime.config import (  # noqa: E402
+    Config,
+    ConfigError,
+    GeometryConfig,
+    SelectionConfig,
+    config_from_dict,
+    parse_override,
+    resolve_checkpoint,
+)
 # The model-building and timing pieces, shared with the `tpot` experiment of `hybrid-runtime run`.
 from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
     MODELS,
@@ -145,25 +156,21 @@ H100_BYTES = int(79.1 * 2**30)
 H100_HOST_BYTES = 120 * 2**30
 QUICK = {"models": ["llama-3.1-8b"], "points": [(4, 32768)], "variants": ["dense", "offloaded", "cpu_only", "fluxion"]}
 
-# The head-property predictor as a head planner: a factory `(model, cfg) -> planner` with the
-# signature `HybridRuntime(head_planner=...)` takes. None until the predictor exists: the
-# `fluxion_predictor` variant is then recorded as skipped, never run with a stand-in.
-PREDICTOR_PLANNER: Callable | None = None
-
-
 @dataclass(frozen=True)
 class Variant:
     name: str
     kind: str  # "hf": a transformers cache; "hybrid": the runtime through enable_hybrid_attention
     generate_kwargs: dict = field(default_factory=dict)
     placement: str | None = None  # scheduler placement of a hybrid variant
-    planner: str | None = None  # "predictor": the head planner comes from PREDICTOR_PLANNER
+    selection: str | None = None  # a hybrid variant's `selection.name` when not the config's (fixed)
     needs_cuda: bool = False
 
     def unavailable(self) -> str | None:
         """Why this variant cannot run in this build (recorded as the skip reason), or None."""
-        if self.planner == "predictor" and PREDICTOR_PLANNER is None:
-            return "predictor not implemented"
+        if self.selection == "predicted":
+            ckpt = SelectionConfig.checkpoint
+            if resolve_checkpoint(ckpt) is None:
+                return f"predictor checkpoint {ckpt} is not in this tree"
         return None
 
 
@@ -174,7 +181,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("offloaded", "hf", {"cache_implementation": "offloaded"}, needs_cuda=True),
     Variant("cpu_only", "hybrid", placement="cpu_only"),
     Variant("static", "hf"),
-    Variant("fluxion_predictor", "hybrid", placement="fluxion", planner="predictor"),
+    Variant("fluxion_predictor", "hybrid", placement="fluxion", selection="predicted"),
 )}
 
 
@@ -349,25 +356,15 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         cores_for_runtime,
         disable_hybrid_attention,
         enable_hybrid_attention,
-        model_geometry,
     )
 
     row: dict = {}
-    own = None
+    if variant.selection is not None:
+        merged = cfg.to_dict()
+        merged["selection"] = {**merged.get("selection", {}), "name": variant.selection}
+        cfg = config_from_dict(merged)
     t = time.perf_counter()
-    if variant.planner == "predictor":
-        from hybrid_runtime.runtime import HybridRuntime
-
-        geometry = model_geometry(model)
-        own = HybridRuntime(dataclasses.replace(cfg, geometry=geometry), geometry,
-                            head_planner=PREDICTOR_PLANNER(model, cfg))
-        try:
-            rt = enable_hybrid_attention(model, cfg, runtime=own)
-        except BaseException:
-            own.close()
-            raise
-    else:
-        rt = enable_hybrid_attention(model, cfg)
+    rt = enable_hybrid_attention(model, cfg)
     row["runtime_construction_s"] = time.perf_counter() - t
     try:
         store = rt.store
@@ -399,10 +396,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps") if k in st}
         return row
     finally:
-        disable_hybrid_attention(model)
-        if own is not None:
-            own.close()
-        del rt, own
+        disable_hybrid_attention(model)  # closes the runtime it made
+        del rt
 
 
 def measure_variant(model, variant: Variant, batch: int, context: int, *, new_tokens: int = NEW_TOKENS,

@@ -128,8 +128,10 @@ def test_floor_replaces_attention_with_a_no_op(model, monkeypatch):
 # ---------------------------------------------------------------------------- records that are not measurements
 def test_skips_and_out_of_memory_are_recorded_never_dropped(model, monkeypatch):
     kw = dict(new_tokens=NEW, warmup_tokens=0, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    monkeypatch.setattr(e2e.SelectionConfig, "checkpoint", "predictor/checkpoints/missing.pt")
     pred = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_predictor"], BATCH, CONTEXT, **kw)
-    assert pred["status"] == "skipped" and pred["reason"] == "predictor not implemented"
+    assert pred["status"] == "skipped" and "missing.pt is not in this tree" in pred["reason"]
+    monkeypatch.undo()
     off = e2e.run_unit(model, "tiny", e2e.VARIANTS["offloaded"], BATCH, CONTEXT, **kw)
     assert off["status"] == "skipped" and "CUDA" in off["reason"]
     # Estimated: the lower bound (weights + KV + one MLP's prefill activations) exceeds the device.
@@ -287,7 +289,7 @@ def test_schedule_keeps_to_the_budget_and_records_why_units_do_not_run():
     plan = e2e.schedule(["llama-3.1-8b"], e2e.POINTS, list(e2e.VARIANTS), 24, 20.0, budget_s=540.0)
     state = {(u["batch"], u["context"], u["variant"]): u["state"] for u in plan}
     assert state[(4, 131072, "dense")] == state[(4, 131072, "static")] == "out of memory (estimate)"
-    assert state[(4, 32768, "fluxion_predictor")] == "predictor not implemented"
+    assert state[(4, 32768, "fluxion_predictor")] in ("run", "time budget")
     assert state[(4, 32768, "dense")] == "run" and "time budget" in state.values()
     ran = [u for u in plan if u["state"] == "run"]
     assert ran[-1]["end_s"] <= 540.0 and ran[-1]["end_s"] == pytest.approx(sum(u["predicted_s"] for u in ran))
@@ -344,7 +346,9 @@ def test_run_writes_every_unit_and_the_floor(tmp_path, monkeypatch, capsys):
     r = json.loads(out.read_text())
     assert r["complete"]
     assert [p["variant"] for p in r["points"]] == ["dense", "cpu_only", "offloaded", "fluxion_predictor"]
-    assert [p["status"] for p in r["points"]] == ["ok", "ok", "skipped", "skipped"]
+    assert [p["status"] for p in r["points"]] == ["ok", "ok", "skipped", "ok"]
+    pred = r["points"][3]
+    assert pred["runtime_stats"]["placement"] == "fluxion" and pred["tpot_ms_median"] > 0
     floor = r["floors"][0]
     assert floor["model"] == "tiny" and floor["batch"] == BATCH and floor["noattn_step_ms"] > 0
     assert r["config"]["runtime_overrides"]["scheduler"] == {"gpu_worker": False, "pin_cores": False}
@@ -358,11 +362,11 @@ def test_run_writes_every_unit_and_the_floor(tmp_path, monkeypatch, capsys):
     e2e.run(args, device="cpu")
     r = json.loads(out.read_text())
     assert [(p["status"], p["reason"].split(":")[0]) for p in r["points"]] == [
-        ("skipped", "time budget"), ("skipped", "predictor not implemented")]
+        ("skipped", "time budget"), ("skipped", "time budget")]
     assert r["metrics"] == {}
 
 
 def test_plan_needs_no_gpu(capsys):
     assert e2e.run(e2e.parse_args(["--plan"])) is None
     text = capsys.readouterr().out
-    assert "out of memory (estimate)" in text and "predictor not implemented" in text and "budget 540 s" in text
+    assert "out of memory (estimate)" in text and "fluxion_predictor" in text and "budget 540 s" in text
