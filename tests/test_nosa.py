@@ -266,3 +266,36 @@ def test_nosa_without_a_gpu_lane_is_refused_by_the_runtime(tmp_path):
                             "kv_cache": {"sink": 16, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 4096}})
     with pytest.raises(ConfigError, match="needs a GPU lane"):
         HybridRuntime(cfg)
+
+
+# ---------------------------------------------------------------------------- experiment and benchmark
+def test_nosa_quality_policies_share_k_and_refuse_a_fraction_off_the_block_grid():
+    from hybrid_runtime.experiments.nosa_quality import NosaQualitySettings, runtime_config
+
+    st = NosaQualitySettings()
+    policies = st.policies()
+    assert list(policies) == ["nosa_kq0125", "nosa_kq025", "nosa_kq05", "nosa_decayed_kq025", "query_aware"]
+    caps = {p: runtime_config(st, n).nosa.cache_blocks(runtime_config(st, n).kv_cache) for p, n in policies.items()}
+    assert set(caps.values()) == {10}  # the same cache capacity for every selector
+    assert [runtime_config(st, policies[p]).nosa.query_aware_blocks(runtime_config(st, policies[p]).kv_cache)
+            for p in ("nosa_kq0125", "nosa_kq025", "nosa_kq05", "query_aware")] == [2, 4, 8, 10]
+    with pytest.raises(ValueError, match="k_q / k = 0.3 is not a whole number"):
+        NosaQualitySettings(kq_fractions=(0.3,))
+
+
+def test_device_benchmark_smoke_runs_on_the_host(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "nosa.json"
+    env = {**__import__("os").environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(root / "benchmarks" / "nosa.py"), "--smoke", "--out", str(out)], check=True,
+                   env=env, capture_output=True, timeout=300)
+    record = json.loads(out.read_text())
+    m = record["metrics"]
+    assert {"miss_ratio_vs_query_aware_kq025", "misses_per_step_query_aware_2x2k"} <= set(m)
+    assert 0 < m["miss_ratio_vs_query_aware_kq025"] < 1
+    assert all(p["locality_min"] >= p["locality_bound"] for p in record["points"])

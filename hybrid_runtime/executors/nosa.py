@@ -61,6 +61,7 @@ class NosaPlan:
     chunks: torch.Tensor  # [T, n] arena chunk ids in position order (padded with the side arenas' spare row)
     sub_valid: torch.Tensor  # [T, n * sub-blocks per chunk] sub-blocks that hold a token
     block_valid: torch.Tensor  # [T, n * blocks per chunk] blocks that hold a token
+    host_ids: np.ndarray  # [T, 3] slot, KV head, CPU length on the host (the selection log's columns)
 
 
 @dataclass
@@ -255,7 +256,8 @@ class NosaExecutor:
         sub_pos = (base + self._sub_start).reshape(-1)
         block_pos = (base + self._block_start).reshape(-1)
         return NosaPlan(t, r[:, 0], r[:, 1], cpu_len, torch.from_numpy(slots).to(dev), ch,
-                        sub_pos[None, :] < cpu_len[:, None], block_pos[None, :] < cpu_len[:, None])
+                        sub_pos[None, :] < cpu_len[:, None], block_pos[None, :] < cpu_len[:, None],
+                        np.stack([slots, rows[:, 1], rows[:, 2]], 1))
 
     # ------------------------------------------------------------------ run
     def launch(self, plan: NosaPlan, start: int, stop: int, step: Step) -> NosaLaunch:
@@ -309,10 +311,8 @@ class NosaExecutor:
         self.bytes_read += int(counts[:, 3].sum()) * self.block_bytes
         self.misses += int(counts[:, 3].sum())
         if self.selection_log is not None:
-            p, r = launch.plan, launch.rows
-            ids = np.stack([np.full(counts.shape[0], launch.layer), p.slot[r].cpu().numpy(), p.head[r].cpu().numpy(),
-                            p.cpu_len[r].cpu().numpy()], 1)
-            self.selection_log.append(np.concatenate([ids, counts], 1))
+            layer = np.full((counts.shape[0], 1), launch.layer)
+            self.selection_log.append(np.concatenate([layer, launch.plan.host_ids[launch.rows], counts], 1))
         if self.selection_blocks is not None and launch.selected is not None:
             self.selection_blocks.append(launch.selected.cpu().numpy())
 
