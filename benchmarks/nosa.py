@@ -147,7 +147,7 @@ def run_selector(name: str, args, geo: GeometryConfig, batch: int, context: int,
             "attention_ms_median": float(np.median(att)), "attention_ms_mean": float(att.mean()),
             "attention_ms_p90": float(np.percentile(att, 90)),
             "locality_min": loc["min"], "locality_bound": loc["bound"], "prefill_s": prefill_s,
-            "gather": ex.gather,
+            "kernels": ex.kernels,
         }
     print(f"  {name:12s} misses/step {row['misses_per_step']:8.1f} ({row['miss_fraction']:.3f} of selected), "
           f"{row['link_MB_per_layer_step']:.2f} MB/layer-step, attention {row['attention_ms_median']:.3f} ms median "

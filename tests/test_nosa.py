@@ -193,16 +193,43 @@ def test_release_empties_a_slots_cache(tmp_path):
         decode_steps(rt, 3, lengths=(500,), seed=9, check_dense=True)
 
 
-def test_triton_gather_matches_the_torch_gather(tmp_path):
-    outs = {}
-    for gather in ("torch", "triton"):
+def test_triton_kernels_match_the_torch_path(tmp_path):
+    """The Triton gather of misses and attention over the cache slots (interpreted on the host)."""
+    outs, caches = {}, {}
+    for kernels in ("torch", "triton"):
         cfg = nosa_config(tmp_path, k_tokens=128, score="decayed_attention", dtype="bf16")
-        with HybridRuntime(cfg, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, gather=gather)) as rt:
+        with HybridRuntime(cfg, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, kernels=kernels)) as rt:
             ex = rt.gpu_executor
-            decode_steps(rt, 3, lengths=(200, 330))
-            outs[gather] = [c.clone() for c in ex.cache.k + ex.cache.v + ex.cache.block]
-    for a, b in zip(outs["torch"], outs["triton"]):
+            got = []
+            decode_steps(rt, 3, lengths=(200, 330),
+                         after_step=lambda step, layer, seq_ids: got.append(rt.timeline.records[-1].bytes_read.copy()))
+            caches[kernels] = [c.clone() for c in ex.cache.k + ex.cache.v + ex.cache.block]
+            outs[kernels] = (got, ex.misses)
+    for a, b in zip(caches["torch"], caches["triton"]):
         assert torch.equal(a, b)
+    assert outs["torch"][1] == outs["triton"][1] > 0
+
+
+def test_cache_attention_kernel_matches_attend_blocks():
+    from gpu_kernels.cache_attention import cache_attention
+    from hybrid_runtime.executors.nosa import attend_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    s, hkv, c, nb, d, g, b = 3, 2, 4, 16, 32, 4, 2
+    k = torch.randn(s, hkv, c, nb, d, generator=gen)
+    v = torch.randn(s, hkv, c, nb, d, generator=gen)
+    blocks = torch.tensor([[[0, 3, -1, 1], [2, -1, -1, -1]], [[5, 4, 0, 1], [-1, -1, -1, -1]],
+                           [[1, 0, 2, 3], [0, 1, 2, 3]]])
+    slots, heads, batch = torch.tensor([0, 0, 2, 1]), torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1, 1])
+    cpu_len = torch.tensor([60, 40, 50, 70])
+    q = torch.randn(b, hkv * g, d, generator=gen)
+    out, lse = torch.zeros(b, hkv * g, d), torch.full((b, hkv * g), float("-inf"))
+    cache_attention(q, k, v, blocks, slots, heads, batch, cpu_len, out, lse)
+    want_o, want_l = attend_blocks(q.view(b, hkv, g, d)[batch, heads], k[slots, heads], v[slots, heads],
+                                   blocks[slots, heads], cpu_len, nb)
+    torch.testing.assert_close(out.view(b, hkv, g, d)[batch, heads], want_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.view(b, hkv, g)[batch, heads], want_l, atol=1e-4, rtol=1e-4)
+    assert torch.isinf(lse.view(b, hkv, g)[1, 1]).all() and (out.view(b, hkv, g, d)[1, 1] == 0).all()  # no block
 
 
 def test_eviction_head_checkpoint_round_trip_and_geometry_check(tmp_path):

@@ -15,8 +15,9 @@ Per decode step and layer, one task per (sequence, KV head), all G query heads o
 2. **Cache**: the block cache of the (sequence, layer, KV head) keeps last step's selection;
    missing blocks replace unselected ones by set difference on the device and only they are read
    from the pinned arena (`hybrid_runtime.block_cache`; on CUDA through the arena's UVA view).
-3. **Attend** over the cache's blocks (tokens past the CPU length masked) and write `out, lse` of
-   the group's heads into the step; the runtime merges them with the window's as for any lane.
+3. **Attend** over the cache's blocks (tokens past the CPU length masked; on CUDA reading the cache
+   in place, `gpu_kernels.cache_attention`) and write `out, lse` of the group's heads into the
+   step; the runtime merges them with the window's as for any lane.
 
 Per-block state that must be on the GPU before a step -- the pooled sub-block keys of every
 CPU-resident block (what the query-aware score reads, 1/stride of the keys) and the importance --
@@ -97,8 +98,10 @@ class NosaExecutor:
     """GPU-lane executor (`GpuLaunchExecutor`) of the NOSA selection over a `KVStore` (module docstring).
 
     `eviction_heads` (a `predictor.eviction_head.EvictionHeads`) overrides `cfg.checkpoint`: the
-    device benchmark gives seeded random heads for a geometry without a trained one. `gather`:
-    "torch" or "triton" (default: triton on CUDA, where it avoids the torch path's host sync).
+    device benchmark gives seeded random heads for a geometry without a trained one. `kernels`:
+    "torch" (the gather of misses and the attention in torch; the gather waits for the device once
+    to size itself) or "triton" (`gpu_kernels.block_gather` and `gpu_kernels.cache_attention`: no
+    host sync, and the cache is read in place); default triton on CUDA, torch on the host.
     Set `selection_log = []` to record one row per task and step (`LOG_COLUMNS`, plus the selected
     blocks in `selection_blocks`); otherwise only totals are kept.
     """
@@ -107,14 +110,14 @@ class NosaExecutor:
     stream = None  # work is queued on the caller's stream, after the step's q
     link_bytes_per_s = None
 
-    def __init__(self, store: Any, cfg: NosaConfig, eviction_heads: Any | None = None, gather: str | None = None):
+    def __init__(self, store: Any, cfg: NosaConfig, eviction_heads: Any | None = None, kernels: str | None = None):
         self.store, self.cfg = store, cfg
         kv = store.cfg
         self.cuda = torch.cuda.is_available()
         self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
-        self.gather = gather or ("triton" if self.cuda else "torch")
-        if self.gather not in ("torch", "triton"):
-            raise ValueError(f"gather {self.gather!r}; allowed: torch, triton")
+        self.kernels = kernels or ("triton" if self.cuda else "torch")
+        if self.kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels {self.kernels!r}; allowed: torch, triton")
         g = store.geometry
         self.group_size, self.head_dim, self.kv_heads = g.group_size, g.head_dim, g.kv_heads
         self.n_b = n_b = cfg.block_tokens
@@ -298,11 +301,17 @@ class NosaExecutor:
             s_e = torch.zeros_like(s_q)
         selected, qa = select_blocks(s_q, s_e, block_valid, self.k_q, self.capacity)
         arena = self.store.arena_cuda(layer) if self.cuda else self.store.arena(layer)
-        upd = self.cache.update(layer, slot, h, n, selected, ch, arena, self.gather)
-        blocks, kc, vc = self.cache.contents(layer, slot, h)
-        out, lse = attend_blocks(q, kc, vc, blocks, n, self.n_b)
-        step.out.view(step.out.shape[0], self.kv_heads, g, d)[b, h] = out.to(step.out.dtype)
-        step.lse.view(step.lse.shape[0], self.kv_heads, g)[b, h] = lse.to(step.lse.dtype)
+        upd = self.cache.update(layer, slot, h, n, selected, ch, arena, self.kernels)
+        if self.kernels == "triton":
+            from gpu_kernels.cache_attention import cache_attention
+
+            c = self.cache
+            cache_attention(step.q, c.k[layer], c.v[layer], c.block[layer], slot, h, b, n, step.out, step.lse)
+        else:
+            blocks, kc, vc = self.cache.contents(layer, slot, h)
+            out, lse = attend_blocks(q, kc, vc, blocks, n, self.n_b)
+            step.out.view(step.out.shape[0], self.kv_heads, g, d)[b, h] = out.to(step.out.dtype)
+            step.lse.view(step.lse.shape[0], self.kv_heads, g)[b, h] = lse.to(step.lse.dtype)
         counters = torch.stack([(selected >= 0).sum(1), qa.sum(1), upd.hits, upd.misses, upd.changed,
                                 upd.cold.long()], 1)
         return counters, (selected if self.selection_blocks is not None else None)
