@@ -15,7 +15,8 @@ import triton.language as tl
 from cpu_kernels import layout
 
 
-@triton.jit
+# Step-to-step values (chunk columns grow with the context) must not pick a compiled variant.
+@triton.jit(do_not_specialize=["n_chunk_cols", "kv_heads", "capacity"])
 def gather_blocks_kernel(arena_ptr, chunks_ptr, selected_ptr, target_ptr, miss_ptr, slots_ptr, heads_ptr,
                          k_ptr, v_ptr, n_chunk_cols, kv_heads, capacity,
                          NB: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,

@@ -210,6 +210,7 @@ class HybridRuntime:
                 from hybrid_runtime.executors.nosa import NosaExecutor
 
                 gpu_executor = NosaExecutor(store, cfg.nosa)
+                gpu_executor.warm_up()  # its Triton kernels compile now, not in the first decode step
             elif torch.cuda.is_available():
                 from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 

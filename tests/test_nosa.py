@@ -326,3 +326,13 @@ def test_device_benchmark_smoke_runs_on_the_host(tmp_path):
     assert {"miss_ratio_vs_query_aware_kq025", "misses_per_step_query_aware_2x2k"} <= set(m)
     assert 0 < m["miss_ratio_vs_query_aware_kq025"] < 1
     assert all(p["locality_min"] >= p["locality_bound"] for p in record["points"])
+
+
+def test_warm_up_runs_both_triton_kernels_and_changes_nothing(tmp_path):
+    cfg = nosa_config(tmp_path, k_tokens=128, score="decayed_attention", dtype="bf16")
+    with HybridRuntime(cfg, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, kernels="triton")) as rt:
+        ex = rt.gpu_executor
+        ex.warm_up()
+        assert all((b == -1).all() for b in ex.cache.block) and all((k == 0).all() for k in ex.cache.k)
+        decode_steps(rt, 2, lengths=(200,))
+        assert ex.misses > 0

@@ -325,6 +325,28 @@ class NosaExecutor:
         if self.selection_blocks is not None and launch.selected is not None:
             self.selection_blocks.append(launch.selected.cpu().numpy())
 
+    def warm_up(self) -> None:
+        """Compile the Triton kernels now, not in the first decode step: one gather that moves
+        nothing and one attention over an empty cache entry, into scratch buffers."""
+        if self.kernels != "triton":
+            return
+        from gpu_kernels.block_gather import gather_blocks
+        from gpu_kernels.cache_attention import cache_attention
+
+        dev, c = self.dev, self.capacity
+        one = torch.zeros(1, dtype=torch.int64, device=dev)
+        none = torch.full((1, c), -1, dtype=torch.int64, device=dev)
+        spare = self.cache.k[0].new_zeros((1, self.kv_heads, c, self.n_b, self.head_dim))
+        gather_blocks(self.store.arena_cuda(0) if self.cuda else self.store.arena(0), one.view(1, 1), none, none,
+                      none.new_zeros((1, c), dtype=torch.bool), one, one, spare, spare.clone(), self.n_b)
+        hq = self.kv_heads * self.group_size
+        q = torch.zeros((1, hq, self.head_dim), dtype=torch.float32, device=dev)
+        lse = torch.zeros((1, hq), dtype=torch.float32, device=dev)
+        blocks = torch.full((1, self.kv_heads, c), -1, dtype=torch.int64, device=dev)
+        cache_attention(q, spare, spare, blocks, one, one, one, one, q.clone(), lse)
+        if self.cuda:
+            torch.cuda.synchronize()
+
     def run(self, tasks: Sequence[Task], step: Step) -> None:
         """Run `tasks` (of `step.layer`) and wait; sets each task's `bytes_read` (its misses' K and V)."""
         if not tasks:
