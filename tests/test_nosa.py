@@ -336,3 +336,17 @@ def test_warm_up_runs_both_triton_kernels_and_changes_nothing(tmp_path):
         assert all((b == -1).all() for b in ex.cache.block) and all((k == 0).all() for k in ex.cache.k)
         decode_steps(rt, 2, lengths=(200,))
         assert ex.misses > 0
+
+
+@pytest.mark.parametrize("score", ["eviction_head", "decayed_attention"])
+def test_memory_plan_counts_the_nosa_state(tmp_path, score):
+    from hybrid_runtime.memory_plan import estimate_runtime
+
+    cfg = nosa_config(tmp_path, k_tokens=256, score=score, dtype="bf16")
+    plan = {p.name: p for p in estimate_runtime(cfg, cuda=False).parts}
+    assert "nosa_state" in plan and "nosa_step" in plan and "torch_lane_task" not in plan
+    with HybridRuntime(cfg) as rt:
+        ex = rt.gpu_executor
+        side = ex.importance if ex.importance is not None else ex.attention
+        held = sum(t.numel() * t.element_size() for t in ex.sub_keys + side) + ex.cache.nbytes
+    assert held <= plan["nosa_state"].nbytes <= 1.1 * held
