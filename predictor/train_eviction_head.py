@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from predictor.eviction_head import EvictionHeads, save_eviction_heads

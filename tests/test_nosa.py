@@ -350,3 +350,34 @@ def test_memory_plan_counts_the_nosa_state(tmp_path, score):
         side = ex.importance if ex.importance is not None else ex.attention
         held = sum(t.numel() * t.element_size() for t in ex.sub_keys + side) + ex.cache.nbytes
     assert held <= plan["nosa_state"].nbytes <= 1.1 * held
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector", ["nosa", "query_aware"])
+def test_cuda_path_matches_the_torch_path_and_dense(tmp_path, selector):
+    """On CUDA (UVA gather and in-place attention in Triton): the same selections, cache and bytes as
+    the torch kernels, and dense attention when the cache covers every block."""
+    extra = {"selector": "query_aware"} if selector == "query_aware" else {"score": "eviction_head"}
+    results = {}
+    for kernels in ("torch", "triton"):
+        cfg = nosa_config(tmp_path, k_tokens=68 * 16, dtype="bf16", **extra)
+        with HybridRuntime(cfg, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, kernels=kernels)) as rt:
+            ex = rt.gpu_executor
+            ex.warm_up()
+            outs = []
+            gen = torch.Generator().manual_seed(0)
+            for s, n in enumerate((300, 1000)):
+                for layer in range(GEOM["layers"]):
+                    rt.prefill(s, layer, torch.randn(n, 2, 32, generator=gen).cuda(), torch.randn(n, 2, 32, generator=gen).cuda())
+            for _ in range(18):  # a spill at step 16
+                for layer in range(GEOM["layers"]):
+                    q = torch.randn(2, 8, 32, generator=gen).cuda()
+                    out = rt.decode(layer, [0, 1], q, torch.randn(2, 2, 32, generator=gen).cuda(),
+                                    torch.randn(2, 2, 32, generator=gen).cuda())
+                    ref = torch.stack([dense_attention(q[b].cpu(), *rt.store.full_kv(s, layer))[0] for b, s in enumerate([0, 1])])
+                    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+                    outs.append(out.float().cpu())
+            results[kernels] = (torch.stack(outs), ex.misses, [b.cpu() for b in ex.cache.block])
+    assert results["torch"][1] == results["triton"][1] > 0
+    assert all(torch.equal(a, b) for a, b in zip(results["torch"][2], results["triton"][2]))
+    torch.testing.assert_close(results["torch"][0], results["triton"][0], atol=2e-2, rtol=2e-2)
