@@ -107,7 +107,8 @@ class SelectionConfig:
     """Which blocks each head reads: from config (fixed, full, streaming) or per step by the
     head-property predictor and the granularity selector (predicted)."""
 
-    name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming", "predicted"))
+    # nosa: the NOSA executor picks each KV head's blocks itself (the `nosa` section).
+    name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming", "predicted", "nosa"))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
     budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
     # layer -> query heads treated as streaming (GPU window only, no CPU task).
@@ -121,6 +122,71 @@ class SelectionConfig:
     streaming_threshold: float = field(default=0.5, metadata=_check(_open_unit_interval))
     # predicted: false gives every head its predicted budget (the ablation without streaming heads).
     skip_streaming: bool = True
+
+
+NOSA_SELECTORS = ("nosa", "query_aware")
+NOSA_SCORES = ("eviction_head", "decayed_attention")
+# Keys of the `nosa` section that only one selector or score source reads.
+NOSA_KEYS_OF = {
+    "k_q_tokens": ("selector", "nosa"),
+    "score": ("selector", "nosa"),
+    "checkpoint": ("score", "eviction_head"),
+    "decay": ("score", "decayed_attention"),
+}
+
+
+@dataclass(frozen=True)
+class NosaConfig:
+    """NOSA's locality-bounded block selection (`selection.name: nosa`; executors/nosa.py).
+
+    Per step each KV head selects `k_tokens` in blocks of `block_tokens`: NOSA's sink and sliding
+    window are the runtime's GPU window (`kv_cache.sink` and the recent `local + generated_cap`
+    tokens, counted as whole blocks, as query-agnostic picks); the rest are CPU-resident blocks
+    held in a GPU block cache, `k_q_tokens` of them query-aware (pooled q.K, Eq. 5-6) and the
+    others by the importance score `score` (Eq. 7). `query_aware` is the InfLLMv2-style baseline:
+    every CPU block by pooled q.K.
+    """
+
+    selector: str = field(default="nosa", metadata=_choices(*NOSA_SELECTORS))
+    k_tokens: int = field(default=4096, metadata=_range(1, None))
+    k_q_tokens: int = field(default=1024, metadata=_range(0, None))
+    block_tokens: int = field(default=64, metadata=_choices(*BLOCK_SIZES))
+    # Mean pooling of keys over sub-blocks of `pool_kernel_tokens` every `pool_stride_tokens`
+    # within a block (Eq. 5), then the max over a block's sub-blocks (Eq. 6).
+    pool_kernel_tokens: int = field(default=32, metadata=_range(1, None))
+    pool_stride_tokens: int = field(default=16, metadata=_range(1, None))
+    # eviction_head: a learned per-token score of its value vector, fixed once the token exists
+    # (the locality bound holds); decayed_attention: each block's pooled attention, accumulated
+    # with `decay` per step (training-free; it changes every step, so the bound does not hold).
+    score: str = field(default="eviction_head", metadata=_choices(*NOSA_SCORES))
+    # eviction_head: the checkpoint (python -m predictor.train_eviction_head); a relative path is
+    # looked up from the working directory, then from the repository root.
+    checkpoint: str = "predictor/checkpoints/smollm2_eviction.pt"
+    decay: float = field(default=0.9, metadata=_check(_open_unit_interval))
+
+    def _validate(self, path: str) -> None:
+        n_b, kernel, stride = self.block_tokens, self.pool_kernel_tokens, self.pool_stride_tokens
+        for key in ("k_tokens", "k_q_tokens"):
+            if getattr(self, key) % n_b:
+                raise ConfigError(f"{path}.{key}: {getattr(self, key)} is not a whole number of blocks; allowed: a "
+                                  f"multiple of {path}.block_tokens={n_b}")
+        if not stride <= kernel <= n_b or n_b % stride or (n_b - kernel) % stride:
+            raise ConfigError(f"{path}.pool_kernel_tokens={kernel}, pool_stride_tokens={stride}: sub-blocks must tile "
+                              f"a block of {n_b} tokens; allowed: stride <= kernel <= {n_b}, with {n_b} and "
+                              f"{n_b} - kernel multiples of the stride")
+
+    def fixed_blocks(self, kv: "KVCacheConfig") -> int:
+        """Blocks of `k` that are NOSA's sink and sliding window: the runtime's GPU window at its largest."""
+        n_b = self.block_tokens
+        return -(-kv.sink // n_b) + -(-(kv.local + kv.generated_cap) // n_b)
+
+    def cache_blocks(self, kv: "KVCacheConfig") -> int:
+        """CPU-resident blocks selected per step and KV head: the block cache's capacity."""
+        return self.k_tokens // self.block_tokens - self.fixed_blocks(kv)
+
+    def query_aware_blocks(self, kv: "KVCacheConfig") -> int:
+        """Of the cache's blocks, those chosen by pooled q.K (all of them for `query_aware`)."""
+        return self.cache_blocks(kv) if self.selector == "query_aware" else self.k_q_tokens // self.block_tokens
 
 
 def _check_gpu_worker(value: bool | str) -> str | None:
@@ -275,6 +341,8 @@ class Config:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    # Set (defaults filled in) exactly when selection.name is nosa.
+    nosa: NosaConfig | None = None
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
@@ -455,6 +523,8 @@ def config_from_dict(data: Mapping | None) -> Config:
     cfg = _build(Config, data, "") if data else Config()
     if geometry is not None:
         cfg = dataclasses.replace(cfg, geometry=geometry)
+    if cfg.selection.name == "nosa" and cfg.nosa is None:
+        cfg = dataclasses.replace(cfg, nosa=NosaConfig())
     _validate_cross(cfg)
     return cfg
 
@@ -522,8 +592,30 @@ def _validate_experiment(cfg: Config) -> None:
                           "allowed: 0 (or kind: tpot)")
 
 
+def _check_nosa_keys(data: Mapping) -> None:
+    """The `nosa` section is read only by the NOSA selection, and some of its keys only by one
+    selector or score source: set elsewhere (to other than their default) they would do nothing."""
+    nosa = data.get("nosa")
+    if nosa is None:
+        return
+    sel = data.get("selection") if isinstance(data.get("selection"), Mapping) else {}
+    if sel.get("name") != "nosa":
+        raise ConfigError(f"nosa: read only with selection.name 'nosa' (selection.name is {sel.get('name', 'fixed')!r}); "
+                          "allowed: remove the section, or set selection.name: nosa")
+    if not isinstance(nosa, Mapping):
+        return  # _build names the type error
+    defaults = NosaConfig()
+    for key, (dep, wanted) in NOSA_KEYS_OF.items():
+        if key in nosa and nosa[key] != getattr(defaults, key):
+            has = nosa.get(dep, getattr(defaults, dep))
+            if has != wanted:
+                raise ConfigError(f"nosa.{key}: only read with nosa.{dep} {wanted!r} (nosa.{dep} is {has!r}); "
+                                  f"allowed: remove it, or set nosa.{dep}: {wanted}")
+
+
 def _check_unused_keys(data: Mapping) -> None:
     """Keys the experiment would not read: refused rather than silently ignored."""
+    _check_nosa_keys(data)
     ex = data.get("experiment") if isinstance(data.get("experiment"), Mapping) else {}
     wl = data.get("workload") if isinstance(data.get("workload"), Mapping) else {}
     if ex.get("points"):
@@ -550,9 +642,48 @@ def _merge_variant_selections(data: dict) -> dict:
     return {**data, "experiment": {**ex, "variants": variants}}
 
 
+def _validate_nosa(cfg: Config) -> None:
+    """The NOSA selection: its executor serves the GPU lane alone, and `k` must leave CPU blocks."""
+    nosa, kv, sc = cfg.nosa, cfg.kv_cache, cfg.scheduler
+    if sc.placement != "gpu_only":
+        raise ConfigError(f"scheduler.placement: {sc.placement!r} with selection.name 'nosa'; allowed: 'gpu_only' (the "
+                          "NOSA executor keeps each KV head's selected blocks in its GPU block cache, so every task runs "
+                          "on the GPU lane)")
+    if sc.gpu_worker is False:
+        raise ConfigError("scheduler.gpu_worker: false with selection.name 'nosa'; allowed: true or 'auto' (the NOSA "
+                          "executor is the GPU lane's)")
+    if cfg.selection.streaming_heads:
+        raise ConfigError("selection.streaming_heads: not read by the NOSA selection (it selects per KV head for all of "
+                          "its query heads); allowed: remove it")
+    fixed, cache = nosa.fixed_blocks(kv), nosa.cache_blocks(kv)
+    n_b = nosa.block_tokens
+    if cache < 1:
+        raise ConfigError(f"nosa.k_tokens: {nosa.k_tokens} tokens = {nosa.k_tokens // n_b} blocks of {n_b}, of which "
+                          f"{fixed} are the sink and window (kv_cache.sink={kv.sink}, kv_cache.local + generated_cap="
+                          f"{kv.local + kv.generated_cap} tokens); allowed: at least {(fixed + 1) * n_b} tokens")
+    if nosa.selector == "nosa" and nosa.k_q_tokens // n_b > cache:
+        raise ConfigError(f"nosa.k_q_tokens: {nosa.k_q_tokens} tokens = {nosa.k_q_tokens // n_b} blocks, more than the "
+                          f"{cache} CPU-resident blocks that k_tokens={nosa.k_tokens} leaves beside the {fixed} sink and "
+                          f"window blocks; allowed: 0 .. {cache * n_b}")
+    if nosa.selector == "nosa" and nosa.score == "eviction_head" and resolve_checkpoint(nosa.checkpoint) is None:
+        raise ConfigError(f"nosa.checkpoint: {nosa.checkpoint!r} is not a file (looked up from the working directory and "
+                          "the repository root); allowed: an eviction-head checkpoint written by "
+                          "python -m predictor.train_eviction_head")
+    for i, v in enumerate(cfg.experiment.variants):
+        if v.placement not in (None, "gpu_only") or (v.selection is not None and v.selection != cfg.selection):
+            raise ConfigError(f"experiment.variants[{i}]: the NOSA executor serves the whole runtime; allowed: variants "
+                              "that keep the top-level selection and placement gpu_only")
+
+
 def _validate_cross(cfg: Config) -> None:
     kv = cfg.kv_cache
     _validate_selection(cfg.selection, kv, cfg.geometry, "selection")
+    if cfg.nosa is not None:
+        _validate_nosa(cfg)
+    for i, v in enumerate(cfg.experiment.variants):
+        if v.selection is not None and v.selection.name == "nosa" and cfg.selection.name != "nosa":
+            raise ConfigError(f"experiment.variants[{i}].selection.name: 'nosa' selects the GPU lane's executor for the "
+                              "whole runtime; allowed: make it the top-level selection (selection.name: nosa)")
     if kv.local % PAGE_SIZE or kv.generated_cap % PAGE_SIZE:
         raise ConfigError(
             f"kv_cache: local={kv.local} and generated_cap={kv.generated_cap} must be "
@@ -622,6 +753,9 @@ __all__ = [
     "GeometryConfig",
     "KVCacheConfig",
     "MOVED_KEYS",
+    "NOSA_SCORES",
+    "NOSA_SELECTORS",
+    "NosaConfig",
     "PLACEMENT_NAMES",
     "PointConfig",
     "ProfilingConfig",

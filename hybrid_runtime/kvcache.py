@@ -688,6 +688,10 @@ class KVStore:
     # Called as `spill_listener(slot, layer, k, v)` with the window rows `[Hkv, n, D]` a spill is about
     # to move into the CPU segment (the predicted policy folds them into its cached statistics).
     spill_listener: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None
+    # Called as `chunk_listener(layer, chunk_ids, k, v, held)` whenever CPU chunks are written (prefill,
+    # spill): `chunk_ids [Hkv, m]` in position order, `k, v [Hkv, T, D]` their tokens from the first
+    # chunk's start, the first `held` of which were there before (the NOSA executor's block state).
+    chunk_listener: Callable[[int, np.ndarray, torch.Tensor, torch.Tensor, int], None] | None = None
 
     def _spill(self, seq_id: int, layer: int, st: _SeqLayer, n: int) -> None:
         """Move the oldest `n` recent tokens (whole pages) to the end of the CPU segment."""
@@ -725,6 +729,8 @@ class KVStore:
             prev = self._arenas[layer][torch.from_numpy(st.chunk_table[:, first]).long()].to(k.device)
             k = torch.cat([prev[:, layout.K_ROW : layout.K_ROW + held], k], 1)
             v = torch.cat([prev[:, layout.V_ROW : layout.V_ROW + held], v], 1)
+        if self.chunk_listener is not None:
+            self.chunk_listener(layer, st.chunk_table[:, first : st.n_chunks], k, v, held)
         self._store_chunks(layer, touched, k, v, wait=wait)
         st.cpu_len = new_len
         self._cpu_tokens[layer] += n

@@ -258,6 +258,29 @@ def gpu_lane_bytes(kv: KVCacheConfig, geometry: GeometryConfig) -> tuple[int, in
     return device, pinned, how
 
 
+def nosa_bytes(cfg: Config, geometry: GeometryConfig) -> tuple[int, int, str]:
+    """(resident, one decode step's temporaries, how) of the NOSA executor (`executors.nosa`):
+    per layer, the side arenas indexed by chunk id (pooled sub-block keys in the store dtype, the
+    importance in fp32) and the block caches of every (slot, KV head); per step, the gathered
+    sub-block keys and their scores for every chunk of the step's tasks and, on the torch path,
+    the gathered cache contents and their scores (the larger of the two bounds the Triton path)."""
+    kv, nosa = cfg.kv_cache, cfg.nosa
+    n_b, d, g, hkv = nosa.block_tokens, geometry.head_dim, geometry.group_size, geometry.kv_heads
+    es = _ESIZE[kv.dtype]
+    spc = layout.CHUNK_TOKENS // n_b * ((n_b - nosa.pool_kernel_tokens) // nosa.pool_stride_tokens + 1)
+    n_chunks, _ = arena_bytes(kv, geometry)
+    rows = n_chunks + 1
+    score = spc * _F32 if nosa.score == "decayed_attention" else layout.CHUNK_TOKENS // n_b * _F32
+    cap = nosa.cache_blocks(kv)
+    entries = kv.max_sequences * hkv
+    cache = entries * cap * (2 * n_b * d * es + 8) + entries * 8
+    resident = geometry.layers * (rows * (spc * d * es + score) + cache)
+    step = rows * spc * (d * (es + _F32) + 3 * g * _F32) + entries * cap * n_b * (2 * d * (es + _F32) + 2 * g * _F32)
+    how = (f"{geometry.layers} layers x ({rows} chunks x {spc} pooled keys, a {cap}-block cache per slot and KV head); "
+           "per step the pooled keys and cache contents of every task")
+    return resident, step, how
+
+
 def window_workspace_bytes(kv: KVCacheConfig, geometry: GeometryConfig) -> int:
     """Device bytes of the window kernel's split-K workspace (`gpu_kernels.window_attention`) for a full batch."""
     from gpu_kernels.window_attention import MAX_SPLITS
@@ -391,7 +414,15 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
             ("profiling.max_steps", "kv_cache.max_sequences"),
             f"{steps} recorded steps of up to {tasks} tasks (measured per step and task)"))
 
-    if lane_on_gpu:
+    nosa = cfg.selection.name == "nosa" and sc.gpu_lane(cuda)
+    if nosa:
+        where = GPU if cuda else HOST
+        state, step, how = nosa_bytes(cfg, geometry)
+        nosa_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences", "nosa.k_tokens", "geometry.layers")
+        parts.append(MemoryPart("nosa_state", where, RESIDENT, _on(where, state), nosa_keys, how))
+        parts.append(MemoryPart("nosa_step", where, "decode", _on(where, step), nosa_keys,
+                                "one decode step's pooled keys, scores and cache contents"))
+    if lane_on_gpu and not nosa:
         device, pinned, how = gpu_lane_bytes(kv, geometry)
         lane_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences")
         parts.append(MemoryPart("gpu_lane_scratch", GPU, RESIDENT, device, lane_keys, how))
@@ -410,7 +441,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         "prefill_staging", staging_where, "prefill", _on(staging_where, staging),
         ("kv_cache.cpu_capacity_tokens", "kv_cache.dtype"),
         f"cast, chunk images and block metadata of one {longest}-token prompt"))
-    if sc.gpu_lane(cuda) and not cuda:
+    if sc.gpu_lane(cuda) and not cuda and not nosa:
         blk = min(kv.block_sizes)
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode", _torch_lane_task_bytes(kv.cpu_capacity_tokens, blk, 1.0, geometry, es),
@@ -465,7 +496,7 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
                             f"cast, chunk images and block metadata of one {ctx}-token prompt"))
 
     cpu_len = min(_cpu_tokens_after(kv, ctx, wl.decode_steps), kv.cpu_capacity_tokens)
-    if cfg.scheduler.gpu_lane(cuda) and not cuda:
+    if cfg.scheduler.gpu_lane(cuda) and not cuda and cfg.selection.name != "nosa":  # NOSA's step: its own part
         sel = cfg.selection
         # A predicted plan may give any head budget 1.0 at its smallest block size.
         budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0, "predicted": 1.0}[sel.name]

@@ -202,8 +202,16 @@ class HybridRuntime:
             gpu_executor = gpu_executor(store)
         if cpu_executor is None and sc.cpu_workers > 0:
             cpu_executor = CpuExecutor(store)
+        if cfg.selection.name == "nosa" and not sc.gpu_worker:
+            raise ConfigError("selection.name 'nosa' needs a GPU lane (its executor keeps the block caches); allowed: "
+                              "scheduler.gpu_worker true, or 'auto' on a machine with CUDA")
         if gpu_executor is None and sc.gpu_worker:
-            if torch.cuda.is_available():
+            if cfg.selection.name == "nosa":
+                from hybrid_runtime.executors.nosa import NosaExecutor
+
+                gpu_executor = NosaExecutor(store, cfg.nosa)
+                gpu_executor.warm_up()  # its Triton kernels compile now, not in the first decode step
+            elif torch.cuda.is_available():
                 from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 
                 gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream())
@@ -228,6 +236,8 @@ class HybridRuntime:
         self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.selection, geometry)
         if getattr(self.planner, "absorb_spill", None) is not None:
             store.spill_listener = self.planner.absorb_spill
+        if getattr(self.gpu_executor, "absorb_chunks", None) is not None:
+            store.chunk_listener = self.gpu_executor.absorb_chunks  # per-block state from the K/V the store writes
         self._task_cache: dict = {}
 
         # Step buffers, allocated once for the largest batch (the hot path allocates no pinned
@@ -407,6 +417,9 @@ class HybridRuntime:
         planner_release = getattr(self.planner, "release", None)
         if planner_release is not None:
             planner_release(seq_id)
+        executor_release = getattr(self.gpu_executor, "release", None)
+        if executor_release is not None:
+            executor_release(self.store.slot(seq_id))  # per-slot state (the NOSA block caches)
         self.store.release(seq_id)
         self._forget_tasks(seq_id)
 
