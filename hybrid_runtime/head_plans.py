@@ -27,7 +27,8 @@ class ConfigHeadPlanner:
     """The head plan from config until the predictor exists.
 
     `fixed`: every head `(selection.block_size, selection.budget)`; `full`: budget 1.0; `streaming`:
-    no head has a task; `nosa`: every KV group has a task whose blocks the NOSA executor selects. In all three, `selection.streaming_heads[layer]` marks query heads streaming.
+    no head has a task; `nosa`: every KV group has a task whose blocks the NOSA executor selects. In
+    all four, `selection.streaming_heads[layer]` marks query heads streaming.
     """
 
     def __init__(self, selection: SelectionConfig, geometry: GeometryConfig):
