@@ -24,11 +24,11 @@ class HeadPlan:
 
 
 class ConfigHeadPlanner:
-    """The head plan from config until the predictor exists.
+    """The head plan from config (the `predicted` selection has its own planner, `predicted_plans`).
 
     `fixed`: every head `(selection.block_size, selection.budget)`; `full`: budget 1.0; `streaming`:
-    no head has a task; `nosa`: every KV group has a task whose blocks the NOSA executor selects. In
-    all four, `selection.streaming_heads[layer]` marks query heads streaming.
+    no head has a task; `nosa`: every KV group has a task whose blocks the NOSA executor selects.
+    `selection.streaming_heads[layer]` marks query heads streaming (config refuses it with `nosa`).
     """
 
     def __init__(self, selection: SelectionConfig, geometry: GeometryConfig):
