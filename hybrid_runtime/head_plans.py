@@ -27,7 +27,9 @@ class ConfigHeadPlanner:
     """The head plan from config until the predictor exists.
 
     `fixed`: every head `(selection.block_size, selection.budget)`; `full`: budget 1.0; `streaming`:
-    no head has a task. In all three, `selection.streaming_heads[layer]` marks query heads streaming.
+    no head has a task; `asynctls`: budget 1.0 at `selection.block_size` (every group is a task; the
+    AsyncTLS executor selects within it). In all, `selection.streaming_heads[layer]` marks query
+    heads streaming.
     """
 
     def __init__(self, selection: SelectionConfig, geometry: GeometryConfig):
@@ -39,7 +41,8 @@ class ConfigHeadPlanner:
         cached = self._per_layer.get(layer)
         if cached is None:
             p, g = self.selection, self.geometry
-            budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0}[p.name]
+            # asynctls: every group is a task whose blocks and tokens its executor chooses itself.
+            budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0, "asynctls": 1.0}[p.name]
             budgets = np.full(g.q_heads, budget, dtype=np.float32)
             heads = list(p.streaming_heads.get(layer, ()))
             budgets[heads] = 0.0

@@ -390,7 +390,22 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
             ("profiling.max_steps", "kv_cache.max_sequences"),
             f"{steps} recorded steps of up to {tasks} tasks (measured per step and task)"))
 
-    if lane_on_gpu:
+    asynctls = cfg.selection.name == "asynctls" and sc.gpu_lane(cuda)
+    if asynctls:
+        from hybrid_runtime.executors.asynctls import memory_bytes
+
+        sizes = memory_bytes(cfg.selection, kv, geometry, n_chunks)
+        where = GPU if cuda else HOST
+        sel_keys = ("selection.blocks", "kv_cache.max_sequences", "selection.block_size", "geometry.layers")
+        parts.append(MemoryPart("asynctls_index", where, RESIDENT, _on(where, sizes["index"]),
+                                ("kv_cache.cpu_capacity_tokens", "selection.index_channels", "geometry.layers"),
+                                f"block metadata and INT4 codes of {n_chunks} chunks x {layers} layers"))
+        parts.append(MemoryPart("asynctls_cache", where, RESIDENT, _on(where, sizes["cache"]), sel_keys,
+                                f"resident K and V blocks of {s} sequences x {hkv} heads x {layers} layers"))
+        parts.append(MemoryPart("asynctls_step", where, "decode", _on(where, sizes["step"]),
+                                ("kv_cache.cpu_capacity_tokens", "selection.blocks", "kv_cache.max_sequences"),
+                                f"block scores, token scores and gathers of {s * hkv} tasks"))
+    if lane_on_gpu and not asynctls:
         device, pinned, how = gpu_lane_bytes(kv, geometry)
         lane_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences")
         parts.append(MemoryPart("gpu_lane_scratch", GPU, RESIDENT, device, lane_keys, how))
@@ -409,7 +424,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         "prefill_staging", staging_where, "prefill", _on(staging_where, staging),
         ("kv_cache.cpu_capacity_tokens", "kv_cache.dtype"),
         f"cast, chunk images and block metadata of one {longest}-token prompt"))
-    if sc.gpu_lane(cuda) and not cuda:
+    if sc.gpu_lane(cuda) and not cuda and not asynctls:
         blk = min(kv.block_sizes)
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode", _torch_lane_task_bytes(kv.cpu_capacity_tokens, blk, 1.0, geometry, es),
