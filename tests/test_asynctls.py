@@ -439,3 +439,54 @@ def test_lagged_prefetch_on_cuda_matches_the_host():
             ex = rt.gpu_executor
             assert ex.blocks_selected > 0 and (dev == "cpu" or ex.transfer_seconds() > 0)
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- the quality experiment's pieces
+def test_quality_experiment_settings_selections_and_metrics(tmp_path):
+    from hybrid_runtime.experiments import asynctls_quality as aq
+
+    s = aq.AsyncTlsQualitySettings()
+    # k_b * 64 = max(0.25 * L_cpu, 2 * budget), at most every block.
+    assert aq.level1_blocks(s, 7616, 256) == 30 and aq.level1_blocks(s, 3520, 1024) == 32
+    assert aq.level1_blocks(s, 1472, 1024) == 23
+    assert aq.selection_of(s, "quest", 512, 3520)["blocks"] == 8 and aq.selection_of(s, "quest", 512, 3520)["tokens"] == "all"
+    ds = aq.selection_of(s, "doublesparsity", 512, 3520)
+    assert (ds["blocks"], ds["tokens"], ds["lagged"]) == ("all", 512, False)
+    lag, unlag = aq.selection_of(s, "asynctls", 256, 7616), aq.selection_of(s, "asynctls_unlagged", 256, 7616)
+    assert lag["lagged"] and not unlag["lagged"] and (lag["blocks"], lag["tokens"]) == (30, 256)
+    for method in aq.METHODS:  # every selection is a valid runtime config
+        cfg = aq.runtime_config(s, aq.selection_of(s, method, 1024, 1472))
+        assert cfg.selection.name == "asynctls" and cfg.scheduler.placement == "gpu_only"
+    assert aq.runtime_config(s, aq.BASELINES["fixed16_005"]).selection.budget == 0.05
+    with pytest.raises(ValueError, match="methods"):
+        aq.AsyncTlsQualitySettings(methods=("asynctls", "magic"))
+    with pytest.raises(ValueError, match="scheduler and selection are set per method"):
+        aq.AsyncTlsQualitySettings(runtime={"scheduler": {"cpu_workers": 2}})
+    with pytest.raises(ValueError, match="level1_over_budget"):
+        aq.AsyncTlsQualitySettings(level1_over_budget=0.5)
+    assert aq.load_settings("configs/asynctls_smollm2.yaml").lengths == (2048, 4096, 8192)
+
+    def run(method, budget, agreement, eps=None):
+        r = {"method": method, "budget": budget, "selection": {"name": "fixed"} if budget is None else
+             aq.selection_of(s, method, budget, 3520), "agreement": agreement, "kl": 0.01, "ppl": 20.0,
+             "bytes_per_step": 1e6}
+        return {**r, "epsilon_median": eps, "epsilon_p90": eps} if eps is not None else r
+
+    results = {"settings": dataclasses.asdict(dataclasses.replace(s, budgets=(256,))), "epsilon":
+               {"epsilon_median": 0.1, "epsilon_p90": 0.3, "epsilon_steps": 10}, "lengths": {}}
+    for length, bump in (("4096", 0.0), ("8192", 0.02)):
+        results["lengths"][length] = {"prompt_tokens": int(length) - 256, "repeated_8gram": 0.0, "dense": {"ppl": 19.0},
+                                      "runs": [run("fixed16_005", None, 0.85), run("asynctls", 256, 0.9 + bump, 0.1),
+                                               run("asynctls_unlagged", 256, 0.91 + bump, 0.1), run("quest", 256, 0.86),
+                                               run("doublesparsity", 256, 0.905 + bump)]}
+    m = aq.metrics_of(results)
+    assert math.isclose(m["agreement_asynctls_256"], 0.91) and math.isclose(m["agreement_quest_256"], 0.86)
+    assert math.isclose(m["agreement_doublesparsity_256"], 0.915) and m["epsilon_median"] == 0.1
+    assert math.isclose(m["lag_agreement_cost_256"], 0.01) and m["agreement_fixed16_005_8k"] == 0.85
+    assert all(isinstance(v, float) for v in m.values())
+    md = aq.markdown(results)
+    assert "| asynctls | 256 | 14 | 256 |" in md and "256: AsyncTLS 0.910 vs Quest 0.860 (+0.050: met)" in md
+    written = aq.write_outputs(results, tmp_path / "out", tmp_path / "res", "python -m x")
+    record = json.loads(written[0].read_text())
+    assert written[0].name == "asynctls_quality-cpu.json" or torch.cuda.is_available()
+    assert record["metrics"]["agreement_asynctls_256"] == m["agreement_asynctls_256"]
