@@ -490,3 +490,19 @@ def test_quality_experiment_settings_selections_and_metrics(tmp_path):
     record = json.loads(written[0].read_text())
     assert written[0].name == "asynctls_quality-cpu.json" or torch.cuda.is_available()
     assert record["metrics"]["agreement_asynctls_256"] == m["agreement_asynctls_256"]
+
+
+def test_device_benchmark_smoke_run_writes_the_results_contract(tmp_path, monkeypatch):
+    from benchmarks import asynctls as bench
+
+    monkeypatch.setenv("HYBRID_COMMIT", "abc1234")
+    path = bench.main(["--smoke", "--out", str(tmp_path / "asynctls-smoke.json")])
+    r = json.loads(path.read_text())
+    assert r["benchmark"] == "asynctls" and r["commit"] == "abc1234" and r["config"]["smoke"]
+    (row,) = r["points"]
+    assert (row["batch"], row["context"], row["layers"]) == (2, 4096, 2)
+    m = r["metrics"]
+    assert m["lagged_over_sync_time_2x4k"] == pytest.approx(row["lagged"]["attention_ms_per_layer"]
+                                                             / row["sync"]["attention_ms_per_layer"])
+    assert 0.0 <= m["epsilon_median_2x4k"] <= 1.0 and m["bytes_per_layer_step_2x4k"] >= 0
+    assert len(row["lagged"]["samples_step_s"]) == 3 and path.with_suffix(".md").exists()

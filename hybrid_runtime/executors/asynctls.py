@@ -132,8 +132,9 @@ class AsyncTlsExecutor:
 
     # Landing slots for the counts of claims in flight.
     RING = 8
-    # Claims remembered in `fetch_log` / `fetch_events`.
+    # Claims remembered in `fetch_log`, and copies (CUDA event pairs) in `fetch_events`.
     LOG = 1 << 16
+    EVENTS = 4096
 
     def __init__(self, store: KVStore, selection: SelectionConfig, channels: torch.Tensor,
                  stream: "torch.cuda.Stream | None" = None, device: str | None = None):
@@ -185,7 +186,7 @@ class AsyncTlsExecutor:
         self.blocks_missed = 0
         self.prefill_bytes = 0
         self.fetch_log: deque = deque(maxlen=self.LOG)
-        self.fetch_events: deque = deque(maxlen=self.LOG)
+        self.fetch_events: deque = deque(maxlen=self.EVENTS)
 
     @property
     def nbytes(self) -> int:
@@ -262,9 +263,10 @@ class AsyncTlsExecutor:
         layer = ordered[0].layer
         if packed.seq_slot is None:  # once per task set
             packed.seq_slot = np.fromiter((self.store.slot(t.seq_id) for t in ordered), dtype=np.int64, count=len(ordered))
-        if not packed.dev or not resident:
-            packed.dev = {name: torch.from_numpy(np.ascontiguousarray(getattr(packed, name))).to(self.dev)
-                          for name in ("batch", "kv_head", "cpu_len", "chunks", "active", "seq_slot")}
+        if not packed.dev or not resident:  # on the executor's stream, which its claims run on
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                packed.dev = {name: torch.from_numpy(np.ascontiguousarray(getattr(packed, name))).to(self.dev)
+                              for name in ("batch", "kv_head", "cpu_len", "chunks", "active", "seq_slot")}
         stale = self._indexed[layer, packed.seq_slot] != packed.cpu_len
         refreshed = None
         if stale.any():  # a spill grew these CPU segments (rare: once per generated_cap tokens)
