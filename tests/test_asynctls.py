@@ -286,7 +286,7 @@ def test_cache_after_a_step_holds_m_t_and_fetches_m_t_minus_c_t():
             assert ex.blocks_missed - missed_before == fetched
             assert ex.epsilon_per_step()[-1] == fetched / 10
             assert rt.timeline.records[-1].bytes_read.sum() == fetched * 16 * 2 * 32 * 4
-        assert len(ex.epsilon_per_step()) == 6
+        assert len(ex.epsilon_per_step()) == 6 and ex.launches == 6  # one claim per step: the whole queue
         del arena
 
 

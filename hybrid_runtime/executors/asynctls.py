@@ -130,6 +130,9 @@ class AsyncTlsExecutor:
     as decode leaves them out. `device`: "cuda" or "cpu" (the host path); None: CUDA where there is one.
     """
 
+    # One claim is one set of batched torch ops whatever its size: the GPU lane gives it the whole
+    # queue of a step it has alone (a split only repeats the ops' host cost).
+    claims_whole_queue = True
     # Landing slots for the counts of claims in flight.
     RING = 8
     # Claims remembered in `fetch_log`, and copies (CUDA event pairs) in `fetch_events`.
