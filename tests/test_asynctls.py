@@ -421,12 +421,15 @@ def test_cache_fetch_kernel_matches_torch_under_the_interpreter():
 
 
 @pytest.mark.gpu
-def test_lagged_prefetch_on_cuda_matches_the_host():
+@pytest.mark.parametrize("lagged", [True, False])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
     g = asynctls_config().geometry
     outs = []
-    for dev in ("cpu", "cuda"):  # the host path, then the CUDA one (UVA copies on the side stream)
-        cfg = asynctls_config(blocks=5, tokens=40, kv={"device": dev})
+    for dev in ("cpu", "cuda"):  # the host path, then the CUDA one (UVA copies; graphs from the second step)
+        cfg = asynctls_config(blocks=5, tokens=40, lagged=lagged, kv={"device": dev})
         with runtime(cfg, device=dev) as rt:
+            rt.gpu_executor.graphs = graphs and dev == "cuda"
             prefill_random(rt, 0, 900, seed=13)
             gen = torch.Generator().manual_seed(14)
             res = []
@@ -437,7 +440,10 @@ def test_lagged_prefetch_on_cuda_matches_the_host():
                     res.append(rt.decode(layer, [0], q.to(dev), k.to(dev), v.to(dev)).cpu())
             outs.append(torch.stack(res))
             ex = rt.gpu_executor
-            assert ex.blocks_selected > 0 and (dev == "cpu" or ex.transfer_seconds() > 0)
+            assert ex.blocks_selected > 0 and ex.blocks_missed > 0
+            if dev == "cuda":
+                assert ex.graphs == graphs  # no capture failed
+                assert ex.transfer_seconds() > 0 or (graphs and not lagged)  # graphed synchronous copies have no events
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
 
 

@@ -38,6 +38,7 @@ Counters: `bytes_read` (K and V of the missing blocks' tokens, decode and refres
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -55,6 +56,8 @@ from hybrid_runtime.resident_cache import ResidentCache, block_tokens, cache_byt
 from hybrid_runtime.task_building import native_table
 from hybrid_runtime.tasks import Step, Task
 from hybrid_runtime.token_index import ChannelSets, TokenIndex, index_bytes
+
+log = logging.getLogger(__name__)
 
 
 def cache_slots(selection: SelectionConfig, kv: KVCacheConfig) -> int:
@@ -79,6 +82,7 @@ class AsyncTlsPlan:
     active: np.ndarray  # [T, G] heads with a budget (the others get lse -inf)
     seq_slot: np.ndarray | None = None  # [T] store slots, from the tasks at the first upload
     dev: dict = field(default_factory=dict)  # device copies, kept while the task set is reused
+    graphs: dict = field(default_factory=dict)  # the claims' CUDA graphs (`AsyncTlsExecutor._graph`)
 
 
 @dataclass
@@ -190,6 +194,10 @@ class AsyncTlsExecutor:
         self.prefill_bytes = 0
         self.fetch_log: deque = deque(maxlen=self.LOG)
         self.fetch_events: deque = deque(maxlen=self.EVENTS)
+        # Claims replay as CUDA graphs from their second step on (`_graph`); one memory pool for all.
+        self.graphs = self.cuda
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self._graph_bufs: dict[int, tuple] = {}
 
     @property
     def nbytes(self) -> int:
@@ -351,6 +359,28 @@ class AsyncTlsExecutor:
     def _claim(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step, counts_host: torch.Tensor,
                fetch_events: tuple | None, end: Any) -> None:
         layer, d = plan.layer, {k: v[start:stop] for k, v in plan.plan.dev.items()}
+        if self.cuda and plan.fetched is not None:
+            self.stream.wait_event(plan.fetched)  # the previous step's copies at this layer
+        arena = self._arena(layer)
+        graph = self._graph(plan, start, stop, step, d, arena) if self.cuda and self.graphs else None
+        if graph is not None:
+            graph[0].replay()
+            chosen, dest, counts = graph[1]
+        else:
+            chosen, dest, counts = self._claim_ops(layer, d, step, arena, fetch_events)
+        if plan.refreshed is not None:
+            counts = counts.clone()
+            counts[0] += plan.refreshed[start:stop] * (2 * self.head_dim * self.esize)
+        counts_host.copy_(counts, non_blocking=self.cuda)
+        if end is not None:
+            end.record(self.stream)
+        if self.lagged:
+            self._fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest, fetch_events, side=True)
+
+    def _claim_ops(self, layer: int, d: dict, step: Step, arena: torch.Tensor,
+                   fetch_events: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The claim's device work: selection, attention into the step's rows, the cache table update
+        (and, unlagged, the copies). Returns (chosen blocks, their copy slots, counts `[3, R]`)."""
         b, h, slot, cpu_len, chunks, active = (d["batch"], d["kv_head"], d["seq_slot"], d["cpu_len"], d["chunks"],
                                                d["active"])
         bsz, hq, dim = step.q.shape
@@ -358,9 +388,6 @@ class AsyncTlsExecutor:
         q = step.q.view(bsz, self.kv_heads, g, dim)[b, h]  # [R, G, D], pre-scaled fp32
         chosen = self._select_blocks(layer, q, active, chunks, cpu_len)
         table = self.cache.table[layer]
-        arena = self._arena(layer)
-        if self.cuda and plan.fetched is not None:
-            self.stream.wait_event(plan.fetched)  # the previous step's copies at this layer
         cached = table[slot, h]
         if self.lagged:
             sel, sel_valid = self._select_tokens(layer, q, active, cached, h, chunks, cpu_len)
@@ -376,14 +403,55 @@ class AsyncTlsExecutor:
         step.out.view(bsz, self.kv_heads, g, dim)[b, h] = out
         step.lse.view(bsz, self.kv_heads, g)[b, h] = lse
         moved = torch.where(miss, block_tokens(chosen, cpu_len, self.block_size), 0).sum(1)
-        if plan.refreshed is not None:
-            moved = moved + plan.refreshed[start:stop]
         counts = torch.stack([moved * (2 * self.head_dim * self.esize), (chosen >= 0).sum(1), miss.sum(1)])
-        counts_host.copy_(counts, non_blocking=self.cuda)
-        if end is not None:
-            end.record(self.stream)
-        if self.lagged:
-            self._fetch(layer, arena, chunks, slot, h, chosen, dest, fetch_events, side=True)
+        return chosen, dest, counts
+
+    def _graph(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step, d: dict, arena: torch.Tensor):
+        """The claim as a CUDA graph (graph, (chosen, dest, counts)), or None to run it eagerly.
+
+        A claim's torch ops cost more host time than the GPU spends on them at small batches, and
+        a step of a reused task set repeats the same ops on the same buffers: its second claim of a
+        (layer, rows, mode) is captured and every later one replays it. The first runs eagerly (it
+        warms up the libraries and the allocator for these shapes). The outputs the copy stream and
+        the host read live in per-layer buffers, so that every graph can share one memory pool
+        (they replay one after another on the executor's stream). A capture that fails turns
+        graphs off for the executor, with a warning.
+        """
+        key = (plan.layer, start, stop, self.lagged, step.q.data_ptr(), step.out.data_ptr(), step.lse.data_ptr())
+        graphs = plan.plan.graphs
+        entry = graphs.get(key)
+        if entry is None:
+            graphs[key] = "eager once"
+            return None
+        if entry != "eager once":
+            return entry
+        r = stop - start
+        bufs = self._graph_outputs(plan.layer, r)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
+                chosen, dest, counts = self._claim_ops(plan.layer, d, step, arena, None)
+                k = chosen.shape[1]
+                bufs[0][:r, :k].copy_(chosen)
+                bufs[1][:r, :k].copy_(dest)
+                bufs[2][:, :r].copy_(counts)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly from now on
+            log.warning("AsyncTLS: capturing a claim as a CUDA graph failed (%r); claims run eagerly from now on", exc)
+            self.graphs = False
+            graphs[key] = None
+            return None
+        entry = graphs[key] = (graph, (bufs[0][:r, :k], bufs[1][:r, :k], bufs[2][:, :r]))
+        return entry
+
+    def _graph_outputs(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-layer (chosen, dest, counts) buffers for graphed claims of up to `rows` tasks."""
+        bufs = self._graph_bufs.get(layer)
+        if bufs is None or bufs[0].shape[0] < rows:
+            n, s = max(rows, self.store.cfg.max_sequences * self.kv_heads), self.cache.slots
+            bufs = self._graph_bufs[layer] = (torch.full((n, s), -1, dtype=torch.int64, device=self.dev),
+                                              torch.full((n, s), -1, dtype=torch.int64, device=self.dev),
+                                              torch.zeros((3, n), dtype=torch.int64, device=self.dev))
+        return bufs
 
     def _fetch(self, layer: int, arena: torch.Tensor, chunks: torch.Tensor, slot: torch.Tensor, kv_head: torch.Tensor,
                chosen: torch.Tensor, dest: torch.Tensor, events: tuple | None, side: bool) -> None:
@@ -397,6 +465,9 @@ class AsyncTlsExecutor:
             stream.wait_stream(self.stream)
             for t in (chunks, slot, kv_head, chosen, dest):
                 t.record_stream(stream)  # made on the executor's stream, read on the copy stream
+        if events is None:  # inside a graph capture: the copy is part of the graph
+            self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
+            return
         f0, f1 = events
         f0.record(stream)
         self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
