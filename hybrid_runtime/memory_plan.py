@@ -479,7 +479,7 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
                             f"cast, chunk images and block metadata of one {ctx}-token prompt"))
 
     cpu_len = min(_cpu_tokens_after(kv, ctx, wl.decode_steps), kv.cpu_capacity_tokens)
-    if cfg.scheduler.gpu_lane(cuda) and not cuda:
+    if cfg.scheduler.gpu_lane(cuda) and not cuda and cfg.selection.name != "asynctls":  # its step is in the runtime's plan
         sel = cfg.selection
         # A predicted plan may give any head budget 1.0 at its smallest block size.
         budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0, "predicted": 1.0}[sel.name]

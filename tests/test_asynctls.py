@@ -20,7 +20,7 @@ from hybrid_runtime.executors.asynctls import (
     memory_bytes,
     token_scores,
 )
-from hybrid_runtime.memory_plan import estimate_runtime
+from hybrid_runtime.memory_plan import estimate_runtime, estimate_synthetic_run
 from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.resident_cache import ResidentCache, plan_insert, plan_update
 from hybrid_runtime.runtime import HybridRuntime
@@ -142,7 +142,9 @@ def test_index_matches_the_store_and_counts_its_memory():
         assert ex.nbytes == sizes["index"] + sizes["cache"]
         plan = {p.name: p.nbytes for p in estimate_runtime(cfg, cuda=False).parts}
         assert plan["asynctls_index"] == sizes["index"] and plan["asynctls_cache"] == sizes["cache"]
-        assert "torch_lane_task" not in plan
+        assert "torch_lane_task" not in plan and plan["asynctls_step"] == sizes["step"]
+        synthetic = {p.name for p in estimate_synthetic_run(cfg, cuda=False).parts}  # hybrid-runtime run's plan
+        assert "asynctls_cache" in synthetic and "torch_lane_task" not in synthetic
 
 
 # ---------------------------------------------------------------------------- block and token levels
