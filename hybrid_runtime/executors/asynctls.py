@@ -156,7 +156,6 @@ class AsyncTlsExecutor:
         self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
         self.stream = (stream or torch.cuda.Stream()) if self.cuda else None
         self.copy_stream = torch.cuda.Stream() if self.cuda else None
-        self._stream_handle = self.copy_stream.cuda_stream if self.cuda else None
         self.link_bytes_per_s: float | None = None
         self.block_size = selection.block_size
         self.blocks = selection.blocks
