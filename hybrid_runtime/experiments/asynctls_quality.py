@@ -331,11 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=int, nargs="+")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS))
     parser.add_argument("--baselines", nargs="*", choices=list(BASELINES))
+    parser.add_argument("--block-size", type=int, help="the block level's block size")
+    parser.add_argument("--block-fraction", type=float, help="k_b * block_size >= this fraction of the CPU segment")
     args = parser.parse_args(argv)
     try:
         settings = load_settings(args.config, {"lengths": args.lengths, "positions": args.positions,
                                                "budgets": args.budgets, "methods": args.methods,
-                                               "baselines": args.baselines})
+                                               "baselines": args.baselines, "block_size": args.block_size,
+                                               "block_fraction": args.block_fraction})
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
