@@ -102,13 +102,24 @@ def _open_unit_interval(value: float) -> str | None:
     return None if 0.0 < value < 1.0 else "0 < value < 1"
 
 
+def _count_or_all(value: int | str) -> str | None:
+    ok = value == "all" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    return None if ok else "a whole number >= 1, or 'all'"
+
+
+def _even_channels(value: int) -> str | None:
+    return None if 2 <= value <= 256 and value % 2 == 0 else "an even number from 2 to 256 (two INT4 codes a byte)"
+
+
 @dataclass(frozen=True)
 class SelectionConfig:
-    """Which blocks each head reads: from config (fixed, full, streaming) or per step by the
-    head-property predictor and the granularity selector (predicted)."""
+    """Which blocks each head reads: from config (fixed, full, streaming), per step by the
+    head-property predictor and the granularity selector (predicted), or by AsyncTLS's block then
+    token levels in its own executor (asynctls)."""
 
     # nosa: the NOSA executor picks each KV head's blocks itself (the `nosa` section).
-    name: str = field(default="fixed", metadata=_choices("fixed", "full", "streaming", "predicted", "nosa"))
+    name: str = field(default="fixed",
+                      metadata=_choices("fixed", "full", "streaming", "predicted", "nosa", "asynctls"))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
     budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
     # layer -> query heads treated as streaming (GPU window only, no CPU task).
@@ -122,6 +133,20 @@ class SelectionConfig:
     streaming_threshold: float = field(default=0.5, metadata=_check(_open_unit_interval))
     # predicted: false gives every head its predicted budget (the ablation without streaming heads).
     skip_streaming: bool = True
+    # asynctls: blocks of `block_size` the block level keeps per KV group and step (k_b; 'all': every
+    # block, Double Sparsity alone); the resident cache holds this many blocks per sequence and KV head.
+    blocks: int | str = field(default=128, metadata=_check(_count_or_all))
+    # asynctls: tokens the token level keeps per KV group among the cached blocks (k_t; 'all': every
+    # token of them, Quest blocks alone).
+    tokens: int | str = field(default=512, metadata=_check(_count_or_all))
+    # asynctls: the token level reads the blocks chosen at the previous step, resident already, while
+    # this step's missing blocks are copied on a side stream; false copies them first (synchronously).
+    lagged: bool = True
+    # asynctls: the calibrated channel file of the model (python -m hybrid_runtime.experiments.
+    # asynctls_calibration; looked up like `checkpoint`), and how many of its ranked channels per KV
+    # head the token index keeps in INT4 (d_c).
+    channel_file: str = "hybrid_runtime/calibration/smollm2_channels.json"
+    index_channels: int = field(default=16, metadata=_check(_even_channels))
 
 
 NOSA_SELECTORS = ("nosa", "query_aware")
@@ -537,7 +562,36 @@ def resolve_checkpoint(path: str) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
+ASYNCTLS_KEYS = ("blocks", "tokens", "lagged", "channel_file", "index_channels")
+
+
+def _validate_asynctls(selection: SelectionConfig, geometry: GeometryConfig, path: str) -> None:
+    default = SelectionConfig()
+    if selection.name != "asynctls":
+        for key in ASYNCTLS_KEYS:
+            if getattr(selection, key) != getattr(default, key):
+                raise ConfigError(f"{path}.{key}: read only by {path}.name 'asynctls' (it is {selection.name!r}); "
+                                  "allowed: remove it, or name: asynctls")
+        return
+    if selection.budget != default.budget:
+        raise ConfigError(f"{path}.budget: not read by 'asynctls', which keeps {path}.blocks blocks and {path}.tokens "
+                          "tokens per KV group; allowed: remove it")
+    if selection.index_channels > geometry.head_dim:
+        raise ConfigError(f"{path}.index_channels: {selection.index_channels} exceeds the head dim {geometry.head_dim}; "
+                          f"allowed: an even number up to {geometry.head_dim}")
+    if selection.blocks != "all" and selection.tokens != "all" and selection.tokens > selection.blocks * selection.block_size:
+        raise ConfigError(
+            f"{path}.tokens: {selection.tokens} exceeds the {selection.blocks} x {selection.block_size} tokens the block "
+            f"level keeps, so the token level would keep all of them; allowed: at most "
+            f"{selection.blocks * selection.block_size}, or 'all' (Quest blocks alone)")
+    if resolve_checkpoint(selection.channel_file) is None:
+        raise ConfigError(
+            f"{path}.channel_file: {selection.channel_file!r} is not a file (looked up from the working directory and the "
+            "repository root); allowed: a channel file written by python -m hybrid_runtime.experiments.asynctls_calibration")
+
+
 def _validate_selection(selection: SelectionConfig, kv: KVCacheConfig, geometry: GeometryConfig, path: str) -> None:
+    _validate_asynctls(selection, geometry, path)
     if selection.name == "predicted":
         missing = [b for b in selection.block_sizes if b not in kv.block_sizes]
         if missing:
@@ -578,12 +632,22 @@ def _validate_experiment(cfg: Config) -> None:
                               "allowed: a name of its own")
         if v.selection is None:
             continue
+        if "asynctls" in (v.selection.name, cfg.selection.name) and v.selection != cfg.selection:
+            raise ConfigError(
+                f"{path}.selection: 'asynctls' runs in its own GPU-lane executor (index and resident cache built at "
+                "prefill), so a runtime with it runs no other selection and one without it cannot switch to it; "
+                "allowed: leave the variant's selection out")
         _validate_selection(v.selection, cfg.kv_cache, cfg.geometry, f"{path}.selection")
         if v.selection.name == "predicted" and v.selection != cfg.selection:
             raise ConfigError(
                 f"{path}.selection.name: a 'predicted' variant must plan with the top-level selection (the runtime's "
                 "predictor caches each prompt's statistics at prefill, for its own checkpoint); allowed: set the "
                 "top-level selection to it and leave this variant's selection out")
+    if cfg.selection.name == "asynctls":
+        for i, v in enumerate(ex.variants):
+            if v.placement not in (None, "gpu_only"):
+                raise ConfigError(f"experiment.variants[{i}].placement: {v.placement!r}; 'asynctls' runs every task on "
+                                  "the GPU lane; allowed: gpu_only (or leave it out)")
     if ex.baseline and ex.baseline not in names:
         raise ConfigError(f"experiment.baseline: {ex.baseline!r} is not a variant; allowed: "
                           f"{', '.join(repr(n) for n in names) or 'a name from experiment.variants (none are listed)'}")
@@ -684,6 +748,14 @@ def _validate_cross(cfg: Config) -> None:
         if v.selection is not None and v.selection.name == "nosa" and cfg.selection.name != "nosa":
             raise ConfigError(f"experiment.variants[{i}].selection.name: 'nosa' selects the GPU lane's executor for the "
                               "whole runtime; allowed: make it the top-level selection (selection.name: nosa)")
+    if cfg.selection.name == "asynctls":
+        sc = cfg.scheduler
+        if sc.placement != "gpu_only":
+            raise ConfigError(f"scheduler.placement: {sc.placement!r}; selection 'asynctls' runs every task in its GPU-lane "
+                              "executor (its index and resident cache live there); allowed: gpu_only")
+        if sc.gpu_worker is False:
+            raise ConfigError("scheduler.gpu_worker: false; selection 'asynctls' runs on the GPU lane; allowed: true, or "
+                              "'auto' on a machine with CUDA (true without CUDA runs it on the host)")
     if kv.local % PAGE_SIZE or kv.generated_cap % PAGE_SIZE:
         raise ConfigError(
             f"kv_cache: local={kv.local} and generated_cap={kv.generated_cap} must be "

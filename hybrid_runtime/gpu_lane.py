@@ -340,6 +340,8 @@ class GpuLane:
         m = self.rates.model
         min_batch = m.lat * m.bw
         if not job.shared:
+            if getattr(self.executor, "claims_whole_queue", False):
+                return remaining  # one launch runs any number of tasks (vectorised): more only add host work
             return max(self.GUIDED_FRACTION * remaining, min_batch)
         rates = self.rates
         tp_c = rates.cpu_lane.bytes_per_s

@@ -27,8 +27,10 @@ class ConfigHeadPlanner:
     """The head plan from config (the `predicted` selection has its own planner, `predicted_plans`).
 
     `fixed`: every head `(selection.block_size, selection.budget)`; `full`: budget 1.0; `streaming`:
-    no head has a task; `nosa`: every KV group has a task whose blocks the NOSA executor selects.
-    `selection.streaming_heads[layer]` marks query heads streaming (config refuses it with `nosa`).
+    no head has a task; `nosa`: every KV group has a task whose blocks the NOSA executor selects;
+    `asynctls`: budget 1.0 at `selection.block_size` (every group is a task; the AsyncTLS executor
+    selects within it). `selection.streaming_heads[layer]` marks query heads streaming (config
+    refuses it with `nosa`).
     """
 
     def __init__(self, selection: SelectionConfig, geometry: GeometryConfig):
@@ -40,8 +42,9 @@ class ConfigHeadPlanner:
         cached = self._per_layer.get(layer)
         if cached is None:
             p, g = self.selection, self.geometry
-            # nosa: every head has a task; its executor chooses the blocks (the budget only marks the heads).
-            budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0, "nosa": 1.0}[p.name]
+            # nosa, asynctls: every group is a task whose blocks (and tokens) its executor chooses itself;
+            # the budget only marks the heads.
+            budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0, "nosa": 1.0, "asynctls": 1.0}[p.name]
             budgets = np.full(g.q_heads, budget, dtype=np.float32)
             heads = list(p.streaming_heads.get(layer, ()))
             budgets[heads] = 0.0

@@ -422,7 +422,22 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         parts.append(MemoryPart("nosa_state", where, RESIDENT, _on(where, state), nosa_keys, how))
         parts.append(MemoryPart("nosa_step", where, "decode", _on(where, step), nosa_keys,
                                 "one decode step's pooled keys, scores and cache contents"))
-    if lane_on_gpu and not nosa:
+    asynctls = cfg.selection.name == "asynctls" and sc.gpu_lane(cuda)
+    if asynctls:
+        from hybrid_runtime.executors.asynctls import memory_bytes
+
+        sizes = memory_bytes(cfg.selection, kv, geometry, n_chunks)
+        where = GPU if cuda else HOST
+        sel_keys = ("selection.blocks", "kv_cache.max_sequences", "selection.block_size", "geometry.layers")
+        parts.append(MemoryPart("asynctls_index", where, RESIDENT, _on(where, sizes["index"]),
+                                ("kv_cache.cpu_capacity_tokens", "selection.index_channels", "geometry.layers"),
+                                f"block metadata and INT4 codes of {n_chunks} chunks x {layers} layers"))
+        parts.append(MemoryPart("asynctls_cache", where, RESIDENT, _on(where, sizes["cache"]), sel_keys,
+                                f"resident K and V blocks of {s} sequences x {hkv} heads x {layers} layers"))
+        parts.append(MemoryPart("asynctls_step", where, "decode", _on(where, sizes["step"]),
+                                ("kv_cache.cpu_capacity_tokens", "selection.blocks", "kv_cache.max_sequences"),
+                                f"block scores, token scores and gathers of {s * hkv} tasks"))
+    if lane_on_gpu and not nosa and not asynctls:
         device, pinned, how = gpu_lane_bytes(kv, geometry)
         lane_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences")
         parts.append(MemoryPart("gpu_lane_scratch", GPU, RESIDENT, device, lane_keys, how))
@@ -441,7 +456,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         "prefill_staging", staging_where, "prefill", _on(staging_where, staging),
         ("kv_cache.cpu_capacity_tokens", "kv_cache.dtype"),
         f"cast, chunk images and block metadata of one {longest}-token prompt"))
-    if sc.gpu_lane(cuda) and not cuda and not nosa:
+    if sc.gpu_lane(cuda) and not cuda and not nosa and not asynctls:
         blk = min(kv.block_sizes)
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode", _torch_lane_task_bytes(kv.cpu_capacity_tokens, blk, 1.0, geometry, es),
@@ -496,7 +511,8 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
                             f"cast, chunk images and block metadata of one {ctx}-token prompt"))
 
     cpu_len = min(_cpu_tokens_after(kv, ctx, wl.decode_steps), kv.cpu_capacity_tokens)
-    if cfg.scheduler.gpu_lane(cuda) and not cuda and cfg.selection.name != "nosa":  # NOSA's step: its own part
+    # NOSA's and AsyncTLS's steps are parts of the runtime's plan.
+    if cfg.scheduler.gpu_lane(cuda) and not cuda and cfg.selection.name not in ("nosa", "asynctls"):
         sel = cfg.selection
         # A predicted plan may give any head budget 1.0 at its smallest block size.
         budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0, "predicted": 1.0}[sel.name]

@@ -205,6 +205,10 @@ class HybridRuntime:
         if cfg.selection.name == "nosa" and not sc.gpu_worker:
             raise ConfigError("selection.name 'nosa' needs a GPU lane (its executor keeps the block caches); allowed: "
                               "scheduler.gpu_worker true, or 'auto' on a machine with CUDA")
+        if gpu_executor is None and sc.gpu_worker and cfg.selection.name == "asynctls":
+            from hybrid_runtime.executors.asynctls import asynctls_executor
+
+            gpu_executor = asynctls_executor(store, cfg.selection)
         if gpu_executor is None and sc.gpu_worker:
             if cfg.selection.name == "nosa":
                 from hybrid_runtime.executors.nosa import NosaExecutor
@@ -388,6 +392,8 @@ class HybridRuntime:
         _check_tensor("k", k)
         _check_tensor("v", v)
         planner_prefill = getattr(self.planner, "prefill", None)
+        # An executor that keeps state per prompt (the AsyncTLS index and cache) is told of it too.
+        executor_prefill = getattr(self.gpu_executor, "prefill", None)
         tensors = {"k": k, "v": v}
         if q_last is not None:
             _check_tensor("q_last", q_last)
@@ -396,14 +402,16 @@ class HybridRuntime:
                 raise ValueError(f"q_last has shape {tuple(q_last.shape)}; expected [{g.q_heads}, {g.head_dim}] "
                                  "([q_heads, head_dim]: the query of the prompt's last token)")
             tensors["q_last"] = q_last
-        elif planner_prefill is not None:
-            raise ValueError(f"the {self.cfg.selection.name!r} head planner needs q_last, the query of the prompt's last "
+        elif planner_prefill is not None or executor_prefill is not None:
+            raise ValueError(f"the {self.cfg.selection.name!r} selection needs q_last, the query of the prompt's last "
                              "token at this layer ([q_heads, head_dim]), at every prefill; nothing was changed")
         _check_finite(tensors)
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._forget_tasks(seq_id)
         if planner_prefill is not None:
             planner_prefill(seq_id, layer, k, v, q_last, extend=bool(extend))
+        if executor_prefill is not None:
+            executor_prefill(seq_id, layer, q_last, extend=bool(extend))
 
     def release(self, seq_id: int) -> None:
         """Free a sequence's pages and window slot (memory stays pinned for reuse)."""

@@ -1,0 +1,641 @@
+"""AsyncTLS executor: block-then-token selection over the CPU-resident KV, with a lagged
+asynchronous prefetch into a resident cache on the device (the GPU lane's executor).
+
+Per task -- one (sequence, KV group) of a step, the runtime's unit -- and step t:
+
+1. **Block level** (Quest as a GEMM over the group's heads): with the index's block metadata
+   (`token_index.TokenIndex.block_meta`, block size `selection.block_size`),
+   `s_b = (sum_h max(q_h, 0)) . K_max,b + (sum_h min(q_h, 0)) . K_min,b`, which equals the sum of
+   the heads' Quest bounds; the top `selection.blocks` (`k_b`) blocks are `M_t`.
+2. **Token level** (Double Sparsity) over the blocks the cache holds: the index keeps `d_c`
+   calibrated channels of every key in INT4; each head's approximate scores over those channels
+   go through a softmax, the softmaxes are averaged over the group's heads, and the top
+   `selection.tokens` (`k_t`) tokens are chosen.
+3. **Exact attention** of the group's heads over the full K, V of the chosen tokens, read from
+   the cache; `out`/`lse` go to the step's rows and the runtime merges them with the window's.
+4. **Cache update** (`resident_cache.plan_update`): the cache of the row held `C_t`; the blocks
+   `T_t = M_t \\ C_t` are copied in, into the slots of evicted blocks, and it holds `C_{t+1} = M_t`.
+   Only `T_t` crosses the link; those bytes are what a task reports as read.
+
+With `selection.lagged` (AsyncTLS) step 2 runs on `C_t = M_{t-1}`, already resident, and the copy
+of `T_t` is queued on a side stream after step 3 has read the cache; the next step at the layer
+waits for it (a CUDA event) before its token level, so the transfer overlaps everything in
+between and nothing on the host waits for it. Unlagged, the copy runs on the executor's stream
+between steps 1 and 2, which then sees `M_t`. Without CUDA the same order runs synchronously on
+the host (tests and the quality experiment).
+
+`selection.blocks: all` keeps every block (Double Sparsity alone); `selection.tokens: all` keeps
+every token of the cached blocks (Quest blocks alone); both give dense attention over the CPU
+segment. Prefill builds the index of the prompt's CPU segment and warms the cache with the blocks
+the prompt's last query chooses (`prefill`); a spill that grows the CPU segment updates the index
+and refreshes resident blocks that gained tokens before the step's claims (`upload`).
+
+Counters: `bytes_read` (K and V of the missing blocks' tokens, decode and refreshes),
+`blocks_selected` and `blocks_missed` (epsilon = missed / selected), `prefill_bytes`, and
+`fetch_log`, per claim `(step, layer, selected, missed)`: `epsilon_per_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from cpu_kernels import layout
+from hybrid_runtime import native_pool
+from hybrid_runtime.config import ConfigError, GeometryConfig, KVCacheConfig, SelectionConfig, resolve_checkpoint
+from hybrid_runtime.kvcache import KVStore
+from hybrid_runtime.resident_cache import ResidentCache, block_tokens, cache_bytes, plan_insert, plan_update
+from hybrid_runtime.task_building import native_table
+from hybrid_runtime.tasks import Step, Task
+from hybrid_runtime.token_index import ChannelSets, TokenIndex, index_bytes
+
+log = logging.getLogger(__name__)
+
+
+def cache_slots(selection: SelectionConfig, kv: KVCacheConfig) -> int:
+    """Blocks the resident cache holds per sequence and KV head: `blocks` plus room for the blocks one
+    spill adds (they join the cache at once: their tokens just left the GPU window), or every block
+    of the longest CPU segment a sequence can have for `blocks: all`."""
+    blk = selection.block_size
+    if selection.blocks == "all":
+        return max(1, -(-kv.cpu_capacity_tokens // blk))
+    spill = kv.generated_cap + layout.PAGE_SIZE
+    return int(selection.blocks) + -(-spill // blk) + 1
+
+
+@dataclass
+class AsyncTlsPlan:
+    """A task set in queue order: host columns from `pack`, device tensors made at `upload`."""
+
+    batch: np.ndarray  # [T] row of the step's q/out/lse
+    kv_head: np.ndarray  # [T]
+    cpu_len: np.ndarray  # [T]
+    chunks: np.ndarray  # [T, C] chunk ids in position order (0-padded)
+    active: np.ndarray  # [T, G] heads with a budget (the others get lse -inf)
+    seq_slot: np.ndarray | None = None  # [T] store slots, from the tasks at the first upload
+    dev: dict = field(default_factory=dict)  # device copies, kept while the task set is reused
+    graphs: dict = field(default_factory=dict)  # the claims' CUDA graphs (`AsyncTlsExecutor._graph`)
+
+
+@dataclass
+class AsyncTlsStepPlan:
+    """One step's plan: the task set's device tensors, the layer, and the event the step's token
+    level waits for (the copies of the previous step at this layer)."""
+
+    plan: AsyncTlsPlan
+    layer: int
+    step: int  # the executor's count of steps, for the per-step log
+    fetched: Any  # CUDA event or None
+    refreshed: torch.Tensor | None = None  # [T] tokens a spill's blocks brought into the cache
+
+
+@dataclass
+class AsyncTlsLaunch:
+    """One claim. `start`/`end` bracket its selection and attention (CUDA events, or host seconds);
+    `wait` returns the bytes each task moved over the link. `fetch_start`/`fetch_end` bracket its
+    copies (CUDA events, None on the host)."""
+
+    executor: "AsyncTlsExecutor"
+    step: int
+    layer: int
+    counts_host: torch.Tensor  # [3, n] int64: bytes moved, blocks selected, blocks missed
+    start: Any
+    end: Any
+    fetch_start: Any = None
+    fetch_end: Any = None
+    bytes_read: np.ndarray | None = None
+
+    def query(self) -> bool:
+        return self.bytes_read is not None or isinstance(self.end, float) or self.end.query()
+
+    def wait(self) -> np.ndarray:
+        if self.bytes_read is None:
+            if not isinstance(self.end, float):
+                self.end.synchronize()
+            counts = self.counts_host.numpy().copy()
+            self.bytes_read = counts[0]
+            self.executor._account(self.step, self.layer, counts)
+        return self.bytes_read
+
+
+class AsyncTlsExecutor:
+    """`GpuLaunchExecutor` over a `KVStore`: AsyncTLS selection and attention, index and cache on the device.
+
+    `channels [layers, Hkv, d_c]` (int): the token index's channels per KV head (a `ChannelSets`'
+    `channels(d_c)`). The selection's `streaming_heads` are left out of the prefill's cache warming
+    as decode leaves them out. `device`: "cuda" or "cpu" (the host path); None: CUDA where there is one.
+    """
+
+    # One claim is one set of batched torch ops whatever its size: the GPU lane gives it the whole
+    # queue of a step it has alone (a split only repeats the ops' host cost).
+    claims_whole_queue = True
+    # Landing slots for the counts of claims in flight.
+    RING = 8
+    # Claims remembered in `fetch_log`, and copies (CUDA event pairs) in `fetch_events`.
+    LOG = 1 << 16
+    EVENTS = 4096
+
+    def __init__(self, store: KVStore, selection: SelectionConfig, channels: torch.Tensor,
+                 stream: "torch.cuda.Stream | None" = None, device: str | None = None):
+        if selection.name != "asynctls":
+            raise ValueError(f"AsyncTlsExecutor needs selection.name 'asynctls', got {selection.name!r}")
+        if device not in (None, "cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+            raise ValueError(f"device {device!r}: allowed 'cuda' (with CUDA), 'cpu', or None (cuda where there is one)")
+        self.store = store
+        self.selection = selection
+        self.cuda = torch.cuda.is_available() if device is None else device == "cuda"
+        self.device = "gpu" if self.cuda else "cpu"
+        self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
+        self.stream = (stream or torch.cuda.Stream()) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream() if self.cuda else None
+        self.link_bytes_per_s: float | None = None
+        self.block_size = selection.block_size
+        self.blocks = selection.blocks
+        self.tokens = selection.tokens
+        self.lagged = selection.lagged
+        g = store.geometry
+        self.group_size, self.kv_heads, self.head_dim = g.group_size, g.kv_heads, g.head_dim
+        self.scale = 1.0 / math.sqrt(g.head_dim)
+        self.esize = torch.tensor([], dtype=store.dtype).element_size()
+        channels = torch.as_tensor(channels, dtype=torch.int64)
+        if channels.dim() != 3 or channels.shape[:2] != (store.layers, g.kv_heads) or channels.shape[2] % 2:
+            raise ValueError(f"channels has shape {tuple(channels.shape)}; expected [{store.layers}, {g.kv_heads}, d_c] "
+                             "with an even d_c")
+        if channels.shape[2] != selection.index_channels:
+            raise ValueError(f"channels keep {channels.shape[2]} channels per KV head; selection.index_channels is "
+                             f"{selection.index_channels}")
+        if int(channels.min()) < 0 or int(channels.max()) >= g.head_dim:
+            raise ValueError(f"channels must lie in 0..{g.head_dim - 1}")
+        self.index = TokenIndex(store.n_chunks, store.layers, g.head_dim, channels, self.block_size, store.dtype, self.dev)
+        slots = cache_slots(selection, store.cfg)
+        self.cache = ResidentCache(store.layers, store.cfg.max_sequences, g.kv_heads, slots, self.block_size,
+                                   g.head_dim, store.dtype, self.dev)
+        self._streaming = {layer: list(heads) for layer, heads in selection.streaming_heads.items()}
+        # CPU-resident tokens the index covers, per (layer, store slot).
+        self._indexed = np.zeros((store.layers, store.cfg.max_sequences), dtype=np.int64)
+        self._fetched: list[Any] = [None] * store.layers  # the newest copy event per layer (CUDA)
+        max_tasks = store.cfg.max_sequences * g.kv_heads
+        self._ring = torch.zeros((self.RING, 3, max_tasks), dtype=torch.int64, pin_memory=self.cuda)
+        self._ring_users: list[AsyncTlsLaunch | None] = [None] * self.RING
+        self.launches = 0
+        self.steps = 0
+        self.bytes_read = 0
+        self.blocks_selected = 0
+        self.blocks_missed = 0
+        self.prefill_bytes = 0
+        self.fetch_log: deque = deque(maxlen=self.LOG)
+        self.fetch_events: deque = deque(maxlen=self.EVENTS)
+        # Claims replay as CUDA graphs from their second step on (`_graph`); one memory pool for all.
+        self.graphs = self.cuda
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self._graph_bufs: dict[int, tuple] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory of the token index and the resident cache."""
+        return self.index.nbytes + self.cache.nbytes
+
+    def _arena(self, layer: int) -> torch.Tensor:
+        return self.store.arena_cuda(layer) if self.cuda else self.store.arena(layer)
+
+    # ------------------------------------------------------------------ selection and attention
+    def _select_blocks(self, layer: int, q: torch.Tensor, active: torch.Tensor, chunks: torch.Tensor,
+                       cpu_len: torch.Tensor) -> torch.Tensor:
+        """`M`: the top `k_b` blocks `[R, k]` (-1 padded) of each row by the group's summed Quest bound."""
+        r = q.shape[0]
+        meta = self.index.block_meta[layer][chunks.long()]  # [R, C, per, 2, D]
+        meta = meta.view(r, -1, 2, self.head_dim).float()
+        qa = q * active[..., None]
+        scores = block_scores(meta, qa)
+        nb = scores.shape[1]
+        n_blocks = -(-cpu_len // self.block_size)
+        scores.masked_fill_(torch.arange(nb, device=q.device)[None, :] >= n_blocks[:, None], float("-inf"))
+        k = nb if self.blocks == "all" else min(int(self.blocks), nb)
+        top = torch.topk(scores, k, dim=1, sorted=False)
+        return torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
+
+    def _select_tokens(self, layer: int, q: torch.Tensor, active: torch.Tensor, cached: torch.Tensor,
+                       kv_head: torch.Tensor, chunks: torch.Tensor, cpu_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache positions `[R, k_t]` into the rows' `slots * blk` cached tokens, whether each is a real token)."""
+        r, s = cached.shape
+        blk = self.block_size
+        pos = cached[:, :, None] * blk + torch.arange(blk, device=q.device)  # [R, S, blk] token positions
+        valid = (cached[:, :, None] >= 0) & (pos < cpu_len[:, None, None])
+        n = s * blk
+        pos, valid = pos.clamp(min=0).view(r, n), valid.view(r, n)
+        if self.tokens == "all" or int(self.tokens) >= n:
+            return torch.arange(n, device=q.device).expand(r, n), valid
+        cid = chunks.gather(1, (pos // layout.CHUNK_TOKENS).clamp(max=chunks.shape[1] - 1)).long()
+        approx = token_scores(self.index.keys(layer, cid, pos % layout.CHUNK_TOKENS),
+                              q.gather(2, self.index.channels[layer, kv_head][:, None, :].expand(-1, q.shape[1], -1)),
+                              valid, active)
+        sel = torch.topk(approx, int(self.tokens), dim=1, sorted=False).indices
+        return sel, valid.gather(1, sel)
+
+    def _attend(self, layer: int, q: torch.Tensor, active: torch.Tensor, seq_slot: torch.Tensor,
+                kv_head: torch.Tensor, sel: torch.Tensor, sel_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact attention `(out [R, G, D], lse [R, G])` over the selected cached tokens."""
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        flat = ck.shape[2] * ck.shape[3]
+        kk = ck.view(ck.shape[0], ck.shape[1], flat, -1)[seq_slot[:, None], kv_head[:, None], sel].float()
+        vv = cv.view(cv.shape[0], cv.shape[1], flat, -1)[seq_slot[:, None], kv_head[:, None], sel].float()
+        return exact_attention(q, kk, vv, sel_valid, active)
+
+    # ------------------------------------------------------------------ plan
+    def pack(self, tab: np.ndarray, nsel: np.ndarray, chunks: np.ndarray) -> AsyncTlsPlan:
+        """A queue's tasks in queue order (`native_table` columns); cached by the lane with the task set."""
+        blk = tab[:, native_pool.T_BLOCK]
+        if tab.shape[0] and not (blk == self.block_size).all():
+            raise ValueError(f"tasks of block size {sorted(set(blk.tolist()))}: the AsyncTLS executor selects blocks "
+                             f"of selection.block_size={self.block_size}")
+        n = tab[:, native_pool.T_N_CHUNKS]
+        c = max(1, int(n.max()) if n.size else 1)
+        off = tab[:, native_pool.T_CHUNK_OFF]
+        col = np.arange(c)[None, :]
+        at = np.minimum(off[:, None] + col, max(0, chunks.size - 1))
+        padded = np.where(col < n[:, None], chunks[at] if chunks.size else 0, 0).astype(np.int64)
+        return AsyncTlsPlan(tab[:, native_pool.T_BATCH].copy(), tab[:, native_pool.T_KVHEAD].copy(),
+                            tab[:, native_pool.T_CPULEN].copy(), padded, nsel > 0)
+
+    def upload(self, packed: AsyncTlsPlan, ordered: Sequence[Task], resident: bool = False) -> AsyncTlsStepPlan:
+        """The step's plan: device copies of the task set (kept while it is reused), and the index
+        and cache brought up to date with spills since the last step."""
+        if not len(ordered):
+            raise ValueError("upload of an empty task set")
+        layer = ordered[0].layer
+        if packed.seq_slot is None:  # once per task set
+            packed.seq_slot = np.fromiter((self.store.slot(t.seq_id) for t in ordered), dtype=np.int64, count=len(ordered))
+        if not packed.dev or not resident:  # on the executor's stream, which its claims run on
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                packed.dev = {name: torch.from_numpy(np.ascontiguousarray(getattr(packed, name))).to(self.dev)
+                              for name in ("batch", "kv_head", "cpu_len", "chunks", "active", "seq_slot")}
+        stale = self._indexed[layer, packed.seq_slot] != packed.cpu_len
+        refreshed = None
+        if stale.any():  # a spill grew these CPU segments (rare: once per generated_cap tokens)
+            refreshed = self._grow_segments(layer, packed, np.flatnonzero(stale))
+        self.steps += 1
+        return AsyncTlsStepPlan(packed, layer, self.steps, self._fetched[layer], refreshed)
+
+    def _grow_segments(self, layer: int, packed: AsyncTlsPlan, rows: np.ndarray) -> torch.Tensor:
+        """Index the tokens a spill appended to these rows' CPU segments and put the blocks holding them
+        into the cache (refreshing a resident one that gained tokens): they were in the GPU window until
+        this step, so its token level must see them. On the executor's stream after the layer's last
+        copies. Returns the tokens copied per task `[T]` (counted as moved by the step's claims)."""
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            if self.cuda and self._fetched[layer] is not None:
+                self.stream.wait_event(self._fetched[layer])
+            old, new = self._indexed[layer, packed.seq_slot[rows]], packed.cpu_len[rows]
+            self._index_rows(layer, packed.chunks[rows], packed.kv_head[rows], old, new)
+            blk = self.block_size
+            first, last = old // blk, (new - 1) // blk
+            width = int((last - first).max()) + 1
+            wanted = first[:, None] + np.arange(width)[None, :]
+            wanted = torch.from_numpy(np.where(wanted <= last[:, None], wanted, -1)).to(self.dev)
+            sub = torch.from_numpy(rows).to(self.dev)
+            d = {k: v[sub] for k, v in packed.dev.items()}
+            table = self.cache.table[layer]
+            cached = table[d["seq_slot"], d["kv_head"]]  # [n, S]
+            updated, dest = plan_insert(cached, wanted)
+            table[d["seq_slot"], d["kv_head"]] = updated
+            self.cache.fetch(layer, self._arena(layer), d["chunks"], d["seq_slot"], d["kv_head"], wanted, dest,
+                             stream=self.stream.cuda_stream if self.cuda else None)
+            tokens = torch.zeros(len(packed.batch), dtype=torch.int64, device=self.dev)
+            tokens[sub] = block_tokens(wanted, d["cpu_len"], blk).sum(1)
+        self._indexed[layer, packed.seq_slot[rows]] = packed.cpu_len[rows]
+        return tokens
+
+    def _index_rows(self, layer: int, chunks: np.ndarray, kv_head: np.ndarray, old_len: np.ndarray,
+                    new_len: np.ndarray) -> None:
+        """Rebuild the index rows of the chunks holding tokens `[old_len, new_len)` of each row."""
+        ct = layout.CHUNK_TOKENS
+        ids, heads = [], []
+        for c, h, lo, hi in zip(chunks, kv_head.tolist(), old_len.tolist(), new_len.tolist()):
+            if hi > lo:
+                part = c[lo // ct : -(-hi // ct)]
+                ids.append(part)
+                heads.append(np.full(part.shape, h, dtype=np.int64))
+        if not ids:
+            return
+        ids_t = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(self.dev)
+        images = self._arena(layer)[ids_t]
+        self.index.refresh(layer, ids_t, torch.from_numpy(np.concatenate(heads)).to(self.dev), images)
+
+    # ------------------------------------------------------------------ run
+    def launch(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step) -> AsyncTlsLaunch:
+        """Queue rows `[start, stop)` of the step's plan (on the executor's stream; returns at once on CUDA)."""
+        n = stop - start
+        if not 0 <= start < stop <= len(plan.plan.batch):
+            raise ValueError(f"claim [{start}, {stop}) of a plan of {len(plan.plan.batch)} tasks")
+        slot = self.launches % self.RING
+        prev = self._ring_users[slot]
+        if prev is not None and prev.bytes_read is None:
+            raise RuntimeError(f"more than {self.RING} launches in flight; wait for earlier launches first")
+        counts_host = self._ring[slot, :, :n]
+        if self.cuda:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            f0, f1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                ev0.record(self.stream)
+                self._claim(plan, start, stop, step, counts_host, (f0, f1), ev1)
+        else:
+            ev0 = time.perf_counter()
+            self._claim(plan, start, stop, step, counts_host, None, None)
+            ev1 = time.perf_counter()
+            f0 = f1 = None
+        handle = AsyncTlsLaunch(self, plan.step, plan.layer, counts_host, ev0, ev1, f0, f1)
+        self._ring_users[slot] = handle
+        self.launches += 1
+        return handle
+
+    def _claim(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step, counts_host: torch.Tensor,
+               fetch_events: tuple | None, end: Any) -> None:
+        layer, d = plan.layer, {k: v[start:stop] for k, v in plan.plan.dev.items()}
+        if self.cuda and plan.fetched is not None:
+            self.stream.wait_event(plan.fetched)  # the previous step's copies at this layer
+        arena = self._arena(layer)
+        graph = self._graph(plan, start, stop, step, d, arena) if self.cuda and self.graphs else None
+        if graph is not None:
+            graph[0].replay()
+            chosen, dest, counts = graph[1]
+        else:
+            chosen, dest, counts = self._claim_ops(layer, d, step, arena, fetch_events)
+        if plan.refreshed is not None:
+            counts = counts.clone()
+            counts[0] += plan.refreshed[start:stop] * (2 * self.head_dim * self.esize)
+        counts_host.copy_(counts, non_blocking=self.cuda)
+        if end is not None:
+            end.record(self.stream)
+        if self.lagged:
+            self._fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest, fetch_events, side=True)
+
+    def _claim_ops(self, layer: int, d: dict, step: Step, arena: torch.Tensor,
+                   fetch_events: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The claim's device work: selection, attention into the step's rows, the cache table update
+        (and, unlagged, the copies). Returns (chosen blocks, their copy slots, counts `[3, R]`)."""
+        b, h, slot, cpu_len, chunks, active = (d["batch"], d["kv_head"], d["seq_slot"], d["cpu_len"], d["chunks"],
+                                               d["active"])
+        bsz, hq, dim = step.q.shape
+        g = self.group_size
+        q = step.q.view(bsz, self.kv_heads, g, dim)[b, h]  # [R, G, D], pre-scaled fp32
+        chosen = self._select_blocks(layer, q, active, chunks, cpu_len)
+        table = self.cache.table[layer]
+        cached = table[slot, h]
+        if self.lagged:
+            sel, sel_valid = self._select_tokens(layer, q, active, cached, h, chunks, cpu_len)
+            out, lse = self._attend(layer, q, active, slot, h, sel, sel_valid)
+            new, miss, dest = plan_update(cached, chosen)
+            table[slot, h] = new
+        else:
+            new, miss, dest = plan_update(cached, chosen)
+            table[slot, h] = new
+            self._fetch(layer, arena, chunks, slot, h, chosen, dest, fetch_events, side=False)
+            sel, sel_valid = self._select_tokens(layer, q, active, new, h, chunks, cpu_len)
+            out, lse = self._attend(layer, q, active, slot, h, sel, sel_valid)
+        step.out.view(bsz, self.kv_heads, g, dim)[b, h] = out
+        step.lse.view(bsz, self.kv_heads, g)[b, h] = lse
+        moved = torch.where(miss, block_tokens(chosen, cpu_len, self.block_size), 0).sum(1)
+        counts = torch.stack([moved * (2 * self.head_dim * self.esize), (chosen >= 0).sum(1), miss.sum(1)])
+        return chosen, dest, counts
+
+    def _graph(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step, d: dict, arena: torch.Tensor):
+        """The claim as a CUDA graph (graph, (chosen, dest, counts)), or None to run it eagerly.
+
+        A claim's torch ops cost more host time than the GPU spends on them at small batches, and
+        a step of a reused task set repeats the same ops on the same buffers: its second claim of a
+        (layer, rows, mode) is captured and every later one replays it. The first runs eagerly (it
+        warms up the libraries and the allocator for these shapes). The outputs the copy stream and
+        the host read live in per-layer buffers, so that every graph can share one memory pool
+        (they replay one after another on the executor's stream). A capture that fails turns
+        graphs off for the executor, with a warning.
+        """
+        key = (plan.layer, start, stop, self.lagged, step.q.data_ptr(), step.out.data_ptr(), step.lse.data_ptr())
+        graphs = plan.plan.graphs
+        entry = graphs.get(key)
+        if entry is None:
+            graphs[key] = "eager once"
+            return None
+        if entry != "eager once":
+            return entry
+        r = stop - start
+        bufs = self._graph_outputs(plan.layer, r)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
+                chosen, dest, counts = self._claim_ops(plan.layer, d, step, arena, None)
+                k = chosen.shape[1]
+                bufs[0][:r, :k].copy_(chosen)
+                bufs[1][:r, :k].copy_(dest)
+                bufs[2][:, :r].copy_(counts)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly from now on
+            log.warning("AsyncTLS: capturing a claim as a CUDA graph failed (%r); claims run eagerly from now on", exc)
+            self.graphs = False
+            graphs[key] = None
+            return None
+        entry = graphs[key] = (graph, (bufs[0][:r, :k], bufs[1][:r, :k], bufs[2][:, :r]))
+        return entry
+
+    def _graph_outputs(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-layer (chosen, dest, counts) buffers for graphed claims of up to `rows` tasks."""
+        bufs = self._graph_bufs.get(layer)
+        if bufs is None or bufs[0].shape[0] < rows:
+            n, s = max(rows, self.store.cfg.max_sequences * self.kv_heads), self.cache.slots
+            bufs = self._graph_bufs[layer] = (torch.full((n, s), -1, dtype=torch.int64, device=self.dev),
+                                              torch.full((n, s), -1, dtype=torch.int64, device=self.dev),
+                                              torch.zeros((3, n), dtype=torch.int64, device=self.dev))
+        return bufs
+
+    def _fetch(self, layer: int, arena: torch.Tensor, chunks: torch.Tensor, slot: torch.Tensor, kv_head: torch.Tensor,
+               chosen: torch.Tensor, dest: torch.Tensor, events: tuple | None, side: bool) -> None:
+        """Copy the missing blocks; on CUDA on the copy stream (`side`, after the claim's reads of
+        the cache) or the executor's stream, bracketed by `events`; the layer's event marks its end."""
+        if not self.cuda:
+            self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest)
+            return
+        stream = self.copy_stream if side else self.stream
+        if side:
+            stream.wait_stream(self.stream)
+            for t in (chunks, slot, kv_head, chosen, dest):
+                t.record_stream(stream)  # made on the executor's stream, read on the copy stream
+        if events is None:  # inside a graph capture: the copy is part of the graph
+            self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
+            return
+        f0, f1 = events
+        f0.record(stream)
+        self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
+        f1.record(stream)
+        self._fetched[layer] = f1
+        self.fetch_events.append((layer, f0, f1))
+
+    def _account(self, step: int, layer: int, counts: np.ndarray) -> None:
+        """A retired claim's counts: `[3, n]` bytes moved, blocks selected, blocks missed per task."""
+        self.bytes_read += int(counts[0].sum())
+        sel, miss = int(counts[1].sum()), int(counts[2].sum())
+        self.blocks_selected += sel
+        self.blocks_missed += miss
+        self.fetch_log.append((step, layer, sel, miss))
+
+    def run(self, tasks: Sequence[Task], step: Step) -> None:
+        """Run `tasks` of `step.layer` and wait; sets each task's `bytes_read`."""
+        if not tasks:
+            return
+        tab, nsel, chunks, _ = native_table(tasks, step.group_size)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())  # step.q is ready
+        plan = self.upload(self.pack(tab, nsel, chunks), tasks)
+        per_task = self.launch(plan, 0, len(tasks), step).wait()
+        for task, nbytes in zip(tasks, per_task.tolist()):
+            task.bytes_read = int(nbytes)
+            task.device = self.device
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, seq_id: int, layer: int, q_last: torch.Tensor, extend: bool = False) -> None:
+        """After the store took a prompt (or its next chunk) at `layer`: index its CPU segment and warm
+        the cache with the blocks the prompt's last query `q_last [Hq, D]` (unscaled) chooses."""
+        store = self.store
+        seq_slot = store.slot(seq_id)
+        cpu_len = store.cpu_len(seq_id, layer)
+        table = store.chunk_table(seq_id, layer)  # [Hkv, n], once the store's copies landed
+        if self.cuda:
+            stream = torch.cuda.current_stream()
+            if self._fetched[layer] is not None:  # a released sequence's copies into this slot
+                stream.wait_event(self._fetched[layer])
+            stream.wait_stream(self.stream)
+        old = self._indexed[layer, seq_slot] if extend else 0
+        hkv = self.kv_heads
+        chunks = np.ascontiguousarray(table, dtype=np.int64)
+        heads = np.arange(hkv)
+        self._index_rows(layer, chunks, heads, np.full(hkv, old), np.full(hkv, cpu_len))
+        self._indexed[layer, seq_slot] = cpu_len
+        self.cache.reset(layer, seq_slot)
+        if not cpu_len:
+            return
+        dev = self.dev
+        active = torch.ones((hkv, self.group_size), dtype=torch.bool)
+        active.view(-1)[self._streaming.get(layer, [])] = False
+        q = (q_last.to(device=dev, dtype=torch.float32) * self.scale).view(hkv, self.group_size, self.head_dim)
+        h = torch.arange(hkv, device=dev)
+        slot = torch.full((hkv,), seq_slot, dtype=torch.int64, device=dev)
+        lens = torch.full((hkv,), cpu_len, dtype=torch.int64, device=dev)
+        chunks_t = torch.from_numpy(chunks).to(dev)
+        chosen = self._select_blocks(layer, q, active.to(dev), chunks_t, lens)
+        new, miss, dest = plan_update(self.cache.table[layer][seq_slot], chosen)
+        self.cache.table[layer][seq_slot] = new
+        self.cache.fetch(layer, self._arena(layer), chunks_t, slot, h, chosen, dest,
+                         stream=torch.cuda.current_stream().cuda_stream if self.cuda else None)
+        moved = int(torch.where(miss, block_tokens(chosen, lens, self.block_size), 0).sum())
+        self.prefill_bytes += moved * 2 * self.head_dim * self.esize
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())
+
+    # ------------------------------------------------------------------ lifecycle and reports
+    def warm_up(self) -> None:
+        """Compile the copy kernel now (a launch that copies nothing), not in the first decode step."""
+        if not self.cuda:
+            return
+        none = torch.full((1, 1), -1, dtype=torch.int64, device=self.dev)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.dev)
+        self.cache.fetch(0, self._arena(0), torch.zeros((1, 1), dtype=torch.int64, device=self.dev), zero, zero,
+                         torch.zeros_like(none), none, stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+
+    def epsilon_per_step(self) -> np.ndarray:
+        """`|M_t \\ C_t| / |M_t|` of every recorded step (one layer of one decode call; its claims
+        summed over the batch and KV heads), in step order."""
+        log = np.array(self.fetch_log, dtype=np.int64).reshape(-1, 4)
+        steps, at = np.unique(log[:, 0], return_inverse=True)
+        sel = np.bincount(at, weights=log[:, 2], minlength=len(steps))
+        miss = np.bincount(at, weights=log[:, 3], minlength=len(steps))
+        keep = sel > 0
+        return miss[keep] / sel[keep]
+
+    def transfer_seconds(self) -> float:
+        """GPU time of the recorded copies (synchronizes; CUDA only), and forgets them."""
+        if not self.cuda:
+            return 0.0
+        torch.cuda.synchronize()
+        total = sum(f0.elapsed_time(f1) for _, f0, f1 in self.fetch_events) * 1e-3
+        self.fetch_events.clear()
+        return total
+
+
+def memory_bytes(selection: SelectionConfig, kv: KVCacheConfig, geometry: GeometryConfig, n_chunks: int) -> dict[str, int]:
+    """What the executor allocates: `index` and `cache` (resident, on its device) and `step`, the
+    temporaries of a claim of every task at its largest (a sequence filling the capacity)."""
+    es = 4 if kv.dtype == "fp32" else 2
+    d, g, hkv = geometry.head_dim, geometry.group_size, geometry.kv_heads
+    blk, d_c = selection.block_size, selection.index_channels
+    slots = cache_slots(selection, kv)
+    index = geometry.layers * index_bytes(n_chunks, d, d_c, blk, es)
+    cache = cache_bytes(geometry.layers, kv.max_sequences, hkv, slots, blk, d, es)
+    rows = kv.max_sequences * hkv
+    nb = -(-kv.cpu_capacity_tokens // layout.CHUNK_TOKENS) * (layout.CHUNK_TOKENS // blk)
+    n = slots * blk
+    k_t = n if selection.tokens == "all" else min(n, int(selection.tokens))
+    level1 = nb * 2 * d * (es + 4) + 2 * nb * 4
+    level2 = n * (5 * 8 + (d_c // 2) + 8 + 4 * d_c) + 3 * g * n * 4
+    attend = k_t * (2 * d * (es + 4) + 8) + 2 * g * k_t * 4
+    return {"index": index, "cache": cache, "step": rows * (level1 + max(level2, attend))}
+
+
+def asynctls_executor(store: KVStore, selection: SelectionConfig) -> AsyncTlsExecutor:
+    """The runtime's AsyncTLS executor: channels from `selection.channel_file` (checked against the
+    store's geometry), kernels compiled."""
+    path = resolve_checkpoint(selection.channel_file)
+    if path is None:
+        raise ConfigError(f"selection.channel_file: {selection.channel_file!r} is not a file; allowed: a channel file "
+                          "written by python -m hybrid_runtime.experiments.asynctls_calibration")
+    try:
+        sets = ChannelSets.load(path)
+    except ValueError as exc:
+        raise ConfigError(f"selection.channel_file: {exc}") from None
+    sets.check_geometry(store.geometry, f"selection.channel_file {selection.channel_file!r}")
+    executor = AsyncTlsExecutor(store, selection, sets.channels(selection.index_channels)[: store.layers])
+    executor.warm_up()
+    return executor
+
+
+# ---------------------------------------------------------------------------- the math, shared with tests
+def block_scores(meta: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Quest bounds summed over a group's heads, as two GEMMs: `meta [R, N, 2, D]` (min, max) and
+    `q [R, G, D]` -> `[R, N]` = `(sum_h max(q_h, 0)) . max + (sum_h min(q_h, 0)) . min`."""
+    pos, neg = q.clamp(min=0).sum(1), q.clamp(max=0).sum(1)  # [R, D]
+    return torch.bmm(meta[:, :, 1], pos[:, :, None]).squeeze(2) + torch.bmm(meta[:, :, 0], neg[:, :, None]).squeeze(2)
+
+
+def token_scores(keys: torch.Tensor, q: torch.Tensor, valid: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Double Sparsity's group score of each candidate: the heads' softmaxes over their
+    approximate scores `q_c . k_c` (`keys [R, N, d_c]`, `q [R, G, d_c]`), averaged over the active
+    heads; -1 for candidates that are not tokens (never chosen before a real one)."""
+    s = torch.bmm(q, keys.transpose(1, 2))  # [R, G, N]
+    s.masked_fill_(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row without candidates has no distribution
+    w = active.to(p.dtype)
+    avg = (p * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp(min=1)
+    return avg.masked_fill_(~valid, -1.0)
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                    active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of `q [R, G, D]` over `k, v [R, N, D]` where `valid [R, N]`; heads not
+    `active [R, G]` (and rows with no valid key) get out 0, lse -inf."""
+    s = torch.bmm(q, k.transpose(1, 2))  # [R, G, N]
+    s.masked_fill_(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    lse = torch.where(active, lse, torch.full_like(lse, float("-inf")))
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - safe[..., None])
+    p = torch.where(torch.isfinite(lse)[..., None], p, torch.zeros_like(p))
+    return torch.bmm(p, v), lse
+
+
+__all__ = ["AsyncTlsExecutor", "AsyncTlsLaunch", "AsyncTlsPlan", "asynctls_executor", "block_scores", "cache_slots",
+           "exact_attention", "memory_bytes", "token_scores"]
