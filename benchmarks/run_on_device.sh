@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead
+#   steps: gpu_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead sparda
 #   (default: the first four)
 set -u
 commit=${1:?commit sha under test (the device copy has no .git)}
@@ -21,6 +21,7 @@ for step in $steps; do
         layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-h100.json" ;;
         e2e_decode) timeout 590 python benchmarks/e2e_decode.py --out "$out/e2e_decode-h100.json" ;;
         predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --out-dir "$out" ;;
+        sparda) timeout 590 python benchmarks/sparda.py --out "$out/sparda-h100.json" ;;
         *) echo "unknown step $step"; false ;;
     esac >"$out/$step.log" 2>&1
     echo "$step rc=$?"
