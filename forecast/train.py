@@ -5,9 +5,10 @@
 
 **Texts.** The quality harness's corpus (the distinct topics of `pydoc_data.topics`, in key order)
 cut into chunks of `--length` tokens. A chunk is usable when it lies outside `--exclude` (token
-ranges kept for evaluation; by default the quality harness's text, tokens 30000-38500) and fewer
-than 5% of the tokens of its decode span complete an 8-gram already in the chunk. Usable chunks
-are split by text, not by row: every `--heldout-every`-th is held out.
+ranges kept for evaluation; by default the quality harness's text, tokens 30000-38500), shares
+no 16-token sequence with them (the corpus repeats passages across topics), and fewer than 5% of
+the tokens of its decode span complete an 8-gram already in the chunk. Usable chunks are split
+by text, not by row: every `--heldout-every`-th is held out.
 
 **Rows.** For a chunk the prompt is its first `P = length - span` tokens and `--positions`
 decode positions are drawn from `[P, length)`; the CPU segment is `[sink, P - local)`, as the
@@ -110,15 +111,26 @@ def repeated_fraction(ids: np.ndarray, first: int, n: int = 8) -> float:
     return hits / total if total else float("nan")
 
 
+OVERLAP_NGRAM = 16
+
+
+def _ngrams(ids: np.ndarray, n: int = OVERLAP_NGRAM) -> set:
+    return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
+
+
 def choose_texts(ids: np.ndarray, s: TrainSettings) -> list[dict]:
     """Usable chunks `{offset, split, repeat}` in corpus order until both splits are full."""
+    ids = np.asarray(ids).tolist()
+    kept = set().union(*(_ngrams(ids[lo:hi]) for lo, hi in s.exclude)) if s.exclude else set()
     chosen, n_train, n_held = [], 0, 0
     for offset in range(0, len(ids) - s.length + 1, s.length):
         if n_train >= s.train_texts and n_held >= s.heldout_texts:
             break
         if any(offset < hi and offset + s.length > lo for lo, hi in s.exclude):
             continue
-        rep = repeated_fraction(ids[offset : offset + s.length], s.length - s.span)
+        if kept & _ngrams(ids[offset : offset + s.length]):
+            continue
+        rep = repeated_fraction(np.asarray(ids[offset : offset + s.length]), s.length - s.span)
         if not rep < s.max_repeat:
             continue
         held = len(chosen) % s.heldout_every == 1
@@ -240,22 +252,24 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_smollm2()
     ids = tok(corpus_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
     texts = choose_texts(ids.numpy(), s)
-    text_keys = ("length", "span", "positions", "sink", "local", "block_size", "tau", "seed")
-    key = {k: getattr(s, k) for k in text_keys} | {"texts": [t["offset"] for t in texts]}
-    rows = None
+    # The cache keeps each text's rows under its offset, for the settings that shape them.
+    key = {k: getattr(s, k) for k in ("length", "span", "positions", "sink", "local", "block_size", "tau", "seed")}
+    cached: dict = {}
     if args.data_cache and Path(args.data_cache).is_file():
-        cached = torch.load(args.data_cache, weights_only=False)
-        if cached.get("key") == key:
-            rows = cached["rows"]
-            log(f"rows of {len(rows)} texts from {args.data_cache}")
-    if rows is None:
-        rows = []
-        for i, t in enumerate(texts):
-            rows.append(text_rows(model, ids[t["offset"] : t["offset"] + s.length], s, t["offset"]))
-            log(f"text {i + 1}/{len(texts)} ({t['split']}, tokens {t['offset']}..{t['offset'] + s.length}) captured")
-        if args.data_cache:
-            Path(args.data_cache).parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"key": key, "rows": rows}, args.data_cache)
+        data = torch.load(args.data_cache, weights_only=False)
+        if data.get("key") == key:
+            cached = data["rows"]
+    rows = []
+    for i, t in enumerate(texts):
+        if t["offset"] in cached:
+            rows.append(cached[t["offset"]])
+            continue
+        rows.append(text_rows(model, ids[t["offset"] : t["offset"] + s.length], s, t["offset"]))
+        cached[t["offset"]] = rows[-1]
+        log(f"text {i + 1}/{len(texts)} ({t['split']}, tokens {t['offset']}..{t['offset'] + s.length}) captured")
+    if args.data_cache:
+        Path(args.data_cache).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": key, "rows": cached}, args.data_cache)
     t_data = time.perf_counter() - t0
     train_rows = [r for r, t in zip(rows, texts) if t["split"] == "train"]
     held_rows = [r for r, t in zip(rows, texts) if t["split"] == "heldout"]

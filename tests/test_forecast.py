@@ -133,3 +133,19 @@ def test_training_lowers_the_restricted_kl_on_a_tiny_model(tmp_path):
     got = fq.queries(1, r["x"][1], r["cos"], r["sin"])
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 weights
     assert block_logits(want[None], {**r, "cells": r["cells"][1:2]}, s.block_size).shape[-1] == -(-r["n_cpu"] // 16)
+
+
+def test_training_texts_avoid_the_excluded_text_and_its_repeats():
+    import numpy as np
+
+    from forecast.train import TrainSettings, choose_texts
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50000, 20 * 512)
+    ids[3 * 512 + 100 : 3 * 512 + 140] = ids[10 * 512 + 5 : 10 * 512 + 45]  # chunk 3 repeats a passage of chunk 10
+    s = TrainSettings(length=512, span=64, positions=8, sink=4, local=32, block_size=16, train_texts=4,
+                      heldout_texts=2, exclude=((10 * 512, 11 * 512),))
+    texts = choose_texts(ids, s)
+    offsets = [t["offset"] for t in texts]
+    assert 3 * 512 not in offsets and 10 * 512 not in offsets and len(offsets) == 6
+    assert [t["split"] for t in texts].count("heldout") == 2

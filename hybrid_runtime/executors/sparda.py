@@ -69,8 +69,6 @@ class SpardaExecutor:
     for benchmarks.
     """
 
-    device = "gpu"
-
     def __init__(self, store: KVStore, cfg: SpardaConfig, kv_cfg: KVCacheConfig, timing: bool = False):
         self.store, self.cfg = store, cfg
         self.cuda = store.device.type == "cuda"
