@@ -119,7 +119,7 @@ class SelectionConfig:
 
     # nosa: the NOSA executor picks each KV head's blocks itself (the `nosa` section).
     name: str = field(default="fixed",
-                      metadata=_choices("fixed", "full", "streaming", "predicted", "nosa", "asynctls"))
+                      metadata=_choices("fixed", "full", "streaming", "predicted", "nosa", "asynctls", "sparda"))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
     budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
     # layer -> query heads treated as streaming (GPU window only, no CPU task).
@@ -212,6 +212,37 @@ class NosaConfig:
     def query_aware_blocks(self, kv: "KVCacheConfig") -> int:
         """Of the cache's blocks, those chosen by pooled q.K (all of them for `query_aware`)."""
         return self.cache_blocks(kv) if self.selector == "query_aware" else self.k_q_tokens // self.block_tokens
+
+
+@dataclass(frozen=True)
+class SpardaConfig:
+    """`selection.name: sparda`: each KV group attends its window and `top_k` blocks of its CPU
+    segment chosen one layer ahead (SparDA): layer l's decode scores layer l+1's compressed keys with
+    a selection query and prefetches the chosen blocks into a block cache on the window's device
+    (`executors/sparda.py`)."""
+
+    block_size: int = field(default=64, metadata=_choices(*BLOCK_SIZES))
+    top_k: int = field(default=8, metadata=_range(1, None))
+    # Where layer l+1's selection query comes from: `forecast` (the trained W_F of `checkpoint`) or
+    # `proxy` (layer l's input through layer l+1's query projection), handed to decode(l, ...,
+    # lookahead=) -- by the transformers integration, or by the caller -- and prefetched during layer l;
+    # `same_layer`: every layer selects with its own query at its own step and fetches synchronously.
+    lookahead: str = field(default="forecast", metadata=_choices("forecast", "proxy", "same_layer"))
+    # lookahead forecast: the Forecast checkpoint (python -m forecast.train), looked up like selection.checkpoint.
+    checkpoint: str = "forecast/checkpoints/smollm2.pt"
+    # Block cache per sequence slot and KV group, in blocks (0: auto, room for two steps' selections);
+    # at least top_k plus the blocks one spill adds, which a spill step fetches besides its top_k.
+    cache_blocks: int = field(default=0, metadata=_range(0, None))
+
+
+def spill_blocks(kv: "KVCacheConfig", block_size: int) -> int:
+    """The most blocks one decode spill can add to a CPU segment (a partly filled block included)."""
+    return -(-(kv.generated_cap + PAGE_SIZE) // block_size) + 1
+
+
+def sparda_cache_blocks(sparda: SpardaConfig, kv: "KVCacheConfig") -> int:
+    """`sparda.cache_blocks` with 0 resolved: room for two steps' top_k and one spill."""
+    return sparda.cache_blocks or 2 * sparda.top_k + spill_blocks(kv, sparda.block_size)
 
 
 def _check_gpu_worker(value: bool | str) -> str | None:
@@ -364,6 +395,7 @@ class Config:
     geometry: GeometryConfig = field(default_factory=GeometryConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    sparda: SpardaConfig = field(default_factory=SpardaConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     # Set (defaults filled in) exactly when selection.name is nosa.
@@ -622,6 +654,27 @@ def _validate_selection(selection: SelectionConfig, kv: KVCacheConfig, geometry:
             )
 
 
+def _validate_sparda(cfg: Config) -> None:
+    sp, kv = cfg.sparda, cfg.kv_cache
+    if cfg.selection.name != "sparda":
+        return
+    if sp.block_size not in kv.block_sizes:
+        raise ConfigError(f"sparda.block_size: {sp.block_size} is not one of kv_cache.block_sizes={list(kv.block_sizes)}, "
+                          "the block sizes the store keeps contiguous; allowed: one of them")
+    least = sp.top_k + spill_blocks(kv, sp.block_size)
+    if sp.cache_blocks and sp.cache_blocks < least:
+        raise ConfigError(f"sparda.cache_blocks: {sp.cache_blocks} cannot hold one step's selection (top_k={sp.top_k} plus "
+                          f"{least - sp.top_k} blocks a spill of kv_cache.generated_cap={kv.generated_cap} tokens adds); "
+                          f"allowed: 0 (auto) or >= {least}")
+    if sp.lookahead == "forecast" and resolve_checkpoint(sp.checkpoint) is None:
+        raise ConfigError(f"sparda.checkpoint: {sp.checkpoint!r} is not a file (looked up from the working directory and the "
+                          "repository root); allowed: a Forecast checkpoint written by python -m forecast.train, or "
+                          "sparda.lookahead: proxy or same_layer")
+    if cfg.selection.streaming_heads:
+        raise ConfigError("selection.streaming_heads: not read under selection.name 'sparda' (every KV group attends its "
+                          "top_k blocks); allowed: remove it")
+
+
 def _validate_experiment(cfg: Config) -> None:
     ex = cfg.experiment
     names = [v.name for v in ex.variants]
@@ -637,6 +690,10 @@ def _validate_experiment(cfg: Config) -> None:
                 f"{path}.selection: 'asynctls' runs in its own GPU-lane executor (index and resident cache built at "
                 "prefill), so a runtime with it runs no other selection and one without it cannot switch to it; "
                 "allowed: leave the variant's selection out")
+        if v.selection.name == "sparda" or (cfg.selection.name == "sparda" and v.selection.name != "sparda"):
+            raise ConfigError(f"{path}.selection.name: SparDA decodes through its own executor and block cache, which "
+                              "variants cannot switch step by step; allowed: selection.name 'sparda' at the top level "
+                              "with no variant selections, or no 'sparda' anywhere")
         _validate_selection(v.selection, cfg.kv_cache, cfg.geometry, f"{path}.selection")
         if v.selection.name == "predicted" and v.selection != cfg.selection:
             raise ConfigError(
@@ -680,6 +737,17 @@ def _check_nosa_keys(data: Mapping) -> None:
 def _check_unused_keys(data: Mapping) -> None:
     """Keys the experiment would not read: refused rather than silently ignored."""
     _check_nosa_keys(data)
+    # A section equal to the defaults is what a run's own config.yaml holds: it reads back.
+    sel = data.get("selection") if isinstance(data.get("selection"), Mapping) else {}
+    sp = data.get("sparda") if isinstance(data.get("sparda"), Mapping) else {}
+    defaults = _to_plain(SpardaConfig())
+    changed = sorted(k for k, v in sp.items() if k not in defaults or v != defaults[k])
+    if changed and sel.get("name") != "sparda":
+        raise ConfigError(f"sparda.{changed[0]}: read only under selection.name 'sparda'; allowed: remove it or set "
+                          "selection.name: sparda")
+    if "checkpoint" in changed and sp.get("lookahead", defaults["lookahead"]) != "forecast":
+        raise ConfigError(f"sparda.checkpoint: read only with sparda.lookahead 'forecast' (here {sp.get('lookahead')!r}); "
+                          "allowed: remove it")
     ex = data.get("experiment") if isinstance(data.get("experiment"), Mapping) else {}
     wl = data.get("workload") if isinstance(data.get("workload"), Mapping) else {}
     if ex.get("points"):
@@ -756,6 +824,7 @@ def _validate_cross(cfg: Config) -> None:
         if sc.gpu_worker is False:
             raise ConfigError("scheduler.gpu_worker: false; selection 'asynctls' runs on the GPU lane; allowed: true, or "
                               "'auto' on a machine with CUDA (true without CUDA runs it on the host)")
+    _validate_sparda(cfg)
     if kv.local % PAGE_SIZE or kv.generated_cap % PAGE_SIZE:
         raise ConfigError(
             f"kv_cache: local={kv.local} and generated_cap={kv.generated_cap} must be "
@@ -833,6 +902,7 @@ __all__ = [
     "ProfilingConfig",
     "SchedulerConfig",
     "SelectionConfig",
+    "SpardaConfig",
     "VariantConfig",
     "WorkloadConfig",
     "config_from_dict",
@@ -840,4 +910,6 @@ __all__ = [
     "parse_override",
     "resolved",
     "resolve_checkpoint",
+    "sparda_cache_blocks",
+    "spill_blocks",
 ]

@@ -26,9 +26,11 @@ import torch
 
 from cpu_kernels import layout
 from hybrid_runtime import native_pool
-from hybrid_runtime.config import Config, GeometryConfig, KVCacheConfig
+from hybrid_runtime.forecast_block_cache import BlockCache
+from hybrid_runtime.config import Config, GeometryConfig, KVCacheConfig, sparda_cache_blocks, spill_blocks
 from hybrid_runtime.kvcache import CapacityError, arena_bytes
 from hybrid_runtime.prefill_statistics import statistics_bytes
+from hybrid_runtime.segment_index import CELLS_PER_CHUNK, SegmentIndex
 from hybrid_runtime.tasks import blocks_for_budget
 
 HOST_PINNED = "host pinned"
@@ -376,6 +378,30 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         parts.append(MemoryPart(
             "prefill_statistics_search", win_where, "prefill", _on(win_where, 2 * hq * longest_cpu * d * _F32),
             ("kv_cache.cpu_capacity_tokens",), f"anchor budget search over {longest_cpu} tokens x {hq} heads x {d}, fp32"))
+
+    if cfg.selection.name == "sparda":
+        sp = cfg.sparda
+        per_group = sparda_cache_blocks(sp, kv)
+        max_blocks = -(-kv.cpu_capacity_tokens // sp.block_size) + 1
+        max_chunks = -(-kv.cpu_capacity_tokens // layout.CHUNK_TOKENS) + 1
+        per_layer = BlockCache.nbytes(s * hkv * per_group, sp.block_size, d, es, s, hkv, max_blocks) + \
+            SegmentIndex.nbytes(n_chunks, s, hkv, d, max_chunks, es)
+        parts.append(MemoryPart(
+            "sparda_cache_index", win_where, RESIDENT, _on(win_where, layers * per_layer),
+            ("sparda.cache_blocks", "sparda.top_k", "kv_cache.max_sequences", "kv_cache.cpu_capacity_tokens",
+             "geometry.layers"),
+            f"{layers} layers x ({s * hkv * per_group} cached blocks of {sp.block_size} tokens, K and V; cell means of "
+            f"{n_chunks} chunks; chunk tables)"))
+        # One selection: the batch's cells gathered and scored in fp32 (per head for a proxy), and on
+        # the host the attention's gathered K and V of every selected block in fp32.
+        cells = s * hkv * max_chunks * CELLS_PER_CHUNK
+        step = cells * d * (es + _F32) + 4 * s * hq * max_chunks * CELLS_PER_CHUNK * _F32
+        if not window_on_gpu:
+            step += 2 * s * hkv * (sp.top_k + spill_blocks(kv, sp.block_size)) * sp.block_size * d * _F32
+        parts.append(MemoryPart(
+            "sparda_selection", win_where, "decode", _on(win_where, step),
+            ("kv_cache.max_sequences", "kv_cache.cpu_capacity_tokens", "sparda.top_k"),
+            f"scores of {cells} cells for {s} sequences; attention over the selected blocks on the host"))
 
     # Step buffers (runtime.__init__): q and packed results on the host, their device copies.
     step_keys = ("kv_cache.max_sequences",)

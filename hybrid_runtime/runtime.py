@@ -238,6 +238,13 @@ class HybridRuntime:
             # On CUDA its graphs are captured here, before the first step.
             head_planner = PredictedHeadPlanner(cfg.selection, geometry, store)
         self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.selection, geometry)
+        # selection.name sparda: the CPU segment's blocks are chosen one layer ahead and prefetched
+        # into a block cache on the window's device (executors/sparda.py); no tasks, no planner.
+        self.sparda = None
+        if cfg.selection.name == "sparda":
+            from hybrid_runtime.executors.sparda import SpardaExecutor
+
+            self.sparda = SpardaExecutor(store, cfg.sparda, cfg.kv_cache)
         if getattr(self.planner, "absorb_spill", None) is not None:
             store.spill_listener = self.planner.absorb_spill
         if getattr(self.gpu_executor, "absorb_chunks", None) is not None:
@@ -254,6 +261,8 @@ class HybridRuntime:
         # Raw host copies of a step's k and v (any float dtype, up to 8 bytes an element) for the
         # NaN/inf check that rides on q's copy.
         self._kv_host = torch.zeros(2 * s * geometry.kv_heads * d * 8 + 8, dtype=torch.uint8, pin_memory=pin)
+        # ... and of a step's SparDA lookahead queries (up to one per query head).
+        self._look_host = torch.zeros(s * hq * d * 8 if self.sparda is not None else 0, dtype=torch.uint8, pin_memory=pin)
         self._res_dev = torch.zeros(s * hq * (d + 1), dtype=torch.float32, device=self.device) if self.cuda else None
         dev = self.gpu_lane_device
         self._gq = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
@@ -408,6 +417,8 @@ class HybridRuntime:
         _check_finite(tensors)
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._forget_tasks(seq_id)
+        if self.sparda is not None:
+            self.sparda.prefill(seq_id, layer)
         if planner_prefill is not None:
             planner_prefill(seq_id, layer, k, v, q_last, extend=bool(extend))
         if executor_prefill is not None:
@@ -428,6 +439,8 @@ class HybridRuntime:
         executor_release = getattr(self.gpu_executor, "release", None)
         if executor_release is not None:
             executor_release(self.store.slot(seq_id))  # per-slot state (the NOSA block caches)
+        if self.sparda is not None:
+            self.sparda.release(seq_id)
         self.store.release(seq_id)
         self._forget_tasks(seq_id)
 
@@ -559,11 +572,34 @@ class HybridRuntime:
         limit = self.store.cfg.local + self.store.cfg.generated_cap
         return any(self.store._layer_state(s, layer).recent_len + 1 > limit for s in seq_ids)
 
+    def _check_lookahead(self, layer: int, seq_ids: list[int], lookahead: Any) -> None:
+        """`decode(..., lookahead=)`: SparDA's selection queries of the next layer, or an error."""
+        g = self.geometry
+        if self.sparda is None:
+            raise ValueError(f"lookahead is given but selection.name is {self.cfg.selection.name!r}; it is read only under "
+                             "selection.name 'sparda' (the next layer's selection queries)")
+        if self.cfg.sparda.lookahead == "same_layer":
+            raise ValueError("lookahead is given but sparda.lookahead is 'same_layer' (every layer selects with its own "
+                             "query); allowed: no lookahead, or sparda.lookahead 'forecast' or 'proxy'")
+        if layer == self.store.layers - 1:
+            raise ValueError(f"lookahead is given at layer {layer}, the last layer: there is no next layer to select for")
+        _check_tensor("lookahead", lookahead)
+        if lookahead.dim() != 3 or lookahead.shape[0] != len(seq_ids) or lookahead.shape[2] != g.head_dim or \
+                lookahead.shape[1] not in (g.kv_heads, g.q_heads):
+            raise ValueError(f"lookahead has shape {tuple(lookahead.shape)}; expected [{len(seq_ids)}, {g.kv_heads}, "
+                             f"{g.head_dim}] (one query per KV group, the Forecast's) or [{len(seq_ids)}, {g.q_heads}, "
+                             f"{g.head_dim}] (one per query head, unscaled, the proxy's)")
+
     @torch.no_grad()
-    def decode(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def decode(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               lookahead: torch.Tensor | None = None) -> torch.Tensor:
         """One layer of one decode step for a batch: q `[B,Hq,D]`, k/v `[B,Hkv,D]` -> out `[B,Hq,D]`.
 
         `q` is not pre-scaled (the runtime applies 1/sqrt(D)). The output has q's dtype and device.
+        `lookahead` (only under `selection.name: sparda`, not at the last layer): the next layer's
+        selection queries, `[B, Hkv, D]` (one per KV group: the Forecast's) or `[B, Hq, D]` (one per
+        query head, unscaled: the proxy's); its blocks are selected and prefetched now, during this
+        layer (`executors/sparda.py`). Without it a sparda layer selects with its own query.
         Inputs are validated before anything changes (ids, layer, shapes, dtypes, devices, NaN/inf
         in q, k, v; see `_check_decode`). If a worker fails or the step times out,
         the error is raised here and the runtime stays usable; the step's k, v remain appended.
@@ -575,23 +611,30 @@ class HybridRuntime:
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
+        sparda = self.sparda
+        if lookahead is not None:
+            self._check_lookahead(layer, seq_ids, lookahead)
         store, geo = self.store, self.geometry
         prof = self._timeline.enabled
         ev_entry = self._event() if cuda and prof else None
         # A spill moves window pages into the CPU segment the tasks read: it must come first; so
         # must the append when the planner reads the window (its features include this token).
         # Otherwise the append only touches the GPU window and runs while the tasks do.
-        append_first = self._will_spill(layer, seq_ids) or getattr(self.planner, "reads_window", False)
+        append_first = self._will_spill(layer, seq_ids) or (sparda is None and getattr(self.planner, "reads_window", False))
         # NaN/inf in q, k, v is refused before anything changes. On CUDA with a CPU lane the
         # check rides on the copy of q to the host that the CPU workers need anyway (k and v go
         # along), read after the one wait for it; otherwise (or before an append that must come
         # first: a spill, or a planner that reads the window) the inputs are checked here, which
         # costs a device sync of its own.
         deferred_check = cuda and has_cpu and not append_first
+        checked = {"q": q, "k": k, "v": v} if lookahead is None else {"q": q, "k": k, "v": v, "lookahead": lookahead}
         if not deferred_check:
-            _check_finite({"q": q, "k": k, "v": v})
+            _check_finite(checked)
         if append_first:
+            old_lens = [store.cpu_len(s, layer) for s in seq_ids] if sparda is not None else None
             store.append(layer, seq_ids, k, v)
+            if sparda is not None:
+                sparda.spilled(layer, seq_ids, old_lens)
 
         b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
         n = b * hq * d
@@ -608,6 +651,10 @@ class HybridRuntime:
             v_host = self._kv_host[k_nbytes : k_nbytes + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
             k_host.copy_(k, non_blocking=True)
             v_host.copy_(v, non_blocking=True)
+            if lookahead is not None:
+                look_host = self._look_host[: lookahead.numel() * lookahead.element_size()].view(lookahead.dtype)
+                look_host = look_host.view(lookahead.shape)
+                look_host.copy_(lookahead, non_blocking=True)
         ev_qhost = self._event() if cuda and has_cpu else None
         if has_gpu:
             gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
@@ -644,14 +691,22 @@ class HybridRuntime:
             lse.record_stream(caller)
             window["out"], window["lse"] = out, lse
 
-        if getattr(self.planner, "uses_queries", False):
+        if sparda is not None:
+            tasks = []  # the CPU segment is read by the SparDA executor alone
+        elif getattr(self.planner, "uses_queries", False):
             plan = self.planner(layer, seq_ids, store, q)
+            tasks = self._tasks(layer, seq_ids, plan)
         else:
             plan = self.planner(layer, seq_ids, store)
-        tasks = self._tasks(layer, seq_ids, plan)
+            tasks = self._tasks(layer, seq_ids, plan)
         if deferred_check:
             ev_qhost.synchronize()  # the CPU lane's wait for q, moved before anything changes
-            self._check_finite_host({"q": cpu_q, "k": k_host, "v": v_host})
+            host = {"q": cpu_q, "k": k_host, "v": v_host}
+            if lookahead is not None:
+                host["lookahead"] = look_host
+            self._check_finite_host(host)
+        if lookahead is not None:
+            sparda.prefetch(layer + 1, seq_ids, lookahead)  # the next layer's blocks, while this one computes
         job = None
         if tasks:
 
@@ -677,6 +732,11 @@ class HybridRuntime:
         else:
             window_part()
         out_w, lse_w = window["out"], window["lse"]
+        if sparda is not None:
+            sp_out, sp_lse = sparda.attend(layer, seq_ids, q.to(device=self.device, dtype=torch.float32), qs)
+            res_s = self._merge(out_w, lse_w, sp_out.contiguous(), sp_lse.contiguous())
+            if not cuda:
+                out_w, lse_w = res_s
         cpu_used = job is not None and job.cpu_used
         gpu_used = job is not None and job.gpu_used
 
@@ -797,6 +857,8 @@ class HybridRuntime:
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
             "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }
+        if self.sparda is not None:
+            stats.update(self.sparda.stats())
         if self.gpu_executor is not None:
             stats.update({
                 "gpu_executor": type(self.gpu_executor).__name__,

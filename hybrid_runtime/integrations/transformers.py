@@ -18,7 +18,11 @@ then the function registered in `AttentionInterface` under `config._attn_impleme
     read back from the runtime (`KVStore.full_kv` on the model's device), and appends
     (`rt.prefill(..., extend=True)`);
   - decode: one `rt.decode(layer, seq_ids, q, k, v)` per layer and step for the whole batch (the
-    runtime appends k, v and attends over everything before plus the new token).
+    runtime appends k, v and attends over everything before plus the new token). Under
+    `selection.name: sparda` with `sparda.lookahead` `forecast` or `proxy`, a forward pre-hook on
+    every attention module keeps the layer's input (and its rotary cos/sin), from which the
+    layer's decode also hands the runtime the next layer's selection queries (`lookahead=`): the
+    trained Forecast of `sparda.checkpoint`, or the next layer's own query projection (the proxy).
   Called without a `HybridCache` (a plain `model(...)` forward, a user `DynamicCache`) it runs the
   model's own dense attention, so the switched model still computes what the original computes.
 * The mask function registered under the same name is transformers' `sdpa_mask`, so prefill gets
@@ -53,7 +57,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hybrid_runtime.config import GEOMETRIES, Config, GeometryConfig
+from hybrid_runtime.config import GEOMETRIES, Config, GeometryConfig, resolve_checkpoint
 from hybrid_runtime.kvcache import CapacityError
 from hybrid_runtime.pinning import torch_threads
 from hybrid_runtime.runtime import HybridRuntime
@@ -106,6 +110,10 @@ class _HybridState:
     seq_counter: Any = field(default_factory=itertools.count)
     owns_runtime: bool = True
     enabled: bool = True  # False once disable_hybrid_attention ran: caches made under it refuse use
+    # SparDA: where the next layer's selection queries come from (`queries(layer, x, cos, sin)`), and
+    # the pre-hooks that keep each attention module's input for it.
+    lookahead: Any = None
+    hooks: list = field(default_factory=list)
 
 
 _MISSING = object()
@@ -115,6 +123,9 @@ _ATTN_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _HybridState]" = weakr
 # The layer a `HybridCache.update` just marked: `(cache, layer_idx)`. The model calls the attention
 # function right after `update`, in the same thread, so a thread-local hand-off is enough.
 _PENDING = threading.local()
+# SparDA: the attention module last entered and its input `(module, hidden_states, cos, sin)`,
+# set by the pre-hook and read by the same module's attention function, in the same thread.
+_ATTN_INPUT = threading.local()
 
 
 # ---------------------------------------------------------------------------- validation
@@ -259,6 +270,12 @@ def enable_hybrid_attention(
         if (g.layers, g.q_heads, g.kv_heads, g.head_dim) != (geometry.layers, geometry.q_heads, geometry.kv_heads, geometry.head_dim):
             raise ValueError(f"runtime geometry {g} does not match the model's {geometry}")
         owns = False
+    try:
+        lookahead = _lookahead_source(runtime, mods, geometry, model)
+    except BaseException:
+        if owns:
+            runtime.close()
+        raise
     _register()
     state = _HybridState(
         runtime=runtime,
@@ -272,7 +289,10 @@ def enable_hybrid_attention(
         decode_threads=decode_threads,
         model_ref=weakref.ref(model),
         owns_runtime=owns,
+        lookahead=lookahead,
     )
+    if lookahead is not None:
+        state.hooks = [m.register_forward_pre_hook(_keep_attention_input, with_kwargs=True) for m in mods]
     # From here on the model changes; nothing below can fail on a validated model.
     _MODEL_STATES[model] = state
     for m in mods:
@@ -299,6 +319,8 @@ def disable_hybrid_attention(model: torch.nn.Module) -> None:
         if m is not None:
             _ATTN_STATES.pop(m, None)
     model.config._attn_implementation_internal = state.saved_attn_implementation
+    for handle in state.hooks:
+        handle.remove()
     for name, saved in (("_prepare_cache_for_generation", state.saved_prepare_cache),
                         ("generate", state.saved_generate)):
         if saved is _MISSING:
@@ -307,6 +329,40 @@ def disable_hybrid_attention(model: torch.nn.Module) -> None:
             model.__dict__[name] = saved
     if state.owns_runtime:
         state.runtime.close()
+
+
+def _lookahead_source(runtime: HybridRuntime, mods: list, geometry: GeometryConfig, model: torch.nn.Module) -> Any:
+    """SparDA's next-layer selection queries for this model (None unless `sparda.lookahead` is
+    forecast or proxy); a Forecast checkpoint must serve this model's geometry."""
+    from forecast.model import ForecastQueries, ProxyQueries
+
+    cfg = runtime.cfg
+    if runtime.sparda is None or cfg.sparda.lookahead == "same_layer":
+        return None
+    if cfg.sparda.lookahead == "proxy":
+        return ProxyQueries.from_attention_modules(mods)
+    path = resolve_checkpoint(cfg.sparda.checkpoint)
+    if path is None:
+        raise ValueError(f"sparda.checkpoint: {cfg.sparda.checkpoint!r} is not a file; allowed: a Forecast checkpoint "
+                         "written by python -m forecast.train")
+    device = next(model.parameters()).device
+    fq = ForecastQueries.load(path, device=device)
+    d_model = int(model.config.hidden_size)
+    ours = (fq.layers, fq.d_model, fq.kv_heads, fq.head_dim)
+    theirs = (geometry.layers, d_model, geometry.kv_heads, geometry.head_dim)
+    if ours != theirs:
+        raise UnsupportedModelError(
+            f"sparda.checkpoint {cfg.sparda.checkpoint!r} serves (layers, d_model, kv_heads, head_dim) = {ours} but the "
+            f"model has {theirs}; allowed: a Forecast trained for this model (python -m forecast.train), or "
+            "sparda.lookahead: proxy")
+    return fq
+
+
+def _keep_attention_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of an attention module: its input and rotary cos/sin, for SparDA's lookahead."""
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cos, sin = kwargs.get("position_embeddings") or args[1]
+    _ATTN_INPUT.value = (module, hidden, cos, sin)
 
 
 def hybrid_runtime_of(model: torch.nn.Module) -> HybridRuntime | None:
@@ -745,13 +801,25 @@ class HybridCache(Cache):
         if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-6:
             query = query * (scaling * d**0.5)
         rt = self.runtime
+        look = self._lookahead(module, layer)
         if t == 1:
-            out = rt.decode(layer, self.seq_ids, query[:, :, 0], key[:, :, 0], value[:, :, 0])  # [B, Hq, D]
+            out = rt.decode(layer, self.seq_ids, query[:, :, 0], key[:, :, 0], value[:, :, 0], lookahead=look(0))  # [B, Hq, D]
             return out.unsqueeze(1), None
         # Several new tokens after the prompt (continuing from a cache): one runtime step each, which
         # is causal attention among them since every step appends before it attends.
-        outs = [rt.decode(layer, self.seq_ids, query[:, :, i], key[:, :, i], value[:, :, i]) for i in range(t)]
+        outs = [rt.decode(layer, self.seq_ids, query[:, :, i], key[:, :, i], value[:, :, i], lookahead=look(i))
+                for i in range(t)]
         return torch.stack(outs, dim=1), None
+
+    def _lookahead(self, module: torch.nn.Module, layer: int) -> Callable[[int], torch.Tensor | None]:
+        """`i -> ` the next layer's SparDA selection queries for the step's i-th new token (None when
+        there are none: no lookahead source, the last layer, or no input kept for this module)."""
+        source = self._state.lookahead
+        kept = getattr(_ATTN_INPUT, "value", None)
+        if source is None or layer + 1 >= self._state.geometry.layers or kept is None or kept[0] is not module:
+            return lambda i: None
+        _, hidden, cos, sin = kept
+        return lambda i: source.queries(layer, hidden[:, i], cos[:, i], sin[:, i])
 
 
 __all__ = [
