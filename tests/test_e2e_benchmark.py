@@ -353,7 +353,7 @@ def test_run_writes_every_unit_and_the_floor(tmp_path, monkeypatch, capsys):
     assert floor["model"] == "tiny" and floor["batch"] == BATCH and floor["noattn_step_ms"] > 0
     assert r["config"]["runtime_overrides"]["scheduler"] == {"gpu_worker": False, "pin_cores": False}
     assert r["limits"] is None and "fluxion_tpot_over_floor_max" not in r["metrics"]  # no ceiling measured: no floor
-    assert r["metrics"]["runtime_construction_s_max"] == r["points"][1]["runtime_construction_s"]
+    assert r["metrics"]["runtime_construction_s_max"] == max(r["points"][i]["runtime_construction_s"] for i in (1, 3))
     assert r["points"][1]["ttft_over_dense"] > 0 and len(r["plan"]) == 4
     assert "wrote" in capsys.readouterr().out
     # No time left: every unit that could run is recorded as skipped for the budget, none dropped.

@@ -68,11 +68,21 @@ def test_the_other_shipped_configs_validate():
     from hybrid_runtime.experiments.predictor_eval import load_settings as eval_settings
     from hybrid_runtime.experiments.quality_settings import load_settings as quality_settings
 
+    from hybrid_runtime.experiments import asynctls_quality, nosa_quality, sparda_quality
+    from hybrid_runtime.experiments.quality_settings import load_section_settings
+
     load_config(ROOT / "configs" / "hf_smollm2.yaml")
     quality_settings(ROOT / "configs" / "quality_smollm2.yaml")
     eval_settings(str(ROOT / "configs" / "predictor_smollm2.yaml"))
+    asynctls_quality.load_settings(str(ROOT / "configs" / "asynctls_smollm2.yaml"))
+    sparda_quality.load_settings(str(ROOT / "configs" / "sparda_smollm2.yaml"))
+    nosa = load_section_settings(str(ROOT / "configs" / "nosa_quality_smollm2.yaml"), {}, "nosa_quality",
+                                 nosa_quality.NosaQualitySettings, ("lengths", "kq_fractions", "decayed_kq_fractions"))
+    for policy in nosa.policies().values():
+        nosa_quality.runtime_config(nosa, policy)
     shipped = {p.stem for p in (ROOT / "configs").glob("*.yaml")}
-    assert shipped == set(RUN_CONFIGS) | {"hf_smollm2", "quality_smollm2", "predictor_smollm2"}
+    assert shipped == set(RUN_CONFIGS) | {"hf_smollm2", "quality_smollm2", "predictor_smollm2", "asynctls_smollm2",
+                                          "sparda_smollm2", "nosa_quality_smollm2"}
 
 
 def test_the_paper_points_are_the_configs_points():
