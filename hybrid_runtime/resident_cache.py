@@ -94,6 +94,9 @@ class ResidentCache:
         """Copy block `blocks[r, j]` of row `r` (chunk ids `chunks [R, C]`) into slot `dest[r, j]` of its
         cache where `dest >= 0`. On CUDA `arena` is the UVA view and the copy is queued on `stream`."""
         cache_k, cache_v = self.k[layer], self.v[layer]
+        if not (blocks.is_contiguous() and dest.is_contiguous() and chunks.is_contiguous()):
+            # The CUDA kernel indexes them as dense rows (it runs with its checks off on this path).
+            raise ValueError("fetch needs contiguous chunks, blocks and dest")
         if cache_k.device.type == "cuda":
             from gpu_kernels.block_fetch import fetch_blocks
 

@@ -431,25 +431,27 @@ class AsyncTlsExecutor:
             with torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
                 chosen, dest, counts = self._claim_ops(plan.layer, d, step, arena, None)
                 k = chosen.shape[1]
-                bufs[0][:r, :k].copy_(chosen)
-                bufs[1][:r, :k].copy_(dest)
-                bufs[2][:, :r].copy_(counts)
+                # Contiguous views: the block-fetch kernel indexes `blocks` and `dest` as dense [R, k].
+                outs = (bufs[0][: r * k].view(r, k), bufs[1][: r * k].view(r, k), bufs[2][: 3 * r].view(3, r))
+                for buf, value in zip(outs, (chosen, dest, counts)):
+                    buf.copy_(value)
         except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly from now on
             log.warning("AsyncTLS: capturing a claim as a CUDA graph failed (%r); claims run eagerly from now on", exc)
             self.graphs = False
             graphs[key] = None
             return None
-        entry = graphs[key] = (graph, (bufs[0][:r, :k], bufs[1][:r, :k], bufs[2][:, :r]))
+        entry = graphs[key] = (graph, outs)
         return entry
 
     def _graph_outputs(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-layer (chosen, dest, counts) buffers for graphed claims of up to `rows` tasks."""
+        """Per-layer flat (chosen, dest, counts) buffers for graphed claims of up to `rows` tasks
+        (each claim views a contiguous prefix of them)."""
         bufs = self._graph_bufs.get(layer)
-        if bufs is None or bufs[0].shape[0] < rows:
-            n, s = max(rows, self.store.cfg.max_sequences * self.kv_heads), self.cache.slots
-            bufs = self._graph_bufs[layer] = (torch.full((n, s), -1, dtype=torch.int64, device=self.dev),
-                                              torch.full((n, s), -1, dtype=torch.int64, device=self.dev),
-                                              torch.zeros((3, n), dtype=torch.int64, device=self.dev))
+        n, s = max(rows, self.store.cfg.max_sequences * self.kv_heads), self.cache.slots
+        if bufs is None or bufs[0].numel() < rows * s:
+            bufs = self._graph_bufs[layer] = (torch.full((n * s,), -1, dtype=torch.int64, device=self.dev),
+                                              torch.full((n * s,), -1, dtype=torch.int64, device=self.dev),
+                                              torch.zeros((3 * n,), dtype=torch.int64, device=self.dev))
         return bufs
 
     def _fetch(self, layer: int, arena: torch.Tensor, chunks: torch.Tensor, slot: torch.Tensor, kv_head: torch.Tensor,
