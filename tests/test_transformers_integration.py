@@ -140,6 +140,34 @@ def test_generate_left_padded_batch_matches_single_sequences_tiny():
     assert torch.equal(sparse_batch, torch.cat(sparse_singles))
 
 
+def test_chunked_prefill_without_padding_makes_no_mask_and_matches_dense(monkeypatch):
+    """A prompt prefilled in chunks: a later chunk without padding gets no [B, 1, chunk, past + chunk]
+    mask (`_causal_with_past` attends it), and the tokens equal dense greedy; with padding the
+    chunks keep sdpa's mask and still match."""
+    import hybrid_runtime.integrations.transformers as integration
+
+    calls = []
+    causal = integration._causal_with_past
+    monkeypatch.setattr(integration, "_causal_with_past", lambda *a, **k: calls.append(a[1].shape) or causal(*a, **k))
+    model = tiny_model("llama")
+    for lengths in ([200, 200], [200, 150]):
+        ids, mask = left_padded(lengths)
+        dense = greedy(model, ids, mask, 12)
+        enable_hybrid_attention(model, hybrid_cfg())
+        try:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                 pad_token_id=0, prefill_chunk_size=64)[:, ids.shape[1]:]
+        finally:
+            disable_hybrid_attention(model)
+        assert torch.equal(out, dense)
+        if lengths[0] == lengths[1]:
+            # Chunks 2..4 of each of the 2 layers ran without a mask (chunk 1 has no past).
+            assert len(calls) == 3 * 2 and all(shape[2] <= 64 for shape in calls)
+            calls.clear()
+        else:
+            assert not calls
+
+
 def test_generate_releases_sequences_and_reuses_the_runtime():
     model = tiny_model("llama")
     ids, mask = left_padded([100, 100, 100])

@@ -27,7 +27,10 @@ then the function registered in `AttentionInterface` under `config._attn_impleme
   model's own dense attention, so the switched model still computes what the original computes.
 * The mask function registered under the same name is transformers' `sdpa_mask`, so prefill gets
   the causal + padding mask the dense kernel expects, and the padding of each sequence is read
-  from it.
+  from it; except for a later prompt chunk without padding (`_causal_mask`), whose mask would be
+  `[B, 1, chunk, past + chunk]` (16 GiB of booleans at 8 x 32K over 64K, and twice that once sdpa
+  turns it into a bias): it is left out, and the dense attention runs causal aligned to the
+  bottom right (`torch.nn.attention.bias.causal_lower_right`, flash attention on CUDA).
 * The runtime owns its cores: from the first decode step of a `generate` call until it returns,
   torch runs only the intra-op threads the runtime's CPU workers leave cores for
   (`enable_hybrid_attention(..., decode_threads="auto")`); the prefill keeps every thread. Torch's
@@ -464,8 +467,49 @@ def _register() -> None:
     ALL_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, hybrid_attention_forward)
     # sdpa's boolean mask (None when it is plain causal): the dense prefill and the padding of
     # each sequence are read from it; the eager path converts it.
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _causal_mask)
     _registered = True
+
+
+def _causal_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """`sdpa_mask`, but None for a padding-free causal chunk whose queries are the last keys'
+    positions (a later prompt chunk): `_dense` attends it causally aligned to the bottom right, so
+    no `[B, 1, chunk, past + chunk]` mask is made. Reads the query positions from `q_length` /
+    `q_offset` or from `cache_position`, whichever this transformers passes; anything else (a
+    sliding window, another mask pattern, padding, positional arguments) goes to `sdpa_mask`."""
+    from transformers.masking_utils import causal_mask_function
+
+    if not args and kwargs.get("local_size") is None and kwargs.get("mask_function", causal_mask_function) is causal_mask_function:
+        kv_length, kv_offset = kwargs.get("kv_length"), kwargs.get("kv_offset", 0)
+        if "q_length" in kwargs:
+            q_length, q_offset = kwargs["q_length"], kwargs.get("q_offset", 0)
+        elif isinstance(kwargs.get("cache_position"), torch.Tensor) and kwargs["cache_position"].dim() == 1:
+            positions = kwargs["cache_position"]
+            q_length = positions.shape[0]
+            q_offset = int(positions[0]) if q_length else 0
+            if q_length and int(positions[-1]) - q_offset != q_length - 1:
+                q_length = None  # not one contiguous run of positions
+        else:
+            q_length = None
+        padding = kwargs.get("attention_mask")
+        if (isinstance(q_length, int) and isinstance(kv_length, int) and isinstance(q_offset, int)
+                and 1 < q_length < kv_length and q_offset + q_length == kv_offset + kv_length
+                and (padding is None or bool(padding.all()))):
+            return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def _causal_with_past(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention of a chunk's `query [B, Hq, T, D]` over `key, value [B, Hkv, past + T, D]`, the
+    queries being the last T positions; the output as `sdpa_attention_forward` returns it."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(query.shape[2], key.shape[2])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
 
 
 # ---------------------------------------------------------------------------- the attention function
@@ -479,9 +523,11 @@ def _dense(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's own dense attention, given the boolean mask (or None) of `sdpa_mask`."""
-    if state is None or state.dense_impl == "sdpa":
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if state is None or state.dense_impl == "sdpa":
+        if attention_mask is None and 1 < q_len < kv_len:  # `_causal_mask` left a later chunk's mask out
+            return _causal_with_past(module, query, key, value, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is None and q_len > 1:
         # sdpa_mask skips a plain causal mask (sdpa's is_causal covers it); eager needs it written out.
         rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
