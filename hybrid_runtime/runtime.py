@@ -307,7 +307,8 @@ class HybridRuntime:
         }
         self.scheduler = Scheduler(sc, self.cpu_executor, self.gpu_executor, gpu_is_cuda=lane_cuda, native=native)
         try:
-            clock = CudaClock() if self.cuda else None
+            clock = self._clock = CudaClock() if self.cuda else None
+            self._clock_stale = False  # set by prefill: the next decode step calibrates first
             # The scheduler's launch model reads GPU launch end times through the same clock.
             self.scheduler.clock = clock if lane_cuda else None
             self._timeline = Timeline(self.scheduler.worker_names, self.scheduler.worker_lanes,
@@ -416,6 +417,7 @@ class HybridRuntime:
                              "token at this layer ([q_heads, head_dim]), at every prefill; nothing was changed")
         _check_finite(tensors)
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
+        self._clock_stale = self._clock is not None
         self._forget_tasks(seq_id)
         if self.sparda is not None:
             self.sparda.prefill(seq_id, layer)
@@ -611,6 +613,11 @@ class HybridRuntime:
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
+        if self._clock_stale:
+            # After a prefill (seconds to minutes of GPU work) the event clock has drifted from the
+            # host's by up to milliseconds, which the GPU lane's launch model and the timeline read.
+            self._clock_stale = False
+            self._clock.calibrate()
         sparda = self.sparda
         if lookahead is not None:
             self._check_lookahead(layer, seq_ids, lookahead)

@@ -203,6 +203,57 @@ def test_profiling_max_steps_bounds_the_runtime_timeline():
         assert [r.index for r in rt.timeline.records] == [2, 3, 4] and rt.timeline.summary()["dropped_steps"] == 2
 
 
+class _DriftingEvents:
+    """A stand-in for torch's CUDA events whose timer runs `ppm` parts per million slow against the host."""
+
+    def __init__(self, ppm: float):
+        import time
+        import types
+
+        slow = 1.0 - ppm * 1e-6
+        origin = time.perf_counter()
+
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.t = None
+
+            def record(self, stream=None):
+                self.t = (time.perf_counter() - origin) * slow  # the event timer's reading
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3
+
+        self.cuda = types.SimpleNamespace(Event=Event, synchronize=lambda device=None: None)
+
+
+def test_cuda_clock_measures_the_timers_rate_and_maps_later_events_with_it(monkeypatch):
+    """The event timer drifts from the host clock (tens of ppm): a calibration at least RATE_SPAN_S
+    after the previous one measures the rate, and events mapped after it land on the host clock."""
+    import time
+
+    from hybrid_runtime.profiling import CudaClock
+
+    fake = _DriftingEvents(ppm=2000.0)  # exaggerated so that 0.2 s shows it
+    monkeypatch.setattr(CudaClock, "RATE_SPAN_S", 0.1)
+    clock = CudaClock.__new__(CudaClock)
+    clock._torch, clock.device, clock.ref, clock.t_ref, clock.error_s, clock.rate = fake, None, None, 0.0, 1.0, 1.0
+    clock.calibrate()
+    assert clock.rate == 1.0  # one reference: no rate yet
+    time.sleep(0.2)
+    clock.calibrate()
+    assert clock.rate == pytest.approx(1 / (1 - 2000e-6), rel=2e-4)
+    time.sleep(0.2)
+    ev = fake.cuda.Event()
+    t0 = time.perf_counter()
+    ev.record()
+    t1 = time.perf_counter()
+    # Unscaled, the event would map 0.4 ms early (2000 ppm of 0.2 s); scaled it lands in its bracket.
+    assert t0 - 60e-6 <= clock.to_host(ev) <= t1 + 60e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_clock_maps_events_onto_the_host_clock():
@@ -218,6 +269,9 @@ def test_cuda_clock_maps_events_onto_the_host_clock():
     ev.synchronize()
     t1 = time.perf_counter()
     assert t0 - 50e-6 <= clock.to_host(ev) <= t1 + 50e-6
+    time.sleep(clock.RATE_SPAN_S + 0.5)
+    clock.calibrate()
+    assert abs(clock.rate - 1.0) < 500e-6  # tens of ppm on the reference host
 
 
 @pytest.mark.gpu
