@@ -5,32 +5,35 @@ layers, KV and queries drawn at random, bf16 store, sink 64, local 256) one runt
 with `selection.name: predicted`. The predictor is the shipped SmolLM2 checkpoint: its 41 features
 are per (sequence, query head) and defined for any geometry (counts, fractions, cosines, scores),
 so it runs unchanged on this one; on random KV its budgets mean nothing, and timing does not
-depend on them. Per layer-step it measures, for the CUDA-graph path and the eager path:
+depend on them. Per layer-step it measures, for each device path of the planner (`fused`: the two
+Triton launches of `gpu_kernels.head_predictor`, the runtime's default; `graph`: the torch ops
+replayed from CUDA graphs; `eager`: the same torch ops one by one):
 
 * `wall`: host time of one planner call (staging, features + predictor + selector on the device,
-  the copy of the plan to the host and the host's wait for it, the plan's arrays), median / mean /
-  p99 over `--steps` x layers calls;
-* `gpu`: CUDA-event time from the staging copies to the end of the plan's device-to-host copy;
-* host parts: `stage` (the step's inputs into the static buffers), `wait` (from the replay's launch
-  to the plan on the host), and `task_build` (building the step's tasks from a new plan: with
+  the plan in host memory and the host's wait for it, the plan's arrays), median / mean / p99
+  over `--steps` x layers calls;
+* `gpu`: CUDA-event time from before the staging to the plan in host memory;
+* host parts: `stage` (the step's inputs where the device part reads them), `wait` (from the
+  launches / replay to the plan on the host), and `task_build` (building the step's tasks from a new plan: with
   predicted plans the runtime's task cache rarely hits, a cost fixed plans do not pay; outside
   the fraction below);
 
 and the decode step's layer time in the same run (the runtime's timeline, entry to return):
 
 * `decode_fixed`: every head at (16, 0.05), the fixed baseline -- the denominator;
-* `decode_in_situ`: the predicted planner runs in every step (graph path) but the step executes the
-  fixed plan, so the bytes read match the baseline and the difference is the planner in place.
+* `decode_in_situ`: the predicted planner runs in every step (the runtime's, fused path) but the
+  step executes the fixed plan, so the bytes read match the baseline and the difference is the
+  planner in place.
 
-With `--compile` a third path, `graph_compiled`, is the device step through `torch.compile`
+With `--compile` one more path, `graph_compiled`, is the device step through `torch.compile`
 (inductor fuses the ~150 small ops of features, predictor and selector) captured in CUDA graphs of
 the point's batch; a compile failure is recorded, not fatal.
 
-Metric `predictor_overhead_fraction_8x32k` = median planner wall of the fastest graph path /
+Metric `predictor_overhead_fraction_8x32k` = median planner wall of the fastest non-eager path /
 median `decode_fixed` layer time; also `predictor_in_situ_fraction_8x32k` = (in situ - fixed) /
-fixed, with the runtime's own planner (uncompiled graphs) in place.
-Graph capture time (all layers and batch buckets, at runtime construction) and the prefill time
-of the statistics are reported beside them.
+fixed, with the runtime's own planner (fused) in place. The fused kernels' warm-up (compiles,
+at runtime construction), the graph path's capture time (all layers and batch buckets) and the
+prefill time of the statistics are reported beside them.
 
     python benchmarks/predictor_overhead.py                      # the device run, about a minute
     python benchmarks/predictor_overhead.py --quick --out-dir D  # tiny shapes, CPU (eager only): a smoke run
@@ -62,6 +65,7 @@ from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 from hybrid_runtime.task_building import build_tasks  # noqa: E402
 
 POINT = (8, 32768)
+MODES = ("fused", "graph", "graph_compiled", "eager")  # the planner's device paths, in table order
 QUICK_GEOMETRY = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 
 
@@ -90,7 +94,7 @@ class InSituPlanner:
         return self.fixed(layer, seq_ids, store)
 
 
-def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, PredictedHeadPlanner | None, dict]:
+def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, dict[str, PredictedHeadPlanner], dict]:
     geometry = QUICK_GEOMETRY if args.quick else {**{k: getattr(GEOMETRIES["llama-3.1-8b"], k)
                                                      for k in ("q_heads", "kv_heads", "head_dim")}, "layers": args.layers}
     cuda = torch.cuda.is_available()
@@ -105,13 +109,19 @@ def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, Predict
     })
     t0 = time.perf_counter()
     rt = HybridRuntime(cfg)
-    info = {"runtime_construction_s": time.perf_counter() - t0, "graph_capture_s": rt.planner.capture_seconds,
-            "graphs": len(rt.planner._graphs), "buckets": list(rt.planner.buckets)}
+    info = {"runtime_construction_s": time.perf_counter() - t0, "planner_path": rt.planner.path,
+            "planner_warmup_s": rt.planner.capture_seconds}
     dev = rt.device
     g = rt.geometry
-    compiled = None
+    others = {}
+    if cuda:
+        t = time.perf_counter()
+        others["graph"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="graph")
+        info["graph_capture_s"] = time.perf_counter() - t
+        info["graphs"] = len(others["graph"]._graphs)
+        info["buckets"] = list(others["graph"].buckets)
     if args.compile and cuda:
-        compiled = PredictedHeadPlanner(cfg.selection, g, rt.store, cuda_graphs=False, compile=True)
+        others["graph_compiled"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="graph_compiled", capture=False)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     stats_s = 0.0
     for s in range(batch):
@@ -127,10 +137,11 @@ def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, Predict
             if cuda:
                 torch.cuda.synchronize()
             stats_s += time.perf_counter() - t
-            if compiled is not None:
-                compiled.prefill(s, layer, k, v, q_last)
+            for other in others.values():
+                other.prefill(s, layer, k, v, q_last)
     info["statistics_prefill_ms_per_sequence_layer"] = stats_s / (batch * g.layers) * 1e3
-    if compiled is not None:
+    if "graph_compiled" in others:
+        compiled = others["graph_compiled"]
         t = time.perf_counter()
         try:
             compiled.capture_all(buckets=[n for n in compiled.buckets if n >= batch][:1])
@@ -138,12 +149,12 @@ def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, Predict
         except Exception as e:  # recorded: the other paths still measure
             info["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
             print(f"  torch.compile path failed: {info['compile_error'][:300]}", flush=True)
-            compiled = None
-    return rt, compiled, info
+            del others["graph_compiled"]
+    return rt, others, info
 
 
 def planner_timings(rt: HybridRuntime, planner, batch: int, steps: int, warmup: int, gen: torch.Generator) -> dict:
-    """Wall, GPU, staging, wait and task-build times of one planner path (its graphs, or eager)."""
+    """Wall, GPU, staging, wait and task-build times of one planner path."""
     g, store, dev = rt.geometry, rt.store, rt.device
     cuda = dev.type == "cuda"
     ids = list(range(batch))
@@ -165,10 +176,8 @@ def planner_timings(rt: HybridRuntime, planner, batch: int, steps: int, warmup: 
             t2 = time.perf_counter()
             bucket, _ = planner._stage(layer, ids, store, q)
             t3 = time.perf_counter()
-            graph = planner._graphs.get((layer, bucket))
-            graph.replay() if graph is not None else planner._compute(layer, bucket)
+            planner._launch(layer, bucket)
             if cuda:
-                planner._out_host[bucket].copy_(planner._out[bucket], non_blocking=True)
                 ev1.record()
                 ev1.synchronize()
             t4 = time.perf_counter()
@@ -207,19 +216,20 @@ def decode_layer_times(rt: HybridRuntime, planner, batch: int, steps: int, warmu
 
 def run_point(args, batch: int, context: int) -> dict:
     print(f"point batch={batch} context={context}", flush=True)
-    rt, compiled, info = make_runtime(args, batch, context)
+    rt, others, info = make_runtime(args, batch, context)
     try:
         predicted = rt.planner
         gen = torch.Generator(device=rt.device).manual_seed(args.seed + 1)
         row: dict = {"batch": batch, "context": context, **info}
-        modes = ["graph", "eager"] if rt.device.type == "cuda" else ["eager"]
-        if compiled is not None:
-            modes.append("graph_compiled")
+        planners = {predicted.path: predicted, **others}
+        if "graph" in others:
+            planners["eager"] = others["graph"]  # without its graphs (below): plain torch per step
+        modes = list(planners)
         for mode in modes:
-            planner = compiled if mode == "graph_compiled" else predicted
+            planner = planners[mode]
             graphs = planner._graphs
             if mode == "eager":
-                planner._graphs = {}  # the same planner without its graphs: plain torch per step
+                planner._graphs = {}
             try:
                 row[mode] = planner_timings(rt, planner, batch, args.steps, args.warmup, gen)
             finally:
@@ -233,7 +243,7 @@ def run_point(args, batch: int, context: int) -> dict:
         row["decode_fixed"] = decode_layer_times(rt, fixed, batch, args.steps, args.warmup, gen)
         row["decode_in_situ"] = decode_layer_times(rt, InSituPlanner(predicted, fixed), batch, args.steps, args.warmup, gen)
         rt.planner = predicted
-        graph_modes = [m for m in modes if m != "eager"] or ["eager"]
+        graph_modes = [m for m in modes if m != "eager"] or ["eager"]  # fused and the graph paths
         best = min(graph_modes, key=lambda m: row[m]["wall"]["median_us"])
         base = row["decode_fixed"]["median_us"]
         row["path"] = best
@@ -261,13 +271,17 @@ def metrics_of(row: dict) -> dict:
         f"task_build_us_median_{tag}": row[best]["task_build"]["median_us"],
         f"decode_fixed_layer_us_median_{tag}": row["decode_fixed"]["median_us"],
         f"decode_in_situ_layer_us_median_{tag}": row["decode_in_situ"]["median_us"],
-        "graph_capture_s": row["graph_capture_s"],
+        "planner_warmup_s": row["planner_warmup_s"],
         "statistics_prefill_ms_per_sequence_layer": row["statistics_prefill_ms_per_sequence_layer"],
     }
-    for mode in ("graph", "eager", "graph_compiled"):
+    if "graph_capture_s" in row:
+        m["graph_capture_s"] = row["graph_capture_s"]
+    for mode in MODES:
         if mode in row and mode != best:
             m[f"predictor_{mode}_wall_us_median_{tag}"] = row[mode]["wall"]["median_us"]
             m[f"predictor_{mode}_device_us_median_{tag}"] = row[mode]["gpu"]["median_us"]
+            m[f"predictor_{mode}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]
+    m[f"predictor_best_path_is_fused_{tag}"] = int(best == "fused")
     m[f"predictor_best_path_is_compiled_{tag}"] = int(best == "graph_compiled")
     return m
 
@@ -280,7 +294,7 @@ def markdown(result: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in result["points"]:
         base = p["decode_fixed"]["median_us"]
-        for mode in ("graph", "graph_compiled", "eager"):
+        for mode in MODES:
             if mode in p:
                 r = p[mode]
                 lines.append(f"| {p['batch']} | {p['context']} | {mode} | {r['wall']['median_us']:.1f} | {r['wall']['mean_us']:.1f} "

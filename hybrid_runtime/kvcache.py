@@ -365,6 +365,16 @@ class KVStore:
     def seq_len(self, seq_id: int, layer: int) -> int:
         return self._layer_state(seq_id, layer).tokens
 
+    def step_rows(self, layer: int, seq_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """Slots, window lengths and CPU lengths of `seq_ids` at a layer, in one pass (per-step callers)."""
+        self._check_layer(layer)
+        slots, states = self._slots, self._state
+        missing = [s for s in seq_ids if s not in slots]
+        if missing:
+            raise KeyError(f"sequences {missing} are not in the store; prefill them first")
+        rows = [states[s][layer] for s in seq_ids]
+        return [slots[s] for s in seq_ids], [r.sink_len + r.recent_len for r in rows], [r.cpu_len for r in rows]
+
     def window_lengths(self, layer: int, seq_ids: Sequence[int]) -> torch.Tensor:
         lens = [self.window_len(s, layer) for s in seq_ids]
         return torch.tensor(lens, dtype=torch.int32).to(self.device, non_blocking=True)

@@ -7,21 +7,31 @@ built):
    from this step's queries, the window (its rows include this step's token: the runtime appends
    before it plans) and the statistics cached at prefill (`prefill_statistics`); then the
    head-property predictor (`predictor.model`) -> `bgt0`, `k`, `p_streaming` per head;
-2. still on the device, the granularity selector (`selector.GranularitySelector` as torch ops,
-   Eq. 1 and Eq. 3) turns the budget laws into the plan: a block size per KV group, a budget per
-   query head, 0 for streaming heads (a group whose heads are all streaming gets no task);
-3. one device-to-host copy of the plan (and of the predictions, for reports) and the host's wait
-   for it: the **one synchronisation** of the policy. The host needs the plan to build the step's
-   tasks (which blocks of which chunks each CPU worker and the GPU lane read), and the plan
-   depends on values computed on the device, so the wait cannot be avoided -- only made short,
-   which is what the CUDA graph is for.
+2. still on the device, the granularity selector (Eq. 1 and Eq. 3 of `selector.GranularitySelector`)
+   turns the budget laws into the plan: a block size per KV group, a budget per query head, 0
+   for streaming heads (a group whose heads are all streaming gets no task);
+3. the plan (and the predictions, for reports) in host memory and the host's wait for it: the
+   **one synchronisation** of the policy. The host needs the plan to build the step's tasks
+   (which blocks of which chunks each CPU worker and the GPU lane read), and the plan depends on
+   values computed on the device, so the wait cannot be avoided -- only made short, which is
+   what the fused kernels (or the CUDA graphs) are for.
 
-On CUDA, steps 1 and 2 are one CUDA graph per (layer, batch bucket), captured when the planner is
-built (warm-up) and replayed per step, followed by the copy of step 3: a batch of `b` sequences runs the graph of
-the smallest bucket (powers of two up to `kv_cache.max_sequences`) holding it, its extra rows
-pointing at a scratch row. Static input buffers per bucket take this step's queries (one copy)
-and the rows' window slots, statistics rows, window lengths and CPU lengths (one small pinned
-host-to-device copy). On the CPU the same functions run as plain torch.
+How the device part runs (`path`):
+
+* `fused` (the default on CUDA): two Triton launches (`gpu_kernels.head_predictor`), one over
+  (sequence, KV head) for the features and one over (sequence, KV groups) for the rest of the
+  features, the network and the selector. The host writes the rows' window slots, statistics
+  rows, window lengths and CPU lengths into a pinned buffer the kernels read through its CUDA
+  view, and the plan lands in a pinned buffer the kernels write the same way: per call the host
+  launches two kernels and waits, with no copy, graph or per-step allocation. The queries are
+  read where the caller has them.
+* `graph` / `graph_compiled`: the torch ops (plain, or through `torch.compile`) in one CUDA graph
+  per (layer, batch bucket), captured when the planner is built (warm-up) and replayed per step,
+  followed by the copy of step 3: a batch of `b` sequences runs the graph of the smallest bucket
+  (powers of two up to `kv_cache.max_sequences`) holding it, its extra rows pointing at a scratch
+  row. Static input buffers per bucket take this step's queries (one copy) and the rows' slots
+  and lengths (one small pinned host-to-device copy).
+* `eager` (the default on the CPU): the same torch functions, op by op.
 
 Statistics of a sequence come from `prefill(seq_id, layer, k, v, q_last)`, which the runtime calls
 from its own `prefill` with the query of the prompt's last token; a sequence decoded without them
@@ -40,7 +50,9 @@ from hybrid_runtime.head_plans import HeadPlan
 from hybrid_runtime.prefill_statistics import PrefillStatisticsCache
 from hybrid_runtime.selector import GranularitySelector, Selection
 from predictor.features import FEATURE_NAMES, decode_features
-from predictor.model import Checkpoint, load_checkpoint
+from predictor.model import Checkpoint, HeadPropertyNet, load_checkpoint
+
+PATHS = ("fused", "graph", "graph_compiled", "eager")
 
 
 def batch_buckets(max_sequences: int) -> tuple[int, ...]:
@@ -48,13 +60,28 @@ def batch_buckets(max_sequences: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(max_sequences.bit_length()) if 1 << i < max_sequences} | {max_sequences}))
 
 
+def network_linears(model: HeadPropertyNet) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The network as `(weight, bias)` Linear layers in order, SiLU between them, the three heads
+    stacked into the last one (rows bgt0, k, streaming logit): what the fused kernels run."""
+    layers = []
+    for i, module in enumerate(model.backbone):
+        if isinstance(module, torch.nn.Linear):
+            layers.append((module.weight, module.bias))
+        elif not isinstance(module, torch.nn.SiLU):
+            raise ValueError(f"backbone[{i}] is {type(module).__name__}; the fused kernels run Linear + SiLU layers only")
+    heads = (model.bgt0_head, model.k_head, model.streaming_head)
+    layers.append((torch.cat([h.weight for h in heads]), torch.cat([h.bias for h in heads])))
+    return layers
+
+
 class PredictedHeadPlanner:
     """Head plans from the head-property predictor and the granularity selector (module docstring).
 
     `store` is the runtime's `KVStore`; the planner keeps its statistics and graphs on the store's
-    window device. `checkpoint` overrides `selection.checkpoint` (tests, benchmarks). `cuda_graphs`
-    false runs the features eagerly on CUDA too (the benchmark's comparison); `compile` runs the
-    device step through `torch.compile` (inside the graphs on CUDA). `on_selection`, when
+    window device. `checkpoint` overrides `selection.checkpoint` (tests, benchmarks). `path`: one
+    of `PATHS` (module docstring); default `fused` on CUDA, `eager` on the CPU, where `fused` runs
+    only under Triton's interpreter (tests) and the graph paths not at all. `capture` false leaves
+    the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly). `on_selection`, when
     set, is called with `(layer, seq_ids, selection)` after every step's selection (reports).
     """
 
@@ -62,23 +89,35 @@ class PredictedHeadPlanner:
     reads_window = True  # the runtime appends the step's k, v to the window before planning
 
     def __init__(self, policy: SelectionConfig, geometry: GeometryConfig, store: Any, *,
-                 checkpoint: Checkpoint | None = None, cuda_graphs: bool = True, compile: bool = False):
+                 checkpoint: Checkpoint | None = None, path: str | None = None, capture: bool = True):
         kv = store.cfg
+        cuda = store.device.type == "cuda"
+        path = ("fused" if cuda else "eager") if path is None else path
+        if path not in PATHS:
+            raise ValueError(f"path {path!r} is not one of {list(PATHS)}")
+        if path.startswith("graph") and not cuda:
+            raise ValueError(f"path {path!r} captures CUDA graphs; the store's window is on {store.device}")
+        if path == "fused" and not cuda:
+            from gpu_kernels._checks import interpreted
+
+            if not interpreted():
+                raise ValueError("path 'fused' runs Triton kernels: on CUDA, or on the CPU under TRITON_INTERPRET=1")
         missing = [b for b in policy.block_sizes if b not in kv.block_sizes]
         if missing:
             raise ValueError(f"selection.block_sizes {missing} are not in kv_cache.block_sizes={list(kv.block_sizes)}: "
                              "the store keeps no metadata at those granularities")
         if checkpoint is None:
-            path = resolve_checkpoint(policy.checkpoint)
-            if path is None:
+            checkpoint_file = resolve_checkpoint(policy.checkpoint)
+            if checkpoint_file is None:
                 raise FileNotFoundError(f"selection.checkpoint {policy.checkpoint!r}: no such file (looked up from the "
                                         "working directory and the repository root)")
-            checkpoint = load_checkpoint(path)
+            checkpoint = load_checkpoint(checkpoint_file)
         checkpoint.check_feature_names(FEATURE_NAMES)
         self.store = store
         self.geometry = geometry
         self.device = store.device
-        self.cuda = self.device.type == "cuda"
+        self.cuda = cuda
+        self.path = path
         self.tau = checkpoint.tau
         self.model = checkpoint.model.to(self.device).eval()
         self.statistics = PrefillStatisticsCache(geometry, kv, store.layers, self.device, checkpoint.tau)
@@ -103,15 +142,61 @@ class PredictedHeadPlanner:
         for n in self.buckets:
             self._park(n)
         self._no_streaming = {n: np.zeros((n, hq), dtype=bool) for n in self.buckets}
-        # `compile`: the device step through torch.compile (fused kernels; compiled during the
-        # warm-up run before each capture, at most twice per bucket: layers share the code).
-        self._step = torch.compile(self._device_step) if compile else self._device_step
+        # `graph_compiled`: the device step through torch.compile (compiled during the warm-up run
+        # before each capture, at most twice per bucket: layers share the code).
+        self._step = torch.compile(self._device_step) if path == "graph_compiled" else self._device_step
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
+        self._fused = None
+        if path == "fused":
+            self._setup_fused(policy)
         if self.cuda:
             self._done = torch.cuda.Event()
-            if cuda_graphs:
+            if path.startswith("graph") and capture:
                 self.capture_all()
+
+    def _setup_fused(self, policy: SelectionConfig) -> None:
+        """The fused kernels, planned once; their index and output buffers pinned on the host and
+        read / written by the kernels through CUDA views; one warm-up run per query dtype compiles them."""
+        import time
+
+        from gpu_kernels.head_predictor import INDEX_ROWS, FusedHeadPredictor
+
+        t0 = time.perf_counter()
+        g, m = self.geometry, self.store.cfg.max_sequences
+        model = self.model
+        self._fused = FusedHeadPredictor(
+            q_heads=g.q_heads, kv_heads=g.kv_heads, head_dim=g.head_dim, max_sequences=m,
+            window_capacity=self.store.window_capacity, statistics_offsets=self.statistics.field_offsets(),
+            statistics_width=self.statistics.width, feature_names=FEATURE_NAMES, linears=network_linears(model),
+            feature_mean=model.feature_mean, feature_std=model.feature_std, target_mean=model.target_mean.tolist(),
+            target_std=model.target_std.tolist(), tau=self.tau, block_sizes=policy.block_sizes,
+            streaming_threshold=policy.streaming_threshold, skip_streaming=policy.skip_streaming, device=self.device)
+        self._fused_idx = torch.zeros(INDEX_ROWS, m, dtype=torch.int64, pin_memory=self.cuda)
+        self._fused_out = torch.zeros(self._fused.out_size, pin_memory=self.cuda)
+        if self.cuda:
+            from gpu_kernels.uva import uva_view
+
+            self._fused_idx_dev = uva_view(self._fused_idx, self.device.index)
+            self._fused_out_dev = uva_view(self._fused_out, self.device.index)
+        else:
+            self._fused_idx_dev, self._fused_out_dev = self._fused_idx, self._fused_out
+        self._fused_idx_np = self._fused_idx.numpy()
+        self._fused_out_np = self._fused_out.numpy()
+        self._fused_q: torch.Tensor | None = None
+        self._fused_q_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        # Warm-up on the scratch row (what padding rows use): compiles the kernels for the
+        # queries' usual dtypes, so no decode step stops to compile.
+        scratch = self.statistics.scratch
+        self._fused_idx_np[:, 0] = (0, scratch, 1, 0)
+        win_k, win_v = self.store.window(0)
+        for dtype in dict.fromkeys((self.store.dtype, torch.float32)):
+            q = torch.zeros(1, g.q_heads, g.head_dim, dtype=dtype, device=self.device)
+            self._fused.run(q, self._fused_idx_dev, self.statistics.layer_rows(0), self.statistics.previous_queries(0),
+                            win_k, win_v, 0.0, self._fused_out_dev)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ prefill and release
     def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor,
@@ -200,49 +285,67 @@ class PredictedHeadPlanner:
         self.capture_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the step
-    def _stage(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> tuple[int, np.ndarray]:
-        """Copy the step's inputs into its bucket's static buffers; returns the bucket and the rows' CPU lengths."""
+    def _check_step(self, layer: int, seq_ids: Sequence[int], store: Any,
+                    q: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+        """The rows' store slots, window lengths and CPU lengths, after checking the step's arguments
+        (nothing changed yet)."""
         b = len(seq_ids)
         hq = self.geometry.q_heads
         if tuple(q.shape) != (b, hq, self.geometry.head_dim):
             raise ValueError(f"q has shape {tuple(q.shape)}; expected [{b}, {hq}, {self.geometry.head_dim}]")
-        bucket = next((n for n in self.buckets if n >= b), None)
-        if bucket is None or b == 0:
+        if b == 0 or b > self.buckets[-1]:
             raise ValueError(f"{b} sequences in one step; allowed 1..kv_cache.max_sequences={self.buckets[-1]}")
-        slots = [store.slot(s) for s in seq_ids]
+        slots, window_len, cpu_len = store.step_rows(layer, seq_ids)
         ready = self.statistics.ready(layer, slots)
         if not ready.all():
             missing = [s for s, r in zip(seq_ids, ready) if not r]
             raise ValueError(
                 f"sequences {missing} have no prefill statistics at layer {layer}: the predicted policy needs the query of "
                 "the prompt's last token at prefill (HybridRuntime.prefill(..., q_last=q) for every layer)")
+        return slots, window_len, cpu_len
+
+    def _stage(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor,
+               torch_path: bool = False) -> tuple[int, np.ndarray]:
+        """The step's inputs where the device part reads them; returns the output's row count
+        (the bucket; `max_sequences` on the fused path) and the rows' CPU lengths.
+
+        Fused path: the slots and lengths into the pinned index buffer (the kernels read it
+        through its CUDA view; the previous call has been waited for), the queries by reference.
+        Torch paths (or `torch_path`): into the bucket's static buffers, padding rows pointing at
+        the scratch row, one pinned host-to-device copy and one copy of the queries.
+        """
+        slots, window_len, cpu_len = self._check_step(layer, seq_ids, store, q)
+        b = len(seq_ids)
+        if self._fused is not None and not torch_path:
+            if q.device != self.device or q.stride(-1) != 1 or q.dtype not in self._fused_q_dtypes:
+                raise ValueError(f"q must be a float32/bf16/fp16 tensor on {self.device} with a unit last stride, got "
+                                 f"{q.dtype} on {q.device} with strides {q.stride()}")
+            host = self._fused_idx_np
+            host[:, :b] = (slots, slots, window_len, cpu_len)
+            self._fused_q = q
+            return self.buckets[-1], host[3, :b]
+        bucket = next(n for n in self.buckets if n >= b)
         host = self._idx_host[bucket].numpy()
         host[0, :b] = slots
         host[0, b:] = 0
         host[1, :b] = slots
         host[1, b:] = self.statistics.scratch
-        host[2, :b] = [store.window_len(s, layer) for s in seq_ids]
+        host[2, :b] = window_len
         host[2, b:] = 1
-        cpu_len = np.fromiter((store.cpu_len(s, layer) for s in seq_ids), dtype=np.int64, count=b)
         host[3, :b] = cpu_len
         host[3, b:] = 0
         self._idx[bucket].copy_(self._idx_host[bucket], non_blocking=True)
         self._q[bucket][:b].copy_(q)
-        return bucket, cpu_len
+        return bucket, host[3, :b].copy()
 
-    def step_features(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor) -> torch.Tensor:
-        """The features `[B * Hq, 41]` a step with queries `q` would see now, computed eagerly and
-        changing no state (tests and reports; a step runs `__call__`)."""
-        bucket, _ = self._stage(layer, seq_ids, self.store, q)
-        features = self._features(*self._layer_inputs(layer, bucket))[: len(seq_ids) * self.geometry.q_heads].clone()
-        if self.cuda:  # the staging buffers are reused by the next call
-            torch.cuda.current_stream(self.device).synchronize()
-        return features
-
-    def __call__(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> HeadPlan:
-        """The plan of one step at one layer for `seq_ids`, whose queries are `q [B, Hq, D]` (unscaled)."""
-        bucket, cpu_len = self._stage(layer, seq_ids, store, q)
-        b, hq = len(seq_ids), self.geometry.q_heads
+    def _launch(self, layer: int, bucket: int) -> None:
+        """The device part of a staged step, up to the plan in host memory once the stream gets there."""
+        if self._fused is not None:
+            self._fused.run(self._fused_q, self._fused_idx_dev, self.statistics.layer_rows(layer),
+                            self.statistics.previous_queries(layer), *self.store.window(layer),
+                            layer / max(self.store.layers - 1, 1), self._fused_out_dev, validate=False)
+            self._fused_q = None  # the caller's tensor: not kept past the call
+            return
         graph = self._graphs.get((layer, bucket))
         if graph is not None:
             graph.replay()
@@ -251,23 +354,43 @@ class PredictedHeadPlanner:
         if self.cuda:
             # Outside the graph: a copy into pinned memory records an event for the host allocator.
             self._out_host[bucket].copy_(self._out[bucket], non_blocking=True)
+
+    def _output(self, bucket: int) -> np.ndarray:
+        return self._fused_out_np if self._fused is not None else self._out_host[bucket].numpy()
+
+    def step_features(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor) -> torch.Tensor:
+        """The features `[B * Hq, 41]` a step with queries `q` would see now, computed eagerly by the
+        torch reference and changing no state (tests and reports; a step runs `__call__`)."""
+        bucket, _ = self._stage(layer, seq_ids, self.store, q, torch_path=True)
+        features = self._features(*self._layer_inputs(layer, bucket))[: len(seq_ids) * self.geometry.q_heads].clone()
+        if self.cuda:  # the staging buffers are reused by the next call
+            torch.cuda.current_stream(self.device).synchronize()
+        return features
+
+    def __call__(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> HeadPlan:
+        """The plan of one step at one layer for `seq_ids`, whose queries are `q [B, Hq, D]` (unscaled)."""
+        bucket, cpu_len = self._stage(layer, seq_ids, store, q)
+        self._launch(layer, bucket)
+        if self.cuda:
             # The one wait: the host builds the step's tasks from this plan (module docstring).
             self._done.record()
             self._done.synchronize()
-        out = self._out_host[bucket].numpy()
+        b, hq = len(seq_ids), self.geometry.q_heads
+        out = self._output(bucket)
         n = bucket * hq
         budgets = out[3 * n : 3 * n + b * hq].reshape(b, hq).copy()
         block_size = out[4 * n : 4 * n + b * self.geometry.kv_heads].reshape(b, -1).astype(np.int64)
         if self.on_selection is not None:  # the host selector on the same predictions, for reports
             pred = out[: 3 * n].reshape(3, bucket, hq)[:, :b]
-            streaming = pred[2] if self.skip_streaming else self._no_streaming[bucket][:b]
+            streaming = pred[2] if self.skip_streaming else self._no_streaming[self.buckets[-1]][:b]
             self.on_selection(layer, list(seq_ids), self.selector(pred[0], pred[1], streaming, cpu_len))
         return HeadPlan(block_size, budgets)
 
     def predictions(self, bucket: int, b: int) -> np.ndarray:
-        """`[3, b, Hq]` (bgt0, k, p_streaming) of the last step run for `b` rows of `bucket` (host copy)."""
+        """`[3, b, Hq]` (bgt0, k, p_streaming) of the last step run for `b` rows of `bucket` (host copy;
+        on the fused path the bucket is `max_sequences`)."""
         n = bucket * self.geometry.q_heads
-        return self._out_host[bucket].numpy()[: 3 * n].reshape(3, bucket, -1)[:, :b]
+        return self._output(bucket)[: 3 * n].reshape(3, bucket, -1)[:, :b]
 
 
-__all__ = ["PredictedHeadPlanner", "batch_buckets"]
+__all__ = ["PATHS", "PredictedHeadPlanner", "batch_buckets", "network_linears"]

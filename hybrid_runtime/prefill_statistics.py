@@ -138,6 +138,10 @@ class PrefillStatisticsCache:
         parts = {name: packed[:, off : off + size].view(b, *shape) for name, (off, size, shape) in self._layout.items()}
         return PrefillStatistics(tau=self.tau, **parts)
 
+    def field_offsets(self) -> dict[str, int]:
+        """Float32 offset of every field within a packed row (what the fused GPU kernels read)."""
+        return {name: off for name, (off, _, _) in self._layout.items()}
+
     def layer_rows(self, layer: int) -> torch.Tensor:
         """The layer's packed statistics `[max_sequences + 1, width]` (one row per store slot, then the scratch row)."""
         return self._stats[layer]

@@ -257,8 +257,8 @@ def test_graph_replay_equals_eager():
     cfg = dataclasses.replace(cfg, kv_cache=dataclasses.replace(cfg.kv_cache, dtype="bf16", max_sequences=4))
     store = KVStore(cfg.kv_cache, cfg.geometry)
     shipped = load_checkpoint(resolve_checkpoint(cfg.selection.checkpoint))
-    graphed = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped)
-    eager = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, cuda_graphs=False)
+    graphed = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="graph")
+    eager = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="eager")
     assert len(graphed._graphs) == 2 * len(graphed.buckets) and not eager._graphs
     for s, n in ((0, 700), (1, 1500), (2, 400)):
         for layer in (0, 1):

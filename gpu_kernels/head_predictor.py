@@ -1,0 +1,619 @@
+"""The head-property predictor's decode step fused into two launches: 41 features, network, selector.
+
+Per decode step and layer the `predicted` policy needs, for every (sequence, query head), the 41
+features of `predictor.features.decode_features`, the network's `(bgt0, k, p_streaming)` and the
+granularity selector's plan. As torch ops that is ~150 small kernels (~340 us on the H100 even
+fused by torch.compile and replayed from a CUDA graph); here it is two:
+
+1. `_features_kernel`, one program per (sequence, KV head): loads the group's queries, streams
+   the window's K and V of that KV head once (online softmax: lse, max, sink mass, entropy,
+   output), applies the CPU segment's moments (`q S_k q`, `S_vk q` with the D x D covariances read
+   once per group) and writes every feature but the three that need all heads of the sequence,
+   plus two per-head partials (`||o_hat||` and the stream error's numerator);
+2. `_predict_kernel`, one program per (sequence, block of whole KV groups): finishes those three
+   features (the max over the layer's heads), runs the network (standardisation, Linear + SiLU
+   layers, the three heads as one Linear; weights read from global memory, activations through
+   a per-program scratch), the selector (Eq. 1 and Eq. 3 per group, first minimum) and writes
+   bgt0, k, p_streaming, the budget of every head and the block size of every group into `out`;
+   it also copies this step's queries into the previous-query buffer (after the features read it).
+
+`out` and the index rows may be CUDA views of pinned host memory (`gpu_kernels.uva`): the host
+writes the step's slots and lengths straight where the kernels read them and reads the plan
+where they wrote it, with no copy launched on either side.
+
+Plan once, run many (FlashInfer style): `FusedHeadPredictor(...)` checks the geometry, the
+statistics layout and the network and packs the weights once; `run(...)` launches per step.
+Numerics: fp32 throughout; the dots use `tf32x3` on the GPU (three tensor-core passes, fp32
+accuracy) and plain fp32 under the interpreter. The torch code stays the reference (and the
+CPU path); tests compare both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, interpreted, next_pow2
+from gpu_kernels.launch import CachedLaunch
+
+# The columns the kernels write, in order; `FusedHeadPredictor` refuses a predictor whose feature
+# order differs (the torch definition in `predictor.features` is the reference).
+FEATURE_COLUMNS: tuple[str, ...] = (
+    "layer_frac", "head_frac", "log2_context", "log2_cpu_tokens", "cpu_fraction",
+    "key_norm_mean", "key_norm_cv", "key_concentration", "key_spread", "key_top_eig_frac", "value_spread",
+    "recent_key_drift_cos", "q_norm", "q_key_mean_cos", "window_score_max", "sink_recent_gap",
+    "cpu_score_mean_est", "cpu_score_std_est", "cpu_score_max_est", "cpu_max_gap_est",
+    "lse_window", "sink_share", "lse_cpu_est", "cpu_mass_logit_est", "cpu_mass_est", "window_entropy",
+    "cpu_shift_est", "stream_err_est", "q_prev_cos", "q_anchor_cos", "q_anchor_norm_ratio", "log2_steps",
+    "anchor_cpu_mass", "anchor_stream_err", "anchor_bgt_1", "anchor_bgt_16", "anchor_bgt_128",
+    "bgt_gauss_est", "out_norm_share", "cpu_mass_group_rel", "group_q_cos",
+)
+N_FEATURES = len(FEATURE_COLUMNS)
+# The statistics fields the kernels read from a packed row (offsets in float32 elements).
+STATISTICS_FIELDS: tuple[str, ...] = (
+    "n_cpu", "sink_len", "window_len", "key_mean", "key_cov", "value_mean", "value_key_cov", "key_norm_mean",
+    "key_norm_var", "value_var", "key_top_eig_frac", "anchor_q", "anchor_cpu_mass", "anchor_stream_err",
+    "anchor_budget",
+)
+ANCHOR_BUDGETS = 3  # anchor_bgt_1, _16, _128 per query head
+MAX_BLOCK_SIZES = 4
+INDEX_ROWS = 4  # window slot, statistics row, window length, CPU length
+
+_CLIP = tl.constexpr(30.0)  # logit and gap clipping of the torch definition
+_EPS = tl.constexpr(1e-12)
+
+
+@triton.jit
+def _put(tile, cols, j: tl.constexpr, value):
+    """Column `j` of a `[rows, F]` tile set to `value [rows]`."""
+    return tl.where(cols[None, :] == j, value[:, None], tile)
+
+
+@triton.jit
+def _ndtri(p):
+    """Inverse standard normal CDF, fp32 (Giles' erfinv polynomials; (1 - x)(1 + x) taken as 4 p (1 - p)
+    so the tails keep their precision): within 1.3e-6 of float64 on [1e-7, 1 - 1e-7]."""
+    x = 2.0 * p - 1.0
+    w = -tl.log(4.0 * p * (1.0 - p))
+    wc = w - 2.5
+    c = 2.81022636e-08
+    c = 3.43273939e-07 + c * wc
+    c = -3.5233877e-06 + c * wc
+    c = -4.39150654e-06 + c * wc
+    c = 0.00021858087 + c * wc
+    c = -0.00125372503 + c * wc
+    c = -0.00417768164 + c * wc
+    c = 0.246640727 + c * wc
+    c = 1.50140941 + c * wc
+    wt = tl.sqrt(w) - 3.0
+    t = -0.000200214257
+    t = 0.000100950558 + t * wt
+    t = 0.00134934322 + t * wt
+    t = -0.00367342844 + t * wt
+    t = 0.00573950773 + t * wt
+    t = -0.0076224613 + t * wt
+    t = 0.00943887047 + t * wt
+    t = 1.00167406 + t * wt
+    t = 2.83297682 + t * wt
+    return 1.4142135623730951 * tl.where(w < 5.0, c, t) * x
+
+
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "layer_frac"],
+            do_not_specialize_on_alignment=["q_ptr"])
+def _features_kernel(
+    q_ptr, stride_qb, stride_qh,
+    idx_ptr, stride_idx,
+    stats_ptr, stats_width,
+    prev_ptr,
+    k_ptr, v_ptr, stride_ks, stride_kh, stride_kn,
+    feat_ptr, aux_ptr,
+    layer_frac, head_denom, scale, window_cap,
+    OFF_N: tl.constexpr, OFF_SINK: tl.constexpr, OFF_WIN: tl.constexpr, OFF_KM: tl.constexpr,
+    OFF_KC: tl.constexpr, OFF_VM: tl.constexpr, OFF_VKC: tl.constexpr, OFF_KNM: tl.constexpr,
+    OFF_KNV: tl.constexpr, OFF_VV: tl.constexpr, OFF_EIG: tl.constexpr, OFF_AQ: tl.constexpr,
+    OFF_AM: tl.constexpr, OFF_AE: tl.constexpr, OFF_AB: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, N_FEAT: tl.constexpr, BLOCK_F: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)  # sequence * HKV + KV head
+    b = pid // HKV
+    kvh = pid % HKV
+    HQ: tl.constexpr = HKV * G
+    slot = tl.load(idx_ptr + b)
+    row = tl.load(idx_ptr + stride_idx + b)
+    wl_i = tl.load(idx_ptr + 2 * stride_idx + b)
+    wl = wl_i.to(tl.float32)
+    length = tl.minimum(wl_i, window_cap)  # rows the buffer holds (a bad length never reads past it)
+    st = stats_ptr + row * stats_width
+    n = tl.load(st + OFF_N)
+    sink_len = tl.load(st + OFF_SINK)
+    win0 = tl.load(st + OFF_WIN)
+
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    h = kvh * G + g
+    d = tl.arange(0, D)
+    gz = tl.zeros([BLOCK_G], tl.float32)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    qs = q * scale
+
+    # ---- the window: one pass of online softmax over all valid rows, and over the sink rows.
+    k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
+    m = gz - float("inf")  # running max over the window
+    l = gz  # sum of exp(s - m)
+    u = gz  # sum of exp(s - m) (s - m): the entropy without the cancellation of lse - E[s]
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    ms = gz - float("inf")  # sink rows: running max and sum
+    ls = gz
+    mr = gz - float("inf")  # recent rows: max
+    rsum = tl.zeros([D], tl.float32)  # recent rows: key sum
+    w = tl.arange(0, BLOCK_W)
+    for n0 in range(0, length, BLOCK_W):
+        pos = n0 + w
+        valid = pos < length
+        is_sink = valid & (pos.to(tl.float32) < sink_len)
+        is_recent = valid & (pos.to(tl.float32) >= sink_len)
+        kt = tl.load(k_base + pos[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        vt = tl.load(v_base + pos[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(qs, tl.trans(kt), input_precision=DOT_PRECISION)
+        sv = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sv, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        e = tl.exp(sv - m_safe[:, None])
+        # Old terms move from m to m_new: e (s - m) -> alpha e (s - m + m - m_new).
+        u = alpha * (u + l * (tl.where(l > 0.0, m, m_safe) - m_safe))
+        u += tl.sum(tl.where(valid[None, :], e * (s - m_safe[:, None]), 0.0), axis=1)
+        l = l * alpha + tl.sum(e, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(e, vt, input_precision=DOT_PRECISION)
+        m = m_new
+        ss = tl.where(is_sink[None, :], s, float("-inf"))
+        ms_new = tl.maximum(ms, tl.max(ss, axis=1))
+        ms_safe = tl.where(ms_new == float("-inf"), 0.0, ms_new)
+        ls = ls * tl.exp(ms - ms_safe) + tl.sum(tl.exp(ss - ms_safe[:, None]), axis=1)
+        ms = ms_new
+        mr = tl.maximum(mr, tl.max(tl.where(is_recent[None, :], s, float("-inf")), axis=1))
+        rsum += tl.sum(tl.where(is_recent[:, None], kt, 0.0), axis=0)
+    has_w = l > 0.0
+    l_safe = tl.where(has_w, l, 1.0)
+    lse_w = tl.where(has_w, m + tl.log(l_safe), float("-inf"))
+    o_w = acc / l_safe[:, None]
+    entropy = (tl.log(l_safe) - u / l_safe) / tl.log(tl.maximum(wl, 2.0))
+    lse_sink = tl.where(ls > 0.0, ms + tl.log(tl.where(ls > 0.0, ls, 1.0)), float("-inf"))
+    recent_n = tl.maximum(length.to(tl.float32) - sink_len, 0.0)
+    any_sink = (sink_len > 0.0) & (length > 0)
+    gap = tl.where(any_sink & (recent_n > 0.0), ms - mr, 0.0)
+    gap = tl.minimum(tl.maximum(gap, -_CLIP), _CLIP)
+
+    # ---- the CPU segment, from its moments: q S_k q and S_vk q, covariances read once per group.
+    km = tl.load(st + OFF_KM + kvh * D + d)
+    vm = tl.load(st + OFF_VM + kvh * D + d)
+    mean_s = tl.sum(qs * km[None, :], axis=1)
+    acc_k = tl.zeros([BLOCK_G, D], tl.float32)
+    acc_v = tl.zeros([BLOCK_G, D], tl.float32)
+    c = tl.arange(0, BLOCK_C)
+    kc_base = st + OFF_KC + kvh * D * D
+    vkc_base = st + OFF_VKC + kvh * D * D
+    for c0 in range(0, D, BLOCK_C):  # a loop, not unrolled: unrolled, the chunks' tiles spill registers
+        qc = tl.load(q_rows + (c0 + c)[None, :], mask=gm[:, None], other=0.0).to(tl.float32) * scale
+        s_k = tl.load(kc_base + (c0 + c)[:, None] * D + d[None, :])  # rows: key dims c, columns: key dims
+        s_vk_t = tl.load(vkc_base + d[None, :] * D + (c0 + c)[:, None])  # [c, e] = Cov(v_e, k_c)
+        acc_k += tl.dot(qc, s_k, input_precision=DOT_PRECISION)
+        acc_v += tl.dot(qc, s_vk_t, input_precision=DOT_PRECISION)
+    var_s = tl.maximum(tl.sum(acc_k * qs, axis=1), 0.0)
+    std_s = tl.sqrt(var_s)
+    has_cpu = n > 0.0
+    log_n = tl.log(tl.maximum(n, 1.0))
+    lse_c = tl.where(has_cpu, log_n + mean_s + var_s / 2.0, lse_w - _CLIP)
+    logit = tl.minimum(tl.maximum(lse_c - lse_w, -_CLIP), _CLIP)
+    mass = tl.where(has_cpu, tl.sigmoid(logit), 0.0)
+    max_c = mean_s + std_s * tl.sqrt(2.0 * log_n)
+    o_c = vm[None, :] + acc_v
+    o_hat = (1.0 - mass)[:, None] * o_w + mass[:, None] * o_c
+    o_hat_norm = tl.sqrt(tl.sum(o_hat * o_hat, axis=1))
+    shift = tl.sqrt(tl.sum((o_c - o_w) * (o_c - o_w), axis=1))
+    o_w_norm = tl.sqrt(tl.sum(o_w * o_w, axis=1))
+
+    # ---- query dynamics and the group.
+    q_norm = tl.sqrt(tl.sum(q * q, axis=1))
+    prev = tl.load(prev_ptr + row * (HQ * D) + h[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    anchor = tl.load(st + OFF_AQ + h[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    prev_norm = tl.sqrt(tl.sum(prev * prev, axis=1))
+    anchor_norm = tl.sqrt(tl.sum(anchor * anchor, axis=1))
+    km_norm = tl.sqrt(tl.sum(km * km, axis=0))
+    q_hat = q / tl.maximum(q_norm, _EPS)[:, None]
+    if G > 1:
+        gram = tl.dot(q_hat, tl.trans(q_hat), input_precision=DOT_PRECISION)
+        group_cos = (tl.sum(tl.where(gm[None, :], gram, 0.0), axis=1) - 1.0) / (G - 1)
+    else:
+        group_cos = gz + 1.0
+    recent_mean = rsum / tl.maximum(recent_n, 1.0)
+    rm_norm = tl.sqrt(tl.sum(recent_mean * recent_mean, axis=0))
+    drift = tl.sum(recent_mean * km, axis=0) / tl.maximum(rm_norm * km_norm, _EPS)
+    knm = tl.load(st + OFF_KNM + kvh)
+    knm_safe = tl.maximum(knm, _EPS)
+    trace = tl.sum(tl.load(kc_base + d * D + d), axis=0)
+    total = wl + n
+    mass_max = tl.max(tl.where(gm, mass, 0.0), axis=0)
+
+    f = tl.arange(0, BLOCK_F)
+    tile = tl.zeros([BLOCK_G, BLOCK_F], tl.float32)
+    tile = _put(tile, f, 0, gz + layer_frac)
+    tile = _put(tile, f, 1, h.to(tl.float32) / head_denom)
+    tile = _put(tile, f, 2, gz + tl.log2(tl.maximum(total, 1.0)))
+    tile = _put(tile, f, 3, gz + tl.log2(1.0 + n))
+    tile = _put(tile, f, 4, gz + n / tl.maximum(total, 1.0))
+    tile = _put(tile, f, 5, gz + knm)
+    tile = _put(tile, f, 6, gz + tl.sqrt(tl.load(st + OFF_KNV + kvh)) / knm_safe)
+    tile = _put(tile, f, 7, gz + km_norm / tl.sqrt(D * 1.0) / knm_safe)
+    tile = _put(tile, f, 8, gz + tl.sqrt(tl.maximum(trace / D, 0.0)))
+    tile = _put(tile, f, 9, gz + tl.load(st + OFF_EIG + kvh))
+    tile = _put(tile, f, 10, gz + tl.sqrt(tl.maximum(tl.load(st + OFF_VV + kvh), 0.0)))
+    tile = _put(tile, f, 11, gz + drift)
+    tile = _put(tile, f, 12, q_norm / tl.sqrt(D * 1.0))
+    tile = _put(tile, f, 13, tl.sum(q * km[None, :], axis=1) / tl.maximum(q_norm * km_norm, _EPS))
+    tile = _put(tile, f, 14, m)
+    tile = _put(tile, f, 15, gap)
+    tile = _put(tile, f, 16, mean_s)
+    tile = _put(tile, f, 17, std_s)
+    tile = _put(tile, f, 18, max_c)
+    tile = _put(tile, f, 19, tl.where(has_cpu, max_c - m, -_CLIP))
+    tile = _put(tile, f, 20, lse_w)
+    tile = _put(tile, f, 21, tl.exp(lse_sink - lse_w))
+    tile = _put(tile, f, 22, lse_c)
+    tile = _put(tile, f, 23, logit)
+    tile = _put(tile, f, 24, mass)
+    tile = _put(tile, f, 25, entropy)
+    tile = _put(tile, f, 26, tl.where(has_cpu, shift / tl.maximum(o_w_norm, _EPS), 0.0))
+    # 27 stream_err_est, 37 bgt_gauss_est, 38 out_norm_share: `_predict_kernel` (max over all heads)
+    tile = _put(tile, f, 28, tl.sum(q * prev, axis=1) / tl.maximum(q_norm * prev_norm, _EPS))
+    tile = _put(tile, f, 29, tl.sum(q * anchor, axis=1) / tl.maximum(q_norm * anchor_norm, _EPS))
+    tile = _put(tile, f, 30, q_norm / tl.maximum(anchor_norm, _EPS))
+    tile = _put(tile, f, 31, gz + tl.log2(1.0 + tl.maximum(wl - win0, 0.0)))
+    tile = _put(tile, f, 32, tl.load(st + OFF_AM + h, mask=gm, other=0.0))
+    tile = _put(tile, f, 33, tl.load(st + OFF_AE + h, mask=gm, other=0.0))
+    tile = _put(tile, f, 34, tl.load(st + OFF_AB + h * 3, mask=gm, other=0.0))
+    tile = _put(tile, f, 35, tl.load(st + OFF_AB + h * 3 + 1, mask=gm, other=0.0))
+    tile = _put(tile, f, 36, tl.load(st + OFF_AB + h * 3 + 2, mask=gm, other=0.0))
+    tile = _put(tile, f, 39, mass / tl.maximum(mass_max, _EPS))
+    tile = _put(tile, f, 40, group_cos)
+    out_row = b * HQ + h
+    tl.store(feat_ptr + out_row[:, None] * N_FEAT + f[None, :], tile, mask=gm[:, None] & (f[None, :] < N_FEAT))
+    tl.store(aux_ptr + out_row * 2, o_hat_norm, mask=gm)
+    tl.store(aux_ptr + out_row * 2 + 1, tl.where(has_cpu, mass * shift, 0.0), mask=gm)
+
+
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh"], do_not_specialize_on_alignment=["q_ptr"])
+def _predict_kernel(
+    q_ptr, stride_qb, stride_qh,
+    idx_ptr, stride_idx,
+    prev_ptr,
+    feat_ptr, aux_ptr,
+    f_mean_ptr, f_std_ptr,
+    w_ptr, b_ptr, dims_ptr, w_off_ptr, b_off_ptr,
+    scratch_ptr,
+    out_ptr,
+    tau, t_mean0, t_std0, t_mean1, t_std1, threshold,
+    N_LIN: tl.constexpr, WIDTH: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GROUPS: tl.constexpr, N_J: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_GR: tl.constexpr, BLOCK_Q: tl.constexpr,
+    N_FEAT: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_BLK: tl.constexpr, BLK0: tl.constexpr, BLK1: tl.constexpr, BLK2: tl.constexpr, BLK3: tl.constexpr,
+    LOG0: tl.constexpr, LOG1: tl.constexpr, LOG2: tl.constexpr, LOG3: tl.constexpr,
+    SKIP_STREAMING: tl.constexpr, OUT_ROWS_HQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)  # sequence * N_J + block of GROUPS KV groups
+    b = pid // N_J
+    jb = pid % N_J
+    HQ: tl.constexpr = HKV * G
+    lr = tl.arange(0, BLOCK_M)
+    h = jb * (GROUPS * G) + lr
+    hm = (lr < GROUPS * G) & (h < HQ)
+    fr = b * HQ + h  # feature rows
+
+    # ---- the three features over all heads of the sequence.
+    qa = tl.arange(0, BLOCK_Q)
+    norms_all = tl.load(aux_ptr + (b * HQ + qa) * 2, mask=qa < HQ, other=0.0)
+    norm_max = tl.maximum(tl.max(norms_all, axis=0), _EPS)
+    o_hat_norm = tl.load(aux_ptr + fr * 2, mask=hm, other=0.0)
+    stream_err = tl.load(aux_ptr + fr * 2 + 1, mask=hm, other=0.0) / norm_max
+    f = tl.arange(0, BLOCK_F)
+    fmask = f[None, :] < N_FEAT
+    tile = tl.load(feat_ptr + fr[:, None] * N_FEAT + f[None, :], mask=hm[:, None] & fmask, other=0.0)
+    std_s = tl.sum(tl.where(f[None, :] == 17, tile, 0.0), axis=1)
+    eps = tl.minimum(tau / tl.maximum(stream_err, _EPS), 1.0)
+    z = _ndtri(tl.minimum(tl.maximum(1.0 - eps, 1e-7), 1.0 - 1e-7))
+    bgt_gauss = tl.where(eps >= 1.0, 0.0, 0.5 * (1.0 + tl.math.erf((z - std_s) * 0.7071067811865476)))
+    tile = _put(tile, f, 27, stream_err)
+    tile = _put(tile, f, 37, bgt_gauss)
+    tile = _put(tile, f, 38, o_hat_norm / norm_max)
+    done = (f[None, :] == 27) | (f[None, :] == 37) | (f[None, :] == 38)
+    tl.store(feat_ptr + fr[:, None] * N_FEAT + f[None, :], tile, mask=hm[:, None] & done)
+
+    # ---- the network: standardise, then N_LIN Linear layers (SiLU between), through the scratch.
+    mean = tl.load(f_mean_ptr + f, mask=f < N_FEAT, other=0.0)
+    std = tl.load(f_std_ptr + f, mask=f < N_FEAT, other=1.0)
+    x = tl.where(fmask, (tile - mean[None, :]) / std[None, :], 0.0)
+    sp = scratch_ptr + pid.to(tl.int64) * (2 * BLOCK_M * WIDTH)
+    tl.store(sp + lr[:, None] * WIDTH + f[None, :], x, mask=fmask)
+    tl.debug_barrier()
+    kk = tl.arange(0, BLOCK_K)
+    nn = tl.arange(0, BLOCK_N)
+    for i in tl.static_range(N_LIN):
+        in_w = tl.load(dims_ptr + i)
+        out_w = tl.load(dims_ptr + i + 1)
+        w_base = w_ptr + tl.load(w_off_ptr + i)
+        b_base = b_ptr + tl.load(b_off_ptr + i)
+        src = sp + (i % 2) * (BLOCK_M * WIDTH)
+        dst = sp + ((i + 1) % 2) * (BLOCK_M * WIDTH)
+        for n0 in range(0, out_w, BLOCK_N):
+            ncol = n0 + nn
+            nmask = ncol < out_w
+            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, in_w, BLOCK_K):
+                kcol = k0 + kk
+                kmask = kcol < in_w
+                a = tl.load(src + lr[:, None] * WIDTH + kcol[None, :], mask=kmask[None, :], other=0.0)
+                wt = tl.load(w_base + kcol[:, None] * out_w + ncol[None, :], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                y += tl.dot(a, wt, input_precision=DOT_PRECISION)
+            y += tl.load(b_base + ncol, mask=nmask, other=0.0)[None, :]
+            if i < N_LIN - 1:
+                y = y / (1.0 + tl.exp(-y))  # SiLU
+            tl.store(dst + lr[:, None] * WIDTH + ncol[None, :], y, mask=nmask[None, :])
+        tl.debug_barrier()
+    o = tl.arange(0, 4)  # the three outputs, padded
+    res = tl.load(sp + (N_LIN % 2) * (BLOCK_M * WIDTH) + lr[:, None] * WIDTH + o[None, :], mask=o[None, :] < 3, other=0.0)
+    bgt0 = tl.sum(tl.where(o[None, :] == 0, res, 0.0), axis=1) * t_std0 + t_mean0
+    slope = tl.sum(tl.where(o[None, :] == 1, res, 0.0), axis=1) * t_std1 + t_mean1
+    p_stream = tl.sigmoid(tl.sum(tl.where(o[None, :] == 2, res, 0.0), axis=1))
+
+    # ---- the selector: Eq. 1 per head and block size, Eq. 3 per group, the first minimum.
+    j = tl.arange(0, 4)  # MAX_BLOCK_SIZES candidates, the first N_BLK real
+    blk = tl.where(j == 0, BLK0, tl.where(j == 1, BLK1, tl.where(j == 2, BLK2, BLK3)))
+    log_blk = tl.where(j == 0, LOG0, tl.where(j == 1, LOG1, tl.where(j == 2, LOG2, LOG3)))  # the host's float32 log2
+    bgt = tl.minimum(tl.maximum(bgt0[:, None] + slope[:, None] * log_blk[None, :], 0.0), 1.0)
+    if SKIP_STREAMING:
+        bgt = tl.where((p_stream >= threshold)[:, None], 0.0, bgt)
+    cpu_len = tl.load(idx_ptr + 3 * stride_idx + b)
+    lf = cpu_len.to(tl.float64)
+    gr = tl.arange(0, BLOCK_GR)
+    member = ((lr // G)[:, None] == gr[None, :]) & hm[:, None]  # [rows, groups]
+    sums = tl.sum(tl.where(member[:, :, None], bgt[:, None, :], 0.0), axis=0)  # [groups, blocks] fp32
+    volumes = lf * (2.0 / blk.to(tl.float64))[None, :] + 2.0 * lf * sums.to(tl.float64)
+    volumes = tl.where((j < N_BLK)[None, :], volumes, float("inf"))
+    choice = tl.argmin(volumes, axis=1, tie_break_left=True)  # [groups]
+    choice_row = tl.sum(tl.where(member, choice[None, :], 0), axis=1)
+    chosen = tl.sum(tl.where(j[None, :] == choice_row[:, None], bgt, 0.0), axis=1)
+    positive = tl.max(tl.where(member & (chosen > 0.0)[:, None], 1, 0), axis=0) > 0
+    has_task = positive & (cpu_len > 0)
+    has_task_row = tl.sum(tl.where(member & has_task[None, :], 1, 0), axis=1) > 0
+    budget = tl.where(has_task_row, chosen, 0.0)
+    block_size = tl.sum(tl.where(j[None, :] == choice[:, None], blk[None, :], 0), axis=1).to(tl.float32)
+
+    # `out` is laid out for OUT_ROWS_HQ = max_sequences * Hq rows, whatever the step's batch.
+    tl.store(out_ptr + fr, bgt0, mask=hm)
+    tl.store(out_ptr + OUT_ROWS_HQ + fr, slope, mask=hm)
+    tl.store(out_ptr + 2 * OUT_ROWS_HQ + fr, p_stream, mask=hm)
+    tl.store(out_ptr + 3 * OUT_ROWS_HQ + fr, budget, mask=hm)
+    grp = jb * GROUPS + gr
+    tl.store(out_ptr + 4 * OUT_ROWS_HQ + b * HKV + grp, block_size, mask=(gr < GROUPS) & (grp < HKV))
+
+    # ---- this step's queries become the rows' previous queries (the features kernel has read them).
+    row = tl.load(idx_ptr + stride_idx + b)
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh
+    qv = tl.load(q_rows + d[None, :], mask=hm[:, None], other=0.0)
+    tl.store(prev_ptr + row * (HQ * D) + h[:, None] * D + d[None, :], qv.to(tl.float32), mask=hm[:, None])
+
+
+_features_launch = CachedLaunch(_features_kernel)
+_predict_launch = CachedLaunch(_predict_kernel)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class FusedHeadPredictor:
+    """Features, network and selector of one decode step at one layer in two launches (module docstring).
+
+    Planned once for a geometry, a statistics layout, a network and the selector's settings:
+
+    * `statistics_offsets`: float32 offset of every `STATISTICS_FIELDS` entry within a packed
+      statistics row (the runtime's `PrefillStatisticsCache` layout; `anchor_budget` holds
+      `ANCHOR_BUDGETS` values per query head);
+    * `feature_names`: the predictor's feature order, which must be `FEATURE_COLUMNS`;
+    * `linears`: the network as `(weight [out, in], bias [out])` pairs in order, SiLU after every
+      one but the last, whose 3 outputs are the standardised bgt0, k and the streaming logit;
+      `feature_mean/std` standardise the raw features, `target_mean/std` (bgt0, k) undo the
+      targets' standardisation;
+    * `tau` (the anchor budgets' and Gaussian budget's error bound), `block_sizes` (the
+      selector's candidates, at most `MAX_BLOCK_SIZES`), `streaming_threshold`, `skip_streaming`.
+
+    `run` writes `out [out_size]` float32: bgt0, k, p_streaming and the budget of every head, each
+    `max_sequences * Hq` long (row `b * Hq + h`), then the block size of every group
+    (`max_sequences * Hkv`, row `b * Hkv + g`), as `hybrid_runtime.selector.DeviceSelector` would;
+    rows of sequences past the step's batch are left as they were. `features` holds the step's
+    `[max_sequences * Hq, 41]` features afterwards.
+    """
+
+    def __init__(self, *, q_heads: int, kv_heads: int, head_dim: int, max_sequences: int, window_capacity: int,
+                 statistics_offsets: Mapping[str, int], statistics_width: int, feature_names: Sequence[str],
+                 linears: Sequence[tuple[torch.Tensor, torch.Tensor]], feature_mean: torch.Tensor,
+                 feature_std: torch.Tensor, target_mean: Sequence[float], target_std: Sequence[float], tau: float,
+                 block_sizes: Sequence[int], streaming_threshold: float, skip_streaming: bool,
+                 device: torch.device | str, scale: float | None = None, dot_precision: str = "tf32x3",
+                 block_w: int = 32, features_warps: int = 8, predict_warps: int = 4):
+        for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
+                        ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
+            if not isinstance(x, (int, np.integer)) or x < 1:
+                raise ValueError(f"{name} must be a positive integer, got {x!r}")
+        if q_heads % kv_heads:
+            raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+        check_head_dim(head_dim)
+        if tuple(feature_names) != FEATURE_COLUMNS:
+            raise ValueError(f"the fused kernels write the features in the order {list(FEATURE_COLUMNS)}; "
+                             f"the predictor expects {list(feature_names)}")
+        missing = [k for k in STATISTICS_FIELDS if k not in statistics_offsets]
+        if missing:
+            raise ValueError(f"statistics_offsets lacks {missing}; it needs every field of {list(STATISTICS_FIELDS)}")
+        hq, hkv, d = int(q_heads), int(kv_heads), int(head_dim)
+        sizes = {"n_cpu": 1, "sink_len": 1, "window_len": 1, "key_mean": hkv * d, "key_cov": hkv * d * d,
+                 "value_mean": hkv * d, "value_key_cov": hkv * d * d, "key_norm_mean": hkv, "key_norm_var": hkv,
+                 "value_var": hkv, "key_top_eig_frac": hkv, "anchor_q": hq * d, "anchor_cpu_mass": hq,
+                 "anchor_stream_err": hq, "anchor_budget": hq * ANCHOR_BUDGETS}
+        bad = [k for k in STATISTICS_FIELDS if not 0 <= int(statistics_offsets[k]) <= statistics_width - sizes[k]]
+        if bad:
+            raise ValueError(f"statistics_offsets {bad} place fields past the row's {statistics_width} floats "
+                             f"(sizes {[sizes[k] for k in bad]})")
+        bs = [int(x) for x in block_sizes]
+        if not 1 <= len(bs) <= MAX_BLOCK_SIZES or min(bs) < 1 or len(set(bs)) != len(bs):
+            raise ValueError(f"block_sizes must be 1 to {MAX_BLOCK_SIZES} distinct positive sizes, got {list(block_sizes)}")
+        if not (math.isfinite(tau) and tau > 0):
+            raise ValueError(f"tau must be a positive finite number, got {tau}")
+        if not 0.0 < streaming_threshold < 1.0:
+            raise ValueError(f"streaming_threshold must lie in (0, 1), got {streaming_threshold}")
+        if dot_precision not in ("tf32x3", "ieee"):
+            raise ValueError(f"dot_precision must be 'tf32x3' or 'ieee' (fp32-accurate dots), got {dot_precision!r}")
+        if block_w < 16 or block_w & (block_w - 1):
+            raise ValueError(f"block_w must be a power of two >= 16, got {block_w}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type != "cuda" and not interpreted():
+            raise ValueError(f"the fused kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {self.device}")
+
+        # The network: W^T of every Linear, flattened in order; widths and offsets as small tables.
+        if not linears:
+            raise ValueError("linears is empty: the network needs at least its output layer")
+        dims = [N_FEATURES]
+        w_parts, b_parts, w_off, b_off = [], [], [], []
+        for i, (wt, bias) in enumerate(linears):
+            if wt.dim() != 2 or wt.shape[1] != dims[-1] or bias.shape != (wt.shape[0],):
+                raise ValueError(f"linears[{i}] is weight {tuple(wt.shape)}, bias {tuple(bias.shape)}; expected "
+                                 f"[out, {dims[-1]}] and [out]")
+            w_off.append(sum(p.numel() for p in w_parts))
+            b_off.append(sum(p.numel() for p in b_parts))
+            w_parts.append(wt.detach().float().t().contiguous().view(-1))
+            b_parts.append(bias.detach().float().reshape(-1))
+            dims.append(int(wt.shape[0]))
+        if dims[-1] != 3:
+            raise ValueError(f"the last Linear must give 3 outputs (bgt0, k, streaming logit), got {dims[-1]}")
+        for name, t in (("feature_mean", feature_mean), ("feature_std", feature_std)):
+            if t.shape != (N_FEATURES,):
+                raise ValueError(f"{name} must be [{N_FEATURES}], got {tuple(t.shape)}")
+        dev = self.device
+        self._w = torch.cat(w_parts).to(dev)
+        self._b = torch.cat(b_parts).to(dev)
+        self._dims = torch.tensor(dims, dtype=torch.int32, device=dev)
+        self._w_off = torch.tensor(w_off, dtype=torch.int64, device=dev)
+        self._b_off = torch.tensor(b_off, dtype=torch.int64, device=dev)
+        self._f_mean = feature_mean.detach().float().to(dev).contiguous()
+        self._f_std = feature_std.detach().float().to(dev).contiguous()
+        self.n_linear = len(linears)
+        width = max(dims)
+
+        self.q_heads, self.kv_heads, self.head_dim = hq, hkv, d
+        self.group_size = g = hq // hkv
+        self.max_sequences = m = int(max_sequences)
+        self.window_capacity = int(window_capacity)
+        self.statistics_width = int(statistics_width)
+        self.out_size = 4 * m * hq + m * hkv
+        groups = min(hkv, max(1, 16 // g))  # KV groups per program of the predict kernel: ~16 rows
+        self._n_j = _cdiv(hkv, groups)
+        block_m = max(16, next_pow2(groups * g))
+        self.features = torch.zeros(m * hq, N_FEATURES, device=dev)
+        self._aux = torch.zeros(m * hq, 2, device=dev)
+        self._scratch = torch.zeros(m * self._n_j * 2 * block_m * width, device=dev)
+        scale = d ** -0.5 if scale is None else float(scale)
+        self._scalars = (float(max(hq - 1, 1)), scale)
+        off = {k: int(statistics_offsets[k]) for k in STATISTICS_FIELDS}
+        precision = "ieee" if interpreted() else dot_precision
+        self._features_constexprs = dict(
+            OFF_N=off["n_cpu"], OFF_SINK=off["sink_len"], OFF_WIN=off["window_len"], OFF_KM=off["key_mean"],
+            OFF_KC=off["key_cov"], OFF_VM=off["value_mean"], OFF_VKC=off["value_key_cov"],
+            OFF_KNM=off["key_norm_mean"], OFF_KNV=off["key_norm_var"], OFF_VV=off["value_var"],
+            OFF_EIG=off["key_top_eig_frac"], OFF_AQ=off["anchor_q"], OFF_AM=off["anchor_cpu_mass"],
+            OFF_AE=off["anchor_stream_err"], OFF_AB=off["anchor_budget"],
+            HKV=hkv, G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_W=block_w, BLOCK_C=min(32, d),
+            N_FEAT=N_FEATURES, BLOCK_F=next_pow2(N_FEATURES), DOT_PRECISION=precision,
+        )
+        padded = bs + [bs[-1]] * (MAX_BLOCK_SIZES - len(bs))
+        logs = [float(np.log2(np.float32(x))) for x in padded]  # the host selector's float32 log2
+        self._predict_scalars = (float(tau), float(target_mean[0]), float(target_std[0]), float(target_mean[1]),
+                                 float(target_std[1]), float(streaming_threshold))
+        self._predict_constexprs = dict(
+            N_LIN=self.n_linear, WIDTH=width,
+            HKV=hkv, G=g, D=d, GROUPS=groups, N_J=self._n_j,
+            BLOCK_M=block_m, BLOCK_GR=next_pow2(groups), BLOCK_Q=next_pow2(hq),
+            N_FEAT=N_FEATURES, BLOCK_F=next_pow2(N_FEATURES), BLOCK_K=64, BLOCK_N=64,
+            N_BLK=len(bs), BLK0=padded[0], BLK1=padded[1], BLK2=padded[2], BLK3=padded[3],
+            LOG0=logs[0], LOG1=logs[1], LOG2=logs[2], LOG3=logs[3],
+            SKIP_STREAMING=bool(skip_streaming), OUT_ROWS_HQ=m * hq, DOT_PRECISION=precision,
+        )
+        self._features_options = {"num_warps": features_warps, "num_stages": 2}
+        self._predict_options = {"num_warps": predict_warps, "num_stages": 2}
+
+    def check(self, q: torch.Tensor, idx: torch.Tensor, statistics: torch.Tensor, previous: torch.Tensor,
+              window_k: torch.Tensor, window_v: torch.Tensor, out: torch.Tensor) -> None:
+        """Validate `run`'s tensors (host metadata only; `run(validate=True)` calls it)."""
+        dev = self.device
+        hq, hkv, d, m = self.q_heads, self.kv_heads, self.head_dim, self.max_sequences
+        check_tensor("q", q, dims=3, dtypes=(torch.float32, torch.bfloat16, torch.float16), device=dev)
+        if not 1 <= q.shape[0] <= m or tuple(q.shape[1:]) != (hq, d):
+            raise ValueError(f"q has shape {tuple(q.shape)}; expected [B, {hq}, {d}] with 1 <= B <= {m}")
+        check_tensor("idx", idx, shape=(INDEX_ROWS, m), dtypes=(torch.int64,), device=dev)
+        check_tensor("statistics", statistics, shape=(None, self.statistics_width), dtypes=(torch.float32,),
+                     device=dev, contiguous=True)
+        check_tensor("previous", previous, shape=(statistics.shape[0], hq, d), dtypes=(torch.float32,), device=dev,
+                     contiguous=True)
+        check_tensor("window_k", window_k, shape=(None, hkv, self.window_capacity, d), dtypes=KV_DTYPES, device=dev)
+        check_tensor("window_v", window_v, shape=tuple(window_k.shape), dtypes=(window_k.dtype,), device=dev)
+        if window_k.stride() != window_v.stride():
+            raise ValueError(f"window_k and window_v must share strides, got {window_k.stride()} and {window_v.stride()}")
+        check_tensor("out", out, shape=(self.out_size,), dtypes=(torch.float32,), device=dev, contiguous=True)
+
+    def run(self, q: torch.Tensor, idx: torch.Tensor, statistics: torch.Tensor, previous: torch.Tensor,
+            window_k: torch.Tensor, window_v: torch.Tensor, layer_frac: float, out: torch.Tensor,
+            validate: bool = True) -> None:
+        """One step at one layer for the `B = q.shape[0]` sequences of the step.
+
+        `q [B, Hq, D]`: the step's queries (unscaled; fp32/bf16/fp16, unit last stride);
+        `idx [4, max_sequences]` int64: per batch row its window slot, statistics row, window
+        length (this step's token included) and CPU-segment length; `statistics [rows, width]`
+        the layer's packed statistics; `previous [rows, Hq, D]` fp32 the layer's previous queries
+        (read, then overwritten with `q` at the batch's rows); `window_k/v [S, Hkv, W, D]` the
+        layer's window; `layer_frac` = layer / (layers - 1). `validate=False` skips the checks
+        (a caller that passes its own, once-checked buffers).
+        """
+        if validate:
+            self.check(q, idx, statistics, previous, window_k, window_v, out)
+        b = q.shape[0]
+        head_denom, scale = self._scalars
+        _features_launch(
+            (b * self.kv_heads,),
+            (q, q.stride(0), q.stride(1), idx, idx.stride(0), statistics, statistics.stride(0), previous,
+             window_k, window_v, window_k.stride(0), window_k.stride(1), window_k.stride(2),
+             self.features, self._aux, float(layer_frac), head_denom, scale, self.window_capacity),
+            self._features_constexprs, tuple(self._features_constexprs.values()) + (window_k.dtype, q.dtype),
+            self._features_options,
+        )
+        _predict_launch(
+            (b * self._n_j,),
+            (q, q.stride(0), q.stride(1), idx, idx.stride(0), previous, self.features, self._aux,
+             self._f_mean, self._f_std, self._w, self._b, self._dims, self._w_off, self._b_off, self._scratch, out,
+             *self._predict_scalars),
+            self._predict_constexprs, tuple(self._predict_constexprs.values()) + (q.dtype,), self._predict_options,
+        )
+
+
+__all__ = ["ANCHOR_BUDGETS", "FEATURE_COLUMNS", "FusedHeadPredictor", "INDEX_ROWS", "MAX_BLOCK_SIZES", "N_FEATURES",
+           "STATISTICS_FIELDS"]

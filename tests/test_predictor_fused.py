@@ -1,0 +1,264 @@
+"""The fused predictor kernels against the torch reference: features (`decode_features`), network
+(`HeadPropertyNet.predict`) and selector (`DeviceSelector`), under Triton's interpreter at small
+shapes (GQA groups of 1, 3 and 4, windows short of full, empty CPU segments, padding rows left
+alone) and on CUDA (gpu-marked) at the Llama-3.1-8B head geometry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gpu_kernels  # noqa: F401  (sets TRITON_INTERPRET without CUDA, before the kernel module)
+from gpu_kernels.head_predictor import FEATURE_COLUMNS, INDEX_ROWS, FusedHeadPredictor
+from hybrid_runtime.config import config_from_dict
+from hybrid_runtime.kvcache import KVStore
+from hybrid_runtime.predicted_plans import PredictedHeadPlanner, network_linears
+from hybrid_runtime.prefill_statistics import PrefillStatisticsCache
+from hybrid_runtime.selector import GranularitySelector
+from predictor.features import FEATURE_NAMES, decode_features
+from predictor.model import Checkpoint, HeadPropertyNet
+from tests.helpers import random_kv
+
+CUDA = torch.cuda.is_available()
+
+
+def random_network(hidden: tuple[int, ...], seed: int) -> HeadPropertyNet:
+    """Random weights and a non-trivial standardisation (so every buffer matters)."""
+    torch.manual_seed(seed)
+    net = HeadPropertyNet(len(FEATURE_NAMES), hidden)
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(256, len(FEATURE_NAMES), generator=gen) * 3 + 1
+    net.set_standardisation(rows, torch.rand(256, generator=gen) * 0.3, torch.randn(256, generator=gen) * 0.02)
+    with torch.no_grad():
+        net.streaming_head.bias.fill_(0.2)  # p_streaming around 0.5: both kinds of heads occur
+        net.bgt0_head.bias.fill_(1.0)
+    return net.eval()
+
+
+class Case:
+    """A layer's statistics rows, previous queries and window for `max_sequences` slots, and one step."""
+
+    def __init__(self, hkv: int, g: int, d: int, device: str, *, window: int, prompts: list[int],
+                 window_lens: list[int], slots: list[int], max_sequences: int, sink: int = 4, local: int = 16,
+                 kv_dtype: torch.dtype = torch.float32, seed: int = 0):
+        self.hq, self.hkv, self.d = hkv * g, hkv, d
+        cfg = config_from_dict({"geometry": {"layers": 3, "q_heads": self.hq, "kv_heads": hkv, "head_dim": d},
+                                "kv_cache": {"sink": sink, "local": local, "generated_cap": 16,
+                                             "cpu_capacity_tokens": 4096, "max_sequences": max_sequences}})
+        self.cache = PrefillStatisticsCache(cfg.geometry, cfg.kv_cache, 1, torch.device(device), tau=0.1)
+        gen = torch.Generator().manual_seed(seed)
+        for row, length in enumerate(prompts):
+            k, v = random_kv(length, hkv, d, seed=seed + 10 * row)
+            self.cache.store_prompt(0, row, k.to(device), v.to(device), torch.randn(self.hq, d, generator=gen).to(device))
+        b = len(slots)
+        self.slots = slots
+        self.window_k = torch.randn(max_sequences, hkv, window, d, generator=gen).to(device, kv_dtype)
+        self.window_v = torch.randn(max_sequences, hkv, window, d, generator=gen).to(device, kv_dtype)
+        self.q = torch.randn(b, self.hq, d, generator=gen).to(device)
+        prev = self.cache.previous_queries(0)
+        prev[: len(prompts)] += 0.5 * torch.randn(len(prompts), self.hq, d, generator=gen).to(device)  # not the anchor
+        self.prev_before = prev.clone()
+        self.idx = torch.zeros(INDEX_ROWS, max_sequences, dtype=torch.int64)
+        self.idx[0, :b] = torch.tensor(slots)
+        self.idx[1, :b] = torch.tensor(slots)
+        self.idx[2, :b] = torch.tensor(window_lens)
+        n_cpu = self.cache.gather(0, torch.tensor(slots, device=device)).n_cpu
+        self.idx[3, :b] = n_cpu.round().long().cpu()
+        self.idx = self.idx.to(device)
+        self.window_lens = torch.tensor(window_lens, device=device)
+
+    def reference(self, layer: int, n_layers: int) -> torch.Tensor:
+        rows = torch.tensor(self.slots, device=self.q.device)
+        stats = self.cache.unpack(self.cache.layer_rows(0).index_select(0, rows))
+        return decode_features(stats, self.q, self.prev_before.index_select(0, rows), self.window_k[rows],
+                               self.window_v[rows], self.window_lens, layer, n_layers)
+
+
+def fused_for(case: Case, net: HeadPropertyNet, max_sequences: int, block_sizes=(16, 32, 64, 128),
+              skip_streaming: bool = True, window: int = 0) -> FusedHeadPredictor:
+    return FusedHeadPredictor(
+        q_heads=case.hq, kv_heads=case.hkv, head_dim=case.d, max_sequences=max_sequences,
+        window_capacity=window or case.window_k.shape[2], statistics_offsets=case.cache.field_offsets(),
+        statistics_width=case.cache.width, feature_names=FEATURE_NAMES, linears=network_linears(net),
+        feature_mean=net.feature_mean, feature_std=net.feature_std, target_mean=net.target_mean.tolist(),
+        target_std=net.target_std.tolist(), tau=0.1, block_sizes=block_sizes, streaming_threshold=0.5,
+        skip_streaming=skip_streaming, device=case.q.device)
+
+
+def check_against_reference(case: Case, net: HeadPropertyNet, fused: FusedHeadPredictor, layer: int, n_layers: int,
+                            tol: dict, block_sizes=(16, 32, 64, 128), skip_streaming: bool = True) -> None:
+    m, hq, hkv = fused.max_sequences, case.hq, case.hkv
+    b = len(case.slots)
+    out = torch.full((fused.out_size,), -7.0, device=case.q.device)
+    prev = case.cache.previous_queries(0)
+    fused.run(case.q, case.idx, case.cache.layer_rows(0), prev, case.window_k, case.window_v,
+              layer / (n_layers - 1), out)
+    ref = case.reference(layer, n_layers)
+    got = fused.features[: b * hq]
+    for j, name in enumerate(FEATURE_NAMES):
+        torch.testing.assert_close(got[:, j], ref[:, j], **tol, msg=lambda s, name=name: f"feature {name}: {s}")
+    bgt0, k, p = net.to(case.q.device).predict(ref)
+    n = m * hq
+    torch.testing.assert_close(out[:b * hq], bgt0, **tol)
+    torch.testing.assert_close(out[n : n + b * hq], k, **tol)
+    torch.testing.assert_close(out[2 * n : 2 * n + b * hq], p, **tol)
+    # The selector on the kernel's own predictions: the same choice, to the last bit of Eq. 3.
+    sel = GranularitySelector(case.hq // case.hkv, case.d, 2, block_sizes).on_device(case.q.device)
+    shape = (b, hq)
+    blk, budgets, _ = sel(out[:b * hq].view(shape), out[n : n + b * hq].view(shape),
+                          out[2 * n : 2 * n + b * hq].view(shape), case.idx[3, :b], skip_streaming)
+    np.testing.assert_array_equal(out[4 * n : 4 * n + b * hkv].view(b, hkv).cpu().numpy(), blk.float().cpu().numpy())
+    torch.testing.assert_close(out[3 * n : 3 * n + b * hq].view(shape), budgets, atol=1e-6, rtol=0)
+    # Padding rows of the layout are left alone; the batch's previous queries are now this step's.
+    assert (out[b * hq : n] == -7.0).all() and (out[4 * n + b * hkv :] == -7.0).all()
+    rows = torch.tensor(case.slots, device=case.q.device)
+    torch.testing.assert_close(prev.index_select(0, rows), case.q.float(), atol=0, rtol=0)
+    others = [r for r in range(prev.shape[0]) if r not in case.slots]
+    torch.testing.assert_close(prev[others], case.prev_before[others], atol=0, rtol=0)
+
+
+INTERP_TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("hkv, g, d", [(2, 4, 32), (2, 3, 16), (3, 1, 16)])
+def test_fused_kernels_match_the_reference(hkv, g, d):
+    # Prompts: 12 tokens (all in the window: empty CPU segment), 150 and 60; windows full, short, 1 row.
+    case = Case(hkv, g, d, "cpu", window=40, prompts=[12, 150, 60], window_lens=[7, 40, 25], slots=[0, 2, 1],
+                max_sequences=4, seed=hkv * 10 + g)
+    assert case.idx[3, :3].tolist() == [0, 40, 130]
+    net = random_network((40, 24), seed=g)
+    check_against_reference(case, net, fused_for(case, net, 4), layer=1, n_layers=3, tol=INTERP_TOL)
+
+
+def test_fused_selector_settings_and_a_one_layer_network():
+    case = Case(2, 4, 16, "cpu", window=24, prompts=[80, 9], window_lens=[24, 1], slots=[1, 0], max_sequences=2,
+                sink=0, local=16, seed=3)
+    net = random_network((8,), seed=4)
+    fused = fused_for(case, net, 2, block_sizes=(32, 128), skip_streaming=False)
+    check_against_reference(case, net, fused, layer=0, n_layers=3, tol=INTERP_TOL, block_sizes=(32, 128),
+                            skip_streaming=False)
+
+
+def test_plan_refuses_what_it_cannot_run():
+    case = Case(2, 4, 16, "cpu", window=16, prompts=[40], window_lens=[16], slots=[0], max_sequences=1)
+    net = random_network((8,), seed=0)
+    fused_for(case, net, 1)  # the valid plan
+    names = list(FEATURE_NAMES)
+    names[0], names[1] = names[1], names[0]
+    with pytest.raises(ValueError, match="order"):
+        FusedHeadPredictor(**{**plan_kwargs(case, net), "feature_names": names})
+    with pytest.raises(ValueError, match="statistics_offsets lacks"):
+        FusedHeadPredictor(**{**plan_kwargs(case, net), "statistics_offsets": {"n_cpu": 0}})
+    with pytest.raises(ValueError, match="last Linear must give 3"):
+        FusedHeadPredictor(**{**plan_kwargs(case, net), "linears": network_linears(net)[:-1]})
+    with pytest.raises(ValueError, match="block_sizes"):
+        FusedHeadPredictor(**{**plan_kwargs(case, net), "block_sizes": (16, 16)})
+    fused = fused_for(case, net, 1)
+    out = torch.zeros(fused.out_size)
+    args = (case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k, case.window_v)
+    with pytest.raises(ValueError, match="1 <= B <= 1"):
+        fused.run(torch.zeros(2, case.hq, case.d), case.idx, *args, 0.0, out)
+    with pytest.raises(ValueError, match="out has shape"):
+        fused.run(case.q, case.idx, *args, 0.0, out[:-1])
+    assert tuple(FEATURE_COLUMNS) == tuple(FEATURE_NAMES)
+
+
+def plan_kwargs(case: Case, net: HeadPropertyNet) -> dict:
+    return dict(q_heads=case.hq, kv_heads=case.hkv, head_dim=case.d, max_sequences=1,
+                window_capacity=case.window_k.shape[2], statistics_offsets=case.cache.field_offsets(),
+                statistics_width=case.cache.width, feature_names=FEATURE_NAMES, linears=network_linears(net),
+                feature_mean=net.feature_mean, feature_std=net.feature_std, target_mean=[0.0, 0.0],
+                target_std=[1.0, 1.0], tau=0.1, block_sizes=(16, 32), streaming_threshold=0.5, skip_streaming=True,
+                device="cpu")
+
+
+# ---------------------------------------------------------------------------- through the planner
+def planner_pair(device: str, kv_dtype: str, hidden: tuple[int, ...]):
+    cfg = config_from_dict({
+        "geometry": {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32},
+        "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 4096, "max_sequences": 4,
+                     "dtype": kv_dtype},
+        "selection": {"name": "predicted"},
+    })
+    store = KVStore(cfg.kv_cache, cfg.geometry)  # the window on CUDA when there is one
+    ckpt = Checkpoint(random_network(hidden, seed=5), list(FEATURE_NAMES), tau=0.1)
+    fused = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="fused")
+    other = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt,
+                                 path="graph" if device != "cpu" else "eager")
+    return cfg, store, fused, other
+
+
+def run_planners(store, fused, other, device: str, budget_tol: float) -> None:
+    for s, n in ((0, 300), (1, 20), (2, 120)):  # sequence 1: no CPU segment
+        for layer in (0, 1):
+            k, v = (x.to(device) for x in random_kv(n, 2, 32, seed=40 + s + layer))
+            q_last = torch.randn(8, 32, generator=torch.Generator().manual_seed(s)).to(device)
+            store.prefill(s, layer, k, v)
+            fused.prefill(s, layer, k, v, q_last)
+            other.prefill(s, layer, k, v, q_last)
+    gen = torch.Generator().manual_seed(41)
+    for step in range(3):
+        for ids in ([0, 1, 2], [2], [1, 0]):
+            for layer in (0, 1):
+                q = torch.randn(len(ids), 8, 32, generator=gen).to(device)
+                store.append(layer, ids, *(torch.randn(len(ids), 2, 32, generator=gen).to(device) for _ in range(2)))
+                a, b = fused(layer, ids, store, q), other(layer, ids, store, q)
+                np.testing.assert_array_equal(a.block_size, b.block_size)
+                np.testing.assert_allclose(a.budgets, b.budgets, atol=budget_tol)
+                np.testing.assert_allclose(fused.predictions(fused.buckets[-1], len(ids)),
+                                           other.predictions(next(n for n in other.buckets if n >= len(ids)), len(ids)),
+                                           atol=budget_tol, rtol=budget_tol)
+
+
+def test_fused_planner_equals_the_eager_planner():
+    cfg, store, fused, eager = planner_pair("cpu", "fp32", (16, 16))
+    try:
+        assert fused.path == "fused" and eager.path == "eager" and not fused._graphs
+        run_planners(store, fused, eager, "cpu", 1e-5)
+    finally:
+        store.close()
+
+
+def test_planner_refuses_unknown_paths():
+    cfg = config_from_dict({"geometry": {"layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 32},
+                            "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 1024,
+                                         "max_sequences": 2}, "selection": {"name": "predicted"}})
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    ckpt = Checkpoint(random_network((4,), seed=0), list(FEATURE_NAMES), tau=0.1)
+    try:
+        with pytest.raises(ValueError, match="not one of"):
+            PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="graphs")
+        if not CUDA:
+            with pytest.raises(ValueError, match="captures CUDA graphs"):
+                PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="graph")
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------- CUDA
+GPU_TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_fused_kernels_match_the_reference_on_cuda_at_llama_heads(kv_dtype):
+    # Llama-3.1-8B heads (Hq 32, Hkv 8, D 128), the runtime's window (64 + 256 + 512 + 16 rows),
+    # 8 sequences: full, short and nearly empty windows, one without a CPU segment.
+    case = Case(8, 4, 128, "cuda", window=848, prompts=[3000, 200, 900, 5000, 330, 1200, 700, 2500],
+                window_lens=[848, 321, 500, 64, 330, 1, 700, 400], slots=[3, 1, 0, 2, 7, 6, 5, 4], max_sequences=8,
+                sink=64, local=256, kv_dtype=kv_dtype, seed=7)
+    net = random_network((256, 256, 128), seed=8).cuda()
+    fused = fused_for(case, net, 8)
+    check_against_reference(case, net, fused, layer=5, n_layers=32, tol=GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fused_planner_equals_the_graph_planner_on_cuda():
+    cfg, store, fused, graph = planner_pair("cuda", "bf16", (256, 256, 128))
+    try:
+        run_planners(store, fused, graph, "cuda", 1e-4)
+    finally:
+        store.close()
