@@ -45,7 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 TP_POINTS = [(8, 32768), (4, 32768), (2, 98304), (4, 131072), (8, 131072)]
 TP_VARIANTS = ["fluxion"]
-COLLECTIVE_TIMEOUT_S = 900  # a rank that fails inside a collective ends the others' wait with an error
+# Longer than any gap between two collectives (a runtime's start, one prefill layer): a rank whose
+# peer failed errors out instead of waiting for it.
+COLLECTIVE_TIMEOUT_S = 300
 
 
 def gpus_missing(tp: int) -> str | None:

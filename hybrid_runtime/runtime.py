@@ -222,7 +222,8 @@ class HybridRuntime:
         rank_cores = None
         if share is not None:
             # Too few cores for one each: the ranks share them all, one worker each, none pinned.
-            rank_cores = share.cores if share.exclusive else share.cores[: max(1, len(share.cores) // tensor_parallel.local_world_size)]
+            per_rank = max(1, len(share.cores) // tensor_parallel.local_world_size)
+            rank_cores = share.cores if share.exclusive else share.cores[:per_rank]
         sc = dataclasses.replace(cfg.scheduler, gpu_worker=cfg.scheduler.gpu_lane(torch.cuda.is_available()),
                                  cpu_workers=cfg.scheduler.cpu_worker_count(None if rank_cores is None else len(rank_cores)),
                                  pin_cores=cfg.scheduler.pin_cores and (share is None or share.exclusive))

@@ -135,7 +135,8 @@ def gpu_numa_nodes(n: int, pci_dir: Path = PCI_DIR) -> list[int] | None:
         bus = getattr(p, "pci_bus_id", None)
         if bus is None:
             return None
-        path = pci_dir / f"{getattr(p, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(p, 'pci_device_id', 0):02x}.0" / "numa_node"
+        address = f"{getattr(p, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(p, 'pci_device_id', 0):02x}.0"
+        path = pci_dir / address / "numa_node"
         try:
             node = int(path.read_text())
         except (OSError, ValueError):

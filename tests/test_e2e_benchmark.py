@@ -391,6 +391,7 @@ def test_tp_default_points_and_variants_leave_the_one_gpu_run_alone():
     assert split.points[0] == (8, 32768) and split.variants == ["fluxion"]
 
 
+@pytest.mark.slow
 def test_tp_run_on_cpu_ranks(tmp_path, monkeypatch):
     """`--tp 2` end to end on the host (gloo): a one-process run and a two-rank run of a tiny Llama,
     rows of every rank, each rank's runtime on its own cores, and the tp-over-tp1 metrics."""

@@ -230,6 +230,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_generate_equals_dense_and_each_rank_stores_its_heads(tmp_path):
     """Two ranks (torchrun, gloo), `tp_plan="auto"`: greedy tokens through the runtime equal the
     single-process dense tokens; each rank's store holds exactly its KV heads of every token."""
