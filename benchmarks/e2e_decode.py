@@ -874,7 +874,7 @@ def parse_args(argv=None):
     ap.add_argument("--plan", action="store_true", help="print each unit's predicted time and exit (no GPU needed)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from benchmarks.e2e_tp import TP_POINTS, TP_VARIANTS
+    from benchmarks.e2e_tp import TP_POINTS, TP_VARIANTS, TP_VARIANTS_ALLOWED
 
     if args.tp < 1:
         ap.error(f"--tp {args.tp}: allowed an integer >= 1 (GPUs the model's heads are split over)")
@@ -885,6 +885,8 @@ def parse_args(argv=None):
         args.points = ",".join(f"{b}x{c // 1024}K" for b, c in (TP_POINTS if args.tp > 1 else POINTS))
     if args.variants is None:
         args.variants = ",".join(TP_VARIANTS if args.tp > 1 else VARIANTS)
+    if args.tp > 1 and (bad := [v for v in args.variants.split(",") if v.strip() and v.strip() not in TP_VARIANTS_ALLOWED]):
+        ap.error(f"--tp {args.tp}: variants {bad} do not run split over GPUs; allowed: {', '.join(TP_VARIANTS_ALLOWED)}")
     if args.quick:
         args.models, args.points, args.variants = ",".join(QUICK["models"]), "", ",".join(QUICK["variants"])
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]

@@ -45,6 +45,10 @@ sys.path.insert(0, str(ROOT))
 
 TP_POINTS = [(8, 32768), (4, 32768), (2, 98304), (4, 131072), (8, 131072)]
 TP_VARIANTS = ["fluxion"]
+# What runs split over ranks: the HF dense cache and the runtime with the config's fixed selection.
+# (The static cache's compile, the offloaded cache and the predictor's plans are not tried under a
+# tensor-parallel plan here.)
+TP_VARIANTS_ALLOWED = ("fluxion", "cpu_only", "dense")
 # Longer than any gap between two collectives (a runtime's start, one prefill layer): a rank whose
 # peer failed errors out instead of waiting for it.
 COLLECTIVE_TIMEOUT_S = 300
@@ -261,4 +265,4 @@ def run_tp(args, device: str | None = None) -> Path:
     return path
 
 
-__all__ = ["TP_POINTS", "TP_VARIANTS", "gpus_missing", "launch", "run_tp", "tp_metrics"]
+__all__ = ["TP_POINTS", "TP_VARIANTS", "TP_VARIANTS_ALLOWED", "gpus_missing", "launch", "run_tp", "tp_metrics"]

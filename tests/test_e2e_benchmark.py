@@ -382,6 +382,9 @@ def test_tp_refuses_without_enough_gpus(capsys):
     with pytest.raises(SystemExit):
         e2e.parse_args(["--tp", "0"])
     assert "--tp 0: allowed an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--tp", "2", "--variants", "fluxion,static"])
+    assert "variants ['static'] do not run split over GPUs; allowed: fluxion, cpu_only, dense" in capsys.readouterr().err
 
 
 def test_tp_default_points_and_variants_leave_the_one_gpu_run_alone():
