@@ -90,6 +90,11 @@ cpu_only, fluxion) is predicted at ~3.5 minutes.
     python benchmarks/e2e_decode.py --quick
     python benchmarks/e2e_decode.py --models qwen2.5-7b --points 4x32K,8x32K --out $OUT/e2e_decode-qwen-32k.json
     python benchmarks/e2e_decode.py --plan                    # predicted schedule, runs nothing
+
+`--tp N` (N >= 2) runs the model's heads split over N GPUs, one runtime per rank, against one GPU
+(`benchmarks/e2e_tp.py`; refused with fewer than N GPUs):
+
+    python benchmarks/e2e_decode.py --tp 2 --models llama-3.1-8b --points 8x32K
 """
 
 from __future__ import annotations
@@ -841,9 +846,14 @@ def parse_args(argv=None):
                                  epilog="Time: the full matrix is predicted at ~45 minutes of H100 time; every run "
                                         "keeps to --budget-s (see the module docstring; --plan shows the schedule).")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
-    ap.add_argument("--points", default=",".join(f"{b}x{c // 1024}K" for b, c in POINTS),
-                    help="BATCHxCONTEXT list (context in tokens, or with a K suffix)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--points", default=None,
+                    help="BATCHxCONTEXT list (context in tokens, or with a K suffix); default "
+                         f"{','.join(f'{b}x{c // 1024}K' for b, c in POINTS)} (with --tp: the e2e_tp points)")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma list of {', '.join(VARIANTS)}; default all (with --tp: fluxion)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="split the model's heads over this many GPUs (one process and runtime per rank) and "
+                         "compare with one GPU (benchmarks/e2e_tp.py); needs that many GPUs")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--quick", action="store_true",
                     help=f"{QUICK['models'][0]} at 4x32K with {', '.join(QUICK['variants'])} (~3.5 minutes)")
@@ -864,6 +874,19 @@ def parse_args(argv=None):
     ap.add_argument("--plan", action="store_true", help="print each unit's predicted time and exit (no GPU needed)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    from benchmarks.e2e_tp import TP_POINTS, TP_VARIANTS, TP_VARIANTS_ALLOWED
+
+    if args.tp < 1:
+        ap.error(f"--tp {args.tp}: allowed an integer >= 1 (GPUs the model's heads are split over)")
+    if args.tp > 1 and (args.plan or args.quick):
+        ap.error(f"--tp {args.tp} does not combine with {'--plan' if args.plan else '--quick'}: the predicted schedule "
+                 "and the quick set describe the one-GPU run; name --models and --points instead")
+    if args.points is None:
+        args.points = ",".join(f"{b}x{c // 1024}K" for b, c in (TP_POINTS if args.tp > 1 else POINTS))
+    if args.variants is None:
+        args.variants = ",".join(TP_VARIANTS if args.tp > 1 else VARIANTS)
+    if args.tp > 1 and (bad := [v for v in args.variants.split(",") if v.strip() and v.strip() not in TP_VARIANTS_ALLOWED]):
+        ap.error(f"--tp {args.tp}: variants {bad} do not run split over GPUs; allowed: {', '.join(TP_VARIANTS_ALLOWED)}")
     if args.quick:
         args.models, args.points, args.variants = ",".join(QUICK["models"]), "", ",".join(QUICK["variants"])
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -891,7 +914,13 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.tp > 1:
+        from benchmarks.e2e_tp import run_tp
+
+        run_tp(args)  # exits with the reason on a machine with fewer GPUs than --tp
+        return
+    run(args)
 
 
 if __name__ == "__main__":

@@ -287,9 +287,11 @@ class SchedulerConfig:
     # Freeze the objects alive at runtime start out of the collector's walks (gc_control.py).
     gc_freeze: bool = True
 
-    def cpu_worker_count(self) -> int:
-        """CPU worker threads: `cpu_workers`, with "auto" resolved for this process's cores."""
-        return max(1, usable_cores() - 1) if self.cpu_workers == "auto" else self.cpu_workers
+    def cpu_worker_count(self, cores: int | None = None) -> int:
+        """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this
+        process's; a tensor-parallel rank passes its share's)."""
+        n = usable_cores() if cores is None else cores
+        return max(1, n - 1) if self.cpu_workers == "auto" else self.cpu_workers
 
     def gpu_lane(self, cuda: bool) -> bool:
         """Whether the runtime has a GPU lane on a machine with (`cuda`) or without CUDA."""

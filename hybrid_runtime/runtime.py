@@ -23,6 +23,8 @@ import dataclasses
 import logging
 import math
 import operator
+import os
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -37,12 +39,14 @@ from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
 from hybrid_runtime.kvcache import KVStore, numpy_view
-from hybrid_runtime.memory_plan import MemoryPlan, admit, estimate_runtime
+from hybrid_runtime.memory_plan import MachineMemory, MemoryPlan, admit, estimate_runtime
+from hybrid_runtime.pinning import confine_current_thread
 from hybrid_runtime.profiling.timeline import CudaClock, Timeline
 from hybrid_runtime.scheduler import Scheduler
 from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
 from hybrid_runtime.task_building import build_tasks
 from hybrid_runtime.tasks import Step
+from hybrid_runtime.tensor_parallel import TensorParallelShard
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +167,13 @@ class HybridRuntime:
     `AdmissionError` with the figures when its peak does not fit this machine. `memory_plan`
     defaults to `estimate_runtime(cfg, geometry)`, whose largest prefill is one prompt filling
     the capacity; a caller that knows its workload passes its own (the synthetic experiment does).
+
+    `tensor_parallel`: this process is one rank of a model whose heads are split over ranks
+    (`tensor_parallel.py`). `geometry` (or `cfg.geometry`) is then the whole model's; the runtime
+    serves the rank's heads (`self.geometry`, `decode`'s shapes), reads `selection.streaming_heads`
+    in the model's head numbers, plans its workers over the rank's cores (`pinning.rank_cores`),
+    confines the constructing thread -- the GPU lane's launcher -- to them until `close()`, and
+    admits its memory plan against its share of the host's available memory.
     """
 
     def __init__(
@@ -175,6 +186,7 @@ class HybridRuntime:
         head_planner: HeadPlanner | None = None,
         cpu_kernel: Any | None = None,
         memory_plan: MemoryPlan | None = None,
+        tensor_parallel: TensorParallelShard | None = None,
     ):
         geometry = cfg.geometry if geometry is None else geometry
         for layer, heads in cfg.selection.streaming_heads.items():
@@ -183,9 +195,23 @@ class HybridRuntime:
                     f"selection.streaming_heads.{layer}: layer or heads {list(heads)} out of range for geometry "
                     f"{geometry.name!r} ({geometry.layers} layers, {geometry.q_heads} q heads)"
                 )
-        admit(estimate_runtime(cfg, geometry) if memory_plan is None else memory_plan, cfg.kv_cache)
+        self.model_geometry = geometry
+        self.tensor_parallel = tensor_parallel
+        share = machine = None
+        if tensor_parallel is not None:
+            local = tensor_parallel.local_geometry(geometry)  # raises when the heads do not divide
+            cfg = dataclasses.replace(cfg, geometry=local,
+                                      selection=tensor_parallel.local_selection(cfg.selection, geometry))
+            geometry = local
+            share = tensor_parallel.core_share()
+            # The host's ranks start together and commit their arenas later: each holds its plan
+            # to its share of what is available now.
+            now = MachineMemory.now()
+            machine = dataclasses.replace(now, host_available=now.host_available // tensor_parallel.local_world_size)
+        admit(estimate_runtime(cfg, geometry) if memory_plan is None else memory_plan, cfg.kv_cache, machine)
         self.cfg = cfg
         self.geometry = geometry
+        self.core_share = share
         self._closed = False
         self.store = KVStore(cfg.kv_cache, geometry)
         store = self.store
@@ -193,8 +219,14 @@ class HybridRuntime:
         self.cuda = self.device.type == "cuda"
         self.scale = 1.0 / math.sqrt(geometry.head_dim)
         # "auto" resolved for this machine: what the scheduler, stats and traces see.
+        rank_cores = None
+        if share is not None:
+            # Too few cores for one each: the ranks share them all, one worker each, none pinned.
+            per_rank = max(1, len(share.cores) // tensor_parallel.local_world_size)
+            rank_cores = share.cores if share.exclusive else share.cores[:per_rank]
         sc = dataclasses.replace(cfg.scheduler, gpu_worker=cfg.scheduler.gpu_lane(torch.cuda.is_available()),
-                                 cpu_workers=cfg.scheduler.cpu_worker_count())
+                                 cpu_workers=cfg.scheduler.cpu_worker_count(None if rank_cores is None else len(rank_cores)),
+                                 pin_cores=cfg.scheduler.pin_cores and (share is None or share.exclusive))
         # An executor argument may also be a factory `store -> executor` (executors need the store).
         if cpu_executor is not None and (isinstance(cpu_executor, type) or not hasattr(cpu_executor, "run")):
             cpu_executor = cpu_executor(store)
@@ -305,7 +337,19 @@ class HybridRuntime:
             "max_chunks": store.n_chunks,
             "kernel": cpu_kernel,
         }
-        self.scheduler = Scheduler(sc, self.cpu_executor, self.gpu_executor, gpu_is_cuda=lane_cuda, native=native)
+        # A rank's launcher (this thread) and the threads it starts later (the store's committer,
+        # whose page faults place the arenas) stay on the rank's cores, and so on its NUMA node.
+        self._confined = None
+        if share is not None and share.exclusive and sc.pin_cores:
+            self._confined = (threading.get_ident(), confine_current_thread(share.cores))
+        try:
+            self.scheduler = Scheduler(sc, self.cpu_executor, self.gpu_executor, gpu_is_cuda=lane_cuda, native=native,
+                                       cores=rank_cores)
+        except BaseException:
+            self._release_thread()
+            raise
+        if share is not None:
+            self.scheduler.cores.note = f"{tensor_parallel.describe()}: {share.note}; {self.scheduler.cores.note}"
         try:
             clock = self._clock = CudaClock() if self.cuda else None
             self._clock_stale = False  # set by prefill: the next decode step calibrates first
@@ -318,6 +362,7 @@ class HybridRuntime:
                 self._warm_up_step_kernels()
         except BaseException:
             self.scheduler.close()
+            self._release_thread()
             raise
         self._froze_gc = bool(sc.gc_freeze)
         if self._froze_gc:
@@ -363,6 +408,14 @@ class HybridRuntime:
         finally:
             if first and self._froze_gc:
                 thaw_collector()
+            if first:
+                self._release_thread()
+
+    def _release_thread(self) -> None:
+        """Give a rank's constructing thread back the cores it had (when close runs on that thread)."""
+        confined, self._confined = self._confined, None
+        if confined is not None and confined[1] is not None and confined[0] == threading.get_ident():
+            os.sched_setaffinity(0, confined[1])
 
     def _check_open(self) -> None:
         if self._closed:
@@ -853,6 +906,7 @@ class HybridRuntime:
             "cpu_workers": sch.n_cpu,
             "gpu_worker": self.gpu_executor is not None,
             "pinning": sch.cores.note,
+            "tensor_parallel": self.tensor_parallel.describe() if self.tensor_parallel is not None else None,
             "tp_cpu_worker_GBps": sch.tp_cpu_worker / 1e9,
             # The CPU lane as the fluxion claims see it: its rate from first task to last, and
             # the delay from the workers' release to their first task.

@@ -65,14 +65,17 @@ class Scheduler:
         *,
         gpu_is_cuda: bool = False,
         native: dict | None = None,
+        cores: Sequence[int] | None = None,
     ):
         """`cpu_executor`: a `CpuTaskExecutor`; `gpu_executor`: a `GpuLaunchExecutor`, or an
         `Executor` with only `run` (then wrapped to launch synchronously). `native`: what native
         CPU workers need (`arenas`, `q_flat`, `res_flat`, `hq`, `d`, `g`, `max_tasks`,
         `max_chunks`, optional `kernel`); without it, or with a CPU executor whose
-        `native_kernel` is None or missing, CPU workers are Python threads calling `run_one`."""
+        `native_kernel` is None or missing, CPU workers are Python threads calling `run_one`.
+        `cores`: the cores the workers and the caller are planned over (default: this process's;
+        a tensor-parallel rank's runtime passes its share, `pinning.rank_cores`)."""
         self.cfg = cfg
-        n_cpu = cfg.cpu_worker_count()
+        n_cpu = cfg.cpu_worker_count(None if cores is None else len(cores))
         self.cpu_executor = cpu_executor if n_cpu > 0 else None
         # "auto" serves a GPU lane only with a CUDA executor (the runtime makes none without CUDA).
         self.gpu_executor = gpu_executor if cfg.gpu_lane(gpu_is_cuda) else None
@@ -87,7 +90,7 @@ class Scheduler:
         self.n_cpu = n_cpu if has_cpu else 0
         self.set_placement(cfg.placement)
         self.gpu_is_cuda = gpu_is_cuda
-        self.cores = plan_cores(self.n_cpu, cfg.pin_cores)
+        self.cores = plan_cores(self.n_cpu, cfg.pin_cores, cores)
         pinned = self.n_cpu > 0 and self.cores.cpu[0] is not None
         # Idle native workers spin this long for the next job before blocking: only when they own
         # their cores (oversubscribed, spinning would steal the cores from real work) and a GPU

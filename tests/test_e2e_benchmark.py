@@ -370,3 +370,54 @@ def test_plan_needs_no_gpu(capsys):
     assert e2e.run(e2e.parse_args(["--plan"])) is None
     text = capsys.readouterr().out
     assert "out of memory (estimate)" in text and "fluxion_predictor" in text and "budget 540 s" in text
+
+
+# ---------------------------------------------------------------------------- --tp
+def test_tp_refuses_without_enough_gpus(capsys):
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    tp = max(2, n + 1)
+    with pytest.raises(SystemExit) as exc:
+        e2e.main(["--tp", str(tp), "--models", "llama-3.1-8b", "--points", "8x32K"])
+    assert f"--tp {tp} needs {tp} CUDA devices (one per rank); this machine has {n}" in str(exc.value)
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--tp", "0"])
+    assert "--tp 0: allowed an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--tp", "2", "--variants", "fluxion,static"])
+    assert "variants ['static'] do not run split over GPUs; allowed: fluxion, cpu_only, dense" in capsys.readouterr().err
+
+
+def test_tp_default_points_and_variants_leave_the_one_gpu_run_alone():
+    one = e2e.parse_args([])
+    assert one.tp == 1 and one.points == e2e.POINTS and one.variants == list(e2e.VARIANTS)
+    split = e2e.parse_args(["--tp", "2"])
+    assert split.points[0] == (8, 32768) and split.variants == ["fluxion"]
+
+
+@pytest.mark.slow
+def test_tp_run_on_cpu_ranks(tmp_path, monkeypatch):
+    """`--tp 2` end to end on the host (gloo): a one-process run and a two-rank run of a tiny Llama,
+    rows of every rank, each rank's runtime on its own cores, and the tp-over-tp1 metrics."""
+    from benchmarks import e2e_tp
+
+    monkeypatch.setitem(gt.MODELS, "tiny", ("LlamaConfig", tiny_config().to_dict()))
+    out = tmp_path / "tp.json"
+    args = e2e.parse_args(["--tp", "2", "--models", "tiny", "--points", f"{BATCH}x{CONTEXT}", "--new-tokens", str(NEW),
+                           "--warmup-tokens", "64", "--cpu-workers", "1", "--budget-s", "600", "--out", str(out),
+                           "--set", "kv_cache.sink=16", "--set", "kv_cache.local=32", "--set", "kv_cache.generated_cap=16",
+                           "--set", "scheduler.gpu_worker=false"])
+    path = e2e_tp.run_tp(args, device="cpu")
+    result = json.loads(path.read_text())
+    rows = result["points"]
+    assert [(r["tp"], r["rank"], r["status"]) for r in rows] == [(1, 0, "ok"), (2, 0, "ok"), (2, 1, "ok")], rows
+    for r in rows:
+        assert r["ttft_s"] > 0 and r["tpot_ms_median"] > 0 and r["decode_steps"] == NEW - 1
+    assert "tensor parallel" not in rows[0]["runtime_stats"]["pinning"] and "rank" not in rows[0]["runtime_stats"]["pinning"]
+    for r in rows[1:]:
+        assert f"rank {r['rank']} of 2" in r["runtime_stats"]["pinning"]
+    # Each rank stored its half of the KV heads: half the one-process arena.
+    assert rows[1]["reserved_host_bytes"] * 2 == rows[0]["reserved_host_bytes"]
+    ratio = max(r["tpot_ms_median"] for r in rows[1:]) / rows[0]["tpot_ms_median"]
+    assert result["metrics"][f"tp2_over_tp1_tpot_{BATCH}x{CONTEXT}"] == pytest.approx(ratio)
+    assert f"tp2_over_tp1_ttft_{BATCH}x{CONTEXT}" in result["metrics"]
+    assert "| tiny | 2 | 300 | fluxion | 2 |" in path.with_suffix(".md").read_text()

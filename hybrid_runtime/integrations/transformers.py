@@ -39,6 +39,14 @@ then the function registered in `AttentionInterface` under `config._attn_impleme
   when decoding runs with more threads anyway (`decode_threads=None` or a number above the free
   cores, or a loop of your own over `HybridCache` without `cores_for_runtime`).
 
+Tensor parallelism (a model loaded with `tp_plan="auto"` under `torchrun`, or sharded the same
+way by hand): q, k and v projections column-parallel give each rank a slice of the heads, and the
+attention module sees only those (`[B, Hq / W, T, D]`). `enable_hybrid_attention` reads the
+per-rank head counts from the projections' local weights (a DTensor's local shard) and the rank
+from their device mesh (else `torch.distributed`), and builds the rank's own runtime over its heads
+(`tensor_parallel.py`: its own store, workers and cores); the output projection's all-reduce stays
+the model's.
+
 Left padding keeps positions right without any help: `generate` derives `position_ids` from the
 attention mask, RoPE is applied by the model before the cache sees the keys, and padded tokens
 never reach the runtime, so decode needs no mask at all.
@@ -64,6 +72,7 @@ from hybrid_runtime.config import GEOMETRIES, Config, GeometryConfig, resolve_ch
 from hybrid_runtime.kvcache import CapacityError
 from hybrid_runtime.pinning import torch_threads
 from hybrid_runtime.runtime import HybridRuntime
+from hybrid_runtime.tensor_parallel import TensorParallelShard
 
 try:  # transformers is an optional dependency (extra `models`)
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -100,7 +109,7 @@ class _HybridState:
     """Everything `enable_hybrid_attention` set up for one model, and what it must restore."""
 
     runtime: HybridRuntime
-    geometry: GeometryConfig
+    geometry: GeometryConfig  # the whole model's; under tensor parallelism the runtime serves the rank's share
     attn_modules: list  # weak references to the model's attention modules (no cycle through the registry)
     dense_impl: str  # the model's own implementation: "sdpa" or "eager"
     eager_fn: Callable | None
@@ -238,6 +247,75 @@ def _check_geometry(cfg: Config, geometry: GeometryConfig) -> None:
         )
 
 
+def _local_rows(linear: Any) -> int | None:
+    """Output rows of a projection's weight held by this process: a DTensor's local shard (a
+    `tp_plan` model), else the weight itself (unsharded, or sharded by hand); None without one."""
+    w = getattr(linear, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    to_local = getattr(w, "to_local", None)
+    return int((to_local() if callable(to_local) else w).shape[0])
+
+
+def tensor_parallel_of(model: torch.nn.Module, mods: list | None = None) -> TensorParallelShard | None:
+    """The tensor-parallel shard `model`'s attention serves on this process, or None when every
+    attention module holds all of the model's heads.
+
+    The per-rank head counts are the q and k projections' local output rows over the head dim
+    (identical on every layer); the rank and world size come from the projections' device mesh
+    (a `tp_plan` model's DTensors), else from `torch.distributed`. Where the projections cannot
+    tell, transformers' `_tp_size` splits the config's heads. Raises `UnsupportedModelError` for a
+    split that does not give every rank whole KV heads and their query heads.
+    """
+    geometry = model_geometry(model)
+    mods = _attention_modules(model) if mods is None else mods
+    counts, mesh = set(), None
+    for m in mods:
+        rows = [_local_rows(getattr(m, name, None)) for name in ("q_proj", "k_proj", "v_proj")]
+        if None in rows:
+            counts = set()
+            break
+        q, k, v = (r // geometry.head_dim for r in rows)
+        if any(r % geometry.head_dim for r in rows) or k != v:
+            raise UnsupportedModelError(
+                f"layer {m.layer_idx}: the q/k/v projections hold {rows} output rows here, not whole heads of "
+                f"{geometry.head_dim} with as many keys as values; a tensor-parallel plan must split by heads")
+        counts.add((q, k))
+        mesh = mesh or getattr(getattr(m.q_proj, "weight", None), "device_mesh", None)
+    if len(counts) > 1:
+        raise UnsupportedModelError(f"the attention layers hold different head counts here (query, KV): {sorted(counts)}")
+    tp_size = getattr(model, "_tp_size", None) or 1
+    q, k = counts.pop() if counts else (geometry.q_heads // tp_size, geometry.kv_heads // tp_size)
+    if (q, k) == (geometry.q_heads, geometry.kv_heads):
+        return None
+    world = geometry.kv_heads // k if k else 0
+    if not k or k * world != geometry.kv_heads or q * world != geometry.q_heads:
+        raise UnsupportedModelError(
+            f"this rank's attention holds {q} of {geometry.q_heads} query heads and {k} of {geometry.kv_heads} KV heads: "
+            "not an even split by KV groups; the hybrid runtime serves tensor parallelism whose world size divides "
+            "the KV heads (each rank whole KV heads and their query heads)")
+    if mesh is not None and mesh.ndim == 1:
+        rank, size = mesh.get_local_rank(), mesh.size()
+        import torch.distributed as dist
+
+        if dist.get_world_size() == size:
+            shard = TensorParallelShard.from_process_group()
+            shard = TensorParallelShard(rank, size, shard.local_rank, shard.local_world_size)
+        else:
+            shard = TensorParallelShard(rank, size)
+    else:
+        try:
+            shard = TensorParallelShard.from_process_group()
+        except RuntimeError as exc:
+            raise UnsupportedModelError(
+                f"the attention holds {q} of {geometry.q_heads} query heads (a tensor-parallel shard) but {exc}") from None
+    if shard.world_size != world:
+        raise UnsupportedModelError(
+            f"the attention holds 1/{world} of the heads but the process group has {shard.world_size} ranks; pass "
+            "enable_hybrid_attention(..., tensor_parallel=TensorParallelShard(rank, world_size)) for a sub-group")
+    return shard
+
+
 # ---------------------------------------------------------------------------- enable / disable
 def enable_hybrid_attention(
     model: torch.nn.Module,
@@ -245,6 +323,7 @@ def enable_hybrid_attention(
     runtime: HybridRuntime | None = None,
     *,
     decode_threads: int | str | None = "auto",
+    tensor_parallel: TensorParallelShard | str | None = "auto",
 ) -> HybridRuntime:
     """Make `model.generate` decode through a `HybridRuntime`; returns the runtime.
 
@@ -253,25 +332,33 @@ def enable_hybrid_attention(
     not closed by `disable_hybrid_attention`). `decode_threads`: torch's intra-op threads from a
     `generate` call's first decode step until it returns (the prefill keeps torch's setting):
     "auto" the cores the runtime's CPU workers leave (`CorePlan.torch_threads`; never more than
-    torch had), a number exactly that many, None leaves torch's setting alone. Raises
-    `UnsupportedModelError` for a model it cannot serve, before anything changes.
+    torch had), a number exactly that many, None leaves torch's setting alone.
+    `tensor_parallel`: "auto" detects a model sharded over ranks by heads (`tensor_parallel_of`)
+    and serves this rank's heads; a `TensorParallelShard` says which rank this is (a sub-group);
+    None serves the attention modules as the whole model. Raises `UnsupportedModelError` for a
+    model it cannot serve, before anything changes.
     """
     count = isinstance(decode_threads, int) and not isinstance(decode_threads, bool)
     if not (decode_threads in ("auto", None) or (count and decode_threads >= 1)):
         raise ValueError(f"decode_threads is {decode_threads!r}; allowed: 'auto', None or an integer >= 1")
+    if not (tensor_parallel in ("auto", None) or isinstance(tensor_parallel, TensorParallelShard)):
+        raise ValueError(f"tensor_parallel is {tensor_parallel!r}; allowed: 'auto', None or a TensorParallelShard")
     mods, impl, geometry = _check_model(model)
+    shard = tensor_parallel_of(model, mods) if tensor_parallel == "auto" else tensor_parallel
+    if shard is not None:
+        shard.local_geometry(geometry)  # heads that do not divide: refused before anything is built
     eager_fn = getattr(sys.modules.get(type(mods[0]).__module__), "eager_attention_forward", None)
     if impl == "eager" and eager_fn is None:  # pragma: no cover - every supported type has one
         raise UnsupportedModelError(f"{type(mods[0]).__module__} has no eager_attention_forward")
     if runtime is None:
         _check_geometry(cfg, geometry)
         # The runtime's config carries the model's geometry so every report names what was served.
-        runtime = HybridRuntime(dataclasses.replace(cfg, geometry=geometry), geometry=geometry)
+        runtime = HybridRuntime(dataclasses.replace(cfg, geometry=geometry), geometry=geometry, tensor_parallel=shard)
         owns = True
     else:
-        g = runtime.geometry
-        if (g.layers, g.q_heads, g.kv_heads, g.head_dim) != (geometry.layers, geometry.q_heads, geometry.kv_heads, geometry.head_dim):
-            raise ValueError(f"runtime geometry {g} does not match the model's {geometry}")
+        g, want = runtime.geometry, geometry if shard is None else shard.local_geometry(geometry)
+        if (g.layers, g.q_heads, g.kv_heads, g.head_dim) != (want.layers, want.q_heads, want.kv_heads, want.head_dim):
+            raise ValueError(f"runtime geometry {g} does not match the {'rank' if shard else 'model'}'s {want}")
         owns = False
     try:
         lookahead = _lookahead_source(runtime, mods, geometry, model)
@@ -342,6 +429,10 @@ def _lookahead_source(runtime: HybridRuntime, mods: list, geometry: GeometryConf
     cfg = runtime.cfg
     if runtime.sparda is None or cfg.sparda.lookahead == "same_layer":
         return None
+    if runtime.geometry.kv_heads != geometry.kv_heads:
+        raise UnsupportedModelError(
+            f"sparda.lookahead {cfg.sparda.lookahead!r} under tensor parallelism: its next-layer queries come from the "
+            "whole model's heads; allowed here: sparda.lookahead same_layer")
     if cfg.sparda.lookahead == "proxy":
         return ProxyQueries.from_attention_modules(mods)
     path = resolve_checkpoint(cfg.sparda.checkpoint)
@@ -879,4 +970,5 @@ __all__ = [
     "hybrid_attention_forward",
     "hybrid_runtime_of",
     "model_geometry",
+    "tensor_parallel_of",
 ]
