@@ -115,7 +115,10 @@ class PredictedHeadPlanner:
         checkpoint.check_feature_names(FEATURE_NAMES)
         self.store = store
         self.geometry = geometry
-        self.device = store.device
+        device = torch.device(store.device)
+        if device.type == "cuda" and device.index is None:  # "cuda" != "cuda:0" in the checks on q below
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.cuda = cuda
         self.path = path
         self.tau = checkpoint.tau
