@@ -3,6 +3,7 @@ both lanes, bytes counted, config errors that name the key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -233,3 +234,38 @@ def test_head_file_of_another_model_is_refused(tmp_path):
         config_from_dict({"geometry": GEOM, "selection": {"name": "evosparse"},
                           "scheduler": {"placement": "gpu_only", "cpu_workers": 0, "gpu_worker": True},
                           "evosparse": {"head_file": path}})
+
+
+# ---------------------------------------------------------------------------- the quality experiment's statistics
+def test_paired_bootstrap_interval_and_metric_names():
+    from hybrid_runtime.experiments import evosparse_quality as eq
+
+    a = np.array([1] * 90 + [0] * 10)
+    assert eq.paired_bootstrap(a, a, 500, 0) == (0.0, 0.0, 0.0)
+    b = np.array([1] * 70 + [0] * 30)  # a wins on 20 positions, never loses
+    d, lo, hi = eq.paired_bootstrap(a, b, 2000, 0)
+    assert d == pytest.approx(0.2) and 0.1 < lo < 0.2 < hi < 0.3
+    s = dataclasses.asdict(eq.EvoSparseQualitySettings(lengths=(1024,), positions=100, budgets=(256, 512)))
+
+    def run(method, budget, match):
+        return {"method": method, "budget": budget, "agreement": float(np.mean(match)), "kl": 0.1, "match": list(match),
+                "bytes_per_step": 1.0}
+
+    results = {"settings": s, "lengths": {"1024": {"runs": [
+        run("evosparse", 512, a), run("quest", 512, b), run("noheat", 512, b), run("evosparse", 256, b),
+        run("quest", 256, b)]}}}
+    m = eq.metrics_of(results)
+    assert m["agreement_evosparse_512"] == pytest.approx(0.9) and m["agreement_quest_512"] == pytest.approx(0.7)
+    assert m["agreement_diff_ci_low_512"] > 0 and m["agreement_diff_256"] == 0.0
+    assert "agreement_diff_noheat_ci_low_512" in m and "agreement_diff_nopropagation_512" not in m
+
+
+def test_quality_settings_refuse_what_they_cannot_run():
+    from hybrid_runtime.experiments import evosparse_quality as eq
+
+    with pytest.raises(ValueError, match="ablation_budgets"):
+        eq.EvoSparseQualitySettings(budgets=(256,), ablation_budgets=(512,))
+    with pytest.raises(ValueError, match="methods"):
+        eq.EvoSparseQualitySettings(methods=("quest",))
+    with pytest.raises(ValueError, match="runtime"):
+        eq.EvoSparseQualitySettings(runtime={"evosparse": {"budget_tokens": 64}})

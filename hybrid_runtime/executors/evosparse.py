@@ -46,7 +46,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hybrid_runtime.config import EvoSparseConfig, GeometryConfig, retrieval_head_mask
+from cpu_kernels import layout
+from hybrid_runtime.config import Config, EvoSparseConfig, GeometryConfig, retrieval_head_mask
 from hybrid_runtime.evosparse_selection import (
     attend_blocks,
     decay_and_add,
@@ -120,6 +121,9 @@ class EvoSparseExecutor:
         self.bytes_read = 0
         self.tasks_by_score = np.zeros(4, dtype=np.int64)  # quest, retrieval, inherited, dense
         self._pending: list[PendingHeat] = []
+        self._g = torch.arange(g, device=self.state_device)
+        self._staging: torch.Tensor | None = None  # pinned, CUDA only
+        self._staged: Any = None  # the event of its last copy
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ sequence lifetime
@@ -146,8 +150,9 @@ class EvoSparseExecutor:
         inherit = cfg.selector == "evosparse" and cfg.propagate and self._inherit[layer] >= 0
         return np.where(own, SCORE_RETRIEVAL, SCORE_INHERITED if inherit else SCORE_QUEST)
 
-    def _run(self, tasks: Sequence[Task], q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(out [T, G, D], lse [T, G])` of `tasks` (one layer) for their queries `q [T, G, D]` (scaled, fp32)."""
+    def _run(self, tasks: Sequence[Task], queries: Any) -> tuple[torch.Tensor, ...]:
+        """`(out [T, G, D], lse [T, G], batch rows [T], KV heads [T])` of `tasks` (one layer);
+        `queries(batch rows, KV heads)` gives their scaled fp32 queries `[T, G, D]` on the state's device."""
         store, cfg, blk, dev = self.store, self.cfg, self.block_size, self.state_device
         layer = tasks[0].layer
         t = len(tasks)
@@ -156,31 +161,35 @@ class EvoSparseExecutor:
         cpu_len = np.fromiter((x.cpu_len for x in tasks), dtype=np.int64, count=t)
         n_blocks = -(-cpu_len // blk)
         nb = max(1, int(n_blocks.max()))
-        c = max(1, -(-int(cpu_len.max()) // 128))
+        c = max(1, -(-int(cpu_len.max()) // layout.CHUNK_TOKENS))
         chunks_np = np.zeros((t, c), dtype=np.int64)
         for i, x in enumerate(tasks):
-            chunks_np[i, : len(x.chunks)] = x.chunks[:c]
+            m = min(len(x.chunks), c)
+            chunks_np[i, :m] = x.chunks[:m]
         kinds = self._kinds(layer, kv)
         budget = -(-cfg.budget_tokens // blk)
         n_sel = np.where(kinds == DENSE, n_blocks, np.minimum(n_blocks, budget))
         share = cfg.retrieval_share if self.heat_enabled else 1.0
         k_r = np.where(kinds == DENSE, n_sel, np.rint(share * n_sel).astype(np.int64))
         k_h = n_sel - k_r
-        host = np.concatenate([kv, slot, cpu_len, k_r, k_h, chunks_np.reshape(-1)])
-        packed = torch.from_numpy(host).to(dev, non_blocking=True)
-        kv_d, slot_d, len_d, kr_d, kh_d = packed[: 5 * t].view(5, t)
-        chunks = packed[5 * t :].view(t, c)
+        batch = np.fromiter((x.batch_index for x in tasks), dtype=np.int64, count=t)
+        # The tasks of each score source, as row lists uploaded with the rest (no device-side nonzero).
+        by_kind = [np.flatnonzero(kinds == k) for k in (SCORE_QUEST, SCORE_RETRIEVAL, SCORE_INHERITED)]
+        packed = self._upload([kv, slot, cpu_len, k_r, k_h, batch, *by_kind, chunks_np.reshape(-1)])
+        kv_d, slot_d, len_d, kr_d, kh_d, b_d = packed[: 6 * t].view(6, t)
+        ends = np.cumsum([6 * t] + [len(r) for r in by_kind])
+        quest_rows, own_rows, inherited_rows = (packed[a:e] for a, e in zip(ends[:-1], ends[1:]))
+        chunks = packed[ends[-1] :].view(t, c)
+        q = queries(b_d, kv_d)
         arena = store.arena_cuda(layer) if self.cuda else store.arena(layer)
 
         score = torch.zeros((t, nb), dtype=torch.float32, device=dev)
         valid_blocks = torch.arange(nb, device=dev)[None, :] < ((len_d + blk - 1) // blk)[:, None]
-        quest = kinds == SCORE_QUEST
-        if quest.any():
-            rows = torch.from_numpy(np.flatnonzero(quest)).to(dev)
+        if len(by_kind[0]):
+            rows = quest_rows
             score[rows] = quest_scores(arena, chunks[rows], len_d[rows], blk, q[rows], nb)
         own = kinds == SCORE_RETRIEVAL
         if own.any():
-            own_rows = torch.from_numpy(np.flatnonzero(own)).to(dev)
             heads = self._group_heads_dev[layer, kv_d[own_rows]]
             mass = retrieval_mass(arena, chunks[own_rows], len_d[own_rows], blk, q[own_rows], heads, nb)
             score[own_rows] = mass
@@ -190,9 +199,8 @@ class EvoSparseExecutor:
             self.rmass[r, slot_d, kv_d] = 0.0
             if own.any():
                 self.rmass[r, slot_d[own_rows], kv_d[own_rows], :nb] = mass
-        inherited = kinds == SCORE_INHERITED
-        if inherited.any():
-            rows = torch.from_numpy(np.flatnonzero(inherited)).to(dev)
+        if len(by_kind[2]):
+            rows = inherited_rows
             r = self._r_index[self._inherit[layer]]
             score[rows] = self.rmass[r, slot_d[rows], :, :nb].sum(1)
         # Blocks past a task's segment never win; blocks without score (inherited 0) still can.
@@ -202,9 +210,8 @@ class EvoSparseExecutor:
         idx, valid = select_blocks(score, heat, kr_d, kh_d, kr_max, kh_max)
         out, lse, mass_sel = attend_blocks(arena, chunks, len_d, blk, q, idx, valid)
         if self.heat_enabled and layer >= cfg.dense_layers:
-            b = torch.as_tensor([x.batch_index for x in tasks], device=dev)
             with self._lock:
-                self._pending.append(PendingHeat(layer, b, slot_d, kv_d, idx, valid, mass_sel, lse))
+                self._pending.append(PendingHeat(layer, b_d, slot_d, kv_d, idx, valid, mass_sel, lse))
 
         # Bytes, in whole blocks (host arithmetic: no sync).
         row = self.d * self.esize
@@ -217,19 +224,35 @@ class EvoSparseExecutor:
         with self._lock:
             self.bytes_read += int(nbytes.sum())
             np.add.at(self.tasks_by_score, kinds, 1)
-        return out, lse
+        return out, lse, b_d, kv_d
+
+    def _upload(self, columns: list[np.ndarray]) -> torch.Tensor:
+        """The run's integer columns on the state's device in one copy: on CUDA through a pinned
+        staging buffer (grown, never per step), whose previous copy is waited for before reuse."""
+        n = sum(len(c) for c in columns)
+        if not self.cuda:
+            return torch.from_numpy(np.concatenate(columns))
+        if self._staging is None or self._staging.numel() < n:
+            if self._staged is not None:
+                self._staged.synchronize()
+            self._staging = torch.empty(max(n, 2 * (0 if self._staging is None else self._staging.numel())),
+                                        dtype=torch.int64, pin_memory=True)
+        elif self._staged is not None:
+            self._staged.synchronize()  # the previous run's copy out of the buffer (tiny, long done)
+        np.concatenate(columns, out=self._staging.numpy()[:n])
+        dev = self._staging[:n].to(self.state_device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return dev
 
     def run(self, tasks: Sequence[Task], step: Step) -> None:
         """The GPU lane's claim (wrapped by `gpu_lane.SyncLaunch`): its tasks in one vectorised pass."""
         if not tasks:
             return
         ts = time.perf_counter()
-        g = self.group_size
-        b = torch.as_tensor([x.batch_index for x in tasks], device=step.q.device)
-        heads = torch.as_tensor([x.kv_head for x in tasks], device=step.q.device)[:, None] * g + torch.arange(
-            g, device=step.q.device)
-        q = step.q[b[:, None], heads].to(self.state_device, torch.float32)
-        out, lse = self._run(tasks, q)
+        out, lse, b, kv = self._run(tasks, lambda b, kv: step.q[b[:, None], kv[:, None] * self.group_size + self._g]
+                                    .to(torch.float32))
+        heads = kv[:, None] * self.group_size + self._g
         step.out[b[:, None], heads] = out.to(step.out.device)
         step.lse[b[:, None], heads] = lse.to(step.lse.device)
         te = time.perf_counter()
@@ -240,7 +263,7 @@ class EvoSparseExecutor:
         """One task on a CPU worker, on the step's numpy views `[B, Hq, D]` / `[B, Hq]`."""
         task.start_s = time.perf_counter()
         g, h0, b = self.group_size, task.kv_head * self.group_size, task.batch_index
-        o, l = self._run([task], torch.from_numpy(q[b, h0 : h0 + g])[None].float())
+        o, l, _, _ = self._run([task], lambda *_: torch.from_numpy(q[b, h0 : h0 + g])[None].float())
         out[b, h0 : h0 + g] = o[0].numpy()
         lse[b, h0 : h0 + g] = l[0].numpy()
         task.end_s = time.perf_counter()
@@ -269,9 +292,30 @@ class EvoSparseExecutor:
                 "evosparse_retrieval_heads": int(self.retrieval_heads.sum())}
 
 
+def memory_bytes(cfg: Config, geometry: GeometryConfig) -> tuple[int, int, str]:
+    """(resident state, one decode step's temporaries, how) of the executor, at most: heat of every
+    layer and inherited scores of every sparse layer (as if each had retrieval heads), per sequence
+    slot, KV head and block; the step's largest pass over one layer's tasks (every group scoring
+    every key of a full-capacity segment in fp32: the keys, scores and probabilities)."""
+    evo, kv = cfg.evosparse, cfg.kv_cache
+    s, hkv, g, d, layers = kv.max_sequences, geometry.kv_heads, geometry.group_size, geometry.head_dim, geometry.layers
+    cpu = kv.cpu_capacity_tokens + 128  # the longest segment a sequence can have, in whole chunks
+    nb = -(-cpu // evo.block_size) + 1
+    state = (2 * layers - evo.dense_layers) * s * hkv * nb * 4
+    t = s * hkv
+    retrieval = t * cpu * (d * (4 + 2) + 3 * g * 4)
+    budget = min(cpu, -(-evo.budget_tokens // evo.block_size) * evo.block_size)
+    attend = t * budget * (2 * d * (4 + 2) + 3 * g * 4) + t * nb * (2 * d * 6 + 12)
+    dense = t * cpu * (2 * d * (4 + 2) + 3 * g * 4) if evo.dense_layers else 0
+    how = (f"heat and inherited scores of {s} slots x {hkv} KV heads x {nb} blocks x {layers} layers; one layer's "
+           f"{t} tasks over {cpu} tokens")
+    return state, max(retrieval + attend, dense), how
+
+
 def retrieval_fraction(mask: np.ndarray) -> float:
     """The fraction of query heads that are retrieval heads."""
     return float(np.asarray(mask, dtype=bool).mean())
 
 
-__all__ = ["DENSE", "EvoSparseExecutor", "SCORE_INHERITED", "SCORE_QUEST", "SCORE_RETRIEVAL", "retrieval_fraction"]
+__all__ = ["DENSE", "EvoSparseExecutor", "SCORE_INHERITED", "SCORE_QUEST", "SCORE_RETRIEVAL", "memory_bytes",
+           "retrieval_fraction"]

@@ -66,7 +66,7 @@ SELECTOR_ONLY = ("retrieval_share", "decay", "propagate", "head_file", "retrieva
 
 @dataclass(frozen=True)
 class EvoSparseQualitySettings:
-    lengths: tuple[int, ...] = (8192,)  # context at the last teacher-forced position
+    lengths: tuple[int, ...] = (4096, 8192)  # context at the last teacher-forced position
     positions: int = 256  # teacher-forced positions after the prompt
     budgets: tuple[int, ...] = (256, 512, 1024, 2048)  # CPU-resident tokens per KV group and step
     methods: tuple[str, ...] = tuple(METHODS)
