@@ -269,3 +269,30 @@ def test_quality_settings_refuse_what_they_cannot_run():
         eq.EvoSparseQualitySettings(methods=("quest",))
     with pytest.raises(ValueError, match="runtime"):
         eq.EvoSparseQualitySettings(runtime={"evosparse": {"budget_tokens": 64}})
+
+
+@pytest.mark.gpu
+def test_cuda_lane_matches_the_cpu_lane_through_a_spill(tmp_path):
+    """On CUDA (state on the device, the arena read through its UVA view): the same outputs, heat and
+    bytes as the CPU lane on the same inputs, over 18 steps (a spill at step 16)."""
+    results = {}
+    for placement in ("gpu_only", "cpu_only"):
+        cfg = evo_config(tmp_path, placement, budget_tokens=64, retrieval_share=0.5, decay=0.8)
+        with HybridRuntime(cfg) as rt:
+            ex = rt.gpu_executor if placement == "gpu_only" else rt.cpu_executor
+            assert ex.cuda == (placement == "gpu_only")
+            outs = []
+            gen = torch.Generator().manual_seed(0)
+            for s, n in enumerate((300, 1000)):
+                for layer in range(GEOM["layers"]):
+                    rt.prefill(s, layer, torch.randn(n, 2, 32, generator=gen).cuda(),
+                               torch.randn(n, 2, 32, generator=gen).cuda())
+            for _ in range(18):
+                for layer in range(GEOM["layers"]):
+                    q = torch.randn(2, 4, 32, generator=gen).cuda() * 2
+                    outs.append(rt.decode(layer, [0, 1], q, torch.randn(2, 2, 32, generator=gen).cuda(),
+                                          torch.randn(2, 2, 32, generator=gen).cuda()).float().cpu())
+            results[placement] = (torch.stack(outs), ex.heat.cpu(), ex.bytes_read)
+    torch.testing.assert_close(results["gpu_only"][0], results["cpu_only"][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(results["gpu_only"][1], results["cpu_only"][1], atol=1e-5, rtol=1e-4)
+    assert results["gpu_only"][2] == results["cpu_only"][2] > 0
