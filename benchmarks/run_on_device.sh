@@ -4,7 +4,7 @@
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
 #   steps: gpu_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead tpot_grid
-#   nosa asynctls sparda (default: the first four). Experiments need matplotlib: carry its wheels
+#   nosa asynctls sparda evosparse (default: the first four). Experiments need matplotlib: carry its wheels
 #   in .carry/wheels (the device has no index); tpot_grid runs the grid's first point and returns
 #   its run folder as tpot_grid.tgz (a run folder has more files than come back one by one).
 set -u
@@ -32,6 +32,7 @@ for step in $steps; do
         nosa) timeout 590 python benchmarks/nosa.py --out "$out/nosa-h100.json" ;;
         asynctls) timeout 590 python benchmarks/asynctls.py --out "$out/asynctls-h100.json" ;;
         sparda) timeout 590 python benchmarks/sparda.py --out "$out/sparda-h100.json" ;;
+        evosparse) timeout 590 python benchmarks/evosparse.py --out "$out/evosparse-h100.json" ;;
         *) echo "unknown step $step"; false ;;
     esac >"$out/$step.log" 2>&1
     echo "$step rc=$?"

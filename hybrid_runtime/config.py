@@ -119,7 +119,7 @@ class SelectionConfig:
 
     # nosa: the NOSA executor picks each KV head's blocks itself (the `nosa` section).
     name: str = field(default="fixed",
-                      metadata=_choices("fixed", "full", "streaming", "predicted", "nosa", "asynctls", "sparda"))
+                      metadata=_choices("fixed", "full", "streaming", "predicted", "nosa", "asynctls", "sparda", "evosparse"))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
     budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
     # layer -> query heads treated as streaming (GPU window only, no CPU task).
@@ -233,6 +233,38 @@ class SpardaConfig:
     # Block cache per sequence slot and KV group, in blocks (0: auto, room for two steps' selections);
     # at least top_k plus the blocks one spill adds, which a spill step fetches besides its top_k.
     cache_blocks: int = field(default=0, metadata=_range(0, None))
+
+
+EVOSPARSE_SELECTORS = ("evosparse", "quest")
+# Keys of the `evosparse` section that only the EvoSparse selector reads (not its Quest baseline).
+EVOSPARSE_ONLY_KEYS = ("retrieval_share", "decay", "propagate", "head_file", "retrieval_threshold")
+
+
+@dataclass(frozen=True)
+class EvoSparseConfig:
+    """`selection.name: evosparse` (executors/evosparse.py): per step each KV group attends its GPU
+    window (sink and local) and `budget_tokens` of its CPU segment in blocks of `block_size`:
+    `retrieval_share` of the blocks by a query-aware score -- the retrieval heads' exact attention
+    mass over every key, inherited by the layers without retrieval heads from the step's latest
+    retrieval layer, Quest before the first -- the rest by each block's decayed heat. The first
+    `dense_layers` layers read every block. `selector: quest` is the baseline: Quest blocks only,
+    the same budget and dense layers."""
+
+    selector: str = field(default="evosparse", metadata=_choices(*EVOSPARSE_SELECTORS))
+    # CPU-resident tokens per KV group and step (whole blocks, rounded up); the window is extra.
+    budget_tokens: int = field(default=512, metadata=_range(1, None))
+    block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
+    dense_layers: int = field(default=2, metadata=_range(0, None))
+    # k_r = round(retrieval_share * budget blocks); k_h the rest. 1.0: no heat (the ablation).
+    retrieval_share: float = field(default=0.75, metadata=_range(0.0, 1.0))
+    # lambda of h <- lambda * h + s.
+    decay: float = field(default=0.9, metadata=_check(_open_unit_interval))
+    # false: layers without retrieval heads score with Quest instead of inheriting (the ablation).
+    propagate: bool = True
+    # The head list of python -m hybrid_runtime.experiments.retrieval_heads (looked up like
+    # selection.checkpoint); heads scoring >= retrieval_threshold are retrieval heads.
+    head_file: str = "hybrid_runtime/calibration/smollm2_retrieval_heads.json"
+    retrieval_threshold: float = field(default=0.1, metadata=_range(0.0, 1.0))
 
 
 def spill_blocks(kv: "KVCacheConfig", block_size: int) -> int:
@@ -402,6 +434,8 @@ class Config:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     # Set (defaults filled in) exactly when selection.name is nosa.
     nosa: NosaConfig | None = None
+    # Set (defaults filled in) exactly when selection.name is evosparse.
+    evosparse: EvoSparseConfig | None = None
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
@@ -584,6 +618,8 @@ def config_from_dict(data: Mapping | None) -> Config:
         cfg = dataclasses.replace(cfg, geometry=geometry)
     if cfg.selection.name == "nosa" and cfg.nosa is None:
         cfg = dataclasses.replace(cfg, nosa=NosaConfig())
+    if cfg.selection.name == "evosparse" and cfg.evosparse is None:
+        cfg = dataclasses.replace(cfg, evosparse=EvoSparseConfig())
     _validate_cross(cfg)
     return cfg
 
@@ -736,9 +772,29 @@ def _check_nosa_keys(data: Mapping) -> None:
                                   f"allowed: remove it, or set nosa.{dep}: {wanted}")
 
 
+def _check_evosparse_keys(data: Mapping) -> None:
+    """The `evosparse` section is read only under selection.name 'evosparse', and some of its keys
+    only by the EvoSparse selector: set elsewhere (to other than their default) they would do nothing."""
+    evo = data.get("evosparse")
+    if evo is None:
+        return
+    sel = data.get("selection") if isinstance(data.get("selection"), Mapping) else {}
+    if sel.get("name") != "evosparse":
+        raise ConfigError(f"evosparse: read only with selection.name 'evosparse' (selection.name is "
+                          f"{sel.get('name', 'fixed')!r}); allowed: remove the section, or set selection.name: evosparse")
+    if not isinstance(evo, Mapping) or evo.get("selector", "evosparse") == "evosparse":
+        return
+    defaults = EvoSparseConfig()
+    for key in EVOSPARSE_ONLY_KEYS:
+        if key in evo and evo[key] != getattr(defaults, key):
+            raise ConfigError(f"evosparse.{key}: only read with evosparse.selector 'evosparse' (it is "
+                              f"{evo.get('selector')!r}); allowed: remove it, or set evosparse.selector: evosparse")
+
+
 def _check_unused_keys(data: Mapping) -> None:
     """Keys the experiment would not read: refused rather than silently ignored."""
     _check_nosa_keys(data)
+    _check_evosparse_keys(data)
     # A section equal to the defaults is what a run's own config.yaml holds: it reads back.
     sel = data.get("selection") if isinstance(data.get("selection"), Mapping) else {}
     sp = data.get("sparda") if isinstance(data.get("sparda"), Mapping) else {}
@@ -809,6 +865,62 @@ def _validate_nosa(cfg: Config) -> None:
                               "that keep the top-level selection and placement gpu_only")
 
 
+def retrieval_head_mask(path: str, layers: int, q_heads: int, threshold: float, key: str = "evosparse.head_file"):
+    """`[layers, q_heads]` bool: the heads of a retrieval-head file scoring >= `threshold`. A file of
+    more layers serves a runtime of that model's first `layers`; anything else is a `ConfigError`."""
+    import json
+
+    import numpy as np
+
+    found = resolve_checkpoint(path)
+    if found is None:
+        raise ConfigError(f"{key}: {path!r} is not a file (looked up from the working directory and the repository "
+                          "root); allowed: a head list written by python -m hybrid_runtime.experiments.retrieval_heads")
+    try:
+        data = json.loads(found.read_text())
+        geo, heads = data["geometry"], data["heads"]
+        mask = np.zeros((int(geo["layers"]), int(geo["q_heads"])), dtype=bool)
+        for h in heads:
+            mask[int(h["layer"]), int(h["head"])] = float(h["score"]) >= threshold
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ConfigError(f"{key}: {path!r} is not a retrieval-head list ({type(e).__name__}: {e}); allowed: a file "
+                          "written by python -m hybrid_runtime.experiments.retrieval_heads") from None
+    if mask.shape[1] != q_heads or mask.shape[0] < layers:
+        raise ConfigError(f"{key}: {path!r} scores {mask.shape[0]} layers x {mask.shape[1]} query heads, but the "
+                          f"geometry has {layers} layers x {q_heads} query heads; allowed: a head list of this model")
+    return mask[:layers]
+
+
+def _validate_evosparse(cfg: Config) -> None:
+    """EvoSparse runs on one lane (its heat and inherited scores live where that lane computes)."""
+    evo, kv, sc, g = cfg.evosparse, cfg.kv_cache, cfg.scheduler, cfg.geometry
+    if sc.placement not in ("cpu_only", "gpu_only"):
+        raise ConfigError(f"scheduler.placement: {sc.placement!r} with selection.name 'evosparse'; allowed: 'cpu_only' "
+                          "(the CPU workers run it) or 'gpu_only' (the GPU lane runs it): its heat and inherited "
+                          "scores live where the one lane computes")
+    if sc.placement == "cpu_only" and sc.cpu_workers == 0:
+        raise ConfigError("scheduler.cpu_workers: 0 with selection.name 'evosparse' and placement 'cpu_only'; allowed: "
+                          "'auto' or >= 1 (the CPU workers run its tasks)")
+    if sc.placement == "gpu_only" and sc.gpu_worker is False:
+        raise ConfigError("scheduler.gpu_worker: false with selection.name 'evosparse' and placement 'gpu_only'; "
+                          "allowed: true, or 'auto' on a machine with CUDA")
+    if evo.block_size not in kv.block_sizes:
+        raise ConfigError(f"evosparse.block_size: {evo.block_size} is not one of kv_cache.block_sizes="
+                          f"{list(kv.block_sizes)}, the block sizes the store keeps metadata for; allowed: one of them")
+    if evo.dense_layers > g.layers:
+        raise ConfigError(f"evosparse.dense_layers: {evo.dense_layers} exceeds geometry.layers={g.layers}; allowed: "
+                          f"0 .. {g.layers}")
+    if cfg.selection.streaming_heads:
+        raise ConfigError("selection.streaming_heads: not read by the EvoSparse selection (every KV group attends its "
+                          "budget); allowed: remove it")
+    if evo.selector == "evosparse":
+        retrieval_head_mask(evo.head_file, g.layers, g.q_heads, evo.retrieval_threshold)
+    for i, v in enumerate(cfg.experiment.variants):
+        if v.placement not in (None, sc.placement) or (v.selection is not None and v.selection != cfg.selection):
+            raise ConfigError(f"experiment.variants[{i}]: the EvoSparse executor serves the whole runtime; allowed: "
+                              f"variants that keep the top-level selection and placement {sc.placement!r}")
+
+
 def _validate_cross(cfg: Config) -> None:
     kv = cfg.kv_cache
     _validate_selection(cfg.selection, kv, cfg.geometry, "selection")
@@ -827,6 +939,8 @@ def _validate_cross(cfg: Config) -> None:
             raise ConfigError("scheduler.gpu_worker: false; selection 'asynctls' runs on the GPU lane; allowed: true, or "
                               "'auto' on a machine with CUDA (true without CUDA runs it on the host)")
     _validate_sparda(cfg)
+    if cfg.evosparse is not None:
+        _validate_evosparse(cfg)
     if kv.local % PAGE_SIZE or kv.generated_cap % PAGE_SIZE:
         raise ConfigError(
             f"kv_cache: local={kv.local} and generated_cap={kv.generated_cap} must be "
@@ -892,6 +1006,8 @@ __all__ = [
     "GEOMETRIES",
     "Config",
     "ConfigError",
+    "EVOSPARSE_SELECTORS",
+    "EvoSparseConfig",
     "ExperimentConfig",
     "GeometryConfig",
     "KVCacheConfig",
@@ -912,6 +1028,7 @@ __all__ = [
     "parse_override",
     "resolved",
     "resolve_checkpoint",
+    "retrieval_head_mask",
     "sparda_cache_blocks",
     "spill_blocks",
 ]

@@ -42,9 +42,10 @@ class ConfigHeadPlanner:
         cached = self._per_layer.get(layer)
         if cached is None:
             p, g = self.selection, self.geometry
-            # nosa, asynctls: every group is a task whose blocks (and tokens) its executor chooses itself;
+            # nosa, asynctls, evosparse: every group is a task whose blocks (and tokens) its executor chooses itself;
             # the budget only marks the heads.
-            budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0, "nosa": 1.0, "asynctls": 1.0}[p.name]
+            budget = {"fixed": p.budget, "full": 1.0, "streaming": 0.0, "nosa": 1.0, "asynctls": 1.0,
+                      "evosparse": 1.0}[p.name]
             budgets = np.full(g.q_heads, budget, dtype=np.float32)
             heads = list(p.streaming_heads.get(layer, ()))
             budgets[heads] = 0.0

@@ -463,7 +463,19 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         parts.append(MemoryPart("asynctls_step", where, "decode", _on(where, sizes["step"]),
                                 ("kv_cache.cpu_capacity_tokens", "selection.blocks", "kv_cache.max_sequences"),
                                 f"block scores, token scores and gathers of {s * hkv} tasks"))
-    if lane_on_gpu and not nosa and not asynctls:
+    evosparse = cfg.selection.name == "evosparse"
+    if evosparse:
+        from hybrid_runtime.executors.evosparse import memory_bytes as evosparse_bytes
+
+        state, step, how = evosparse_bytes(cfg, geometry)
+        where = GPU if cuda and sc.placement == "gpu_only" else HOST
+        evo_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences", "evosparse.block_size", "geometry.layers")
+        parts.append(MemoryPart("evosparse_state", where, RESIDENT, _on(where, state), evo_keys, how))
+        parts.append(MemoryPart("evosparse_step", where, "decode", _on(where, step), evo_keys,
+                                "one layer step's gathered keys, values, metadata, scores and probabilities"))
+    # Under evosparse with gpu_only the GPU lane's executor is EvoSparse's (counted above).
+    evosparse_lane = evosparse and sc.placement == "gpu_only"
+    if lane_on_gpu and not nosa and not asynctls and not evosparse_lane:
         device, pinned, how = gpu_lane_bytes(kv, geometry)
         lane_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences")
         parts.append(MemoryPart("gpu_lane_scratch", GPU, RESIDENT, device, lane_keys, how))
@@ -482,7 +494,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         "prefill_staging", staging_where, "prefill", _on(staging_where, staging),
         ("kv_cache.cpu_capacity_tokens", "kv_cache.dtype"),
         f"cast, chunk images and block metadata of one {longest}-token prompt"))
-    if sc.gpu_lane(cuda) and not cuda and not nosa and not asynctls:
+    if sc.gpu_lane(cuda) and not cuda and not nosa and not asynctls and not evosparse_lane:
         blk = min(kv.block_sizes)
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode", _torch_lane_task_bytes(kv.cpu_capacity_tokens, blk, 1.0, geometry, es),
@@ -537,8 +549,8 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
                             f"cast, chunk images and block metadata of one {ctx}-token prompt"))
 
     cpu_len = min(_cpu_tokens_after(kv, ctx, wl.decode_steps), kv.cpu_capacity_tokens)
-    # NOSA's and AsyncTLS's steps are parts of the runtime's plan.
-    if cfg.scheduler.gpu_lane(cuda) and not cuda and cfg.selection.name not in ("nosa", "asynctls"):
+    # NOSA's, AsyncTLS's and EvoSparse's steps are parts of the runtime's plan.
+    if cfg.scheduler.gpu_lane(cuda) and not cuda and cfg.selection.name not in ("nosa", "asynctls", "evosparse"):
         sel = cfg.selection
         # A predicted plan may give any head budget 1.0 at its smallest block size.
         budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0, "predicted": 1.0}[sel.name]

@@ -232,6 +232,14 @@ class HybridRuntime:
             cpu_executor = cpu_executor(store)
         if gpu_executor is not None and (isinstance(gpu_executor, type) or not hasattr(gpu_executor, "run")):
             gpu_executor = gpu_executor(store)
+        if cfg.selection.name == "evosparse":
+            from hybrid_runtime.executors.evosparse import EvoSparseExecutor
+
+            # One lane runs it (config allows cpu_only or gpu_only): its heat lives where that lane computes.
+            if cfg.scheduler.placement == "gpu_only" and gpu_executor is None and sc.gpu_worker:
+                gpu_executor = EvoSparseExecutor(store, cfg.evosparse, geometry, lane="gpu")
+            elif cfg.scheduler.placement == "cpu_only" and cpu_executor is None and sc.cpu_workers > 0:
+                cpu_executor = EvoSparseExecutor(store, cfg.evosparse, geometry, lane="cpu")
         if cpu_executor is None and sc.cpu_workers > 0:
             cpu_executor = CpuExecutor(store)
         if cfg.selection.name == "nosa" and not sc.gpu_worker:
@@ -491,9 +499,10 @@ class HybridRuntime:
         planner_release = getattr(self.planner, "release", None)
         if planner_release is not None:
             planner_release(seq_id)
-        executor_release = getattr(self.gpu_executor, "release", None)
-        if executor_release is not None:
-            executor_release(self.store.slot(seq_id))  # per-slot state (the NOSA block caches)
+        for executor in (self.cpu_executor, self.gpu_executor):
+            executor_release = getattr(executor, "release", None)
+            if executor_release is not None:
+                executor_release(self.store.slot(seq_id))  # per-slot state (the NOSA block caches, EvoSparse heat)
         if self.sparda is not None:
             self.sparda.release(seq_id)
         self.store.release(seq_id)
@@ -816,6 +825,10 @@ class HybridRuntime:
             res_m = self._merge(out_w, lse_w, gout_d, glse_d)
             if not cuda:
                 out_w, lse_w = res_m
+        for executor in (self.cpu_executor, self.gpu_executor):
+            merged = getattr(executor, "merged", None) if job is not None else None
+            if merged is not None:
+                merged(layer, seq_ids, lse_w)  # each head's final lse (EvoSparse's heat, on the device)
         ev_end = self._event() if cuda and prof else None
         # On the host the window's result lives in the runtime's own buffer: the caller gets a copy.
         out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda)
@@ -920,6 +933,9 @@ class HybridRuntime:
         }
         if self.sparda is not None:
             stats.update(self.sparda.stats())
+        for executor in (self.cpu_executor, self.gpu_executor):
+            if executor is not None and self.cfg.selection.name == "evosparse" and hasattr(executor, "stats"):
+                stats.update(executor.stats())
         if self.gpu_executor is not None:
             stats.update({
                 "gpu_executor": type(self.gpu_executor).__name__,

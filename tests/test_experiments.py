@@ -68,7 +68,7 @@ def test_the_other_shipped_configs_validate():
     from hybrid_runtime.experiments.predictor_eval import load_settings as eval_settings
     from hybrid_runtime.experiments.quality_settings import load_settings as quality_settings
 
-    from hybrid_runtime.experiments import asynctls_quality, nosa_quality, sparda_quality
+    from hybrid_runtime.experiments import asynctls_quality, evosparse_quality, nosa_quality, sparda_quality
     from hybrid_runtime.experiments.quality_settings import load_section_settings
 
     load_config(ROOT / "configs" / "hf_smollm2.yaml")
@@ -80,9 +80,12 @@ def test_the_other_shipped_configs_validate():
                                  nosa_quality.NosaQualitySettings, ("lengths", "kq_fractions", "decayed_kq_fractions"))
     for policy in nosa.policies().values():
         nosa_quality.runtime_config(nosa, policy)
+    evo = evosparse_quality.load_settings(str(ROOT / "configs" / "evosparse_smollm2.yaml"))
+    for method in evo.methods:
+        evosparse_quality.runtime_config(evo, method, evo.budgets[0])
     shipped = {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert shipped == set(RUN_CONFIGS) | {"hf_smollm2", "quality_smollm2", "predictor_smollm2", "asynctls_smollm2",
-                                          "sparda_smollm2", "nosa_quality_smollm2"}
+                                          "sparda_smollm2", "nosa_quality_smollm2", "evosparse_smollm2"}
 
 
 def test_the_paper_points_are_the_configs_points():
