@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import math
@@ -115,7 +114,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +145,7 @@ from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
 )
 from hybrid_runtime.experiments.generate_timing import model_dims as _dims  # noqa: E402
 from hybrid_runtime.experiments.generate_timing import timeline_fields as _timeline_fields  # noqa: E402
-from hybrid_runtime.kvcache import CapacityError, arena_bytes  # noqa: E402
+from hybrid_runtime.kvcache import CapacityError, arena_bytes, host_available_bytes  # noqa: E402
 
 BENCHMARK = "e2e_decode"
 POINTS = [(4, 32768), (8, 32768), (2, 98304), (4, 131072)]
@@ -447,7 +445,7 @@ def run_unit(model, model_name: str, variant: Variant, batch: int, context: int,
     if gpu_bytes is None and cuda:
         gpu_bytes = torch.cuda.get_device_properties(model.device).total_memory
     if host_bytes is None:
-        host_bytes = psutil.virtual_memory().available
+        host_bytes = host_available_bytes()
     short = fit_problems(row, gpu_bytes, host_bytes)
     if short and not attempt_all:
         return {**row, "status": "oom", "oom_source": "estimate",
@@ -733,11 +731,11 @@ def run(args, device: str | None = None) -> Path | None:
     cuda = device == "cuda"
     if cuda:
         memory = dict(gpu_bytes=torch.cuda.get_device_properties(0).total_memory,
-                      host_bytes=psutil.virtual_memory().available)
+                      host_bytes=host_available_bytes())
     elif args.plan:  # planned for the H100 host
         memory = dict(gpu_bytes=H100_BYTES, host_bytes=H100_HOST_BYTES)
     else:
-        memory = dict(gpu_bytes=None, host_bytes=psutil.virtual_memory().available)
+        memory = dict(gpu_bytes=None, host_bytes=host_available_bytes())
     memory["attempt_all"] = args.attempt_all
     # The first machine-limits measurement comes out of the budget (measured on CUDA only).
     limits_s = 0.0 if args.no_limits or not cuda and not args.plan else LIMITS_S
@@ -785,7 +783,7 @@ def run(args, device: str | None = None) -> Path | None:
                 variant = VARIANTS[vname]
                 left = args.budget_s - (time.perf_counter() - t_start)
                 fits = args.attempt_all or not estimated_fit(cfg, variant, b, c, args.new_tokens, weights[name],
-                                                             memory["gpu_bytes"], psutil.virtual_memory().available)
+                                                             memory["gpu_bytes"], host_available_bytes())
                 pred = unit_cost(costs, cfg, variant, b, c, args.new_tokens, args.decode_cap_s, weights[name],
                                  model is not None, (name, b) in floors, fits)
                 head = {"model": name, "batch": b, "context": c, "variant": vname, "kind": variant.kind}

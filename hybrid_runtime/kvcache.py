@@ -101,6 +101,16 @@ def arena_bytes(kv_cfg: KVCacheConfig, geometry: GeometryConfig, layers: int | N
     return n_chunks, per_layer * (geometry.layers if layers is None else layers)
 
 
+def host_available_bytes() -> int:
+    """Host memory available for a new pinned allocation: psutil's figure after handing torch's cached
+    pinned blocks back to the system. Freed pinned tensors (a closed runtime's arena) stay in torch's
+    host caching allocator, invisible to psutil; a second runtime in the process would otherwise be
+    refused for memory the first one left there."""
+    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+    return int(psutil.virtual_memory().available)
+
+
 def _window_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -250,7 +260,7 @@ class KVStore:
         self._closed = False
 
         n_chunks, total = arena_bytes(kv_cfg, geometry, self.layers)
-        available = psutil.virtual_memory().available
+        available = host_available_bytes()
         allowed = int(available * kv_cfg.max_host_memory_fraction)
         if total > allowed:
             raise CapacityError(

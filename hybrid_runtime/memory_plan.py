@@ -28,7 +28,7 @@ from cpu_kernels import layout
 from hybrid_runtime import native_pool
 from hybrid_runtime.forecast_block_cache import BlockCache
 from hybrid_runtime.config import Config, GeometryConfig, KVCacheConfig, sparda_cache_blocks, spill_blocks
-from hybrid_runtime.kvcache import CapacityError, arena_bytes
+from hybrid_runtime.kvcache import CapacityError, arena_bytes, host_available_bytes
 from hybrid_runtime.prefill_statistics import statistics_bytes
 from hybrid_runtime.segment_index import CELLS_PER_CHUNK, SegmentIndex
 from hybrid_runtime.tasks import blocks_for_budget
@@ -154,8 +154,8 @@ class MachineMemory:
         if torch.cuda.is_available():
             # Creates the CUDA context first, so the host figure below already excludes its memory.
             gpu_free, gpu_total = torch.cuda.mem_get_info()
-        vm = psutil.virtual_memory()
-        return cls(int(vm.available), int(vm.total), gpu_free, gpu_total)
+        available = host_available_bytes()
+        return cls(available, int(psutil.virtual_memory().total), gpu_free, gpu_total)
 
 
 # ---------------------------------------------------------------------------- sizes

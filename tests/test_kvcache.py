@@ -127,3 +127,17 @@ def test_bad_shapes_are_rejected_before_any_change():
         store.append(0, [0, 0], *random_kv(1, 2, 32))
     with pytest.raises(ValueError, match="already has layer 0"):
         store.prefill(0, 0, *random_kv(10, 2, 32))
+
+
+def test_host_available_bytes_returns_torchs_cached_pinned_blocks_first(monkeypatch):
+    """A closed runtime's pinned arena stays in torch's host cache, invisible to psutil: the
+    capacity checks hand it back before they read the available memory."""
+    import psutil
+
+    from hybrid_runtime.kvcache import host_available_bytes
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("emptied"), raising=False)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 12345, "total": 99999})())
+    assert host_available_bytes() == 12345 and calls == ["emptied"]
