@@ -64,16 +64,17 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from cpu_kernels.layout import CHUNK_TOKENS
-from cpu_kernels.sparse_attention import Workspace, attend_blocks, merge_parts, select_task, split_bounds
+from cpu_kernels.sparse_attention import Workspace, attend_blocks, merge_parts, run_task, select_task, split_bounds
 
 
 def _libc_semaphores() -> tuple:
@@ -238,34 +239,77 @@ def failed_task_error(status: int, row: np.ndarray, max_blocks: int) -> Exceptio
     return RuntimeError(f"the CPU task kernel returned failure status {status}")
 
 
-if _sem_wait is not None:
+def _libc_call(name: str, arg_types: list) -> Any:
+    """An intrinsic calling libc's `name(pointers...) -> int` (one or two pointer arguments, passed as
+    uintp addresses) by symbol, resolved when the code loads like `clock_gettime` above: functions
+    calling it can be cached on disk, which a ctypes function (an address baked in) would forbid."""
 
-    @numba.njit(nogil=True)
+    def codegen(context, builder, signature, llargs):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), arg_types), name)
+        return builder.call(fn, [builder.inttoptr(a, t) for a, t in zip(llargs, arg_types)])
+
+    if len(arg_types) == 1:
+        def call(typingctx, a):
+            return types.int32(a), codegen
+    elif len(arg_types) == 2:
+        def call(typingctx, a, b):
+            return types.int32(a, b), codegen
+    else:
+        raise ValueError(f"libc calls of {len(arg_types)} arguments: 1 or 2 supported")
+    call.__name__ = f"libc_{name}"
+    return intrinsic(call)
+
+
+if _sem_wait is not None:
+    _P8 = ir.IntType(8).as_pointer()
+    _libc_sem_wait = _libc_call("sem_wait", [_P8])
+    _libc_sem_post = _libc_call("sem_post", [_P8])
+    _libc_sem_getvalue = _libc_call("sem_getvalue", [_P8, ir.IntType(32).as_pointer()])
+
+    @numba.njit(nogil=True, cache=True)
     def _doorbell_wait(bell):
         # A signal interrupts sem_wait (-1, EINTR) like any spurious wake-up: the caller looks again.
-        _sem_wait(bell)
+        _libc_sem_wait(numba.uintp(bell))
 
-    @numba.njit(nogil=True)
+    @numba.njit(nogil=True, cache=True)
     def _ring(bells, value):
         """Post every doorbell in `bells` (addresses) that is not already posted: a worker
         consumes at most one stale post, and a spinning worker does not pile posts up."""
         for i in range(bells.shape[0]):
-            _sem_getvalue(bells[i], value.ctypes.data)
+            _libc_sem_getvalue(numba.uintp(bells[i]), numba.uintp(value.ctypes.data))
             if value[0] <= 0:
-                _sem_post(bells[i])
+                _libc_sem_post(numba.uintp(bells[i]))
 
 else:  # no semaphores: every bell address is 0 and the loop never sleeps on one
 
-    @numba.njit(nogil=True)
+    @numba.njit(nogil=True, cache=True)
     def _doorbell_wait(bell):
         pass
 
-    @numba.njit(nogil=True)
+    @numba.njit(nogil=True, cache=True)
     def _ring(bells, value):
         pass
 
 
-# Not cached on disk: its signature holds the kernel (a dispatcher), which numba cannot pickle.
+def _call_kernel(kernel, arena, chunks, cpu_len, block_size, q, n_select, out, lse, scratch):
+    """`kernel(...)`, or the stock `run_task` by name when `kernel` is None (chosen by type when the
+    loop compiles, so the stock loop holds no dispatcher object and can be cached)."""
+
+
+@overload(_call_kernel, jit_options={"nogil": True})
+def _call_kernel_impl(kernel, arena, chunks, cpu_len, block_size, q, n_select, out, lse, scratch):
+    if isinstance(kernel, types.NoneType):
+        def stock(kernel, arena, chunks, cpu_len, block_size, q, n_select, out, lse, scratch):
+            return run_task(arena, chunks, cpu_len, block_size, q, n_select, out, lse, *scratch)
+        return stock
+
+    def injected(kernel, arena, chunks, cpu_len, block_size, q, n_select, out, lse, scratch):
+        return kernel(arena, chunks, cpu_len, block_size, q, n_select, out, lse, *scratch)
+    return injected
+
+
+# Not cached on disk: its signature holds the kernel (a dispatcher), which numba cannot pickle; the
+# stock kernel's loop is `stock_worker_loop`, which is.
 @numba.njit(nogil=True)
 def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur, kernel,
                 scratch, team):
@@ -273,7 +317,8 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
     the doorbell at address `bell` until rung (`bell` 0: return LOOP_IDLE instead).
 
     `kernel(arena, chunks, cpu_len, block_size, q, n_select, out, lse, *scratch) -> bytes` is the
-    task kernel (`cpu_kernels.sparse_attention.run_task`); `scratch` is this worker's workspace
+    task kernel, None for the stock one (`cpu_kernels.sparse_attention.run_task`, called by name so
+    that no dispatcher object is baked into the code: see `stock_worker_loop`); `scratch` is this worker's workspace
     arrays in the kernel's parameter order. `cur[wid]` = (queue position being run or -1, last
     job id seen): lets the host account for a task that failed (returns LOOP_FAILED, see
     "Failures" above) or whose kernel raised, and keeps a worker from
@@ -339,9 +384,9 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
                                      tab[i, T_BLOCK], q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g],
                                      lse[bi, h0 : h0 + g], team[8], team, tab, chunks, q)
             else:
-                nbytes = kernel(
-                    arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN], tab[i, T_BLOCK],
-                    q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g], lse[bi, h0 : h0 + g], *scratch
+                nbytes = _call_kernel(
+                    kernel, arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN], tab[i, T_BLOCK],
+                    q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g], lse[bi, h0 : h0 + g], scratch
                 )
             t2 = monotonic_ns()
             if nbytes < 0:  # failed: the host fails the step and counts the position done
@@ -445,6 +490,26 @@ def _help_until_done(ctrl, wid, job, arena, q, g, tab, chunks, cur, team, state)
 
 
 @numba.njit(nogil=True, cache=True)
+def stock_worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur,
+                      scratch, team):
+    """`worker_loop` with the stock kernel (`run_task`) built in, so that it is cached on disk: a new
+    process loads it instead of compiling the loop and the kernels it inlines (seconds per start)."""
+    return worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur,
+                       None, scratch, team)
+
+
+def serve(ctrl, wid: int, spin_ns: int, bell: int, mode: int, arenas, q_flat, res_flat, hq: int, d: int, g: int, tab,
+          nsel, chunks, rec, cur, kernel, scratch, team) -> int:
+    """Run a worker's loop (`worker_loop`'s arguments): the cached `stock_worker_loop` for the stock
+    kernel, the generic loop for any other."""
+    if kernel is run_task:
+        return stock_worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks,
+                                 rec, cur, scratch, team)
+    return worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur,
+                       kernel, scratch, team)
+
+
+@numba.njit(nogil=True, cache=True)
 def publish(ctrl, layer, b, n, start=0):
     """Make the job (tables already written) visible; returns its id.
 
@@ -533,7 +598,7 @@ def scratch_of(kernel, workspace) -> tuple:
 
 
 def warm_up() -> None:
-    """Compile the host-side helpers (the worker loop compiles in its threads)."""
+    """Compile the host-side helpers (the worker loop compiles, or loads from the disk cache, in its threads)."""
     c = np.zeros(CTRL_SIZE, dtype=np.int64)
     job = publish(c, 0, 0, 0)
     claim(c, job, 1, 0)
@@ -619,5 +684,5 @@ __all__ = [
     "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "R_BYTES", "R_COLS", "R_END", "R_OVERHEAD", "R_START",
     "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_WORKSPACE", "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS",
     "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close", "done", "failed_task_error", "head",
-    "monotonic_ns", "publish", "running", "scratch_of", "set_stop", "task_status", "warm_up", "worker_loop",
+    "monotonic_ns", "publish", "running", "scratch_of", "serve", "set_stop", "stock_worker_loop", "task_status", "warm_up", "worker_loop",
 ]

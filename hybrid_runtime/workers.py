@@ -2,12 +2,13 @@
 
 With an executor that names a native kernel (`CpuTaskExecutor.native_kernel`, the stock
 `CpuExecutor`) and the runtime's shared buffers, they are *native* workers: one call into a
-numba loop (`native_pool.worker_loop`) that waits for jobs, pops queue positions atomically and
+numba loop (`native_pool.serve`: `worker_loop`, cached for the stock kernel) that waits for jobs, pops queue positions atomically and
 runs the kernel with the GIL released, so no Python runs per task. Any other CPU executor (test
 doubles, subclasses that replace `run_one`) runs on plain Python worker threads that call
 `executor.run_one` per task.
 
-Threads start, pin themselves and make their workspaces (native ones also compile their loop)
+Threads start, pin themselves and make their workspaces (native ones also compile their loop, or load
+it from numba's disk cache: the stock kernel's loop is cached)
 before the constructor of the scheduler returns, so the first step does not pay for start-up and
 a start failure surfaces there.
 """
@@ -161,7 +162,7 @@ class CpuWorkers:
                 state = ws
             else:
                 args = self._loop_args(ws, wid)
-                native_pool.worker_loop(self.native.ctrl, wid, 0, self.native.bell(wid), native_pool.LOOP_WARM, *args)
+                native_pool.serve(self.native.ctrl, wid, 0, self.native.bell(wid), native_pool.LOOP_WARM, *args)
                 self._capacity.append(int(getattr(ws, "max_blocks", 0) or 0))
                 state = args
         except BaseException as exc:
@@ -188,7 +189,7 @@ class CpuWorkers:
         ctrl, cur = self.native.ctrl, self.native.cur
         while True:
             try:
-                status = native_pool.worker_loop(ctrl, wid, self.spin_ns, self.native.bell(wid), 0, *args)
+                status = native_pool.serve(ctrl, wid, self.spin_ns, self.native.bell(wid), 0, *args)
             except BaseException as exc:  # a kernel that raised instead of returning a status
                 self._native_failed(wid, exc)
                 continue

@@ -108,7 +108,7 @@ def run_synthetic(cfg: Config, progress: Progress | None = None, results: dict |
     results.setdefault("timeline_samples", [])
     variants = experiment_variants(cfg)
     geometry = cfg.geometry
-    progress.message(f"starting the runtime for {geometry.layers} layers (its CPU workers compile their loop first)")
+    progress.message(f"starting the runtime for {geometry.layers} layers (its CPU workers compile their loop first, or load it from numba's cache)")
     t0 = time.perf_counter()
     rt = HybridRuntime(cfg, memory_plan=experiment_plan(cfg))
     kept: list[tuple[StepRecord, str]] = []
