@@ -498,6 +498,46 @@ def stock_worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, 
                        None, scratch, team)
 
 
+# Numba invalidates a cached function when its own file changes, not when a function it compiles in
+# does: the stock loop holds its own copy of the kernels below, so their files are stamped beside
+# its cache and a changed stamp drops the loop's cached builds (they recompile on first use).
+_LOOP_DEPENDENCIES = ("cpu_kernels/sparse_attention.py", "cpu_kernels/layout.py")
+
+
+def _drop_stale_loop_cache() -> None:
+    import os
+
+    import cpu_kernels
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_kernels.__file__)))
+    try:
+        stamp = repr([(os.stat(os.path.join(root, f)).st_mtime_ns, os.stat(os.path.join(root, f)).st_size)
+                      for f in _LOOP_DEPENDENCIES])
+    except OSError:
+        return
+    cache = getattr(stock_worker_loop, "_cache", None)
+    path = getattr(cache, "cache_path", None)
+    if not path:
+        return
+    stamp_file = os.path.join(path, "native_pool.stock_worker_loop.dependencies")
+    try:
+        with open(stamp_file) as f:
+            if f.read() == stamp:
+                return
+    except OSError:
+        pass
+    cache.flush()
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(stamp_file, "w") as f:
+            f.write(stamp)
+    except OSError:
+        pass  # a read-only cache: numba will not write the loop either
+
+
+_drop_stale_loop_cache()
+
+
 def serve(ctrl, wid: int, spin_ns: int, bell: int, mode: int, arenas, q_flat, res_flat, hq: int, d: int, g: int, tab,
           nsel, chunks, rec, cur, kernel, scratch, team) -> int:
     """Run a worker's loop (`worker_loop`'s arguments): the cached `stock_worker_loop` for the stock

@@ -77,3 +77,27 @@ def test_a_worker_woken_late_drains_the_job_it_was_woken_for_not_the_next_one():
     finally:
         ex.release.set()
         workers.stop(10.0)
+
+
+def test_the_cached_stock_loop_is_dropped_when_a_kernel_file_changes(monkeypatch, tmp_path):
+    """Numba checks only native_pool.py's stamp; the stock loop compiles the kernels of
+    cpu_kernels in, so their stamp is kept beside its cache and a change flushes it."""
+    from hybrid_runtime import native_pool
+
+    flushed = []
+
+    class FakeCache:
+        cache_path = str(tmp_path)
+
+        def flush(self):
+            flushed.append(True)
+
+    monkeypatch.setattr(native_pool.stock_worker_loop, "_cache", FakeCache(), raising=False)
+    native_pool._drop_stale_loop_cache()  # no stamp yet: flush, then stamp
+    stamp_file = tmp_path / "native_pool.stock_worker_loop.dependencies"
+    assert flushed == [True] and stamp_file.exists()
+    native_pool._drop_stale_loop_cache()  # unchanged: the cache stays
+    assert flushed == [True]
+    stamp_file.write_text("[(0, 0), (0, 0)]")  # a kernel file changed since the loop was cached
+    native_pool._drop_stale_loop_cache()
+    assert flushed == [True, True] and stamp_file.read_text() != "[(0, 0), (0, 0)]"
