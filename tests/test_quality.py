@@ -269,3 +269,39 @@ def test_step_bytes_refuses_a_timeline_that_dropped_steps():
     tl.dropped_steps = 3
     with pytest.raises(ValueError, match="dropped 3 of 3 layer-steps.*profiling.max_steps"):
         step_bytes(rt, 4)
+
+
+def test_run_and_write_loads_runs_writes_and_maps_errors_to_exit_2(monkeypatch, tmp_path, capsys):
+    """The shared tail of the quality experiments' `main`: model, run, write with the command line;
+    unusable text and the experiment's own errors exit 2 with one line."""
+    from types import SimpleNamespace
+
+    from hybrid_runtime.experiments import quality_settings
+    from hybrid_runtime.experiments.quality_text import UnusableTextError
+
+    monkeypatch.setattr(quality_settings, "load_experiment_model", lambda threads, dtype: ("model", "tok"))
+    settings = SimpleNamespace(threads=0, model_dtype="float32")
+    written = []
+
+    def write(results, out, results_dir, command):
+        written.append((results, out, results_dir, command))
+        return [out / "r.json"]
+
+    rc = quality_settings.run_and_write("hybrid_runtime.experiments.x", ["--out", "o b"], settings,
+                                        lambda model, tok: {"ran": (model, tok)}, write, str(tmp_path), None)
+    assert rc == 0 and written == [({"ran": ("model", "tok")}, tmp_path, None,
+                                     "python -m hybrid_runtime.experiments.x --out 'o b'")]
+
+    def unusable(model, tok):
+        raise UnusableTextError("the text repeats itself")
+
+    def missing(model, tok):
+        raise FileNotFoundError("no checkpoint")
+
+    assert quality_settings.run_and_write("m", [], settings, unusable, write, str(tmp_path), None) == 2
+    assert quality_settings.run_and_write("m", [], settings, missing, write, str(tmp_path), None,
+                                          errors=(FileNotFoundError,)) == 2
+    assert "error: no checkpoint" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):  # not one of this experiment's errors: a traceback
+        quality_settings.run_and_write("m", [], settings, missing, write, str(tmp_path), None)
+    assert len(written) == 1

@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,8 +50,8 @@ import torch
 from hybrid_runtime.config import Config, config_from_dict
 from hybrid_runtime.experiments.quality_settings import (
     length_tag,
-    load_experiment_model,
     load_section_settings,
+    run_and_write,
     timestamped_progress,
 )
 
@@ -342,20 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from hybrid_runtime.experiments.quality_text import UnusableTextError
-
-    model, tok = load_experiment_model(settings.threads, settings.model_dtype)
-    try:
-        results = run_experiment(model, tok, settings, timestamped_progress)
-    except (UnusableTextError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    command = " ".join(["python -m hybrid_runtime.experiments.asynctls_quality",
-                        *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    for p in write_outputs(results, Path(args.out), Path(args.results_dir) if args.results_dir else None, command):
-        timestamped_progress(f"wrote {p}")
-    return 0
+    return run_and_write("hybrid_runtime.experiments.asynctls_quality", argv, settings,
+                         lambda model, tok: run_experiment(model, tok, settings, timestamped_progress),
+                         write_outputs, args.out, args.results_dir, errors=(ValueError,))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,11 +42,11 @@ from hybrid_runtime.executors.nosa import LOG_COLUMNS
 from hybrid_runtime.experiments.quality_measure import compare_logits, reference_pass, step_bytes, teacher_forced
 from hybrid_runtime.experiments.quality_settings import (
     length_tag,
-    load_experiment_model,
     load_section_settings,
+    run_and_write,
     timestamped_progress,
 )
-from hybrid_runtime.experiments.quality_text import UnusableTextError, check_novel, corpus_ids, text_window
+from hybrid_runtime.experiments.quality_text import check_novel, corpus_ids, text_window
 
 COL = {c: i for i, c in enumerate(LOG_COLUMNS)}
 
@@ -275,17 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model, tok = load_experiment_model(settings.threads, settings.model_dtype)
-    try:
-        results = run(model, tok, settings)
-    except UnusableTextError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    command = " ".join(["python -m hybrid_runtime.experiments.nosa_quality",
-                        *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    for p in write_outputs(results, Path(args.out), Path(args.results_dir) if args.results_dir else None, command):
-        timestamped_progress(f"wrote {p}")
-    return 0
+    return run_and_write("hybrid_runtime.experiments.nosa_quality", argv, settings,
+                         lambda model, tok: run(model, tok, settings),
+                         write_outputs, args.out, args.results_dir, errors=())
 
 
 if __name__ == "__main__":

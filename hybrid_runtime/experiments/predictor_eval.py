@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,8 +63,8 @@ import torch
 
 from hybrid_runtime.config import config_from_dict, resolve_checkpoint
 from hybrid_runtime.experiments.quality_settings import (
-    load_experiment_model,
     load_section_settings,
+    run_and_write,
     timestamped_progress,
 )
 
@@ -568,20 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from hybrid_runtime.experiments.quality_text import UnusableTextError
-
-    model, tok = load_experiment_model(settings.threads, settings.model_dtype)
-    try:
-        results = run_eval(model, tok, settings, timestamped_progress)
-    except (UnusableTextError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    command = " ".join(["python -m hybrid_runtime.experiments.predictor_eval",
-                        *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    for p in write_outputs(results, Path(args.out), Path(args.results_dir) if args.results_dir else None, command):
-        timestamped_progress(f"wrote {p}")
-    return 0
+    return run_and_write("hybrid_runtime.experiments.predictor_eval", argv, settings,
+                         lambda model, tok: run_eval(model, tok, settings, timestamped_progress),
+                         write_outputs, args.out, args.results_dir, errors=(FileNotFoundError, ValueError))
 
 
 if __name__ == "__main__":

@@ -19,17 +19,14 @@ Exit codes: 0 success, 2 bad settings (the message names the key and what is all
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-from pathlib import Path
-
 
 from hybrid_runtime.experiments.quality_measure import run_quality
 from hybrid_runtime.experiments.quality_report import write_outputs
 from hybrid_runtime.experiments.quality_settings import (
     POLICIES,
-    load_experiment_model,
     load_settings,
+    run_and_write,
     timestamped_progress,
 )
 
@@ -55,19 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from hybrid_runtime.experiments.quality_text import UnusableTextError
-
-    model, tok = load_experiment_model(settings.threads, settings.model_dtype)
-    try:
-        results = run_quality(model, tok, settings, timestamped_progress, passkey=not args.no_passkey, budget1=not args.no_budget1)
-    except UnusableTextError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    command = " ".join(["python -m hybrid_runtime.experiments.quality", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    for p in write_outputs(results, Path(args.out), Path(args.results_dir) if args.results_dir else None, command):
-        timestamped_progress(f"wrote {p}")
-    return 0
+    return run_and_write("hybrid_runtime.experiments.quality", argv, settings,
+                         lambda model, tok: run_quality(model, tok, settings, timestamped_progress, passkey=not args.no_passkey, budget1=not args.no_budget1),
+                         write_outputs, args.out, args.results_dir, errors=())
 
 
 if __name__ == "__main__":

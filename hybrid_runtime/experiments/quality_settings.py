@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -156,3 +159,24 @@ def load_experiment_model(threads: int, model_dtype: str):
     if threads:
         torch.set_num_threads(threads)
     return load_smollm2(dtype=model_dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_and_write(module: str, argv: list[str] | None, settings: Any, run: Callable[[Any, Any], dict],
+                  write: Callable[[dict, Path, Path | None, str], list[Path]], out: str, results_dir: str | None,
+                  errors: tuple[type[BaseException], ...] = ()) -> int:
+    """The second half of every quality experiment's `main`, after its settings validated: load the
+    model, `run(model, tokenizer)`, and `write(results, out, results_dir, command)` with the command
+    line that ran it. Returns the exit code: 2 (one `error:` line) for text the experiment cannot
+    use or any of `errors`, else 0."""
+    from hybrid_runtime.experiments.quality_text import UnusableTextError
+
+    model, tok = load_experiment_model(settings.threads, settings.model_dtype)
+    try:
+        results = run(model, tok)
+    except (UnusableTextError, *errors) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = " ".join([f"python -m {module}", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    for p in write(results, Path(out), Path(results_dir) if results_dir else None, command):
+        timestamped_progress(f"wrote {p}")
+    return 0
