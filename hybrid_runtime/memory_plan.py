@@ -473,9 +473,9 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         parts.append(MemoryPart("evosparse_state", where, RESIDENT, _on(where, state), evo_keys, how))
         parts.append(MemoryPart("evosparse_step", where, "decode", _on(where, step), evo_keys,
                                 "one layer step's gathered keys, values, metadata, scores and probabilities"))
-    # Under evosparse with gpu_only the GPU lane's executor is EvoSparse's (counted above).
-    evosparse_lane = evosparse and sc.placement == "gpu_only"
-    if lane_on_gpu and not nosa and not asynctls and not evosparse_lane:
+    # NOSA, AsyncTLS and EvoSparse under gpu_only run the GPU lane with their own executor (counted above).
+    own_lane = nosa or asynctls or (evosparse and sc.placement == "gpu_only")
+    if lane_on_gpu and not own_lane:
         device, pinned, how = gpu_lane_bytes(kv, geometry)
         lane_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences")
         parts.append(MemoryPart("gpu_lane_scratch", GPU, RESIDENT, device, lane_keys, how))
@@ -494,7 +494,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         "prefill_staging", staging_where, "prefill", _on(staging_where, staging),
         ("kv_cache.cpu_capacity_tokens", "kv_cache.dtype"),
         f"cast, chunk images and block metadata of one {longest}-token prompt"))
-    if sc.gpu_lane(cuda) and not cuda and not nosa and not asynctls and not evosparse_lane:
+    if sc.gpu_lane(cuda) and not cuda and not own_lane:
         blk = min(kv.block_sizes)
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode", _torch_lane_task_bytes(kv.cpu_capacity_tokens, blk, 1.0, geometry, es),

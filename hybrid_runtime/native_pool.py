@@ -77,21 +77,22 @@ from cpu_kernels.layout import CHUNK_TOKENS
 from cpu_kernels.sparse_attention import Workspace, attend_blocks, merge_parts, run_task, select_task, split_bounds
 
 
-def _libc_semaphores() -> tuple:
-    """libc's `sem_init`, `sem_wait`, `sem_post`, `sem_getvalue`, typed for numba (addresses as
-    size_t); None each where the C library has none."""
+def _libc_sem_init() -> Any:
+    """libc's `sem_init` typed for ctypes (address as size_t), or None where the C library lacks
+    the unnamed-semaphore calls; the loop calls `sem_wait`, `sem_post` and `sem_getvalue` by
+    symbol (`_libc_call`)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        fns = tuple(getattr(libc, name) for name in ("sem_init", "sem_wait", "sem_post", "sem_getvalue"))
+        fn = libc.sem_init
+        for name in ("sem_wait", "sem_post", "sem_getvalue"):
+            getattr(libc, name)
     except (OSError, AttributeError):
-        return (None,) * 4
-    size_t, c_int = ctypes.c_size_t, ctypes.c_int
-    for fn, args in zip(fns, ([size_t, c_int, ctypes.c_uint], [size_t], [size_t], [size_t, size_t])):
-        fn.argtypes, fn.restype = args, c_int
-    return fns
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t, ctypes.c_int, ctypes.c_uint], ctypes.c_int
+    return fn
 
 
-_sem_init, _sem_wait, _sem_post, _sem_getvalue = _libc_semaphores()
+_sem_init = _libc_sem_init()
 SEM_BYTES = 64  # one doorbell per cache line (a glibc sem_t is 32 bytes)
 
 C_SEQ, C_STOP, C_WORD, C_DONE = 0, 8, 16, 24
@@ -260,7 +261,7 @@ def _libc_call(name: str, arg_types: list) -> Any:
     return intrinsic(call)
 
 
-if _sem_wait is not None:
+if _sem_init is not None:
     _P8 = ir.IntType(8).as_pointer()
     _libc_sem_wait = _libc_call("sem_wait", [_P8])
     _libc_sem_post = _libc_call("sem_post", [_P8])
@@ -511,10 +512,10 @@ def _drop_stale_loop_cache() -> None:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_kernels.__file__)))
     try:
-        stamp = repr([(os.stat(os.path.join(root, f)).st_mtime_ns, os.stat(os.path.join(root, f)).st_size)
-                      for f in _LOOP_DEPENDENCIES])
+        stats = [os.stat(os.path.join(root, f)) for f in _LOOP_DEPENDENCIES]
     except OSError:
         return
+    stamp = repr([(st.st_mtime_ns, st.st_size) for st in stats])
     cache = getattr(stock_worker_loop, "_cache", None)
     path = getattr(cache, "cache_path", None)
     if not path:
