@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -259,13 +258,7 @@ def main(argv: list[str] | None = None) -> Path:
                                             "model_work", "graphs", "seed", "smoke")}
     config["torch"] = torch.__version__
     extra = {"config": config}
-    if args.out is None:
-        path = write_results("asynctls", metrics_of(rows), rows, extra=extra)
-    else:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            write_results("asynctls", metrics_of(rows), rows, out_dir=tmp, extra=extra).replace(path)
+    path = write_results("asynctls", metrics_of(rows), rows, extra=extra, out_path=args.out)
     md = markdown(json.loads(path.read_text()))
     path.with_suffix(".md").write_text(md)
     print(md)

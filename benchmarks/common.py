@@ -29,13 +29,15 @@ def device_slug() -> str:
 
 
 def write_results(benchmark: str, metrics: dict, points: list, out_dir: str | os.PathLike | None = None,
-                  extra: dict | None = None) -> Path:
-    """Write `<benchmark>-<device>.json` with the contract's fields; returns the path."""
+                  extra: dict | None = None, out_path: str | os.PathLike | None = None) -> Path:
+    """Write `<benchmark>-<device>.json` in `out_dir` (default benchmarks/results), or the file
+    `out_path`, with the contract's fields; returns the path. Written beside it and renamed, so a
+    reader never sees half a file and a failed write leaves the previous one."""
     bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
     if bad:
         raise TypeError(f"metrics must map names to numbers; not numbers: {bad}")
-    out = Path(out_dir) if out_dir else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    if out_dir is not None and out_path is not None:
+        raise ValueError("write_results takes out_dir or out_path, not both")
     record = {
         "benchmark": benchmark,
         "device": device_name(),
@@ -47,6 +49,9 @@ def write_results(benchmark: str, metrics: dict, points: list, out_dir: str | os
         "points": points,
     }
     record.update(extra or {})
-    path = out / f"{benchmark}-{device_slug()}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path = Path(out_path) if out_path else (Path(out_dir) if out_dir else RESULTS_DIR) / f"{benchmark}-{device_slug()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    partial.replace(path)
     return path

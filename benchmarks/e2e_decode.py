@@ -106,7 +106,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -644,17 +643,11 @@ def _plain(x: Any) -> Any:
 
 
 def write(points: list[dict], extra: dict, out: str | None) -> Path:
-    """The results JSON (benchmarks/results/e2e_decode-<slug>.json, or `out`) and its markdown
-    beside it; written in a scratch directory and renamed, so a reader never sees half a file."""
+    """The results JSON (benchmarks/results/e2e_decode-<slug>.json, or `out`; `write_results` writes
+    it whole or not at all) and its markdown beside it."""
     points, extra = _plain(points), _plain(extra)
-    metrics = assemble_metrics(points)
-    target = Path(out) if out else None
-    parent = target.parent if target else RESULTS_DIR
-    parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=parent) as tmp:
-        made = write_results(BENCHMARK, metrics, points, out_dir=tmp, extra=extra)
-        path = target or parent / made.name
-        made.replace(path)
+    path = write_results(BENCHMARK, assemble_metrics(points), points, out_dir=None if out else RESULTS_DIR, extra=extra,
+                         out_path=out)
     path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
     return path
 

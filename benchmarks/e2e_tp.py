@@ -251,13 +251,7 @@ def run_tp(args, device: str | None = None) -> Path:
                         "runtime_overrides": args.runtime_set},
              "elapsed_s": time.perf_counter() - t_start}
     benchmark = f"e2e_decode_tp{world}"
-    target = Path(args.out) if args.out else None
-    parent = target.parent if target else e2e.RESULTS_DIR
-    parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=parent) as tmp:
-        made = write_results(benchmark, metrics, e2e._plain(rows), out_dir=tmp, extra=e2e._plain(extra))
-        path = target or parent / made.name
-        made.replace(path)
+    path = write_results(benchmark, metrics, e2e._plain(rows), extra=e2e._plain(extra), out_path=args.out)
     path.with_suffix(".md").write_text(markdown(rows, world))
     print(path.with_suffix(".md").read_text())
     print(json.dumps(metrics, indent=1))

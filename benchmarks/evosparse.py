@@ -258,13 +258,7 @@ def main() -> None:
               "smoke": args.smoke, "torch": torch.__version__, "kv_cache": KV,
               "heads": "SmolLM2's detected retrieval heads mapped proportionally (no head list for this geometry)"}
     out = args.out or (str(ROOT / "runs" / "evosparse-smoke.json") if args.smoke else None)
-    if out is None:
-        path = write_results("evosparse", metrics, rows, extra={"config": config})
-    else:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            write_results("evosparse", metrics, rows, out_dir=tmp, extra={"config": config}).replace(path)
+    path = write_results("evosparse", metrics, rows, extra={"config": config}, out_path=out)
     for k, v in metrics.items():
         print(f"{k}: {v:.4g}")
     print(f"wrote {path}")

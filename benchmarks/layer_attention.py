@@ -43,7 +43,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -456,15 +455,9 @@ def markdown(result: dict) -> str:
 
 
 def write(metrics: dict, points: list, extra: dict, out: str | None) -> Path:
-    """`write_results` (benchmarks/results/layer_attention-<device_slug()>.json), or to `out`:
-    written in a scratch directory beside it, then renamed, so no other results file is touched."""
-    if out is None:
-        return write_results("layer_attention", metrics, points, extra=extra)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        write_results("layer_attention", metrics, points, out_dir=tmp, extra=extra).replace(path)
-    return path
+    """`write_results` (benchmarks/results/layer_attention-<device_slug()>.json), or to `out` (then
+    no other results file is touched)."""
+    return write_results("layer_attention", metrics, points, extra=extra, out_path=out)
 
 
 def main() -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -228,13 +227,7 @@ def main() -> None:
               "score_source": "eviction_head with seeded random weights (no trained head for this geometry)",
               "kv_cache": SMOKE_KV if args.smoke else PAPER_KV}
     out = args.out or (str(ROOT / "runs" / "nosa-smoke.json") if args.smoke else None)
-    if out is None:
-        path = write_results("nosa", metrics, rows, extra={"config": config})
-    else:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            write_results("nosa", metrics, rows, out_dir=tmp, extra={"config": config}).replace(path)
+    path = write_results("nosa", metrics, rows, extra={"config": config}, out_path=out)
     for k, v in metrics.items():
         print(f"{k}: {v:.4g}")
     print(f"wrote {path}")
