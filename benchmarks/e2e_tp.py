@@ -19,9 +19,18 @@ all-reduce), and a point's TTFT and TPOT are the slowest rank's. Points default 
 (8, 32K) first (the issue's comparison), the e2e points, and (8, 128K), whose dense prefill does
 not fit one GPU (its MLP activations alone) but fits split over two.
 
+Before its units each run measures the host's limits the way its runtimes will use it (unless
+`--no-limits`): every rank at once, on its own cores and GPU, reads host memory with its CPU
+workers' threads, then gathers pages through UVA while those threads read
+(`layer_attention.measure_limits`). The ranks share one host's DRAM, so the run's ceiling is the
+sum over its ranks measured together, and each point records the host bytes its attention read
+per second of attention time, summed over ranks, beside it.
+
 Writes `benchmarks/results/e2e_decode_tp<N>-<slug>.json` (or `--out`): rows of both runs (`tp`,
-`rank`), and `metrics` `tp<N>_over_tp1_tpot_<B>x<C>k` / `..._ttft_...` for the fluxion variant at
-every point both runs measured (a model prefix when several models run).
+`rank`; the limits as rows of kind "limits"), and `metrics` `tp<N>_over_tp1_tpot_<B>x<C>k` /
+`..._ttft_...` for the fluxion variant at every point both runs measured (other variants carry
+their name: `tp<N>_over_tp1_dense_tpot_...`; a model prefix when several models run), and
+`tp<N>_concurrent_ceiling_GBps` / `tp1_concurrent_ceiling_GBps`.
 """
 
 from __future__ import annotations
@@ -106,6 +115,9 @@ def _rank_main(rank: int, world: int, spec: dict, out_dir: str) -> None:
         Path(out_dir, f"tp{world}-rank{rank}.json").write_text(json.dumps(e2e._plain(rows), indent=1))
 
     try:
+        if cuda and spec.get("limits", True):
+            rows.append(_rank_limits(rank, world, spec["cpu_workers"], dist))
+            flush()
         for name, (cls_name, cfg_dict) in spec["models"].items():
             cfg = getattr(transformers, cls_name).from_dict(cfg_dict)
             model = None
@@ -157,6 +169,26 @@ def _rank_main(rank: int, world: int, spec: dict, out_dir: str) -> None:
             dist.destroy_process_group()
 
 
+def _rank_limits(rank: int, world: int, cpu_workers: int | str, dist) -> dict:
+    """This rank's host read and concurrent ceiling, measured while every other rank measures its own
+    (barriers on both sides), with the threads and cores its runtime's CPU workers will have."""
+    from benchmarks.layer_attention import measure_limits
+    from hybrid_runtime.pinning import plan_cores, rank_cores, usable_cores
+
+    share = rank_cores(rank, world).cores if world > 1 else None
+    n_cores = len(share) if share is not None else usable_cores()
+    n_workers = max(1, n_cores - 1) if cpu_workers == "auto" else int(cpu_workers)
+    plan = plan_cores(n_workers, pin=True, cores=share)
+    dist.barrier()
+    lim = measure_limits(n_workers, plan.cpu, plan.caller)
+    dist.barrier()
+    c = lim["ceiling"]
+    return {"kind": "limits", "status": "limits", "tp": world, "rank": rank, "cpu_threads": n_workers,
+            "pinning": plan.note, "host_read_GBps": lim["host_read_GBps"], "h2d_GBps": lim["h2d_GBps"],
+            **{k: c[k] for k in ("cpu_alone_GBps", "gpu_alone_GBps", "cpu_concurrent_GBps", "gpu_concurrent_GBps",
+                                 "concurrent_GBps")}}
+
+
 def launch(world: int, spec: dict, out_dir: str) -> list[dict]:
     """Run `world` ranks to the end; their rows (a failed rank's rows say so, the run goes on)."""
     import torch.multiprocessing as mp
@@ -180,8 +212,10 @@ def point_key(row: dict) -> tuple:
 
 def tp_metrics(rows: list[dict], world: int) -> dict:
     """`tp<W>_over_tp1_tpot_<B>x<C>k` and `..._ttft_...`: the slowest rank's median TPOT (TTFT) over
-    the one-GPU run's, for the fluxion variant at every point both runs measured."""
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("variant") == "fluxion"]
+    the one-GPU run's at every point both runs measured (fluxion unnamed, other variants named:
+    `tp<W>_over_tp1_dense_tpot_...`); `tp<size>_concurrent_ceiling_GBps` and `..._host_read_GBps`:
+    the ranks' limits measured together, summed (the host's DRAM is theirs to share)."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("kind") != "limits"]
     one = {point_key(r): r for r in ok if r["tp"] == 1}
     split: dict = {}
     for r in ok:
@@ -192,22 +226,52 @@ def tp_metrics(rows: list[dict], world: int) -> dict:
     for key, ranks in split.items():
         if key not in one or len(ranks) != world:
             continue
-        m, b, c, _ = key
+        m, b, c, v = key
         tag = f"{m}_" if len(models) > 1 else ""
+        tag += f"tp{world}_over_tp1_" + ("" if v == "fluxion" else f"{v}_")
         ctx = f"{c // 1024}k" if c % 1024 == 0 else str(c)
         tpot = max(r["tpot_ms_median"] for r in ranks)
-        metrics[f"{tag}tp{world}_over_tp1_tpot_{b}x{ctx}"] = tpot / one[key]["tpot_ms_median"]
-        metrics[f"{tag}tp{world}_over_tp1_ttft_{b}x{ctx}"] = max(r["ttft_s"] for r in ranks) / one[key]["ttft_s"]
+        metrics[f"{tag}tpot_{b}x{ctx}"] = tpot / one[key]["tpot_ms_median"]
+        metrics[f"{tag}ttft_{b}x{ctx}"] = max(r["ttft_s"] for r in ranks) / one[key]["ttft_s"]
+    for size in (1, world):
+        lim = [r for r in rows if r.get("kind") == "limits" and r["tp"] == size]
+        if len(lim) == size:
+            metrics[f"tp{size}_concurrent_ceiling_GBps"] = sum(r["concurrent_GBps"] for r in lim)
+            metrics[f"tp{size}_host_read_GBps"] = sum(r["host_read_GBps"] for r in lim)
     return metrics
 
 
-def markdown(rows: list[dict], world: int) -> str:
-    lines = [f"# e2e_decode --tp {world}", "",
-             "| model | batch | context | variant | tp | TTFT s (slowest rank) | TPOT ms median (slowest rank) | status |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+def host_read_rates(rows: list[dict]) -> None:
+    """Each measured point's attention read rate, summed over its ranks (bytes per step over attention
+    time per step, from the runtime's timeline), written into every row of the point as
+    `attention_host_GBps_all_ranks`: the figure to hold against the run's concurrent ceiling."""
     groups: dict = {}
     for r in rows:
-        if r.get("model") is not None:
+        if r.get("status") == "ok" and r.get("attention_ms_per_step") and r.get("bytes_per_step"):
+            groups.setdefault((*point_key(r), r["tp"]), []).append(r)
+    for rs in groups.values():
+        total = sum(r["bytes_per_step"] / (r["attention_ms_per_step"] * 1e6) for r in rs)
+        for r in rs:
+            r["attention_host_GBps_all_ranks"] = total
+
+
+def markdown(rows: list[dict], world: int) -> str:
+    lines = [f"# e2e_decode --tp {world}", ""]
+    for size in (1, world):
+        lim = [r for r in rows if r.get("kind") == "limits" and r["tp"] == size]
+        if lim:
+            lines.append(f"* tp{size} limits, {len(lim)} rank(s) measured together: host read "
+                         f"{sum(r['host_read_GBps'] for r in lim):.1f} GB/s, concurrent ceiling "
+                         f"{sum(r['concurrent_GBps'] for r in lim):.1f} GB/s "
+                         f"(CPU {sum(r['cpu_concurrent_GBps'] for r in lim):.1f} + GPU "
+                         f"{sum(r['gpu_concurrent_GBps'] for r in lim):.1f})")
+    lines += ["",
+             "| model | batch | context | variant | tp | TTFT s (slowest rank) | TPOT ms median (slowest rank) | "
+             "attention's host read GB/s (all ranks) | status |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    groups: dict = {}
+    for r in rows:
+        if r.get("model") is not None and r.get("kind") != "limits":
             groups.setdefault((*point_key(r), r["tp"]), []).append(r)
     for (m, b, c, v, tp), rs in groups.items():
         ok = all(r.get("status") == "ok" for r in rs)
@@ -215,7 +279,9 @@ def markdown(rows: list[dict], world: int) -> str:
         tpot = f"{max(r['tpot_ms_median'] for r in rs):.1f}" if ok and all(r.get("tpot_ms_median") for r in rs) else "-"
         status = "ok" if ok else "; ".join(sorted({f"{r.get('status')}: {r.get('reason', '')[:120]}" for r in rs
                                                    if r.get("status") != "ok"}))
-        lines.append(f"| {m} | {b} | {c} | {v} | {tp} | {ttft} | {tpot} | {status} |")
+        rate = rs[0].get("attention_host_GBps_all_ranks")
+        rate = f"{rate:.1f}" if ok and rate else "-"
+        lines.append(f"| {m} | {b} | {c} | {v} | {tp} | {ttft} | {tpot} | {rate} | {status} |")
     return "\n".join(lines) + "\n"
 
 
@@ -235,7 +301,7 @@ def run_tp(args, device: str | None = None) -> Path:
         "models": {m: (type(cfg).__name__, cfg.to_dict()) for m in args.models for cfg in [e2e.model_config(m)]},
         "points": args.points, "variants": args.variants, "new_tokens": args.new_tokens,
         "warmup_tokens": args.warmup_tokens, "decode_cap_s": args.decode_cap_s, "seed": args.seed,
-        "attempt_all": args.attempt_all, "overrides": args.runtime_set,
+        "attempt_all": args.attempt_all, "overrides": args.runtime_set, "limits": not args.no_limits,
     }
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,6 +309,7 @@ def run_tp(args, device: str | None = None) -> Path:
             left = args.budget_s - (time.perf_counter() - t_start)
             # The one-GPU run gets half of what is left; the split run the rest.
             rows += launch(size, {**spec, "cpu_workers": workers, "budget_s": left / 2 if size == 1 else left}, tmp)
+    host_read_rates(rows)
     metrics = tp_metrics(rows, world)
     extra = {"config": {"tp": world, "models": args.models, "points": args.points, "variants": args.variants,
                         "new_tokens": args.new_tokens, "cpu_workers_tp1": args.cpu_workers,
@@ -259,4 +326,4 @@ def run_tp(args, device: str | None = None) -> Path:
     return path
 
 
-__all__ = ["TP_POINTS", "TP_VARIANTS", "TP_VARIANTS_ALLOWED", "gpus_missing", "launch", "run_tp", "tp_metrics"]
+__all__ = ["TP_POINTS", "TP_VARIANTS", "TP_VARIANTS_ALLOWED", "gpus_missing", "host_read_rates", "launch", "run_tp", "tp_metrics"]

@@ -421,3 +421,37 @@ def test_tp_run_on_cpu_ranks(tmp_path, monkeypatch):
     assert result["metrics"][f"tp2_over_tp1_tpot_{BATCH}x{CONTEXT}"] == pytest.approx(ratio)
     assert f"tp2_over_tp1_ttft_{BATCH}x{CONTEXT}" in result["metrics"]
     assert "| tiny | 2 | 300 | fluxion | 2 |" in path.with_suffix(".md").read_text()
+
+
+def test_tp_metrics_name_variants_and_sum_the_ranks_limits():
+    """fluxion's ratios unnamed, other variants named; the limits of ranks measured together summed;
+    each point's attention read rate summed over its ranks."""
+    from benchmarks import e2e_tp
+
+    def unit(tp, rank, variant, tpot, ttft, bytes_per_step, attention_ms):
+        return {"model": "m", "batch": 8, "context": 32768, "variant": variant, "tp": tp, "rank": rank, "status": "ok",
+                "tpot_ms_median": tpot, "ttft_s": ttft, "bytes_per_step": bytes_per_step,
+                "attention_ms_per_step": attention_ms}
+
+    def limits(tp, rank, read, ceiling):
+        return {"kind": "limits", "status": "limits", "tp": tp, "rank": rank, "host_read_GBps": read, "h2d_GBps": 50.0,
+                "cpu_alone_GBps": read, "gpu_alone_GBps": 45.0, "cpu_concurrent_GBps": ceiling - 40.0,
+                "gpu_concurrent_GBps": 40.0, "concurrent_GBps": ceiling}
+
+    rows = [limits(1, 0, 70.0, 100.0), unit(1, 0, "fluxion", 170.0, 14.0, 8e9, 100.0), unit(1, 0, "dense", 100.0, 8.0, 0, 0),
+            limits(2, 0, 40.0, 60.0), limits(2, 1, 35.0, 55.0),
+            unit(2, 0, "fluxion", 210.0, 7.0, 4e9, 100.0), unit(2, 1, "fluxion", 220.0, 7.5, 4e9, 125.0),
+            unit(2, 0, "dense", 90.0, 4.0, 0, 0), unit(2, 1, "dense", 80.0, 4.0, 0, 0)]
+    e2e_tp.host_read_rates(rows)
+    m = e2e_tp.tp_metrics(rows, 2)
+    assert m["tp2_over_tp1_tpot_8x32k"] == pytest.approx(220.0 / 170.0)
+    assert m["tp2_over_tp1_ttft_8x32k"] == pytest.approx(7.5 / 14.0)
+    assert m["tp2_over_tp1_dense_tpot_8x32k"] == pytest.approx(0.9)
+    assert m["tp1_concurrent_ceiling_GBps"] == 100.0 and m["tp2_concurrent_ceiling_GBps"] == 115.0
+    assert m["tp2_host_read_GBps"] == 75.0
+    assert rows[1]["attention_host_GBps_all_ranks"] == pytest.approx(80.0)
+    assert rows[5]["attention_host_GBps_all_ranks"] == pytest.approx(40.0 + 32.0)
+    assert "attention_host_GBps_all_ranks" not in rows[2]  # no attention time: dense
+    md = e2e_tp.markdown(rows, 2)
+    assert "tp2 limits, 2 rank(s) measured together: host read 75.0 GB/s, concurrent ceiling 115.0 GB/s" in md
+    assert "| m | 8 | 32768 | fluxion | 2 | 7.50 | 220.0 | 72.0 | ok |" in md
