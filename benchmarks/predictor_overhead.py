@@ -37,6 +37,7 @@ prefill time of the statistics are reported beside them.
 
     python benchmarks/predictor_overhead.py                      # the device run, about a minute
     python benchmarks/predictor_overhead.py --quick --out-dir D  # tiny shapes, CPU (eager only): a smoke run
+    python benchmarks/predictor_overhead.py --fused-parts 4,16   # also the fused kernels split 4 and 16 ways
 
 Writes `benchmarks/results/predictor_overhead-<device>.json` (results contract in
 docs/architecture.md) and a markdown table beside it.
@@ -66,6 +67,12 @@ from hybrid_runtime.task_building import build_tasks  # noqa: E402
 
 POINT = (8, 32768)
 MODES = ("fused", "graph", "graph_compiled", "eager")  # the planner's device paths, in table order
+
+
+def modes_of(row: dict) -> list[str]:
+    """The paths a point measured, in table order; `fused_pP` (fused with P parts, `--fused-parts`) last."""
+    return [m for m in MODES if m in row] + sorted((k for k in row if k.startswith("fused_p")),
+                                                   key=lambda k: int(k[len("fused_p"):]))
 QUICK_GEOMETRY = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 
 
@@ -111,6 +118,8 @@ def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, dict[st
     rt = HybridRuntime(cfg)
     info = {"runtime_construction_s": time.perf_counter() - t0, "planner_path": rt.planner.path,
             "planner_warmup_s": rt.planner.capture_seconds}
+    if rt.planner._fused is not None:
+        info["fused_parts"] = rt.planner._fused.parts
     dev = rt.device
     g = rt.geometry
     others = {}
@@ -120,6 +129,9 @@ def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, dict[st
         info["graph_capture_s"] = time.perf_counter() - t
         info["graphs"] = len(others["graph"]._graphs)
         info["buckets"] = list(others["graph"].buckets)
+    for parts in (args.fused_parts if cuda else ()):  # the fused path at other part counts, own statistics each
+        others[f"fused_p{parts}"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="fused",
+                                                         fused_options={"parts": parts})
     if args.compile and cuda:
         others["graph_compiled"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="graph_compiled", capture=False)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
@@ -276,8 +288,8 @@ def metrics_of(row: dict) -> dict:
     }
     if "graph_capture_s" in row:
         m["graph_capture_s"] = row["graph_capture_s"]
-    for mode in MODES:
-        if mode in row and mode != best:
+    for mode in modes_of(row):
+        if mode != best:
             m[f"predictor_{mode}_wall_us_median_{tag}"] = row[mode]["wall"]["median_us"]
             m[f"predictor_{mode}_device_us_median_{tag}"] = row[mode]["gpu"]["median_us"]
             m[f"predictor_{mode}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]
@@ -294,13 +306,12 @@ def markdown(result: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in result["points"]:
         base = p["decode_fixed"]["median_us"]
-        for mode in MODES:
-            if mode in p:
-                r = p[mode]
-                lines.append(f"| {p['batch']} | {p['context']} | {mode} | {r['wall']['median_us']:.1f} | {r['wall']['mean_us']:.1f} "
-                             f"| {r['wall']['p99_us']:.1f} | {r['gpu']['median_us']:.1f} | {r['stage']['median_us']:.1f} "
-                             f"| {r['wait']['median_us']:.1f} | {r['task_build']['median_us']:.1f} | {base:.1f} "
-                             f"| {r['wall']['median_us'] / base:.2%} |")
+        for mode in modes_of(p):
+            r = p[mode]
+            lines.append(f"| {p['batch']} | {p['context']} | {mode} | {r['wall']['median_us']:.1f} | {r['wall']['mean_us']:.1f} "
+                         f"| {r['wall']['p99_us']:.1f} | {r['gpu']['median_us']:.1f} | {r['stage']['median_us']:.1f} "
+                         f"| {r['wait']['median_us']:.1f} | {r['task_build']['median_us']:.1f} | {base:.1f} "
+                         f"| {r['wall']['median_us'] / base:.2%} |")
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
     return "\n".join(lines) + "\n"
 
@@ -315,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true", help="also measure the device step through torch.compile (CUDA)")
+    ap.add_argument("--fused-parts", default="",
+                    help="comma list of part counts: also measure the fused path with each (as fused_pP); "
+                         "the runtime's own fused planner keeps the default")
     ap.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
@@ -322,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         args.cpu_workers = 1
+    try:
+        args.fused_parts = [int(x) for x in args.fused_parts.split(",") if x.strip()]
+    except ValueError:
+        print(f"--fused-parts must be a comma list of integers, got {args.fused_parts!r}", file=sys.stderr)
+        return 2
     spec = args.points or ("2x2048" if args.quick else f"{POINT[0]}x{POINT[1]}")
     points = [tuple(int(x) for x in p.split("x")) for p in spec.split(",")]
     if not args.quick:
@@ -331,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         metrics.update(metrics_of(row))
     config = {"quick": args.quick, "compile": args.compile, "layers": QUICK_GEOMETRY["layers"] if args.quick else args.layers,
-              "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers, "seed": args.seed,
+              "steps": args.steps, "warmup": args.warmup, "fused_parts": args.fused_parts,
+              "cpu_workers": args.cpu_workers, "seed": args.seed,
               "checkpoint": "predictor/checkpoints/smollm2.pt (per-head features; weights do not change the timing)",
               "torch": torch.__version__}
     path = write_results("predictor_overhead", metrics, rows, out_dir=args.out_dir, extra={"config": config})

@@ -5,11 +5,15 @@ features of `predictor.features.decode_features`, the network's `(bgt0, k, p_str
 granularity selector's plan. As torch ops that is ~150 small kernels (~340 us on the H100 even
 fused by torch.compile and replayed from a CUDA graph); here it is two:
 
-1. `_features_kernel`, one program per (sequence, KV head): loads the group's queries, streams
-   the window's K and V of that KV head once (online softmax: lse, max, sink mass, entropy,
-   output), applies the CPU segment's moments (`q S_k q`, `S_vk q` with the D x D covariances read
-   once per group) and writes every feature but the three that need all heads of the sequence,
-   plus two per-head partials (`||o_hat||` and the stream error's numerator);
+1. `_features_kernel`, grid (sequence x KV head, `parts`): part p takes the window tiles p, p + parts,
+   ... of that KV head (online softmax relative to its own max: max, sum, entropy sum, sink
+   statistics, output, recent key sum) and the covariance rows [p * BLOCK_C, (p + 1) * BLOCK_C) of
+   `S_k` and `S_vk` (its share of `q S_k q`, its rows of `S_vk q`), and writes them to a record in a
+   scratch sized once for `max_sequences`; the last part of a (sequence, KV head) to arrive (an
+   atomic count, reset by it) merges the records by log-sum-exp and writes every feature but the
+   three that need all heads of the sequence, plus two per-head partials (`||o_hat||` and the
+   stream error's numerator). A part walks a few tiles instead of the whole window, so the kernel
+   has `parts` times the programs (512 at 8 sequences of Llama-3.1-8B with the default 8);
 2. `_predict_kernel`, one program per (sequence, block of whole KV groups): finishes those three
    features (the max over the layer's heads), runs the network (standardisation, Linear + SiLU
    layers, the three heads as one Linear; weights read from global memory, activations through
@@ -24,8 +28,10 @@ where they wrote it, with no copy launched on either side.
 Plan once, run many (FlashInfer style): `FusedHeadPredictor(...)` checks the geometry, the
 statistics layout and the network and packs the weights once; `run(...)` launches per step.
 Numerics: fp32 throughout; the dots use `tf32x3` on the GPU (three tensor-core passes, fp32
-accuracy) and plain fp32 under the interpreter. The torch code stays the reference (and the
-CPU path); tests compare both.
+accuracy; a single `tf32` pass would round q and the softmax weights to a 10-bit mantissa, 2^-11
+relative, coarser than the GPU tests' 2e-4) and plain fp32 under the interpreter. Whichever part
+arrives last, the merge sums the records in part order, so results do not vary from run to run.
+The torch code stays the reference (and the CPU path); tests compare both.
 """
 
 from __future__ import annotations
@@ -111,40 +117,42 @@ def _features_kernel(
     stats_ptr, stats_width,
     prev_ptr,
     k_ptr, v_ptr, stride_ks, stride_kh, stride_kn,
-    feat_ptr, aux_ptr,
+    feat_ptr, aux_ptr, part_ptr, vkq_ptr, count_ptr,
     layer_frac, head_denom, scale, window_cap,
     OFF_N: tl.constexpr, OFF_SINK: tl.constexpr, OFF_WIN: tl.constexpr, OFF_KM: tl.constexpr,
     OFF_KC: tl.constexpr, OFF_VM: tl.constexpr, OFF_VKC: tl.constexpr, OFF_KNM: tl.constexpr,
     OFF_KNV: tl.constexpr, OFF_VV: tl.constexpr, OFF_EIG: tl.constexpr, OFF_AQ: tl.constexpr,
     OFF_AM: tl.constexpr, OFF_AE: tl.constexpr, OFF_AB: tl.constexpr,
-    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, N_FEAT: tl.constexpr, BLOCK_F: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GF: tl.constexpr, D: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr, N_FEAT: tl.constexpr,
+    BLOCK_F: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)  # sequence * HKV + KV head
+    part = tl.program_id(1)  # which window tiles and covariance rows this program takes
     b = pid // HKV
     kvh = pid % HKV
     HQ: tl.constexpr = HKV * G
+    # A part's record: 7 statistics per query head (window max, sum, entropy sum, sink max, sink sum,
+    # recent max, partial q S_k q), the window output [G, D] (relative to its max), the recent key sum [D].
+    REC: tl.constexpr = 7 * G + G * D + D
     slot = tl.load(idx_ptr + b)
     row = tl.load(idx_ptr + stride_idx + b)
     wl_i = tl.load(idx_ptr + 2 * stride_idx + b)
     wl = wl_i.to(tl.float32)
     length = tl.minimum(wl_i, window_cap)  # rows the buffer holds (a bad length never reads past it)
     st = stats_ptr + row * stats_width
-    n = tl.load(st + OFF_N)
     sink_len = tl.load(st + OFF_SINK)
-    win0 = tl.load(st + OFF_WIN)
 
-    g = tl.arange(0, BLOCK_G)
+    g = tl.arange(0, BLOCK_G)  # the group's query heads, padded to the dots' 16 rows
     gm = g < G
     h = kvh * G + g
     d = tl.arange(0, D)
     gz = tl.zeros([BLOCK_G], tl.float32)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh
-    q = tl.load(q_rows + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-    qs = q * scale
+    qs = tl.load(q_rows + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32) * scale
 
-    # ---- the window: one pass of online softmax over all valid rows, and over the sink rows.
+    # ---- this part's window tiles (part, part + PARTS, ...): online softmax over the valid rows
+    # and over the sink rows, relative to the part's own maxima (merged by the last part, below).
     k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
     m = gz - float("inf")  # running max over the window
@@ -156,7 +164,7 @@ def _features_kernel(
     mr = gz - float("inf")  # recent rows: max
     rsum = tl.zeros([D], tl.float32)  # recent rows: key sum
     w = tl.arange(0, BLOCK_W)
-    for n0 in range(0, length, BLOCK_W):
+    for n0 in range(part * BLOCK_W, length, PARTS * BLOCK_W):
         pos = n0 + w
         valid = pos < length
         is_sink = valid & (pos.to(tl.float32) < sink_len)
@@ -182,6 +190,92 @@ def _features_kernel(
         ms = ms_new
         mr = tl.maximum(mr, tl.max(tl.where(is_recent[None, :], s, float("-inf")), axis=1))
         rsum += tl.sum(tl.where(is_recent[:, None], kt, 0.0), axis=0)
+    rec = part_ptr + (pid * PARTS + part).to(tl.int64) * REC
+    tl.store(rec + g, m, mask=gm)
+    tl.store(rec + G + g, l, mask=gm)
+    tl.store(rec + 2 * G + g, u, mask=gm)
+    tl.store(rec + 3 * G + g, ms, mask=gm)
+    tl.store(rec + 4 * G + g, ls, mask=gm)
+    tl.store(rec + 5 * G + g, mr, mask=gm)
+    tl.store(rec + 7 * G + g[:, None] * D + d[None, :], acc, mask=gm[:, None])
+    tl.store(rec + 7 * G + G * D + d, rsum)
+
+    # ---- this part's covariance rows r: (S_k q)[r] and (S_vk q)[r], whole rows (contiguous loads).
+    # q S_k q = sum_r q_r (S_k q)[r]: a partial per part; S_vk q: each part owns its rows of it.
+    r = part * BLOCK_C + tl.arange(0, BLOCK_C)
+    rm = r < D  # parts past D / BLOCK_C have no rows
+    kc_base = st + OFF_KC + kvh * D * D
+    vkc_base = st + OFF_VKC + kvh * D * D
+    s_k = tl.load(kc_base + r[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)  # [r, e] = Cov(k_r, k_e)
+    sk_q = tl.dot(qs, tl.trans(s_k), input_precision=DOT_PRECISION)  # [g, r]
+    q_r = tl.load(q_rows + r[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(tl.float32) * scale
+    tl.store(rec + 6 * G + g, tl.sum(sk_q * q_r, axis=1), mask=gm)
+    s_vk = tl.load(vkc_base + r[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)  # [r, c] = Cov(v_r, k_c)
+    svk_q = tl.dot(qs, tl.trans(s_vk), input_precision=DOT_PRECISION)  # [g, r]
+    tl.store(vkq_ptr + pid * (G * D) + g[:, None] * D + r[None, :], svk_q, mask=gm[:, None] & rm[None, :])
+
+    # ---- the last part of (sequence, KV head) to arrive merges the parts and writes the features.
+    # The barrier orders every thread's stores before the (one-thread, release) count; the finisher's
+    # acquire orders its loads after every part's count, and .cg loads bypass the SM's L1.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == PARTS - 1:
+        tl.store(count_ptr + pid, 0)  # every part has counted: ready for the next launch
+        _features_finish(
+            q_ptr + b.to(tl.int64) * stride_qb, stride_qh, st, prev_ptr, row, part_ptr + pid.to(tl.int64) * (PARTS * REC), vkq_ptr + pid * (G * D),
+            feat_ptr, aux_ptr, b, kvh, wl, length, sink_len, layer_frac, head_denom, scale,
+            OFF_N, OFF_WIN, OFF_KM, OFF_KC, OFF_VM, OFF_KNM, OFF_KNV, OFF_VV, OFF_EIG, OFF_AQ, OFF_AM, OFF_AE,
+            OFF_AB, HKV, G, BLOCK_GF, D, PARTS, REC, N_FEAT, BLOCK_F,
+        )
+
+
+@triton.jit
+def _features_finish(
+    q_seq_ptr, stride_qh, st, prev_ptr, row, recs_ptr, vkq_ptr, feat_ptr, aux_ptr, b, kvh, wl, length, sink_len,
+    layer_frac, head_denom, scale,
+    OFF_N: tl.constexpr, OFF_WIN: tl.constexpr, OFF_KM: tl.constexpr, OFF_KC: tl.constexpr,
+    OFF_VM: tl.constexpr, OFF_KNM: tl.constexpr, OFF_KNV: tl.constexpr, OFF_VV: tl.constexpr,
+    OFF_EIG: tl.constexpr, OFF_AQ: tl.constexpr, OFF_AM: tl.constexpr, OFF_AE: tl.constexpr,
+    OFF_AB: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_GF: tl.constexpr, D: tl.constexpr,
+    PARTS: tl.constexpr, REC: tl.constexpr, N_FEAT: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """The features of one (sequence, KV head) from its parts' records (`_features_kernel`)."""
+    HQ: tl.constexpr = HKV * G
+    g = tl.arange(0, BLOCK_GF)  # the group's query heads, no dot here: padded to a power of two only
+    gm = g < G
+    h = kvh * G + g
+    d = tl.arange(0, D)
+    gz = tl.zeros([BLOCK_GF], tl.float32)
+    n = tl.load(st + OFF_N)
+    win0 = tl.load(st + OFF_WIN)
+
+    # ---- merge the parts' window softmax: rescale each to the common max.
+    p = tl.arange(0, PARTS)
+    sc = recs_ptr + p[:, None] * REC + g[None, :]  # [parts, heads]
+    pm = (p[:, None] < PARTS) & gm[None, :]  # padding heads: a finite softmax (no inf - inf)
+    m_p = tl.load(sc, mask=pm, other=0.0, cache_modifier=".cg")
+    l_p = tl.load(sc + G, mask=pm, other=1.0, cache_modifier=".cg")
+    u_p = tl.load(sc + 2 * G, mask=pm, other=0.0, cache_modifier=".cg")
+    ms_p = tl.load(sc + 3 * G, mask=pm, other=0.0, cache_modifier=".cg")
+    ls_p = tl.load(sc + 4 * G, mask=pm, other=0.0, cache_modifier=".cg")
+    mr_p = tl.load(sc + 5 * G, mask=pm, other=0.0, cache_modifier=".cg")
+    var_p = tl.load(sc + 6 * G, mask=pm, other=0.0, cache_modifier=".cg")
+    m = tl.max(m_p, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    a_p = tl.exp(m_p - m_safe[None, :])  # 0 for a part without rows
+    l = tl.sum(a_p * l_p, axis=0)
+    # A part's e (s - m_p) moves to the common max: a_p (u_p + l_p (m_p - m)).
+    m_p_rows = tl.where(l_p > 0.0, m_p, m_safe[None, :])  # a part without rows adds 0, not 0 * -inf
+    u = tl.sum(a_p * (u_p + l_p * (m_p_rows - m_safe[None, :])), axis=0)
+    acc_p = tl.load(recs_ptr + p[:, None, None] * REC + 7 * G + g[None, :, None] * D + d[None, None, :],
+                    mask=gm[None, :, None], other=0.0, cache_modifier=".cg")
+    acc = tl.sum(a_p[:, :, None] * acc_p, axis=0)
+    ms = tl.max(ms_p, axis=0)
+    ms_safe = tl.where(ms == float("-inf"), 0.0, ms)
+    ls = tl.sum(tl.exp(ms_p - ms_safe[None, :]) * ls_p, axis=0)
+    mr = tl.max(mr_p, axis=0)
+    rsum = tl.sum(tl.load(recs_ptr + p[:, None] * REC + 7 * G + G * D + d[None, :], cache_modifier=".cg"), axis=0)
+
     has_w = l > 0.0
     l_safe = tl.where(has_w, l, 1.0)
     lse_w = tl.where(has_w, m + tl.log(l_safe), float("-inf"))
@@ -193,22 +287,14 @@ def _features_kernel(
     gap = tl.where(any_sink & (recent_n > 0.0), ms - mr, 0.0)
     gap = tl.minimum(tl.maximum(gap, -_CLIP), _CLIP)
 
-    # ---- the CPU segment, from its moments: q S_k q and S_vk q, covariances read once per group.
+    # ---- the CPU segment, from its moments (the parts' q S_k q and S_vk q).
+    q = tl.load(q_seq_ptr + h[:, None].to(tl.int64) * stride_qh + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    qs = q * scale
     km = tl.load(st + OFF_KM + kvh * D + d)
     vm = tl.load(st + OFF_VM + kvh * D + d)
     mean_s = tl.sum(qs * km[None, :], axis=1)
-    acc_k = tl.zeros([BLOCK_G, D], tl.float32)
-    acc_v = tl.zeros([BLOCK_G, D], tl.float32)
-    c = tl.arange(0, BLOCK_C)
-    kc_base = st + OFF_KC + kvh * D * D
-    vkc_base = st + OFF_VKC + kvh * D * D
-    for c0 in range(0, D, BLOCK_C):  # a loop, not unrolled: unrolled, the chunks' tiles spill registers
-        qc = tl.load(q_rows + (c0 + c)[None, :], mask=gm[:, None], other=0.0).to(tl.float32) * scale
-        s_k = tl.load(kc_base + (c0 + c)[:, None] * D + d[None, :])  # rows: key dims c, columns: key dims
-        s_vk_t = tl.load(vkc_base + d[None, :] * D + (c0 + c)[:, None])  # [c, e] = Cov(v_e, k_c)
-        acc_k += tl.dot(qc, s_k, input_precision=DOT_PRECISION)
-        acc_v += tl.dot(qc, s_vk_t, input_precision=DOT_PRECISION)
-    var_s = tl.maximum(tl.sum(acc_k * qs, axis=1), 0.0)
+    var_s = tl.maximum(tl.sum(var_p, axis=0), 0.0)
+    acc_v = tl.load(vkq_ptr + g[:, None] * D + d[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
     std_s = tl.sqrt(var_s)
     has_cpu = n > 0.0
     log_n = tl.log(tl.maximum(n, 1.0))
@@ -230,9 +316,9 @@ def _features_kernel(
     anchor_norm = tl.sqrt(tl.sum(anchor * anchor, axis=1))
     km_norm = tl.sqrt(tl.sum(km * km, axis=0))
     q_hat = q / tl.maximum(q_norm, _EPS)[:, None]
-    if G > 1:
-        gram = tl.dot(q_hat, tl.trans(q_hat), input_precision=DOT_PRECISION)
-        group_cos = (tl.sum(tl.where(gm[None, :], gram, 0.0), axis=1) - 1.0) / (G - 1)
+    if G > 1:  # mean cos to the group's other heads: (q_hat . sum of the group's q_hat - 1) / (G - 1)
+        q_hat_sum = tl.sum(q_hat, axis=0)  # padding rows are 0
+        group_cos = (tl.sum(q_hat * q_hat_sum[None, :], axis=1) - 1.0) / (G - 1)
     else:
         group_cos = gz + 1.0
     recent_mean = rsum / tl.maximum(recent_n, 1.0)
@@ -240,12 +326,13 @@ def _features_kernel(
     drift = tl.sum(recent_mean * km, axis=0) / tl.maximum(rm_norm * km_norm, _EPS)
     knm = tl.load(st + OFF_KNM + kvh)
     knm_safe = tl.maximum(knm, _EPS)
+    kc_base = st + OFF_KC + kvh * D * D
     trace = tl.sum(tl.load(kc_base + d * D + d), axis=0)
     total = wl + n
     mass_max = tl.max(tl.where(gm, mass, 0.0), axis=0)
 
     f = tl.arange(0, BLOCK_F)
-    tile = tl.zeros([BLOCK_G, BLOCK_F], tl.float32)
+    tile = tl.zeros([BLOCK_GF, BLOCK_F], tl.float32)
     tile = _put(tile, f, 0, gz + layer_frac)
     tile = _put(tile, f, 1, h.to(tl.float32) / head_denom)
     tile = _put(tile, f, 2, gz + tl.log2(tl.maximum(total, 1.0)))
@@ -438,6 +525,10 @@ class FusedHeadPredictor:
     * `tau` (the anchor budgets' and Gaussian budget's error bound), `block_sizes` (the
       selector's candidates, at most `MAX_BLOCK_SIZES`), `streaming_threshold`, `skip_streaming`.
 
+    Launch choices: `parts` (power of two, 1-64: programs per (sequence, KV head) of the features
+    kernel; its scratch is `max_sequences * kv_heads * parts` records of `7 G + G D + D` floats),
+    `block_w` (window rows per tile), `features_warps` / `predict_warps`, `dot_precision`.
+
     `run` writes `out [out_size]` float32: bgt0, k, p_streaming and the budget of every head, each
     `max_sequences * Hq` long (row `b * Hq + h`), then the block size of every group
     (`max_sequences * Hkv`, row `b * Hkv + g`), as `hybrid_runtime.selector.DeviceSelector` would;
@@ -451,7 +542,7 @@ class FusedHeadPredictor:
                  feature_std: torch.Tensor, target_mean: Sequence[float], target_std: Sequence[float], tau: float,
                  block_sizes: Sequence[int], streaming_threshold: float, skip_streaming: bool,
                  device: torch.device | str, scale: float | None = None, dot_precision: str = "tf32x3",
-                 block_w: int = 32, features_warps: int = 8, predict_warps: int = 4):
+                 block_w: int = 32, parts: int = 8, features_warps: int = 4, predict_warps: int = 4):
         for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
                         ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
             if not isinstance(x, (int, np.integer)) or x < 1:
@@ -485,6 +576,8 @@ class FusedHeadPredictor:
             raise ValueError(f"dot_precision must be 'tf32x3' or 'ieee' (fp32-accurate dots), got {dot_precision!r}")
         if block_w < 16 or block_w & (block_w - 1):
             raise ValueError(f"block_w must be a power of two >= 16, got {block_w}")
+        if not isinstance(parts, (int, np.integer)) or not 1 <= parts <= 64 or parts & (parts - 1):
+            raise ValueError(f"parts must be a power of two from 1 to 64, got {parts!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -532,6 +625,14 @@ class FusedHeadPredictor:
         block_m = max(16, next_pow2(groups * g))
         self.features = torch.zeros(m * hq, N_FEATURES, device=dev)
         self._aux = torch.zeros(m * hq, 2, device=dev)
+        # The features kernel's parts: per (sequence, KV head, part) a record of its window softmax
+        # (7 statistics per query head, the window output [G, D], the recent key sum [D]); per
+        # (sequence, KV head) S_vk q [G, D] (each part writes its rows) and the parts' arrival count.
+        self.parts = int(parts)
+        self._part_record = 7 * g + g * d + d
+        self._parts_scratch = torch.zeros(m * hkv * self.parts * self._part_record, device=dev)
+        self._vk_q = torch.zeros(m * hkv * g * d, device=dev)
+        self._arrivals = torch.zeros(m * hkv, dtype=torch.int32, device=dev)
         self._scratch = torch.zeros(m * self._n_j * 2 * block_m * width, device=dev)
         scale = d ** -0.5 if scale is None else float(scale)
         self._scalars = (float(max(hq - 1, 1)), scale)
@@ -543,8 +644,9 @@ class FusedHeadPredictor:
             OFF_KNM=off["key_norm_mean"], OFF_KNV=off["key_norm_var"], OFF_VV=off["value_var"],
             OFF_EIG=off["key_top_eig_frac"], OFF_AQ=off["anchor_q"], OFF_AM=off["anchor_cpu_mass"],
             OFF_AE=off["anchor_stream_err"], OFF_AB=off["anchor_budget"],
-            HKV=hkv, G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_W=block_w, BLOCK_C=min(32, d),
-            N_FEAT=N_FEATURES, BLOCK_F=next_pow2(N_FEATURES), DOT_PRECISION=precision,
+            HKV=hkv, G=g, BLOCK_G=max(16, next_pow2(g)), BLOCK_GF=next_pow2(g), D=d, BLOCK_W=block_w,
+            BLOCK_C=max(16, d // self.parts), PARTS=self.parts, N_FEAT=N_FEATURES, BLOCK_F=next_pow2(N_FEATURES),
+            DOT_PRECISION=precision,
         )
         padded = bs + [bs[-1]] * (MAX_BLOCK_SIZES - len(bs))
         logs = [float(np.log2(np.float32(x))) for x in padded]  # the host selector's float32 log2
@@ -559,7 +661,7 @@ class FusedHeadPredictor:
             LOG0=logs[0], LOG1=logs[1], LOG2=logs[2], LOG3=logs[3],
             SKIP_STREAMING=bool(skip_streaming), OUT_ROWS_HQ=m * hq, DOT_PRECISION=precision,
         )
-        self._features_options = {"num_warps": features_warps, "num_stages": 2}
+        self._features_options = {"num_warps": features_warps, "num_stages": 1}  # 1-4 tiles a part: nothing to pipeline
         self._predict_options = {"num_warps": predict_warps, "num_stages": 2}
 
     def check(self, q: torch.Tensor, idx: torch.Tensor, statistics: torch.Tensor, previous: torch.Tensor,
@@ -599,10 +701,11 @@ class FusedHeadPredictor:
         b = q.shape[0]
         head_denom, scale = self._scalars
         _features_launch(
-            (b * self.kv_heads,),
+            (b * self.kv_heads, self.parts),
             (q, q.stride(0), q.stride(1), idx, idx.stride(0), statistics, statistics.stride(0), previous,
              window_k, window_v, window_k.stride(0), window_k.stride(1), window_k.stride(2),
-             self.features, self._aux, float(layer_frac), head_denom, scale, self.window_capacity),
+             self.features, self._aux, self._parts_scratch, self._vk_q, self._arrivals, float(layer_frac), head_denom,
+             scale, self.window_capacity),
             self._features_constexprs, tuple(self._features_constexprs.values()) + (window_k.dtype, q.dtype),
             self._features_options,
         )

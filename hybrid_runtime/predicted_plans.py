@@ -40,7 +40,7 @@ is refused with an error saying so.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -81,7 +81,9 @@ class PredictedHeadPlanner:
     window device. `checkpoint` overrides `selection.checkpoint` (tests, benchmarks). `path`: one
     of `PATHS` (module docstring); default `fused` on CUDA, `eager` on the CPU, where `fused` runs
     only under Triton's interpreter (tests) and the graph paths not at all. `capture` false leaves
-    the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly). `on_selection`, when
+    the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly). `fused_options`:
+    launch choices passed to `FusedHeadPredictor` (`parts`, `block_w`, `features_warps`,
+    `dot_precision`; benchmarks compare them), defaults otherwise. `on_selection`, when
     set, is called with `(layer, seq_ids, selection)` after every step's selection (reports).
     """
 
@@ -89,7 +91,8 @@ class PredictedHeadPlanner:
     reads_window = True  # the runtime appends the step's k, v to the window before planning
 
     def __init__(self, policy: SelectionConfig, geometry: GeometryConfig, store: Any, *,
-                 checkpoint: Checkpoint | None = None, path: str | None = None, capture: bool = True):
+                 checkpoint: Checkpoint | None = None, path: str | None = None, capture: bool = True,
+                 fused_options: Mapping[str, Any] | None = None):
         kv = store.cfg
         cuda = store.device.type == "cuda"
         path = ("fused" if cuda else "eager") if path is None else path
@@ -152,13 +155,13 @@ class PredictedHeadPlanner:
         self.capture_seconds = 0.0
         self._fused = None
         if path == "fused":
-            self._setup_fused(policy)
+            self._setup_fused(policy, dict(fused_options or {}))
         if self.cuda:
             self._done = torch.cuda.Event()
             if path.startswith("graph") and capture:
                 self.capture_all()
 
-    def _setup_fused(self, policy: SelectionConfig) -> None:
+    def _setup_fused(self, policy: SelectionConfig, options: dict) -> None:
         """The fused kernels, planned once; their index and output buffers pinned on the host and
         read / written by the kernels through CUDA views; one warm-up run per query dtype compiles them."""
         import time
@@ -174,7 +177,8 @@ class PredictedHeadPlanner:
             statistics_width=self.statistics.width, feature_names=FEATURE_NAMES, linears=network_linears(model),
             feature_mean=model.feature_mean, feature_std=model.feature_std, target_mean=model.target_mean.tolist(),
             target_std=model.target_std.tolist(), tau=self.tau, block_sizes=policy.block_sizes,
-            streaming_threshold=policy.streaming_threshold, skip_streaming=policy.skip_streaming, device=self.device)
+            streaming_threshold=policy.streaming_threshold, skip_streaming=policy.skip_streaming, device=self.device,
+            **options)
         self._fused_idx = torch.zeros(INDEX_ROWS, m, dtype=torch.int64, pin_memory=self.cuda)
         self._fused_out = torch.zeros(self._fused.out_size, pin_memory=self.cuda)
         if self.cuda:

@@ -131,6 +131,21 @@ def test_fused_kernels_match_the_reference(hkv, g, d):
     check_against_reference(case, net, fused_for(case, net, 4), layer=1, n_layers=3, tol=INTERP_TOL)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_fused_features_split_over_parts(parts):
+    # 16-row tiles: a 90-row window is 6 tiles, several per part; the 20 sink rows span two tiles
+    # (two parts); a 5-row window has one tile, so the other parts are empty; D 32 in 16-row
+    # covariance blocks: at 4 parts two of them have no rows. Parts merge in any order of arrival.
+    case = Case(2, 4, 32, "cpu", window=96, prompts=[400, 150, 30], window_lens=[90, 5, 30], slots=[0, 2, 1],
+                max_sequences=3, sink=20, local=64, seed=11)
+    net = random_network((16,), seed=12)
+    fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 3, "block_w": 16, "parts": parts,
+                                  "target_mean": net.target_mean.tolist(), "target_std": net.target_std.tolist(),
+                                  "block_sizes": (16, 32, 64, 128)})
+    check_against_reference(case, net, fused, layer=2, n_layers=3, tol=INTERP_TOL)
+    assert (fused._arrivals == 0).all()  # every (sequence, KV head)'s count is back at 0 for the next launch
+
+
 def test_fused_selector_settings_and_a_one_layer_network():
     case = Case(2, 4, 16, "cpu", window=24, prompts=[80, 9], window_lens=[24, 1], slots=[1, 0], max_sequences=2,
                 sink=0, local=16, seed=3)
@@ -154,6 +169,9 @@ def test_plan_refuses_what_it_cannot_run():
         FusedHeadPredictor(**{**plan_kwargs(case, net), "linears": network_linears(net)[:-1]})
     with pytest.raises(ValueError, match="block_sizes"):
         FusedHeadPredictor(**{**plan_kwargs(case, net), "block_sizes": (16, 16)})
+    for parts in (0, 3, 128):
+        with pytest.raises(ValueError, match="parts must be a power of two"):
+            FusedHeadPredictor(**{**plan_kwargs(case, net), "parts": parts})
     fused = fused_for(case, net, 1)
     out = torch.zeros(fused.out_size)
     args = (case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k, case.window_v)
