@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ MODES = ("fused", "graph", "graph_compiled", "eager")  # the planner's device pa
 
 def modes_of(row: dict) -> list[str]:
     """The paths a point measured, in table order; `fused_pP` (fused with P parts, `--fused-parts`) last."""
-    return [m for m in MODES if m in row] + sorted((k for k in row if k.startswith("fused_p")),
+    return [m for m in MODES if m in row] + sorted((k for k in row if re.fullmatch(r"fused_p\d+", k)),
                                                    key=lambda k: int(k[len("fused_p"):]))
 QUICK_GEOMETRY = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 
@@ -205,6 +206,28 @@ def planner_timings(rt: HybridRuntime, planner, batch: int, steps: int, warmup: 
             "wait": timing_stats(wait), "task_build": timing_stats(task_build)}
 
 
+def kernel_times(rt: HybridRuntime, planner, batch: int, calls: int, gen: torch.Generator) -> dict:
+    """Device time per call of each kernel a planner path launches (torch.profiler over `calls`
+    calls on layer 0): which of the fused path's two kernels holds the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g, store, dev = rt.geometry, rt.store, rt.device
+    ids = list(range(batch))
+    qs = [torch.randn((batch, g.q_heads, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
+          for _ in range(calls)]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for q in qs:
+            planner(0, ids, store, q)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            out[e.key[:80]] = t / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def decode_layer_times(rt: HybridRuntime, planner, batch: int, steps: int, warmup: int, gen: torch.Generator) -> dict:
     """The decode step's layer time (timeline: entry to return) with `planner` as the head planner."""
     g, dev = rt.geometry, rt.device
@@ -247,6 +270,10 @@ def run_point(args, batch: int, context: int) -> dict:
             finally:
                 planner._graphs = graphs
             r = row[mode]
+            if rt.device.type == "cuda" and (mode == "fused" or re.fullmatch(r"fused_p\d+", mode)):
+                r["kernels_us"] = kernel_times(rt, planner, batch, 20, gen)
+                print(f"  planner {mode} kernels (device us per call): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()), flush=True)
             print(f"  planner {mode:5s}: wall med {r['wall']['median_us']:8.1f} mean {r['wall']['mean_us']:8.1f} "
                   f"p99 {r['wall']['p99_us']:8.1f} us; device {r['gpu']['median_us']:7.1f} us; stage "
                   f"{r['stage']['median_us']:6.1f}, launch + wait {r['wait']['median_us']:6.1f}, task build "
