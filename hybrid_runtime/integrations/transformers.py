@@ -58,6 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import inspect
 import itertools
 import logging
 import sys
@@ -521,6 +522,13 @@ def _make_generate(model: torch.nn.Module) -> Callable:
     return generate
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which this transformers passes the KV cache to `forward` and keeps it in
+    `generate`'s model kwargs: `cache` from transformers 5.24 on (where `past_key_values` is a
+    deprecated alias that `generate`'s chunked prefill does not read), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 def _make_prepare_cache(model: torch.nn.Module) -> Callable:
     """`generate`'s cache set-up, bound to the instance: a `HybridCache` where it would make a `DynamicCache`."""
     original = type(model)._prepare_cache_for_generation
@@ -528,7 +536,7 @@ def _make_prepare_cache(model: torch.nn.Module) -> Callable:
 
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
         m = model_ref()
-        user_cache = model_kwargs.get("past_key_values")
+        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if user_cache is None and generation_config.use_cache is not False:
             if getattr(generation_config, "num_beams", 1) > 1:
                 raise NotImplementedError(
@@ -540,7 +548,7 @@ def _make_prepare_cache(model: torch.nn.Module) -> Callable:
                     f"cache_implementation={generation_config.cache_implementation!r} conflicts with hybrid attention, "
                     "which brings its own cache; leave cache_implementation unset"
                 )
-            model_kwargs["past_key_values"] = HybridCache(m)
+            model_kwargs[cache_kwarg(m)] = HybridCache(m)
             return None
         return original(m, generation_config, model_kwargs, *args, **kwargs)
 
