@@ -292,12 +292,17 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+# Where a step's tasks run (`scheduler.placement`, a variant's `placement`); the scheduler reads
+# these names from here.
+PLACEMENT_NAMES = ("fluxion", "cpu_only", "gpu_only", "uniform", "length")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Where tasks run (placement) and the lanes that run them."""
 
     placement: str = field(
-        default="fluxion", metadata=_choices("fluxion", "cpu_only", "gpu_only", "uniform", "length")
+        default="fluxion", metadata=_choices(*PLACEMENT_NAMES)
     )
     # "auto": one worker per core this process may use, but one: the caller's thread keeps a core
     # (it launches the GPU lane and, for a model on the CPU, computes the model). More workers than
@@ -350,9 +355,6 @@ class WorkloadConfig:
     # The run warns when its largest relative output error against dense attention exceeds this
     # (Fluxion's error bound tau is 0.10; `full` selection is exact, `streaming` ignores the store).
     rel_error_tolerance: float = field(default=0.10, metadata=_range(0.0, None))
-
-
-PLACEMENT_NAMES = ("fluxion", "cpu_only", "gpu_only", "uniform", "length")
 
 
 @dataclass(frozen=True)
@@ -552,7 +554,7 @@ def _join(path: str, key: Any) -> str:
 MOVED_KEYS = {
     "policy": "selection (which blocks each head reads: name fixed / full / streaming, block_size, "
               "budget, streaming_heads)",
-    "scheduler.policy": "scheduler.placement (where tasks run: fluxion, cpu_only, gpu_only, uniform, length)",
+    "scheduler.policy": f"scheduler.placement (where tasks run: {', '.join(PLACEMENT_NAMES)})",
     "workload.layers": "geometry.layers (a runtime is built for the layers it decodes; e.g. "
                        "geometry: {name: llama-3.1-8b, layers: 4})",
 }

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hybrid_runtime.config import ConfigError, SchedulerConfig
+from hybrid_runtime.config import PLACEMENT_NAMES, ConfigError, SchedulerConfig
 from hybrid_runtime.executors.base import CpuTaskExecutor, Executor, GpuLaunchExecutor, native_kernel_of
 from hybrid_runtime.gpu_lane import GpuLane, as_launch_executor
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
@@ -41,7 +41,6 @@ from hybrid_runtime.workers import CpuWorkers
 log = logging.getLogger(__name__)
 
 
-PLACEMENTS = ("fluxion", "cpu_only", "gpu_only", "uniform", "length")
 NEEDS = {  # lanes a placement needs: (cpu, gpu)
     "fluxion": (False, False),  # at least one of the two, checked separately
     "cpu_only": (True, False),
@@ -178,8 +177,8 @@ class Scheduler:
         Each placement keeps its own lane estimates: switching back resumes what that placement
         learned from its own steps, and nothing learned under another placement sizes its claims.
         """
-        if placement not in PLACEMENTS:
-            raise ConfigError(f"scheduler.placement: {placement!r} is not allowed; allowed: {', '.join(PLACEMENTS)}")
+        if placement not in PLACEMENT_NAMES:
+            raise ConfigError(f"scheduler.placement: {placement!r} is not allowed; allowed: {', '.join(PLACEMENT_NAMES)}")
         need_cpu, need_gpu = NEEDS[placement]
         if need_cpu and self.cpu_executor is None:
             raise ConfigError(f"scheduler.placement: {placement!r} needs CPU workers; set scheduler.cpu_workers >= 1")
@@ -320,7 +319,6 @@ class Scheduler:
 
 __all__ = [
     "NEEDS",
-    "PLACEMENTS",
     "ConfigHeadPlanner",
     "CorePlan",
     "HeadPlan",

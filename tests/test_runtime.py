@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_runtime.config import ConfigError, config_from_dict
+from hybrid_runtime.config import PLACEMENT_NAMES, ConfigError, config_from_dict
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.reference import dense_attention, merge_attention, sparse_reference
 from hybrid_runtime.runtime import HybridRuntime
-from hybrid_runtime.scheduler import PLACEMENTS, HeadPlan, StepTimeoutError
+from hybrid_runtime.scheduler import HeadPlan, StepTimeoutError
 from tests.helpers import random_kv
 
 GEOM = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
@@ -104,7 +104,7 @@ def sparse_step_reference(rt, layer, seq_ids, q, plan):
 
 
 # ---------------------------------------------------------------------------- correctness
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", PLACEMENT_NAMES)
 def test_full_budget_equals_dense_attention_for_every_placement(placement):
     with HybridRuntime(rt_config(placement, plan="full")) as rt:
         prefill_all(rt)
@@ -124,7 +124,7 @@ def test_full_budget_equals_dense_attention_for_every_placement(placement):
             assert lanes == {2}
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", PLACEMENT_NAMES)
 def test_every_placement_matches_the_reference_on_the_same_task_set(placement):
     planner = RandomPlanner(seed=3)
     with HybridRuntime(rt_config(placement), head_planner=planner) as rt:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_runtime.config import ConfigError, SchedulerConfig, SelectionConfig
+from hybrid_runtime.config import PLACEMENT_NAMES, ConfigError, SchedulerConfig, SelectionConfig
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.scheduler import (
+    NEEDS,
     ConfigHeadPlanner,
     Scheduler,
     StepJob,
@@ -257,7 +258,19 @@ def run_job(s: Scheduler, tasks, timeout=None) -> StepJob:
     return job
 
 
-@pytest.mark.parametrize("placement", ["fluxion", "cpu_only", "gpu_only", "uniform", "length"])
+def test_every_placement_names_the_lanes_it_needs():
+    """config's PLACEMENT_NAMES is the one list of placements: the scheduler knows the lanes of each
+    and refuses any other name."""
+    assert set(NEEDS) == set(PLACEMENT_NAMES)
+    s = Scheduler(sched_cfg("cpu_only", cpu_workers=1, gpu_worker=False), CountingCpu(), None)
+    try:
+        with pytest.raises(ConfigError, match="'nearest' is not allowed; allowed: " + ", ".join(PLACEMENT_NAMES)):
+            s.set_placement("nearest")
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("placement", PLACEMENT_NAMES)
 def test_every_task_runs_exactly_once_under_contention(placement):
     cpu, gpu = CountingCpu(), CountingGpu()
     s = Scheduler(sched_cfg(placement, cpu_workers=8), cpu, gpu)

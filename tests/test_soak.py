@@ -23,12 +23,11 @@ import pytest
 import torch
 
 from cpu_kernels import layout
-from hybrid_runtime.config import config_from_dict
+from hybrid_runtime.config import PLACEMENT_NAMES, config_from_dict
 from hybrid_runtime.head_plans import HeadPlan
 from hybrid_runtime.profiling import Timeline
 from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.runtime import HybridRuntime
-from hybrid_runtime.scheduler import PLACEMENTS
 
 GEOM = {"layers": 2, "q_heads": 4, "kv_heads": 2, "head_dim": 16}
 SINK, LOCAL, GENERATED = 4, 16, 16  # a sequence spills one page every 16 tokens it decodes
@@ -159,7 +158,7 @@ def run_soak(rt, steps: int, seed: int):
     for step in range(steps):
         where = f"step {step} (seed {seed})"
         if step % PLACEMENT_EVERY == 0:
-            rt.scheduler.set_placement(PLACEMENTS[(step // PLACEMENT_EVERY) % len(PLACEMENTS)])
+            rt.scheduler.set_placement(PLACEMENT_NAMES[(step // PLACEMENT_EVERY) % len(PLACEMENT_NAMES)])
         # Leave: each live sequence with a small chance (a mean lifetime of 100 steps).
         for s in [s for s in live if rng.random() < 0.01]:
             release(s)

@@ -54,6 +54,7 @@ from hybrid_runtime.experiments.quality_settings import (
     run_and_write,
     timestamped_progress,
 )
+from hybrid_runtime.profiling.results import device_kind_slug, write_results
 
 Progress = Callable[[str], None]
 
@@ -297,19 +298,11 @@ def write_outputs(results: dict, out: Path, results_dir: Path | None, command: s
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if results_dir is not None:
-        root = Path(__file__).resolve().parents[2]  # benchmarks/ is a folder of the repository
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from benchmarks.common import device_slug, write_results
-
         points = [{"length": int(n), **r} for n, e in results["lengths"].items() for r in e["runs"]]
         extra = {"command": command, "settings": results["settings"], "epsilon": results["epsilon"],
                  "dense": {n: e["dense"] for n, e in results["lengths"].items()}}
-        path = write_results("asynctls_quality", metrics_of(results), points, out_dir=results_dir, extra=extra)
-        slug = device_slug() if torch.cuda.is_available() else "cpu"  # one file per kind of device
-        final = path.with_name(f"asynctls_quality-{slug}.json")
-        if final != path:
-            path.replace(final)
+        final = write_results("asynctls_quality", metrics_of(results), points,
+                              out_path=results_dir / f"asynctls_quality-{device_kind_slug()}.json", extra=extra)
         record = json.loads(final.read_text())
         results["meta"] = {k: record[k] for k in ("device", "commit", "command", "created")}
         final.with_suffix(".md").write_text(markdown(results))

@@ -47,6 +47,7 @@ from hybrid_runtime.experiments.quality_settings import (
     timestamped_progress,
 )
 from hybrid_runtime.experiments.quality_text import check_novel, corpus_ids, text_window
+from hybrid_runtime.profiling.results import device_kind_slug, write_results
 
 COL = {c: i for i, c in enumerate(LOG_COLUMNS)}
 
@@ -238,20 +239,13 @@ def write_outputs(results: dict, out: Path, results_dir: Path | None, command: s
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if results_dir is not None:
-        root = Path(__file__).resolve().parents[2]  # benchmarks/ is a folder of the repository, not the package
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from benchmarks.common import write_results
-
         points = [{"length": int(length), "policy": p, **r} for length, e in results["lengths"].items()
                   for p, r in e["policies"].items()]
-        path = write_results("nosa_quality", metrics_of(results), points, out_dir=results_dir,
-                             extra={"command": command, "settings": results["settings"], "policies": results["policies"]})
         # A host without CUDA writes `nosa_quality-cpu.json` (not `-cpu<N>`), as the quality experiment does.
-        final = path if torch.cuda.is_available() else path.with_name("nosa_quality-cpu.json")
-        if final != path:
-            path.replace(final)
-        written.append(final)
+        written.append(write_results("nosa_quality", metrics_of(results), points,
+                                     out_path=results_dir / f"nosa_quality-{device_kind_slug()}.json",
+                                     extra={"command": command, "settings": results["settings"],
+                                            "policies": results["policies"]}))
     (out / "nosa_quality.json").write_text(json.dumps(results, indent=2) + "\n")
     return written + [out / "nosa_quality.json"]
 

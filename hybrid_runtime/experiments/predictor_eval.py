@@ -67,6 +67,7 @@ from hybrid_runtime.experiments.quality_settings import (
     run_and_write,
     timestamped_progress,
 )
+from hybrid_runtime.profiling.results import device_kind_slug, write_results
 
 Progress = Callable[[str], None]
 
@@ -527,20 +528,12 @@ def write_outputs(results: dict, out: Path, results_dir: Path | None, command: s
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if results_dir is not None:
-        root = Path(__file__).resolve().parents[2]  # benchmarks/ is a folder of the repository
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from benchmarks.common import device_slug, write_results
-
         points = [{"length": int(n), "policy": slug, **r} for n, e in results["lengths"].items()
                   for slug, r in e["policies"].items()]
         extra = {"command": command, "settings": results["settings"], "text": results["text"],
                  "heldout": results["heldout"], "checkpoints": results["checkpoints"]}
-        path = write_results("predictor_smollm2", metrics_of(results), points, out_dir=results_dir, extra=extra)
-        slug = device_slug() if torch.cuda.is_available() else "cpu"  # one file per kind of device
-        final = path.with_name(f"predictor_smollm2-{slug}.json")
-        if final != path:
-            path.replace(final)
+        final = write_results("predictor_smollm2", metrics_of(results), points,
+                              out_path=results_dir / f"predictor_smollm2-{device_kind_slug()}.json", extra=extra)
         record = json.loads(final.read_text())
         results["meta"] = {k: record[k] for k in ("device", "commit", "command", "created")}
         final.with_suffix(".md").write_text(markdown(results))

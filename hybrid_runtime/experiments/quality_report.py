@@ -9,13 +9,11 @@ needs nothing here.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-import torch
 
 from hybrid_runtime.experiments.quality_settings import length_tag
 from hybrid_runtime.experiments.quality_text import MAX_REPEATED_8GRAM, NGRAM
+from hybrid_runtime.profiling.results import device_kind_slug, write_results
 
 
 def metrics_of(results: dict) -> dict:
@@ -166,23 +164,13 @@ def write_outputs(results: dict, out: Path, results_dir: Path | None = None, com
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if results_dir is not None:
-        # benchmarks/ is a folder of the repository, not part of the installed package.
-        root = Path(__file__).resolve().parents[2]
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from benchmarks.common import device_slug, write_results
-
         extra = {"other_metrics": other_metrics(results), "settings": results["settings"]}
         if command:
             extra["command"] = command
-        path = write_results("quality_smollm2", metrics_of(results), _points(results), out_dir=results_dir,
-                             extra=extra)
-        record = json.loads(path.read_text())
         # A host without CUDA writes `quality_smollm2-cpu.json` (not `-cpu<N>`): one file per kind of device.
-        slug = device_slug() if torch.cuda.is_available() else "cpu"
-        final = path.with_name(f"quality_smollm2-{slug}.json")
-        if final != path:
-            path.replace(final)
+        final = write_results("quality_smollm2", metrics_of(results), _points(results),
+                              out_path=results_dir / f"quality_smollm2-{device_kind_slug()}.json", extra=extra)
+        record = json.loads(final.read_text())
         results["meta"] = {k: record[k] for k in ("device", "host_cpu", "commit", "command", "created")}
         md = final.with_suffix(".md")
         md.write_text(markdown(results))

@@ -45,6 +45,7 @@ from hybrid_runtime.experiments.quality_settings import (
     run_and_write,
     timestamped_progress,
 )
+from hybrid_runtime.profiling.results import device_kind_slug, write_results
 
 #: Policy slug -> `sparda.lookahead`. The slug names the metrics (`agreement_<slug>_4k`, `<slug>_recall_at_k`).
 POLICIES = {"forecast": "forecast", "proxy": "proxy", "same_layer": "same_layer"}
@@ -270,18 +271,11 @@ def write_outputs(results: dict, out: Path, results_dir: Path | None, command: s
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if results_dir is not None:
-        root = Path(__file__).resolve().parents[2]  # benchmarks/ is a folder of the repository
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from benchmarks.common import device_slug, write_results
-
-        path = write_results("sparda_quality", metrics_of(results), [{"length": int(n), **e} for n, e in results["lengths"].items()],
-                             out_dir=results_dir, extra={"command": command, "settings": results["settings"],
-                                                         "sparda": results["sparda"], "checkpoint": results["checkpoint"]})
-        slug = device_slug() if torch.cuda.is_available() else "cpu"
-        final = path.with_name(f"sparda_quality-{slug}.json")
-        if final != path:
-            path.replace(final)
+        points = [{"length": int(n), **e} for n, e in results["lengths"].items()]
+        extra = {"command": command, "settings": results["settings"], "sparda": results["sparda"],
+                 "checkpoint": results["checkpoint"]}
+        final = write_results("sparda_quality", metrics_of(results), points,
+                              out_path=results_dir / f"sparda_quality-{device_kind_slug()}.json", extra=extra)
         record = json.loads(final.read_text())
         results["meta"] = {k: record[k] for k in ("device", "host_cpu", "commit", "command", "created")}
         md = final.with_suffix(".md")
