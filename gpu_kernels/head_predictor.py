@@ -13,7 +13,8 @@ fused by torch.compile and replayed from a CUDA graph); here it is two:
    atomic count, reset by it) merges the records by log-sum-exp and writes every feature but the
    three that need all heads of the sequence, plus two per-head partials (`||o_hat||` and the
    stream error's numerator). A part walks a few tiles instead of the whole window, so the kernel
-   has `parts` times the programs (512 at 8 sequences of Llama-3.1-8B with the default 8);
+   has `parts` times the programs (256 at 8 sequences of Llama-3.1-8B with the default 4: of 1, 4
+   and 8 parts, the fastest features kernel on the H100, benchmarks/notes/predictor.md);
 2. `_predict_kernel`, one program per (sequence, block of whole KV groups): finishes those three
    features (the max over the layer's heads), runs the network (standardisation, Linear + SiLU
    layers, the three heads as one Linear; weights read from global memory, activations through
@@ -542,7 +543,7 @@ class FusedHeadPredictor:
                  feature_std: torch.Tensor, target_mean: Sequence[float], target_std: Sequence[float], tau: float,
                  block_sizes: Sequence[int], streaming_threshold: float, skip_streaming: bool,
                  device: torch.device | str, scale: float | None = None, dot_precision: str = "tf32x3",
-                 block_w: int = 32, parts: int = 8, features_warps: int = 4, predict_warps: int = 4):
+                 block_w: int = 32, parts: int = 4, features_warps: int = 4, predict_warps: int = 4):
         for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
                         ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
             if not isinstance(x, (int, np.integer)) or x < 1:
