@@ -6,8 +6,9 @@ with `selection.name: predicted`. The predictor is the shipped SmolLM2 checkpoin
 are per (sequence, query head) and defined for any geometry (counts, fractions, cosines, scores),
 so it runs unchanged on this one; on random KV its budgets mean nothing, and timing does not
 depend on them. Per layer-step it measures, for each device path of the planner (`fused`: the two
-Triton launches of `gpu_kernels.head_predictor`, the runtime's default; `graph`: the torch ops
-replayed from CUDA graphs; `eager`: the same torch ops one by one):
+Triton kernels of `gpu_kernels.head_predictor` replayed from a CUDA graph per (layer, bucket), the
+runtime's default; `fused_launch`: the same kernels launched by the host each step; `graph`: the
+torch ops replayed from CUDA graphs; `eager`: the same torch ops one by one):
 
 * `wall`: host time of one planner call (staging, features + predictor + selector on the device,
   the plan in host memory and the host's wait for it, the plan's arrays), median / mean / p99
@@ -67,7 +68,7 @@ from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 from hybrid_runtime.task_building import build_tasks  # noqa: E402
 
 POINT = (8, 32768)
-MODES = ("fused", "graph", "graph_compiled", "eager")  # the planner's device paths, in table order
+MODES = ("fused", "fused_launch", "graph", "graph_compiled", "eager")  # the planner's device paths, in table order
 
 
 def modes_of(row: dict) -> list[str]:
@@ -130,6 +131,8 @@ def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, dict[st
         info["graph_capture_s"] = time.perf_counter() - t
         info["graphs"] = len(others["graph"]._graphs)
         info["buckets"] = list(others["graph"].buckets)
+    if cuda:  # the fused kernels launched by the host per step, without the planner's graphs
+        others["fused_launch"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="fused", capture=False)
     for parts in (args.fused_parts if cuda else ()):  # the fused path at other part counts, own statistics each
         others[f"fused_p{parts}"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="fused",
                                                          fused_options={"parts": parts})
@@ -270,7 +273,7 @@ def run_point(args, batch: int, context: int) -> dict:
             finally:
                 planner._graphs = graphs
             r = row[mode]
-            if rt.device.type == "cuda" and (mode == "fused" or re.fullmatch(r"fused_p\d+", mode)):
+            if rt.device.type == "cuda" and (mode in ("fused", "fused_launch") or re.fullmatch(r"fused_p\d+", mode)):
                 r["kernels_us"] = kernel_times(rt, planner, batch, 20, gen)
                 print(f"  planner {mode} kernels (device us per call): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()), flush=True)

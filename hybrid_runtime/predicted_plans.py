@@ -22,9 +22,13 @@ How the device part runs (`path`):
   (sequence, KV head) for the features and one over (sequence, KV groups) for the rest of the
   features, the network and the selector. The host writes the rows' window slots, statistics
   rows, window lengths and CPU lengths into a pinned buffer the kernels read through its CUDA
-  view, and the plan lands in a pinned buffer the kernels write the same way: per call the host
-  launches two kernels and waits, with no copy, graph or per-step allocation. The queries are
-  read where the caller has them.
+  view, and the plan lands in a pinned buffer the kernels write the same way. On CUDA the two
+  launches are captured once per (layer, batch bucket) into a CUDA graph (at warm-up, with
+  `capture`): a step copies its queries into the bucket's static buffer and replays the graph,
+  since two Triton launches cost the host about as much as the kernels take; a batch of `b`
+  sequences runs the smallest bucket holding it, its extra rows pointing at the scratch row.
+  Without graphs (`capture=False`, and under the interpreter) the host launches the two kernels on
+  the caller's queries. Either way: no per-step allocation, and the host's one wait.
 * `graph` / `graph_compiled`: the torch ops (plain, or through `torch.compile`) in one CUDA graph
   per (layer, batch bucket), captured when the planner is built (warm-up) and replayed per step,
   followed by the copy of step 3: a batch of `b` sequences runs the graph of the smallest bucket
@@ -81,7 +85,8 @@ class PredictedHeadPlanner:
     window device. `checkpoint` overrides `selection.checkpoint` (tests, benchmarks). `path`: one
     of `PATHS` (module docstring); default `fused` on CUDA, `eager` on the CPU, where `fused` runs
     only under Triton's interpreter (tests) and the graph paths not at all. `capture` false leaves
-    the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly). `fused_options`:
+    the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly) and keeps the
+    fused path on plain launches (`capture_fused` graphs it later). `fused_options`:
     launch choices passed to `FusedHeadPredictor` (`parts`, `block_w`, `features_warps`,
     `dot_precision`; benchmarks compare them), defaults otherwise. `on_selection`, when
     set, is called with `(layer, seq_ids, selection)` after every step's selection (reports).
@@ -155,13 +160,13 @@ class PredictedHeadPlanner:
         self.capture_seconds = 0.0
         self._fused = None
         if path == "fused":
-            self._setup_fused(policy, dict(fused_options or {}))
+            self._setup_fused(policy, dict(fused_options or {}), capture)
         if self.cuda:
             self._done = torch.cuda.Event()
             if path.startswith("graph") and capture:
                 self.capture_all()
 
-    def _setup_fused(self, policy: SelectionConfig, options: dict) -> None:
+    def _setup_fused(self, policy: SelectionConfig, options: dict, capture: bool) -> None:
         """The fused kernels, planned once; their index and output buffers pinned on the host and
         read / written by the kernels through CUDA views; one warm-up run per query dtype compiles them."""
         import time
@@ -204,6 +209,45 @@ class PredictedHeadPlanner:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
+        self._fused_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._fused_bucket = self.buckets[-1]  # the staged step's graph bucket
+        # A padding row: window slot 0, the statistics' scratch row, one window token, no CPU segment.
+        self._fused_pad = np.array([0, scratch, 1, 0], dtype=np.int64)
+        if self.cuda and capture:
+            self.capture_fused()
+
+    def capture_fused(self) -> None:
+        """Capture the fused kernels of every (layer, batch bucket) into CUDA graphs that read the
+        bucket's static queries (fp32) and the pinned index rows; idempotent. Each is run once
+        eagerly first (on padding rows), so capture never meets an uncompiled variant."""
+        import time
+
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        self._fused_idx_np[:] = self._fused_pad[:, None]
+        for layer in range(self.store.layers):
+            for bucket in self.buckets:
+                if (layer, bucket) in self._fused_graphs:
+                    continue
+                with torch.cuda.stream(side):
+                    self._run_fused(layer, self._q[bucket])
+                side.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the store's committer thread may register host memory meanwhile.
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    self._run_fused(layer, self._q[bucket])
+                self._fused_graphs[(layer, bucket)] = graph
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _run_fused(self, layer: int, q: torch.Tensor) -> None:
+        """Launch the fused kernels of one layer for the rows of `q` (the index rows staged)."""
+        self._fused.run(q, self._fused_idx_dev, self.statistics.layer_rows(layer), self.statistics.previous_queries(layer),
+                        *self.store.window(layer), layer / max(self.store.layers - 1, 1), self._fused_out_dev,
+                        validate=False)
 
     # ------------------------------------------------------------------ prefill and release
     def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor,
@@ -329,8 +373,14 @@ class PredictedHeadPlanner:
                                  f"{q.dtype} on {q.device} with strides {q.stride()}")
             host = self._fused_idx_np
             host[:, :b] = (slots, slots, window_len, cpu_len)
-            self._fused_q = q
-            return self.buckets[-1], host[3, :b]
+            if self._fused_graphs:
+                bucket = next(n for n in self.buckets if n >= b)
+                host[:, b:bucket] = self._fused_pad[:, None]
+                self._q[bucket][:b].copy_(q)  # the graph's static queries (fp32)
+                self._fused_bucket = bucket
+            else:
+                self._fused_q = q
+            return self.buckets[-1], host[3, :b]  # the output's layout is max_sequences rows
         bucket = next(n for n in self.buckets if n >= b)
         host = self._idx_host[bucket].numpy()
         host[0, :b] = slots
@@ -348,10 +398,11 @@ class PredictedHeadPlanner:
     def _launch(self, layer: int, bucket: int) -> None:
         """The device part of a staged step, up to the plan in host memory once the stream gets there."""
         if self._fused is not None:
-            self._fused.run(self._fused_q, self._fused_idx_dev, self.statistics.layer_rows(layer),
-                            self.statistics.previous_queries(layer), *self.store.window(layer),
-                            layer / max(self.store.layers - 1, 1), self._fused_out_dev, validate=False)
-            self._fused_q = None  # the caller's tensor: not kept past the call
+            if self._fused_graphs:
+                self._fused_graphs[(layer, self._fused_bucket)].replay()
+            else:
+                self._run_fused(layer, self._fused_q)
+                self._fused_q = None  # the caller's tensor: not kept past the call
             return
         graph = self._graphs.get((layer, bucket))
         if graph is not None:

@@ -279,6 +279,39 @@ def test_graph_replay_equals_eager():
     store.close()
 
 
+@pytest.mark.gpu
+def test_fused_graphs_equal_fused_launches():
+    """The fused path replayed from its CUDA graphs (static fp32 queries, padding rows for a batch
+    below its bucket) gives the plans of the same kernels launched on the caller's queries, step
+    after step (the previous-query state included)."""
+    cfg = config()
+    cfg = dataclasses.replace(cfg, kv_cache=dataclasses.replace(cfg.kv_cache, dtype="bf16", max_sequences=4))
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    shipped = load_checkpoint(resolve_checkpoint(cfg.selection.checkpoint))
+    graphed = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="fused")
+    launched = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="fused", capture=False)
+    assert len(graphed._fused_graphs) == 2 * len(graphed.buckets) and not launched._fused_graphs
+    for s, n in ((0, 700), (1, 1500), (2, 400)):
+        for layer in (0, 1):
+            k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=40 + s + layer))
+            q_last = torch.randn(HQ, D, device="cuda")
+            store.prefill(s, layer, k, v)
+            graphed.prefill(s, layer, k, v, q_last)
+            launched.prefill(s, layer, k, v, q_last)
+    gen = torch.Generator().manual_seed(43)
+    for step in range(4):
+        for ids in ([0, 1, 2], [2], [1, 0]):  # buckets 4 (3 rows and a padding row), 1, 2
+            for layer in (0, 1):
+                q = torch.randn(len(ids), HQ, D, generator=gen).cuda().bfloat16()
+                store.append(layer, ids, *(torch.randn(len(ids), HKV, D, generator=gen).cuda() for _ in range(2)))
+                a, b = graphed(layer, ids, store, q), launched(layer, ids, store, q)
+                np.testing.assert_array_equal(a.block_size, b.block_size)
+                np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-6)
+                np.testing.assert_allclose(graphed.predictions(graphed.buckets[-1], len(ids)),
+                                           launched.predictions(launched.buckets[-1], len(ids)), atol=1e-5, rtol=1e-5)
+    store.close()
+
+
 # ---------------------------------------------------------------------------- through transformers
 def test_generate_through_the_predicted_policy_equals_dense_at_full_budget(tmp_path):
     """A left-padded batch through `HybridCache`: prefill hands each row's last query to the runtime,
