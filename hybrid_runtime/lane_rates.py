@@ -102,13 +102,30 @@ class LaunchModel:
 
 
 class Delay:
-    """Seconds from a claim to the GPU starting it: an exponential moving average."""
+    """Seconds from a claim to the GPU starting it (or from a release to the first CPU task): an
+    exponential moving average whose samples are clipped at `OUTLIER` times the estimate (and at
+    least `FLOOR_S`) unless `OUTLIER_RUN` of them come in a row. One stalled start -- a collection,
+    a compile, the stream busy with the caller's prefill -- would otherwise hold the estimate at
+    milliseconds for several steps, and a fluxion claim pays the delay in its fixed cost, so the
+    GPU lane would take nothing until it decays."""
+
+    OUTLIER = 3.0
+    FLOOR_S = 1e-3
+    OUTLIER_RUN = 3
 
     def __init__(self, seconds: float, weight: float = EMA):
         self.seconds = seconds
         self.weight = weight
+        self._outliers = 0
 
     def update(self, seconds: float) -> None:
+        limit = max(self.OUTLIER * self.seconds, self.FLOOR_S)
+        if seconds > limit:
+            self._outliers += 1
+            if self._outliers < self.OUTLIER_RUN:
+                seconds = limit
+        else:
+            self._outliers = 0
         self.seconds += self.weight * (seconds - self.seconds)
 
 

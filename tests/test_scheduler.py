@@ -649,3 +649,17 @@ def test_first_claim_follows_the_learned_balance():
         assert job.cpu_queue.range_bytes(i, j) == pytest.approx(0.3 * total, rel=0.05)
     finally:
         s.close()
+
+
+def test_delay_clips_a_lone_stall_but_follows_a_lasting_change():
+    from hybrid_runtime.lane_rates import EMA, Delay
+
+    d = Delay(200e-6)
+    d.update(0.5)  # one 500 ms stall: clipped at max(3 x 200 us, 1 ms)
+    assert d.seconds == pytest.approx(200e-6 + EMA * (1e-3 - 200e-6))
+    for _ in range(10):
+        d.update(200e-6)
+    assert d.seconds < 250e-6  # and it is gone within a few steps
+    for _ in range(Delay.OUTLIER_RUN):  # three in a row: the machine changed, follow it
+        d.update(20e-3)
+    assert d.seconds > 5e-3
