@@ -9,6 +9,7 @@ alignment is declared as the runtime's buffers have it (16 bytes; the queries' p
 specialised, as in `run`).
 
     python benchmarks/predictor_registers.py [--parts 8] [--block-w 32] [--warps 4] [--precision tf32x3]
+        [--predict-warps 4] [--predict-groups G] [--predict-block-n 32] [--predict-stages 3]
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ SMS = 132
 BATCH = 8
 
 # Runtime argument types (pointers by name; ints and floats by name); the rest are constexprs.
-POINTERS = {"q_ptr": "*bf16", "idx_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "count_ptr": "*i32",
-            "dims_ptr": "*i32", "w_off_ptr": "*i64", "b_off_ptr": "*i64"}
+POINTERS = {"q_ptr": "*bf16", "idx_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "count_ptr": "*i32"}
 FLOATS = {"layer_frac", "head_denom", "scale", "tau", "t_mean0", "t_std0", "t_mean1", "t_std1", "threshold"}
 UNALIGNED = {"q_ptr"}  # do_not_specialize_on_alignment
 SPECIALISED_INTS = {"stride_ks", "stride_kh", "stride_kn", "stats_width", "stride_idx"}  # multiples of 16 here
@@ -65,7 +65,9 @@ def plan(args) -> hp.FusedHeadPredictor:
             statistics_offsets=stats.field_offsets(), statistics_width=stats.width, feature_names=FEATURE_NAMES,
             linears=linears, feature_mean=torch.zeros(41), feature_std=torch.ones(41), target_mean=[0.0, 0.0],
             target_std=[1.0, 1.0], tau=0.1, block_sizes=(16, 32, 64, 128), streaming_threshold=0.5,
-            skip_streaming=True, device="cpu", block_w=args.block_w, parts=args.parts, features_warps=args.warps)
+            skip_streaming=True, device="cpu", block_w=args.block_w, parts=args.parts, features_warps=args.warps,
+            predict_warps=args.predict_warps, predict_groups=args.predict_groups, predict_block_n=args.predict_block_n,
+            predict_stages=args.predict_stages)
     finally:
         hp.interpreted = interpreted
 
@@ -110,6 +112,10 @@ def main() -> None:
     ap.add_argument("--block-w", type=int, default=32)
     ap.add_argument("--warps", type=int, default=4, help="warps of the features kernel")
     ap.add_argument("--precision", default="tf32x3", choices=("tf32x3", "ieee"))
+    ap.add_argument("--predict-warps", type=int, default=4, help="warps of the predict kernel")
+    ap.add_argument("--predict-groups", type=int, default=None, help="KV groups per predict program (default: 4 rows)")
+    ap.add_argument("--predict-block-n", type=int, default=32, help="hidden columns per step of a layer pair")
+    ap.add_argument("--predict-stages", type=int, default=3, help="pipeline stages of the weight tiles")
     args = ap.parse_args()
     fused = plan(args)
     feats = {**fused._features_constexprs, "DOT_PRECISION": args.precision}
@@ -127,6 +133,10 @@ def main() -> None:
     scratch = fused._parts_scratch.numel() * 4 + fused._vk_q.numel() * 4 + fused._arrivals.numel() * 4
     print(f"parts {fused.parts}, block_w {args.block_w}, precision {args.precision}: features scratch "
           f"{scratch} bytes at max_sequences={BATCH} (records {fused._part_record * 4} bytes per part)")
+    c = fused._predict_constexprs
+    print(f"predict: {c['GROUPS']} KV group(s) per program ({c['BLOCK_M']} dot rows), hidden blocks "
+          f"{[c[f'BN{i}'] for i in range(fused.n_linear // 2)]}, {fused._predict_options['num_stages']} stages; "
+          f"packed weights {fused._w.numel() * 4} bytes")
 
 
 if __name__ == "__main__":

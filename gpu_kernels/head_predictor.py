@@ -15,12 +15,19 @@ fused by torch.compile and replayed from a CUDA graph); here it is two:
    stream error's numerator). A part walks a few tiles instead of the whole window, so the kernel
    has `parts` times the programs (256 at 8 sequences of Llama-3.1-8B with the default 4: of 1, 4
    and 8 parts, the fastest features kernel on the H100, benchmarks/notes/predictor.md);
-2. `_predict_kernel`, one program per (sequence, block of whole KV groups): finishes those three
-   features (the max over the layer's heads), runs the network (standardisation, Linear + SiLU
-   layers, the three heads as one Linear; weights read from global memory, activations through
-   a per-program scratch), the selector (Eq. 1 and Eq. 3 per group, first minimum) and writes
-   bgt0, k, p_streaming, the budget of every head and the block size of every group into `out`;
-   it also copies this step's queries into the previous-query buffer (after the features read it).
+2. `_predict_kernel`, one program per (sequence, block of whole KV groups; by default the fewest
+   groups that make 4 rows: one group at G >= 4, 64 programs at 8 sequences of Llama-3.1-8B):
+   copies this step's queries into the previous-query buffer (the features kernel, the launch
+   before, has read it), finishes the three features that need the max over the layer's heads
+   (from kernel 1's per-head partials of every head of the sequence), runs the network and the
+   selector (Eq. 1 and Eq. 3 per group, first minimum) and writes bgt0, k, p_streaming, the
+   budget of every head and the block size of every group into `out`. The network (standardisation,
+   Linear + SiLU layers, the three heads as one Linear) stays in registers: layers go in pairs, the
+   first layer's output made `BN` columns at a time and fed straight into the second's accumulator
+   (`_linear_pair`), so the only loads are the zero-padded weight tiles, which the software
+   pipeline fetches ahead; a pair's first dot runs as independent dots over 64-column chunks of
+   its input (a K of 256 in one tf32x3 dot is one chain of 96 dependent MMAs). Widths are
+   constexprs (padded to powers of two): up to `MAX_LINEARS` layers of up to `MAX_WIDTH`.
 
 `out` and the index rows may be CUDA views of pinned host memory (`gpu_kernels.uva`): the host
 writes the step's slots and lengths straight where the kernels read them and reads the plan
@@ -70,6 +77,9 @@ STATISTICS_FIELDS: tuple[str, ...] = (
 ANCHOR_BUDGETS = 3  # anchor_bgt_1, _16, _128 per query head
 MAX_BLOCK_SIZES = 4
 INDEX_ROWS = 4  # window slot, statistics row, window length, CPU length
+MAX_LINEARS = 8  # the predict kernel's network: up to 8 Linear layers (pairs of them, unrolled)
+MAX_WIDTH = 512  # and hidden widths up to 512 (a layer's activations stay in registers)
+_PAIR_STAGE_BYTES = 48 * 1024  # shared memory of one pipeline stage of a pair's weight tiles
 
 _CLIP = tl.constexpr(30.0)  # logit and gap clipping of the torch definition
 _EPS = tl.constexpr(1e-12)
@@ -379,6 +389,118 @@ def _features_finish(
     tl.store(aux_ptr + out_row * 2 + 1, tl.where(has_cpu, mass * shift, 0.0), mask=gm)
 
 
+@triton.jit
+def _halves(x):
+    """`x [M, 2 C]` -> `x[:, :C]`, `x[:, C:]` (in registers)."""
+    return tl.split(tl.permute(tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def _chunk_dot(x, w_ptr, PH: tl.constexpr, n0, BN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`x [M, K] @ W[:K, n0 : n0 + BN]` (W row-major, PH columns) for K <= 64: one dot."""
+    k = tl.arange(0, x.shape[1])
+    nb = tl.arange(0, BN)
+    return tl.dot(x, tl.load(w_ptr + k[:, None] * PH + (n0 + nb)[None, :]), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _linear_pair(x, wa_ptr, ba_ptr, wb_ptr, bb_ptr, PA: tl.constexpr, PH: tl.constexpr, PB: tl.constexpr,
+                 BN: tl.constexpr, SILU_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Two Linear layers, `x [M, PA] -> SiLU(x A + a) [M, PH] -> (. B + b) [M, PB]` (SiLU after
+    when `SILU_OUT`), all in registers: the hidden layer is made BN columns at a time and each
+    block goes straight into the second layer's accumulator (its rows of B are that block's
+    inputs), so no activation leaves the program and the loop's weight tiles (the only loads)
+    are independent of the arithmetic, which the software pipeline fetches ahead. `x A` runs
+    as independent dots over 64-column chunks of x (up to 8): a K of 256 in one dot is one
+    chain of 96 dependent MMAs (tf32x3) and holds its whole [256, BN] operand in registers.
+    Weights are zero-padded `W^T` blocks (`[PA, PH]` then `[PH, PB]`, row-major): no masks;
+    padding columns stay 0 (SiLU(0) = 0)."""
+    KC: tl.constexpr = 64
+    CH: tl.constexpr = PA // KC if PA > KC else 1  # chunks of x
+    if CH == 2:
+        x0, x1 = _halves(x)  # x_c: columns [c KC, (c + 1) KC)
+    elif CH == 4:
+        lo, hi = _halves(x)
+        x0, x1 = _halves(lo)
+        x2, x3 = _halves(hi)
+    elif CH == 8:
+        lo, hi = _halves(x)
+        lo0, lo1 = _halves(lo)
+        hi0, hi1 = _halves(hi)
+        x0, x1 = _halves(lo0)
+        x2, x3 = _halves(lo1)
+        x4, x5 = _halves(hi0)
+        x6, x7 = _halves(hi1)
+    nb = tl.arange(0, BN)
+    kb = tl.arange(0, PB)
+    acc = tl.zeros([x.shape[0], PB], tl.float32)
+    for n0 in range(0, PH, BN):
+        if CH == 1:
+            hid = _chunk_dot(x, wa_ptr, PH, n0, BN, DOT_PRECISION)
+        elif CH == 2:
+            hid = (_chunk_dot(x0, wa_ptr, PH, n0, BN, DOT_PRECISION)
+                   + _chunk_dot(x1, wa_ptr + KC * PH, PH, n0, BN, DOT_PRECISION))
+        elif CH == 4:
+            hid = ((_chunk_dot(x0, wa_ptr, PH, n0, BN, DOT_PRECISION)
+                    + _chunk_dot(x1, wa_ptr + KC * PH, PH, n0, BN, DOT_PRECISION))
+                   + (_chunk_dot(x2, wa_ptr + 2 * KC * PH, PH, n0, BN, DOT_PRECISION)
+                      + _chunk_dot(x3, wa_ptr + 3 * KC * PH, PH, n0, BN, DOT_PRECISION)))
+        else:
+            hid = (((_chunk_dot(x0, wa_ptr, PH, n0, BN, DOT_PRECISION)
+                     + _chunk_dot(x1, wa_ptr + KC * PH, PH, n0, BN, DOT_PRECISION))
+                    + (_chunk_dot(x2, wa_ptr + 2 * KC * PH, PH, n0, BN, DOT_PRECISION)
+                       + _chunk_dot(x3, wa_ptr + 3 * KC * PH, PH, n0, BN, DOT_PRECISION)))
+                   + ((_chunk_dot(x4, wa_ptr + 4 * KC * PH, PH, n0, BN, DOT_PRECISION)
+                       + _chunk_dot(x5, wa_ptr + 5 * KC * PH, PH, n0, BN, DOT_PRECISION))
+                      + (_chunk_dot(x6, wa_ptr + 6 * KC * PH, PH, n0, BN, DOT_PRECISION)
+                         + _chunk_dot(x7, wa_ptr + 7 * KC * PH, PH, n0, BN, DOT_PRECISION))))
+        hid += tl.load(ba_ptr + n0 + nb)[None, :]
+        hid = hid / (1.0 + tl.exp(-hid))  # SiLU
+        wb = tl.load(wb_ptr + (n0 + nb)[:, None] * PB + kb[None, :])
+        acc = tl.dot(hid, wb, acc, input_precision=DOT_PRECISION)
+    y = acc + tl.load(bb_ptr + kb)[None, :]
+    if SILU_OUT:
+        y = y / (1.0 + tl.exp(-y))
+    return y
+
+
+@triton.jit
+def _network(x, w_ptr, b_ptr, N_LIN: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+             P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr, P6: tl.constexpr, P7: tl.constexpr,
+             P8: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    """The network on `x [M, P0]` (standardised features, zero padding columns): `N_LIN` <= 8
+    Linear layers of padded widths P0 -> P1 -> ... (SiLU after all but the last) as pairs
+    (`_linear_pair`, hidden block BN_i), the last layer alone when `N_LIN` is odd. Returns
+    `[M, P_N_LIN]` (the 3 outputs, padded to 16 columns)."""
+    wo = 0  # the packed weights' and biases' running offsets
+    bo = 0
+    if N_LIN >= 2:
+        x = _linear_pair(x, w_ptr, b_ptr, w_ptr + P0 * P1, b_ptr + P1, P0, P1, P2, BN0, N_LIN > 2, DOT_PRECISION)
+        wo += P0 * P1 + P1 * P2
+        bo += P1 + P2
+    if N_LIN >= 4:
+        x = _linear_pair(x, w_ptr + wo, b_ptr + bo, w_ptr + wo + P2 * P3, b_ptr + bo + P3, P2, P3, P4, BN1,
+                         N_LIN > 4, DOT_PRECISION)
+        wo += P2 * P3 + P3 * P4
+        bo += P3 + P4
+    if N_LIN >= 6:
+        x = _linear_pair(x, w_ptr + wo, b_ptr + bo, w_ptr + wo + P4 * P5, b_ptr + bo + P5, P4, P5, P6, BN2,
+                         N_LIN > 6, DOT_PRECISION)
+        wo += P4 * P5 + P5 * P6
+        bo += P5 + P6
+    if N_LIN >= 8:
+        x = _linear_pair(x, w_ptr + wo, b_ptr + bo, w_ptr + wo + P6 * P7, b_ptr + bo + P7, P6, P7, P8, BN3,
+                         False, DOT_PRECISION)
+    if N_LIN % 2 == 1:  # the output layer alone: [P_in, 16] in one tile
+        P_IN: tl.constexpr = P0 if N_LIN == 1 else (P2 if N_LIN == 3 else (P4 if N_LIN == 5 else P6))
+        k = tl.arange(0, P_IN)
+        o = tl.arange(0, 16)
+        w = tl.load(w_ptr + wo + k[:, None] * 16 + o[None, :])
+        x = tl.dot(x, w, input_precision=DOT_PRECISION) + tl.load(b_ptr + bo + o)[None, :]
+    return x
+
+
 @triton.jit(do_not_specialize=["stride_qb", "stride_qh"], do_not_specialize_on_alignment=["q_ptr"])
 def _predict_kernel(
     q_ptr, stride_qb, stride_qh,
@@ -386,14 +508,15 @@ def _predict_kernel(
     prev_ptr,
     feat_ptr, aux_ptr,
     f_mean_ptr, f_std_ptr,
-    w_ptr, b_ptr, dims_ptr, w_off_ptr, b_off_ptr,
-    scratch_ptr,
+    w_ptr, b_ptr,
     out_ptr,
     tau, t_mean0, t_std0, t_mean1, t_std1, threshold,
-    N_LIN: tl.constexpr, WIDTH: tl.constexpr,
+    N_LIN: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+    P4: tl.constexpr, P5: tl.constexpr, P6: tl.constexpr, P7: tl.constexpr, P8: tl.constexpr,
+    BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GROUPS: tl.constexpr, N_J: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_GR: tl.constexpr, BLOCK_Q: tl.constexpr,
-    N_FEAT: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_FEAT: tl.constexpr,
     N_BLK: tl.constexpr, BLK0: tl.constexpr, BLK1: tl.constexpr, BLK2: tl.constexpr, BLK3: tl.constexpr,
     LOG0: tl.constexpr, LOG1: tl.constexpr, LOG2: tl.constexpr, LOG3: tl.constexpr,
     SKIP_STREAMING: tl.constexpr, OUT_ROWS_HQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -402,10 +525,19 @@ def _predict_kernel(
     b = pid // N_J
     jb = pid % N_J
     HQ: tl.constexpr = HKV * G
+    BLOCK_F: tl.constexpr = P0
     lr = tl.arange(0, BLOCK_M)
     h = jb * (GROUPS * G) + lr
     hm = (lr < GROUPS * G) & (h < HQ)
     fr = b * HQ + h  # feature rows
+
+    # ---- this step's queries become the rows' previous queries (the features kernel, the launch before
+    # this one, has read them); first, so the copy is under way while the network runs.
+    row = tl.load(idx_ptr + stride_idx + b)
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh
+    qv = tl.load(q_rows + d[None, :], mask=hm[:, None], other=0.0)
+    tl.store(prev_ptr + row * (HQ * D) + h[:, None] * D + d[None, :], qv.to(tl.float32), mask=hm[:, None])
 
     # ---- the three features over all heads of the sequence.
     qa = tl.arange(0, BLOCK_Q)
@@ -426,39 +558,12 @@ def _predict_kernel(
     done = (f[None, :] == 27) | (f[None, :] == 37) | (f[None, :] == 38)
     tl.store(feat_ptr + fr[:, None] * N_FEAT + f[None, :], tile, mask=hm[:, None] & done)
 
-    # ---- the network: standardise, then N_LIN Linear layers (SiLU between), through the scratch.
+    # ---- the network: standardise, then the Linear layers, in registers (`_network`).
     mean = tl.load(f_mean_ptr + f, mask=f < N_FEAT, other=0.0)
     std = tl.load(f_std_ptr + f, mask=f < N_FEAT, other=1.0)
     x = tl.where(fmask, (tile - mean[None, :]) / std[None, :], 0.0)
-    sp = scratch_ptr + pid.to(tl.int64) * (2 * BLOCK_M * WIDTH)
-    tl.store(sp + lr[:, None] * WIDTH + f[None, :], x, mask=fmask)
-    tl.debug_barrier()
-    kk = tl.arange(0, BLOCK_K)
-    nn = tl.arange(0, BLOCK_N)
-    for i in tl.static_range(N_LIN):
-        in_w = tl.load(dims_ptr + i)
-        out_w = tl.load(dims_ptr + i + 1)
-        w_base = w_ptr + tl.load(w_off_ptr + i)
-        b_base = b_ptr + tl.load(b_off_ptr + i)
-        src = sp + (i % 2) * (BLOCK_M * WIDTH)
-        dst = sp + ((i + 1) % 2) * (BLOCK_M * WIDTH)
-        for n0 in range(0, out_w, BLOCK_N):
-            ncol = n0 + nn
-            nmask = ncol < out_w
-            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, in_w, BLOCK_K):
-                kcol = k0 + kk
-                kmask = kcol < in_w
-                a = tl.load(src + lr[:, None] * WIDTH + kcol[None, :], mask=kmask[None, :], other=0.0)
-                wt = tl.load(w_base + kcol[:, None] * out_w + ncol[None, :], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                y += tl.dot(a, wt, input_precision=DOT_PRECISION)
-            y += tl.load(b_base + ncol, mask=nmask, other=0.0)[None, :]
-            if i < N_LIN - 1:
-                y = y / (1.0 + tl.exp(-y))  # SiLU
-            tl.store(dst + lr[:, None] * WIDTH + ncol[None, :], y, mask=nmask[None, :])
-        tl.debug_barrier()
-    o = tl.arange(0, 4)  # the three outputs, padded
-    res = tl.load(sp + (N_LIN % 2) * (BLOCK_M * WIDTH) + lr[:, None] * WIDTH + o[None, :], mask=o[None, :] < 3, other=0.0)
+    res = _network(x, w_ptr, b_ptr, N_LIN, P0, P1, P2, P3, P4, P5, P6, P7, P8, BN0, BN1, BN2, BN3, DOT_PRECISION)
+    o = tl.arange(0, 16)  # the three outputs, padded
     bgt0 = tl.sum(tl.where(o[None, :] == 0, res, 0.0), axis=1) * t_std0 + t_mean0
     slope = tl.sum(tl.where(o[None, :] == 1, res, 0.0), axis=1) * t_std1 + t_mean1
     p_stream = tl.sigmoid(tl.sum(tl.where(o[None, :] == 2, res, 0.0), axis=1))
@@ -494,13 +599,6 @@ def _predict_kernel(
     grp = jb * GROUPS + gr
     tl.store(out_ptr + 4 * OUT_ROWS_HQ + b * HKV + grp, block_size, mask=(gr < GROUPS) & (grp < HKV))
 
-    # ---- this step's queries become the rows' previous queries (the features kernel has read them).
-    row = tl.load(idx_ptr + stride_idx + b)
-    d = tl.arange(0, D)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh
-    qv = tl.load(q_rows + d[None, :], mask=hm[:, None], other=0.0)
-    tl.store(prev_ptr + row * (HQ * D) + h[:, None] * D + d[None, :], qv.to(tl.float32), mask=hm[:, None])
-
 
 _features_launch = CachedLaunch(_features_kernel)
 _predict_launch = CachedLaunch(_predict_kernel)
@@ -528,7 +626,11 @@ class FusedHeadPredictor:
 
     Launch choices: `parts` (power of two, 1-64: programs per (sequence, KV head) of the features
     kernel; its scratch is `max_sequences * kv_heads * parts` records of `7 G + G D + D` floats),
-    `block_w` (window rows per tile), `features_warps` / `predict_warps`, `dot_precision`.
+    `block_w` (window rows per tile), `features_warps` / `predict_warps`, `dot_precision`;
+    the predict kernel's `predict_groups` (KV groups per program; None: the fewest that make 4
+    rows), `predict_block_n` (hidden columns per step of a layer pair, power of two >= 16, fewer
+    where a pipeline stage of the pair's weight tiles would pass 48 KB of shared memory) and
+    `predict_stages` (pipeline stages of those tiles, 1-4).
 
     `run` writes `out [out_size]` float32: bgt0, k, p_streaming and the budget of every head, each
     `max_sequences * Hq` long (row `b * Hq + h`), then the block size of every group
@@ -543,7 +645,8 @@ class FusedHeadPredictor:
                  feature_std: torch.Tensor, target_mean: Sequence[float], target_std: Sequence[float], tau: float,
                  block_sizes: Sequence[int], streaming_threshold: float, skip_streaming: bool,
                  device: torch.device | str, scale: float | None = None, dot_precision: str = "tf32x3",
-                 block_w: int = 32, parts: int = 4, features_warps: int = 4, predict_warps: int = 4):
+                 block_w: int = 32, parts: int = 4, features_warps: int = 4, predict_warps: int = 4,
+                 predict_groups: int | None = None, predict_block_n: int = 32, predict_stages: int = 3):
         for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
                         ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
             if not isinstance(x, (int, np.integer)) or x < 1:
@@ -585,35 +688,56 @@ class FusedHeadPredictor:
         if self.device.type != "cuda" and not interpreted():
             raise ValueError(f"the fused kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {self.device}")
 
-        # The network: W^T of every Linear, flattened in order; widths and offsets as small tables.
+        # The network: W^T of every Linear as a zero-padded [P_in, P_out] block (P: the width padded to a
+        # power of two >= 16; the features' 41 columns to 64), flattened in order, biases likewise: the
+        # kernel's loads need no masks and its padding columns stay 0.
         if not linears:
             raise ValueError("linears is empty: the network needs at least its output layer")
+        if len(linears) > MAX_LINEARS:
+            raise ValueError(f"the fused kernel runs networks of up to {MAX_LINEARS} Linear layers, got {len(linears)}")
         dims = [N_FEATURES]
-        w_parts, b_parts, w_off, b_off = [], [], [], []
         for i, (wt, bias) in enumerate(linears):
             if wt.dim() != 2 or wt.shape[1] != dims[-1] or bias.shape != (wt.shape[0],):
                 raise ValueError(f"linears[{i}] is weight {tuple(wt.shape)}, bias {tuple(bias.shape)}; expected "
                                  f"[out, {dims[-1]}] and [out]")
-            w_off.append(sum(p.numel() for p in w_parts))
-            b_off.append(sum(p.numel() for p in b_parts))
-            w_parts.append(wt.detach().float().t().contiguous().view(-1))
-            b_parts.append(bias.detach().float().reshape(-1))
             dims.append(int(wt.shape[0]))
         if dims[-1] != 3:
             raise ValueError(f"the last Linear must give 3 outputs (bgt0, k, streaming logit), got {dims[-1]}")
+        if max(dims[1:-1], default=0) > MAX_WIDTH:
+            raise ValueError(f"the fused kernel keeps a layer's activations in registers: hidden widths up to "
+                             f"{MAX_WIDTH}, got {dims[1:-1]}")
         for name, t in (("feature_mean", feature_mean), ("feature_std", feature_std)):
             if t.shape != (N_FEATURES,):
                 raise ValueError(f"{name} must be [{N_FEATURES}], got {tuple(t.shape)}")
+        if not isinstance(predict_block_n, (int, np.integer)) or predict_block_n < 16 or predict_block_n & (predict_block_n - 1):
+            raise ValueError(f"predict_block_n must be a power of two >= 16, got {predict_block_n!r}")
+        if not isinstance(predict_stages, (int, np.integer)) or not 1 <= predict_stages <= 4:
+            raise ValueError(f"predict_stages must be 1 to 4 (pipeline stages of the weight tiles), got {predict_stages!r}")
+        padded_dims = [max(16, next_pow2(x)) for x in dims]
+        w_parts, b_parts = [], []
+        for i, (wt, bias) in enumerate(linears):
+            w_pad = torch.zeros(padded_dims[i], padded_dims[i + 1])
+            w_pad[: dims[i], : dims[i + 1]] = wt.detach().float().cpu().t()
+            b_pad = torch.zeros(padded_dims[i + 1])
+            b_pad[: dims[i + 1]] = bias.detach().float().cpu()
+            w_parts.append(w_pad.view(-1))
+            b_parts.append(b_pad)
         dev = self.device
         self._w = torch.cat(w_parts).to(dev)
         self._b = torch.cat(b_parts).to(dev)
-        self._dims = torch.tensor(dims, dtype=torch.int32, device=dev)
-        self._w_off = torch.tensor(w_off, dtype=torch.int64, device=dev)
-        self._b_off = torch.tensor(b_off, dtype=torch.int64, device=dev)
         self._f_mean = feature_mean.detach().float().to(dev).contiguous()
         self._f_std = feature_std.detach().float().to(dev).contiguous()
         self.n_linear = len(linears)
-        width = max(dims)
+        # Hidden block of each pair of layers (i, i + 1): predict_block_n columns, fewer where one stage of
+        # the pair's weight tiles ([P_i, BN] + [BN, P_i+2] floats) would pass _PAIR_STAGE_BYTES of shared memory.
+        pair_blocks = []
+        for i in range(0, self.n_linear - 1, 2):
+            bn = min(int(predict_block_n), padded_dims[i + 1])
+            while bn > 16 and 4 * bn * (padded_dims[i] + padded_dims[i + 2]) > _PAIR_STAGE_BYTES:
+                bn //= 2
+            pair_blocks.append(bn)
+        pair_blocks += [16] * (4 - len(pair_blocks))
+        padded_dims += [16] * (MAX_LINEARS + 1 - len(padded_dims))
 
         self.q_heads, self.kv_heads, self.head_dim = hq, hkv, d
         self.group_size = g = hq // hkv
@@ -621,7 +745,14 @@ class FusedHeadPredictor:
         self.window_capacity = int(window_capacity)
         self.statistics_width = int(statistics_width)
         self.out_size = 4 * m * hq + m * hkv
-        groups = min(hkv, max(1, 16 // g))  # KV groups per program of the predict kernel: ~16 rows
+        # KV groups per program of the predict kernel: whole groups (the selector's Eq. 3 is per group),
+        # by default the fewest that make 4 rows (one group at G >= 4: 64 programs at 8 sequences of
+        # Llama-3.1-8B); the dot pads a program's rows to 16.
+        if predict_groups is None:
+            predict_groups = max(1, 4 // g)
+        if not isinstance(predict_groups, (int, np.integer)) or predict_groups < 1:
+            raise ValueError(f"predict_groups must be a positive integer (KV groups per program), got {predict_groups!r}")
+        groups = min(hkv, int(predict_groups))
         self._n_j = _cdiv(hkv, groups)
         block_m = max(16, next_pow2(groups * g))
         self.features = torch.zeros(m * hq, N_FEATURES, device=dev)
@@ -634,7 +765,6 @@ class FusedHeadPredictor:
         self._parts_scratch = torch.zeros(m * hkv * self.parts * self._part_record, device=dev)
         self._vk_q = torch.zeros(m * hkv * g * d, device=dev)
         self._arrivals = torch.zeros(m * hkv, dtype=torch.int32, device=dev)
-        self._scratch = torch.zeros(m * self._n_j * 2 * block_m * width, device=dev)
         scale = d ** -0.5 if scale is None else float(scale)
         self._scalars = (float(max(hq - 1, 1)), scale)
         off = {k: int(statistics_offsets[k]) for k in STATISTICS_FIELDS}
@@ -654,16 +784,16 @@ class FusedHeadPredictor:
         self._predict_scalars = (float(tau), float(target_mean[0]), float(target_std[0]), float(target_mean[1]),
                                  float(target_std[1]), float(streaming_threshold))
         self._predict_constexprs = dict(
-            N_LIN=self.n_linear, WIDTH=width,
+            N_LIN=self.n_linear, **{f"P{i}": p for i, p in enumerate(padded_dims)},
+            **{f"BN{i}": bn for i, bn in enumerate(pair_blocks)},
             HKV=hkv, G=g, D=d, GROUPS=groups, N_J=self._n_j,
-            BLOCK_M=block_m, BLOCK_GR=next_pow2(groups), BLOCK_Q=next_pow2(hq),
-            N_FEAT=N_FEATURES, BLOCK_F=next_pow2(N_FEATURES), BLOCK_K=64, BLOCK_N=64,
+            BLOCK_M=block_m, BLOCK_GR=next_pow2(groups), BLOCK_Q=next_pow2(hq), N_FEAT=N_FEATURES,
             N_BLK=len(bs), BLK0=padded[0], BLK1=padded[1], BLK2=padded[2], BLK3=padded[3],
             LOG0=logs[0], LOG1=logs[1], LOG2=logs[2], LOG3=logs[3],
             SKIP_STREAMING=bool(skip_streaming), OUT_ROWS_HQ=m * hq, DOT_PRECISION=precision,
         )
         self._features_options = {"num_warps": features_warps, "num_stages": 1}  # 1-4 tiles a part: nothing to pipeline
-        self._predict_options = {"num_warps": predict_warps, "num_stages": 2}
+        self._predict_options = {"num_warps": predict_warps, "num_stages": int(predict_stages)}
 
     def check(self, q: torch.Tensor, idx: torch.Tensor, statistics: torch.Tensor, previous: torch.Tensor,
               window_k: torch.Tensor, window_v: torch.Tensor, out: torch.Tensor) -> None:
@@ -713,7 +843,7 @@ class FusedHeadPredictor:
         _predict_launch(
             (b * self._n_j,),
             (q, q.stride(0), q.stride(1), idx, idx.stride(0), previous, self.features, self._aux,
-             self._f_mean, self._f_std, self._w, self._b, self._dims, self._w_off, self._b_off, self._scratch, out,
+             self._f_mean, self._f_std, self._w, self._b, out,
              *self._predict_scalars),
             self._predict_constexprs, tuple(self._predict_constexprs.values()) + (q.dtype,), self._predict_options,
         )

@@ -155,6 +155,53 @@ def test_fused_selector_settings_and_a_one_layer_network():
                             skip_streaming=False)
 
 
+@pytest.mark.parametrize("hidden", [(96, 200, 70), (40, 300, 20), (96, 200), (20,) * 6, (20,) * 7])
+def test_fused_network_of_any_depth_and_width(hidden):
+    # The predict kernel's network: pairs of layers in registers, the first dot of a pair over 64-column
+    # chunks of its input (200 -> 256 padded: 4 chunks; 300 -> 512: 8), the output layer alone after an
+    # odd count (3 and 7 Linears), up to 8 Linears (4 pairs).
+    case = Case(2, 4, 16, "cpu", window=24, prompts=[80, 30], window_lens=[24, 9], slots=[1, 0], max_sequences=2,
+                sink=4, local=16, seed=21)
+    net = random_network(hidden, seed=22)
+    check_against_reference(case, net, fused_for(case, net, 2), layer=1, n_layers=3, tol=INTERP_TOL)
+
+
+def test_fused_network_of_the_output_layer_alone():
+    # One Linear (41 -> 3, no hidden layer): the odd-count path with nothing before it.
+    case = Case(2, 4, 16, "cpu", window=24, prompts=[80, 30], window_lens=[24, 9], slots=[1, 0], max_sequences=2,
+                sink=4, local=16, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    weight, bias = torch.randn(3, len(FEATURE_NAMES), generator=gen), torch.randn(3, generator=gen)
+    mean, std = torch.randn(len(FEATURE_NAMES), generator=gen), torch.rand(len(FEATURE_NAMES), generator=gen) + 0.5
+    net = random_network((8,), seed=0)
+    fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 2, "linears": [(weight, bias)],
+                                  "feature_mean": mean, "feature_std": std, "target_mean": [0.3, -0.2],
+                                  "target_std": [2.0, 0.5]})
+    out = torch.zeros(fused.out_size)
+    fused.run(case.q, case.idx, case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k,
+              case.window_v, 0.5, out)
+    n = 2 * case.hq
+    y = ((fused.features[:n] - mean) / std) @ weight.t() + bias
+    torch.testing.assert_close(out[:n], y[:, 0] * 2.0 + 0.3, **INTERP_TOL)
+    torch.testing.assert_close(out[n : 2 * n], y[:, 1] * 0.5 - 0.2, **INTERP_TOL)
+    torch.testing.assert_close(out[2 * n : 3 * n], torch.sigmoid(y[:, 2]), **INTERP_TOL)
+
+
+@pytest.mark.parametrize("hkv, g, groups, batch", [(3, 1, 1, 2), (3, 1, 2, 1), (3, 2, 2, 2), (2, 4, 1, 1)])
+def test_fused_predict_programs_over_kv_groups(hkv, g, groups, batch):
+    # Programs of `groups` whole KV groups: 3 KV heads in blocks of 2 (the last block half empty), one
+    # group per program, a single sequence; the per-sequence maxima still span every head.
+    slots = [1, 0][:batch]
+    case = Case(hkv, g, 16, "cpu", window=24, prompts=[80, 30], window_lens=[24, 9][:batch], slots=slots,
+                max_sequences=2, sink=4, local=16, seed=31 + hkv + g)
+    net = random_network((24, 40), seed=32)
+    fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 2, "predict_groups": groups,
+                                  "target_mean": net.target_mean.tolist(), "target_std": net.target_std.tolist(),
+                                  "block_sizes": (16, 32, 64, 128)})
+    assert fused._n_j == -(-hkv // groups)
+    check_against_reference(case, net, fused, layer=1, n_layers=3, tol=INTERP_TOL)
+
+
 def test_plan_refuses_what_it_cannot_run():
     case = Case(2, 4, 16, "cpu", window=16, prompts=[40], window_lens=[16], slots=[0], max_sequences=1)
     net = random_network((8,), seed=0)
@@ -172,6 +219,15 @@ def test_plan_refuses_what_it_cannot_run():
     for parts in (0, 3, 128):
         with pytest.raises(ValueError, match="parts must be a power of two"):
             FusedHeadPredictor(**{**plan_kwargs(case, net), "parts": parts})
+    with pytest.raises(ValueError, match="up to 8 Linear layers"):
+        FusedHeadPredictor(**{**plan_kwargs(case, random_network((8,) * 8, seed=0)),
+                              "linears": network_linears(random_network((8,) * 8, seed=0))})
+    wide = random_network((600,), seed=0)
+    with pytest.raises(ValueError, match="hidden widths up to 512"):
+        FusedHeadPredictor(**{**plan_kwargs(case, wide), "linears": network_linears(wide)})
+    for name, bad in (("predict_groups", 0), ("predict_block_n", 24), ("predict_stages", 0)):
+        with pytest.raises(ValueError, match=name):
+            FusedHeadPredictor(**{**plan_kwargs(case, net), name: bad})
     fused = fused_for(case, net, 1)
     out = torch.zeros(fused.out_size)
     args = (case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k, case.window_v)
