@@ -80,14 +80,14 @@ def test_the_other_shipped_configs_validate():
                                  nosa_quality.NosaQualitySettings, ("lengths", "kq_fractions", "decayed_kq_fractions"))
     for policy in nosa.policies().values():
         nosa_quality.runtime_config(nosa, policy)
-    for name in ("evosparse_smollm2", "evosparse_smollm2_heldout"):
+    for name in ("evosparse_smollm2", "evosparse_smollm2_heldout", "evosparse_smollm2_confirm"):
         evo = evosparse_quality.load_settings(str(ROOT / "configs" / f"{name}.yaml"))
         for method in evo.methods:
             evosparse_quality.runtime_config(evo, method, evo.budgets[0])
     shipped = {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert shipped == set(RUN_CONFIGS) | {"hf_smollm2", "quality_smollm2", "predictor_smollm2", "asynctls_smollm2",
                                           "sparda_smollm2", "nosa_quality_smollm2", "evosparse_smollm2",
-                                          "evosparse_smollm2_heldout"}
+                                          "evosparse_smollm2_heldout", "evosparse_smollm2_confirm"}
 
 
 def test_the_paper_points_are_the_configs_points():
