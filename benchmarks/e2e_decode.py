@@ -317,8 +317,10 @@ def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_toke
         from transformers import StaticCache
 
         model.__dict__.pop("_previous_max_cache_length", None)
+        from hybrid_runtime.integrations.transformers import cache_kwarg
+
         cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
-        gen = {"past_key_values": cache}
+        gen = {cache_kwarg(model): cache}
         row["compiled"] = False
     # The compiled step runs under cudagraph trees: warmed up at its first call, recorded at the
     # next; a few decode steps in the warm-up leave the measured call only replays.

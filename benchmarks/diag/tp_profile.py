@@ -29,17 +29,20 @@ sys.path.insert(0, str(ROOT))
 def _decode_times(model, batch: int, context: int, steps: int, device: str, label: str, rank: int) -> None:
     from transformers import DynamicCache
 
+    from hybrid_runtime.integrations.transformers import cache_kwarg
+
+    key = cache_kwarg(model)  # `cache` from transformers 5.24 on, `past_key_values` before
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     cache = DynamicCache()
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **{key: cache})
         tok = out.logits[:, -1:].argmax(-1)
         times = []
         for _ in range(steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model(tok, past_key_values=cache, use_cache=True)
+            out = model(tok, use_cache=True, **{key: cache})
             tok = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
@@ -47,7 +50,7 @@ def _decode_times(model, batch: int, context: int, steps: int, device: str, labe
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                out = model(tok, past_key_values=cache, use_cache=True)
+                out = model(tok, use_cache=True, **{key: cache})
                 tok = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
     if rank != 0:

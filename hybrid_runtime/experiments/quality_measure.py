@@ -134,7 +134,7 @@ def teacher_forced(model: Any, ref: dict, ids: torch.Tensor, prompt_len: int, n:
     """Logits `[n, V]` of decoding `ids[P .. P+n-1]` one token per step through a `HybridCache`,
     and the CPU-resident tokens per layer and KV head after the prompt. `last_queries[l]`
     `[Hq, D]`: the query of the prompt's last token at layer `l` (the `predicted` policy needs it)."""
-    from hybrid_runtime.integrations.transformers import HybridCache
+    from hybrid_runtime.integrations.transformers import HybridCache, cache_kwarg
 
     cache = HybridCache(model)
     try:
@@ -147,7 +147,7 @@ def teacher_forced(model: Any, ref: dict, ids: torch.Tensor, prompt_len: int, n:
         for t in range(n):
             pos = prompt_len + t
             out = model(input_ids=ids[:, pos : pos + 1].to(dev), position_ids=torch.tensor([[pos]], device=dev),
-                        past_key_values=cache, use_cache=True)
+                        use_cache=True, **{cache_kwarg(model): cache})
             rows.append(out.logits[0, -1].float().cpu())
         return torch.stack(rows), cpu_tokens
     finally:
@@ -190,12 +190,14 @@ def step_bytes(rt: Any, steps: int) -> dict:
 @torch.no_grad()
 def greedy_steps(model: Any, first: torch.Tensor, start_pos: int, cache: Any, n: int) -> list[int]:
     """Greedy tokens: `first` (already chosen) then `n - 1` more, one forward each through `cache`."""
+    from hybrid_runtime.integrations.transformers import cache_kwarg
+
     dev = model.device
     tokens = [int(first)]
     nxt = first.view(1, 1).to(dev)
     for i in range(n - 1):
         out = model(input_ids=nxt, position_ids=torch.tensor([[start_pos + i]], device=dev),
-                    past_key_values=cache, use_cache=True)
+                    use_cache=True, **{cache_kwarg(model): cache})
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(nxt))
     return tokens
@@ -245,6 +247,7 @@ def passkey_run(model: Any, tokenizer: Any, settings: QualitySettings, progress:
     dense answers, under `policies`."""
     from hybrid_runtime.integrations.transformers import (
         HybridCache,
+        cache_kwarg,
         cores_for_runtime,
         disable_hybrid_attention,
         enable_hybrid_attention,
@@ -259,7 +262,7 @@ def passkey_run(model: Any, tokenizer: Any, settings: QualitySettings, progress:
             ids = passkey_prompt(tokenizer, length - settings.passkey_new_tokens, depth, key).to(model.device)
             t0 = time.perf_counter()
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            cache = getattr(out, cache_kwarg(model))
             # Keep references to the prompt's KV: the dense continuation grows the cache by concatenation.
             keys = [lay.keys for lay in cache.layers]
             values = [lay.values for lay in cache.layers]
