@@ -42,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hybrid_runtime.config import Config, config_from_dict, retrieval_head_mask
+from hybrid_runtime.config import GEOMETRIES, Config, config_from_dict, retrieval_head_mask
 from hybrid_runtime.experiments.quality_settings import (
     length_tag,
     load_section_settings,
@@ -108,9 +108,11 @@ def load_settings(path: str | None, overrides: dict | None = None) -> EvoSparseQ
 def runtime_config(settings: EvoSparseQualitySettings, method: str, budget: int) -> Config:
     """One sequence at a time; the EvoSparse executor on the GPU lane (on the host without CUDA)."""
     longest = max(settings.lengths)
+    # The timeline keeps every measured layer-step of a run (bytes per step are read from it).
+    steps = settings.positions * GEOMETRIES["smollm2-135m"].layers
     data: dict = {"geometry": "smollm2-135m",  # the head file's model
                   "kv_cache": {"dtype": settings.store_dtype, "max_sequences": 2, "cpu_capacity_tokens": longest + 512},
-                  "profiling": {"enabled": True, "chrome_trace": False},
+                  "profiling": {"enabled": True, "chrome_trace": False, "max_steps": max(16384, steps)},
                   "scheduler": {"placement": "gpu_only", "gpu_worker": True, "cpu_workers": 0, "pin_cores": False}}
     for section, values in settings.runtime.items():
         data.setdefault(section, {}).update(values)
