@@ -83,7 +83,9 @@ def test_the_other_shipped_configs_validate():
     for name in ("evosparse_smollm2", "evosparse_smollm2_heldout", "evosparse_smollm2_confirm"):
         evo = evosparse_quality.load_settings(str(ROOT / "configs" / f"{name}.yaml"))
         for method in evo.methods:
-            evosparse_quality.runtime_config(evo, method, evo.budgets[0])
+            run_cfg = evosparse_quality.runtime_config(evo, method, evo.budgets[0])
+            # Every measured layer-step stays in the timeline (1024 positions x 30 layers > the default).
+            assert run_cfg.profiling.max_steps >= evo.positions * run_cfg.geometry.layers
     shipped = {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert shipped == set(RUN_CONFIGS) | {"hf_smollm2", "quality_smollm2", "predictor_smollm2", "asynctls_smollm2",
                                           "sparda_smollm2", "nosa_quality_smollm2", "evosparse_smollm2",
