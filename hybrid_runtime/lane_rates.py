@@ -27,6 +27,22 @@ class Throughput:
             self.bytes_per_s += self.weight * (nbytes / seconds - self.bytes_per_s)
 
 
+class OutlierClip:
+    """Clips a sample above its limit (a JIT compile, a collection, an OS hiccup) unless `run` of
+    them come in a row: then the machine really changed and the estimate must follow."""
+
+    def __init__(self, run: int):
+        self.run = run
+        self._in_a_row = 0
+
+    def __call__(self, sample: float, limit: float) -> float:
+        if sample <= limit:
+            self._in_a_row = 0
+            return sample
+        self._in_a_row += 1
+        return limit if self._in_a_row < self.run else sample
+
+
 class LaunchModel:
     """GPU launch time `lat + bytes / bw`, fitted online (least squares with exponential forgetting).
 
@@ -44,7 +60,7 @@ class LaunchModel:
         # its heads), so the bound scales by the modeled/read ratio seen on this lane.
         self.link_bw = link_bw
         self.modeled_per_read = 1.0
-        self._outliers = 0
+        self._clip = OutlierClip(self.OUTLIER_RUN)
         # Two pseudo-observations encode the prior (lat, bw) at 1 MB and 64 MB; they fade as
         # real launches come in (a fit from launches of similar sizes alone is ill-conditioned).
         self._s = np.zeros(5)  # sum w, w*x, w*y, w*x*x, w*x*y  (x: MB, y: seconds)
@@ -65,13 +81,7 @@ class LaunchModel:
             return
         if bytes_read:
             self.modeled_per_read += EMA * (nbytes / bytes_read - self.modeled_per_read)
-        limit = self.OUTLIER * self.time(nbytes)
-        if seconds > limit:
-            self._outliers += 1
-            if self._outliers < self.OUTLIER_RUN:
-                seconds = limit
-        else:
-            self._outliers = 0
+        seconds = self._clip(seconds, self.OUTLIER * self.time(nbytes))
         self._s *= self.forget
         self._add(nbytes / 1e6, seconds, 1.0)
         s0, sx, sy, sxx, sxy = self._s
@@ -116,16 +126,10 @@ class Delay:
     def __init__(self, seconds: float, weight: float = EMA):
         self.seconds = seconds
         self.weight = weight
-        self._outliers = 0
+        self._clip = OutlierClip(self.OUTLIER_RUN)
 
     def update(self, seconds: float) -> None:
-        limit = max(self.OUTLIER * self.seconds, self.FLOOR_S)
-        if seconds > limit:
-            self._outliers += 1
-            if self._outliers < self.OUTLIER_RUN:
-                seconds = limit
-        else:
-            self._outliers = 0
+        seconds = self._clip(seconds, max(self.OUTLIER * self.seconds, self.FLOOR_S))
         self.seconds += self.weight * (seconds - self.seconds)
 
 
@@ -175,4 +179,4 @@ class LaneRates:
         self.balance = min(self.BALANCE_LIMIT, max(-self.BALANCE_LIMIT, b))
 
 
-__all__ = ["EMA", "Delay", "LaneRates", "LaunchModel", "Throughput"]
+__all__ = ["EMA", "Delay", "LaneRates", "LaunchModel", "OutlierClip", "Throughput"]
