@@ -251,31 +251,44 @@ def test_bad_input_is_refused_before_anything_changes():
 
 
 # ---------------------------------------------------------------------------- CUDA graphs
-@pytest.mark.gpu
-def test_graph_replay_equals_eager():
+def cuda_planner_pair(first: dict, second: dict) -> tuple[KVStore, PredictedHeadPlanner, PredictedHeadPlanner]:
+    """Two planners (keyword arguments `first`, `second`) with the shipped checkpoint over one bf16
+    store of 4 sequences on CUDA, three prompts prefilled into the store and both planners."""
     cfg = config()
     cfg = dataclasses.replace(cfg, kv_cache=dataclasses.replace(cfg.kv_cache, dtype="bf16", max_sequences=4))
     store = KVStore(cfg.kv_cache, cfg.geometry)
     shipped = load_checkpoint(resolve_checkpoint(cfg.selection.checkpoint))
-    graphed = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="graph")
-    eager = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="eager")
-    assert len(graphed._graphs) == 2 * len(graphed.buckets) and not eager._graphs
+    a, b = (PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, **kw) for kw in (first, second))
     for s, n in ((0, 700), (1, 1500), (2, 400)):
         for layer in (0, 1):
             k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=40 + s + layer))
             q_last = torch.randn(HQ, D, device="cuda")
             store.prefill(s, layer, k, v)
-            graphed.prefill(s, layer, k, v, q_last)
-            eager.prefill(s, layer, k, v, q_last)
-    gen = torch.Generator().manual_seed(41)
+            a.prefill(s, layer, k, v, q_last)
+            b.prefill(s, layer, k, v, q_last)
+    return store, a, b
+
+
+def cuda_planner_steps(store: KVStore, a: PredictedHeadPlanner, b: PredictedHeadPlanner, seed: int,
+                       q_dtype: torch.dtype = torch.float32):
+    """Four decode steps of batches [0, 1, 2], [2], [1, 0] (buckets 4 with a padding row, 1, 2) at both
+    layers, each appending a token and planning with both planners: yields `(ids, plan_a, plan_b)`."""
+    gen = torch.Generator().manual_seed(seed)
     for step in range(4):
-        for ids in ([0, 1, 2], [2], [1, 0]):  # buckets 4 (3 rows and a padding row), 1, 2
+        for ids in ([0, 1, 2], [2], [1, 0]):
             for layer in (0, 1):
-                q = torch.randn(len(ids), HQ, D, generator=gen).cuda()
+                q = torch.randn(len(ids), HQ, D, generator=gen).cuda().to(q_dtype)
                 store.append(layer, ids, *(torch.randn(len(ids), HKV, D, generator=gen).cuda() for _ in range(2)))
-                a, b = graphed(layer, ids, store, q), eager(layer, ids, store, q)
-                np.testing.assert_array_equal(a.block_size, b.block_size)
-                np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-4)
+                yield ids, a(layer, ids, store, q), b(layer, ids, store, q)
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager():
+    store, graphed, eager = cuda_planner_pair({"path": "graph"}, {"path": "eager"})
+    assert len(graphed._graphs) == 2 * len(graphed.buckets) and not eager._graphs
+    for ids, a, b in cuda_planner_steps(store, graphed, eager, seed=41):
+        np.testing.assert_array_equal(a.block_size, b.block_size)
+        np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-4)
     store.close()
 
 
@@ -284,31 +297,13 @@ def test_fused_graphs_equal_fused_launches():
     """The fused path replayed from its CUDA graphs (static fp32 queries, padding rows for a batch
     below its bucket) gives the plans of the same kernels launched on the caller's queries, step
     after step (the previous-query state included)."""
-    cfg = config()
-    cfg = dataclasses.replace(cfg, kv_cache=dataclasses.replace(cfg.kv_cache, dtype="bf16", max_sequences=4))
-    store = KVStore(cfg.kv_cache, cfg.geometry)
-    shipped = load_checkpoint(resolve_checkpoint(cfg.selection.checkpoint))
-    graphed = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="fused")
-    launched = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, path="fused", capture=False)
+    store, graphed, launched = cuda_planner_pair({"path": "fused"}, {"path": "fused", "capture": False})
     assert len(graphed._fused_graphs) == 2 * len(graphed.buckets) and not launched._fused_graphs
-    for s, n in ((0, 700), (1, 1500), (2, 400)):
-        for layer in (0, 1):
-            k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=40 + s + layer))
-            q_last = torch.randn(HQ, D, device="cuda")
-            store.prefill(s, layer, k, v)
-            graphed.prefill(s, layer, k, v, q_last)
-            launched.prefill(s, layer, k, v, q_last)
-    gen = torch.Generator().manual_seed(43)
-    for step in range(4):
-        for ids in ([0, 1, 2], [2], [1, 0]):  # buckets 4 (3 rows and a padding row), 1, 2
-            for layer in (0, 1):
-                q = torch.randn(len(ids), HQ, D, generator=gen).cuda().bfloat16()
-                store.append(layer, ids, *(torch.randn(len(ids), HKV, D, generator=gen).cuda() for _ in range(2)))
-                a, b = graphed(layer, ids, store, q), launched(layer, ids, store, q)
-                np.testing.assert_array_equal(a.block_size, b.block_size)
-                np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-6)
-                np.testing.assert_allclose(graphed.predictions(graphed.buckets[-1], len(ids)),
-                                           launched.predictions(launched.buckets[-1], len(ids)), atol=1e-5, rtol=1e-5)
+    for ids, a, b in cuda_planner_steps(store, graphed, launched, seed=43, q_dtype=torch.bfloat16):
+        np.testing.assert_array_equal(a.block_size, b.block_size)
+        np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-6)
+        np.testing.assert_allclose(graphed.predictions(graphed.buckets[-1], len(ids)),
+                                   launched.predictions(launched.buckets[-1], len(ids)), atol=1e-5, rtol=1e-5)
     store.close()
 
 
