@@ -173,11 +173,11 @@ def _rank_limits(rank: int, world: int, cpu_workers: int | str, dist) -> dict:
     """This rank's host read and concurrent ceiling, measured while every other rank measures its own
     (barriers on both sides), with the threads and cores its runtime's CPU workers will have."""
     from benchmarks.layer_attention import measure_limits
-    from hybrid_runtime.pinning import plan_cores, rank_cores, usable_cores
+    from hybrid_runtime.config import SchedulerConfig
+    from hybrid_runtime.pinning import plan_cores, rank_cores
 
     share = rank_cores(rank, world).cores if world > 1 else None
-    n_cores = len(share) if share is not None else usable_cores()
-    n_workers = max(1, n_cores - 1) if cpu_workers == "auto" else int(cpu_workers)
+    n_workers = SchedulerConfig(cpu_workers=cpu_workers).cpu_worker_count(None if share is None else len(share))
     plan = plan_cores(n_workers, pin=True, cores=share)
     dist.barrier()
     lim = measure_limits(n_workers, plan.cpu, plan.caller)
