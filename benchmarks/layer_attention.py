@@ -39,6 +39,7 @@ markdown table beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -200,10 +201,19 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         print(f"  prefill {batch}x{context} x {geo.layers} layers: {prefill_s:.1f} s; {rt.stats()['pinning']}", flush=True)
         seq_ids = list(range(batch))
         runs = {name: (placement, plan) for name, placement, plan in RUNS}
+        # --claim-programs: the first value for every policy, each further one as a fluxion
+        # variant of its own (own lane-rate estimates), interleaved with the rest.
+        gpu_ex = rt.gpu_executor
+        claim_cfg = {name: dataclasses.replace(gpu_ex.config, claim_programs=args.claim_programs[0]) for name in runs}
+        for v in args.claim_programs[1:]:
+            runs[f"fluxion_cp{v}"] = ("fluxion", "mix")
+            claim_cfg[f"fluxion_cp{v}"] = dataclasses.replace(gpu_ex.config, claim_programs=v)
 
         def one_step(name: str) -> None:
             placement, plan = runs[name]
-            rt.scheduler.set_placement(placement)  # this placement's own lane-rate estimates
+            # The placement's own lane-rate estimates; a claim-programs variant has its own.
+            rt.scheduler.set_placement(placement, estimates=name if name.startswith("fluxion_cp") else None)
+            gpu_ex.config = claim_cfg[name]
             rt.planner = mix if plan == "mix" else fixed
             for layer in range(geo.layers):
                 q = torch.randn((batch, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -251,6 +261,7 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         if args.trace_dir and (batch, context) == METRIC_POINT:
             rt.timeline.write_chrome_trace(os.path.join(args.trace_dir, "layer_attention-trace-8x32k.json"))
         # After the measured steps: the probe's launches neither disturb nor teach the policies.
+        gpu_ex.config = claim_cfg["fluxion"]
         probe = probe_gpu_lane(rt, mix, batch, context) if args.gpu_probe else None
         return rows, probe
     finally:
@@ -316,7 +327,8 @@ def summarize_run(rt, recs, name, placement, plan, batch, context) -> dict:
     gpu_bytes = sum(int(r.bytes_read[r.lane == LANE_GPU].sum()) for r in recs)
     over = np.concatenate([r.overhead[(r.lane == LANE_CPU)] for r in recs])
     over = over[over > 0]
-    rt.scheduler.set_placement(placement)  # stats() then shows this placement's own estimates
+    # stats() then shows this run's own estimates
+    rt.scheduler.set_placement(placement, estimates=name if name.startswith("fluxion_cp") else None)
     sched = rt.stats()
 
     def lane_start(lane):  # from q available to the lane's first task start
@@ -475,6 +487,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/layer_attention-<device slug>.json); "
                     "the markdown table goes beside it (.md)")
+    ap.add_argument("--claim-programs", type=lambda x: [int(v) for v in x.split(",")], default=[0],
+                    help="programs of a GPU claim's attention launch (0: one per task split); the first value "
+                         "for every policy, each further one adds a fluxion run with it (e.g. 0,132,66)")
     ap.add_argument("--trace-dir", default=None, help="write the (8, 32K) Chrome trace (all policies) here")
     ap.add_argument("--no-gpu-probe", dest="gpu_probe", action="store_false",
                     help="skip probing the GPU lane alone at every point (no gpu_lane_* metrics)")
@@ -498,6 +513,7 @@ def main() -> None:
     annotate_points(points_out, limits["concurrent_ceiling_GBps"])
     metrics = assemble_metrics(points_out, limits, probes)
     config = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers,
+              "claim_programs": args.claim_programs,
               "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
               "seed": args.seed, "torch": torch.__version__, "pinning": cores.note}
     path = write(metrics, points_out, {"config": config, "machine_limits": measured, "gpu_lane_probes": probes}, args.out)

@@ -46,6 +46,10 @@ class SparseConfig:
     score_block_b: int = 128  # blocks scored per program
     score_num_warps: int = 8
     score_paired: bool = False  # see `quest_scores`
+    # Programs of a claim's attention launch, each looping over (task, split) items; 0: one per
+    # item. A bounded claim leaves SMs free for the step's other kernels (window, append), which
+    # otherwise wait until the claim's programs -- resident on every SM, waiting on PCIe -- end.
+    claim_programs: int = 0
 
 
 @triton.jit
@@ -137,14 +141,14 @@ def _sparse_attn_kernel(
     tl.store(part_lse_ptr + base + g, lse, mask=gmask)
 
 
-@triton.jit(do_not_specialize=["row0", "N_SPLITS", "PAGES_PER_SPLIT"],
+@triton.jit(do_not_specialize=["row0", "N_TASKS", "N_SPLITS", "PAGES_PER_SPLIT", "N_PROGRAMS"],
             do_not_specialize_on_alignment=["table_ptr", "chunks_ptr", "ticket_ptr"])
 def _sparse_attn_combine_kernel(
     q_ptr, stride_qb, stride_qh,
     arena_ptr, table_ptr, chunks_ptr,
     ublocks_ptr, uheads_ptr, counts_ptr,
     part_out_ptr, part_lse_ptr, ticket_ptr, out_ptr, lse_ptr,
-    row0, NB_CAP, HQ, N_SPLITS, PAGES_PER_SPLIT,
+    row0, NB_CAP, HQ, N_TASKS, N_SPLITS, PAGES_PER_SPLIT, N_PROGRAMS,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
     CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -152,9 +156,33 @@ def _sparse_attn_combine_kernel(
 ):
     """`_sparse_attn_kernel` for claim tasks `row0 + t` whose union came from `score_select`
     (row t of the scratch), with the split combine fused: the program that takes the task's last
-    ticket reduces the task's partials by log-sum-exp and writes the final `out/lse` rows."""
-    t = tl.program_id(0)
-    s = tl.program_id(1)
+    ticket reduces the task's partials by log-sum-exp and writes the final `out/lse` rows.
+
+    Work items are (task, split) pairs in task-major order; program p takes items p, p + N_PROGRAMS,
+    ... With one program per item this is the plain grid. With fewer (a bounded claim), the claim
+    holds only part of the SMs while it waits on the link, so other kernels (the window
+    attention, the append) are not queued behind it."""
+    for item in tl.range(tl.program_id(0), N_TASKS * N_SPLITS, N_PROGRAMS, num_stages=1):
+        _claim_item(
+            item // N_SPLITS, item % N_SPLITS,
+            q_ptr, stride_qb, stride_qh, arena_ptr, table_ptr, chunks_ptr, ublocks_ptr, uheads_ptr, counts_ptr,
+            part_out_ptr, part_lse_ptr, ticket_ptr, out_ptr, lse_ptr, row0, NB_CAP, HQ, N_SPLITS, PAGES_PER_SPLIT,
+            N_COLS, G, BLOCK_G, D, BLOCK_N, CHUNK_ROWS, V_ROW, CHUNK_TOKENS, PAGE, NUM_STAGES, DOT_PRECISION,
+            GC, MAX_S, SB,
+        )
+
+
+@triton.jit
+def _claim_item(
+    t, s,
+    q_ptr, stride_qb, stride_qh, arena_ptr, table_ptr, chunks_ptr, ublocks_ptr, uheads_ptr, counts_ptr,
+    part_out_ptr, part_lse_ptr, ticket_ptr, out_ptr, lse_ptr, row0, NB_CAP, HQ, N_SPLITS, PAGES_PER_SPLIT,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GC: tl.constexpr, MAX_S: tl.constexpr, SB: tl.constexpr,
+):
+    """Split `s` of claim task `t`, and the task's combine if this split is its last to finish."""
     row = table_ptr + (row0 + t).to(tl.int64) * N_COLS
     bi = tl.load(row + 0)
     kvh = tl.load(row + 1)
@@ -314,15 +342,17 @@ def sparse_attention_claim(
     g = part_out.shape[2]
     d = q.shape[2]
     n_splits, pps = claim_splits(pages_max, config)
+    items = n_tasks * n_splits
+    n_programs = min(items, config.claim_programs) if config.claim_programs > 0 else items
     args = (q, q.stride(0), q.stride(1), arena, table, chunks, ublocks, uheads, counts, part_out, part_lse, tickets,
-            out, lse, row0, ublocks.shape[1], q.shape[1], n_splits, pps)
+            out, lse, row0, ublocks.shape[1], q.shape[1], n_tasks, n_splits, pps, n_programs)
     constexprs = dict(
         N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
         BLOCK_N=config.block_n, CHUNK_ROWS=layout.CHUNK_ROWS, V_ROW=layout.V_ROW,
         CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
         DOT_PRECISION=dot_precision(arena.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
     )
-    _claim_launch((n_tasks, n_splits), args, constexprs, tuple(constexprs.values()),
+    _claim_launch((n_programs,), args, constexprs, tuple(constexprs.values()),
                   {"num_warps": config.num_warps}, stream)
     return n_splits
 

@@ -171,11 +171,13 @@ class Scheduler:
         return self.lane.broken
 
     # ------------------------------------------------------------------ placements
-    def set_placement(self, placement: str) -> None:
+    def set_placement(self, placement: str, estimates: str | None = None) -> None:
         """Switch the placement between steps (benchmarks compare placements on one KV store).
 
         Each placement keeps its own lane estimates: switching back resumes what that placement
         learned from its own steps, and nothing learned under another placement sizes its claims.
+        `estimates` names another set of them (default: the placement's own), for variants of one
+        placement compared side by side (e.g. two GPU-lane kernel settings under fluxion).
         """
         if placement not in PLACEMENT_NAMES:
             raise ConfigError(f"scheduler.placement: {placement!r} is not allowed; allowed: {', '.join(PLACEMENT_NAMES)}")
@@ -188,7 +190,7 @@ class Scheduler:
                 "(without CUDA the GPU lane runs the torch reference executor)"
             )
         self.placement = placement
-        self.rates = self._rates.setdefault(placement, LaneRates(self.link_bw, self.n_cpu))
+        self.rates = self._rates.setdefault(estimates or placement, LaneRates(self.link_bw, self.n_cpu))
         if self.lane is not None:
             self.lane.rates = self.rates
 

@@ -131,10 +131,10 @@ def test_score_select_rows_longer_than_one_selection_tile_and_ties():
         assert torch.equal(mine[s32[mine.long()] == kth], ties[: mine.numel() - int((s32 > kth).sum())])
 
 
-def run_claims(c, bounds, pps=None):
+def run_claims(c, bounds, pps=None, programs=0):
     from gpu_kernels.sparse_attention import SparseConfig, sparse_attention_claim
 
-    config = SparseConfig(block_n=32, pages_per_split=pps or 3)
+    config = SparseConfig(block_n=32, pages_per_split=pps or 3, claim_programs=programs)
     table = upload(c)
     b, d = len(c.ar.cpu_lens), c.q.shape[2]
     out = torch.full((b, c.hq, d), 7.0, device=DEV)
@@ -179,6 +179,19 @@ def test_claims_in_pieces_equal_one_claim():
     assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
 
 
+@pytest.mark.parametrize("programs", [1, 3])
+def test_bounded_claim_equals_one_program_per_item(programs):
+    # Fewer programs than (task, split) items: each loops over items p, p + programs, ...; a
+    # task's splits land on different programs and in any order, and the last ticket combines.
+    c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=2, d=32, dtype=torch.float32, blks=(16, 32),
+                  budget="random", seed=2)
+    n = len(c.tasks)
+    plain = run_claims(c, [(0, n)], pps=1)
+    bounded = run_claims(c, [(0, 2), (2, n)], pps=1, programs=programs)
+    assert torch.allclose(plain[0], bounded[0], rtol=0, atol=1e-6)
+    assert torch.allclose(plain[1], bounded[1], rtol=0, atol=1e-6)
+
+
 def test_claim_with_many_splits_combines_them():
     # budget 1.0 and one page per split: every task's union spans many splits (capped at
     # MAX_SPLITS, beyond which splits grow longer); the combine must reproduce dense attention.
@@ -201,6 +214,8 @@ def test_claims_large_llama_geometry():
     check_selection(c, 0, len(c.tasks), sc)
     out, lse, unions = run_claims(c, [(0, 5), (5, len(c.tasks))], pps=8)
     check_attention(c, out, lse, unions, tol=5e-3)
+    bounded = run_claims(c, [(0, 5), (5, len(c.tasks))], pps=8, programs=20)
+    assert torch.allclose(out, bounded[0], rtol=0, atol=1e-5) and torch.allclose(lse, bounded[1], rtol=0, atol=1e-5)
 
 
 def test_pack_step_table_rejects_bad_rows():
