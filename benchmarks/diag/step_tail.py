@@ -69,6 +69,32 @@ def main() -> None:
             return out
 
         rt.scheduler.run = timed_run
+        # Host marks of the parts the GPU lane's loop runs: first call's entry and last call's exit.
+        spans: dict[str, list[float]] = {}
+
+        def span(obj, name: str, label: str) -> None:
+            fn = getattr(obj, name)
+
+            def wrapper(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    e = time.perf_counter()
+                    if label in spans:
+                        spans[label][1] = e
+                    else:
+                        spans[label] = [t, e]
+
+            setattr(obj, name, wrapper)
+
+        lane = rt.scheduler.lane
+        span(rt.gpu_executor, "launch", "claim launch")
+        span(rt, "_window", "window host")
+        span(rt.store, "append", "append host")
+        span(lane, "_learn", "learn")
+        span(lane, "reserve_first", "reserve first")
+        span(rt.scheduler.workers, "wake", "wake cpu")
         rows: dict[str, list[dict]] = {p: [] for p in policies}
         for i in range(args.warmup + args.steps):
             for p in policies:
@@ -77,6 +103,7 @@ def main() -> None:
                     q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
                     k = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
                     n0 = len(rt.timeline)
+                    spans.clear()
                     rt.decode(layer, seq_ids, q, k, torch.randn_like(k))
                     marks["decode_returned"] = time.perf_counter()
                     if i < args.warmup:
@@ -93,6 +120,8 @@ def main() -> None:
                     for (a, e), label in zip(r.gpu_intervals, r.gpu_labels):
                         if label in ("window", "merge"):
                             row[f"{label} start"], row[f"{label} end"] = a - t0, e - t0
+                    for label, (a, e) in spans.items():
+                        row[f"host: {label} in"], row[f"host: {label} out"] = a - t0, e - t0
                     row["host: scheduler returned"] = marks["scheduler_returned"] - t0
                     row["host: decode returned"] = marks["decode_returned"] - t0
                     rows[p].append(row)
