@@ -48,6 +48,8 @@ import psutil
 import torch
 
 from cpu_kernels import layout
+from gpu_kernels.uva import uva_view
+from gpu_kernels.window_append import append_window
 from hybrid_runtime.config import GeometryConfig, KVCacheConfig
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -594,10 +596,19 @@ class KVStore:
             need = sum(self._chunks_needed(st, n) for st, n in zip(states, spills))
             self._check_room(layer, sum(spills), need, "spilling the GPU window")
             self._commit(layer, need, in_decode=True)
-        slots, pos = self._append_index(seq_ids, states)
+        index, done = self._append_index(seq_ids, states)
         win_k, win_v = self._win_k[layer], self._win_v[layer]
-        win_k[slots, :, pos] = k.to(device=self.device, dtype=self.dtype)
-        win_v[slots, :, pos] = v.to(device=self.device, dtype=self.dtype)
+        if done is not None:
+            # One launch for K and V, reading (slot, pos) from the pinned ring through UVA.
+            # The window's dtype first (no-op for the model's usual bf16): torch's rounding, as before.
+            k, v = (x.to(self.device, self.dtype) if x.stride(-1) == 1 else x.to(self.device, self.dtype).contiguous()
+                    for x in (k, v))
+            append_window(win_k, win_v, k, v, index, validate=False)
+            done.record()  # the ring row is rewritten only after the kernel read it
+        else:
+            slots, pos = index
+            win_k[slots, :, pos] = k.to(device=self.device, dtype=self.dtype)
+            win_v[slots, :, pos] = v.to(device=self.device, dtype=self.dtype)
         for seq_id, st, n_spill in zip(seq_ids, states, spills):
             st.recent_len += 1
             if n_spill:
@@ -611,25 +622,24 @@ class KVStore:
     APPEND_RING = 8
     _append_ring: tuple | None = None
 
-    def _append_index(self, seq_ids: Sequence[int], states: list) -> torch.Tensor:
-        """`[2, B]` int64 on the window's device: each sequence's slot, then its new token's row."""
+    def _append_index(self, seq_ids: Sequence[int], states: list) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """`([2, B] int64, event)`: each sequence's slot, then its new token's row. On CUDA a UVA
+        view of a pinned ring row, which the caller's kernel reads; the caller records the event
+        after that kernel (the row is rewritten only once it completed). On the host: a tensor, None."""
         b = len(seq_ids)
         values = [self._slots[s] for s in seq_ids] + [st.sink_len + st.recent_len for st in states]
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long).view(2, b)
+            return torch.tensor(values, dtype=torch.long).view(2, b), None
         if self._append_ring is None:
             n = 2 * self.cfg.max_sequences
-            self._append_ring = (torch.zeros((self.APPEND_RING, n), dtype=torch.long, pin_memory=True),
-                                 torch.zeros((self.APPEND_RING, n), dtype=torch.long, device=self.device),
-                                 [torch.cuda.Event() for _ in range(self.APPEND_RING)], [0])
-        host, dev, copied, turn = self._append_ring
+            host = torch.zeros((self.APPEND_RING, n), dtype=torch.long, pin_memory=True)
+            self._append_ring = (host, uva_view(host, self.device.index), [torch.cuda.Event() for _ in range(self.APPEND_RING)],
+                                 [0])
+        host, dev, used, turn = self._append_ring
         i = turn[0] = (turn[0] + 1) % self.APPEND_RING
-        copied[i].synchronize()  # long done in practice (returns at once if never recorded)
+        used[i].synchronize()  # long done in practice (returns at once if never recorded)
         host[i, : 2 * b].numpy()[:] = values
-        out = dev[i, : 2 * b]
-        out.copy_(host[i, : 2 * b], non_blocking=True)
-        copied[i].record()
-        return out.view(2, b)
+        return dev[i, : 2 * b].view(2, b), used[i]
 
     def _check_room(self, layer: int, tokens: int, chunks: int, what: str) -> None:
         """CapacityError unless `tokens` more CPU-resident tokens fit the layer's capacity.

@@ -311,13 +311,15 @@ class HybridRuntime:
 
         if self.cuda:
             from gpu_kernels.lse_merge import merge_attention as merge_gpu
+            from gpu_kernels.uva import uva_view
             from gpu_kernels.window_attention import window_attention as window_gpu
 
             self._merge_gpu, self._window_gpu = merge_gpu, window_gpu
             self._side_stream = torch.cuda.Stream(priority=-1)  # high priority (-1); default streams are 0
             self._win_host = torch.zeros((self.WINDOW_RING, 2 * s), dtype=torch.int32, pin_memory=True)
-            self._win_dev = torch.zeros((self.WINDOW_RING, 2 * s), dtype=torch.int32, device=self.device)
-            self._win_copied = [torch.cuda.Event() for _ in range(self.WINDOW_RING)]
+            # The window kernel reads a ring row through UVA: no copy op on the decode path.
+            self._win_dev = uva_view(self._win_host, self.device.index)
+            self._win_used = [torch.cuda.Event() for _ in range(self.WINDOW_RING)]
             self._win_turn = 0
         else:
             # The window part on the host (cpu_kernels.window_attention): its result buffers, the
@@ -377,8 +379,8 @@ class HybridRuntime:
             freeze_collector()
 
     def _warm_up_step_kernels(self) -> None:
-        """Compile the window kernel's two variants (one split, several) and the merge kernel now:
-        their arguments never select another variant, so no decode step compiles."""
+        """Compile the window kernel's two variants (one split, several), the merge kernel and the
+        window append now: their arguments never select another variant, so no decode step compiles."""
         g = self.geometry
         q = torch.zeros((1, g.q_heads, g.head_dim), dtype=torch.float32, device=self.device)
         win_k, win_v = self.store.window(0)
@@ -389,6 +391,12 @@ class HybridRuntime:
                 out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2], n_splits=n_splits)
         torch.cuda.synchronize()
         self._merge_gpu(out, lse, out.clone(), lse.clone(), out=out, lse=lse)
+        # The append kernel's one variant (the store converts k and v to the window's dtype first),
+        # writing slot 0's row 0 back with what it holds.
+        from gpu_kernels.window_append import append_window
+
+        row = (win_k[:1, :, 0].clone(), win_v[:1, :, 0].clone())
+        append_window(win_k, win_v, row[0], row[1], torch.zeros((2, 1), dtype=torch.long, device=self.device))
         torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ lifecycle
@@ -575,15 +583,14 @@ class HybridRuntime:
                                   np.array(lens, dtype=np.int32), out.numpy(), lse.numpy(), self._wscores)
             return out, lse
         i = self._win_turn = (self._win_turn + 1) % self.WINDOW_RING
-        copied = self._win_copied[i]
-        copied.synchronize()  # long done in practice: steps apart (returns at once if never recorded)
-        host = self._win_host[i, : 2 * b]
-        host.numpy()[:] = slots + lens
-        dev = self._win_dev[i, : 2 * b]
-        dev.copy_(host, non_blocking=True)  # one small copy for both
-        copied.record()
+        used = self._win_used[i]
+        used.synchronize()  # long done in practice: steps apart (returns at once if never recorded)
+        self._win_host[i, : 2 * b].numpy()[:] = slots + lens
+        dev = self._win_dev[i, : 2 * b]  # a UVA view of that pinned row
         # The runtime's own buffers and the store's window, checked when they were made.
-        return self._window_gpu(qs, win_k, win_v, dev[:b], dev[b:], max_len=max(lens), validate=False)
+        res = self._window_gpu(qs, win_k, win_v, dev[:b], dev[b:], max_len=max(lens), validate=False)
+        used.record()  # the row is rewritten only after the kernel read it
+        return res
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
         if self.cuda:
