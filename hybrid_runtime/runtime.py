@@ -303,7 +303,6 @@ class HybridRuntime:
         self._kv_host = torch.zeros(2 * s * geometry.kv_heads * d * 8 + 8, dtype=torch.uint8, pin_memory=pin)
         # ... and of a step's SparDA lookahead queries (up to one per query head).
         self._look_host = torch.zeros(s * hq * d * 8 if self.sparda is not None else 0, dtype=torch.uint8, pin_memory=pin)
-        self._res_dev = torch.zeros(s * hq * (d + 1), dtype=torch.float32, device=self.device) if self.cuda else None
         dev = self.gpu_lane_device
         self._gq = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
         self._gout = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
@@ -320,6 +319,8 @@ class HybridRuntime:
             # The window kernel reads a ring row through UVA: no copy op on the decode path.
             self._win_dev = uva_view(self._win_host, self.device.index)
             self._win_used = [torch.cuda.Event() for _ in range(self.WINDOW_RING)]
+            # The CPU lane's results as the merge kernel reads them (through UVA, no copy op).
+            self._res_uva = uva_view(self._res_host, self.device.index)
             self._win_turn = 0
         else:
             # The window part on the host (cpu_kernels.window_attention): its result buffers, the
@@ -390,7 +391,13 @@ class HybridRuntime:
             for n_splits in (1, 2):
                 out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2], n_splits=n_splits)
         torch.cuda.synchronize()
+        # Merges: in place (fp32), and the step's final one of two or three parts into the model's
+        # dtype (taken to be the store's; another dtype compiles its variant at its first step).
         self._merge_gpu(out, lse, out.clone(), lse.clone(), out=out, lse=lse)
+        for out_dtype in dict.fromkeys((self.store.dtype, torch.float32)):
+            final = torch.empty(out.shape, dtype=out_dtype, device=self.device)
+            self._merge_gpu(out, lse, out.clone(), lse.clone(), out=final, lse=lse)
+            self._merge_gpu(out, lse, out.clone(), lse.clone(), out=final, lse=lse, out_c=out.clone(), lse_c=lse.clone())
         # The append kernel's one variant (the store converts k and v to the window's dtype first),
         # writing slot 0's row 0 back with what it holds.
         from gpu_kernels.window_append import append_window
@@ -817,28 +824,38 @@ class HybridRuntime:
         gpu_used = job is not None and job.gpu_used
 
         ev_m0 = self._event() if cuda and prof else None
-        if cpu_used:
-            if cuda:
-                dev_res = self._res_dev[: res.numel()]
-                dev_res.copy_(res, non_blocking=True)  # the one host-to-device copy of CPU results
-                self._merge(out_w, lse_w, dev_res[:n].view(b, hq, d), dev_res[n:].view(b, hq))
-            else:
+        out = None
+        if cuda:
+            # One kernel merges the window with the lanes' parts -- the CPU lane's read through UVA
+            # from the pinned buffer its workers wrote (no copy op) -- and writes the caller's dtype.
+            parts = []
+            if cpu_used:
+                parts.append((self._res_uva[:n].view(b, hq, d), self._res_uva[n : n + b * hq].view(b, hq)))
+            if gpu_used and job.gpu_batches:
+                last_end = job.gpu_batches[-1][1]
+                if not isinstance(last_end, float):
+                    torch.cuda.current_stream().wait_event(last_end)
+                parts.append((gout, glse))
+            fused = bool(parts) and q.device == out_w.device and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if fused else out_w
+            if parts:
+                (o_b, l_b), (o_c, l_c) = parts[0], parts[1] if len(parts) > 1 else (None, None)
+                self._merge_gpu(out_w, lse_w, o_b, l_b, out=out, lse=lse_w, validate=False, out_c=o_c, lse_c=l_c)
+            if not fused:
+                out = None
+        else:
+            if cpu_used:
                 out_w, lse_w = self._merge(out_w, lse_w, cpu_out, cpu_lse)
-        if gpu_used and job.gpu_batches:
-            last_end = job.gpu_batches[-1][1]
-            if cuda and not isinstance(last_end, float):
-                torch.cuda.current_stream().wait_event(last_end)
-            gout_d, glse_d = gout.to(self.device, non_blocking=True), glse.to(self.device, non_blocking=True)
-            res_m = self._merge(out_w, lse_w, gout_d, glse_d)
-            if not cuda:
-                out_w, lse_w = res_m
+            if gpu_used and job.gpu_batches:
+                out_w, lse_w = self._merge(out_w, lse_w, gout, glse)
         for executor in (self.cpu_executor, self.gpu_executor):
             merged = getattr(executor, "merged", None) if job is not None else None
             if merged is not None:
                 merged(layer, seq_ids, lse_w)  # each head's final lse (EvoSparse's heat, on the device)
         ev_end = self._event() if cuda and prof else None
-        # On the host the window's result lives in the runtime's own buffer: the caller gets a copy.
-        out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda)
+        if out is None:
+            # On the host the window's result lives in the runtime's own buffer: the caller gets a copy.
+            out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda)
         if job is not None:
             self.scheduler.collect(job)  # bookkeeping, after the merge is queued
         if prof:

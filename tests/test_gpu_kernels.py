@@ -389,6 +389,34 @@ def test_merge():
     check_merge(rows=70, d=32)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_merge_of_three_parts_into_the_callers_dtype(out_dtype):
+    # The decode step's final merge: window, CPU lane and GPU lane parts; empty parts (lse -inf,
+    # out NaN) add nothing; the output is written in the caller's dtype, lse in place.
+    gen = torch.Generator().manual_seed(3)
+    rows, d = 45, 32
+    outs = [torch.randn((rows, d), generator=gen) for _ in range(3)]
+    lses = [torch.randn(rows, generator=gen) * 3 for _ in range(3)]
+    lses[1][::4] = float("-inf")
+    lses[2][::3] = float("-inf")
+    lses[0][::6] = float("-inf")
+    for o, lz in zip(outs, lses):
+        o[torch.isinf(lz)] = float("nan")
+    clean = [torch.where(torch.isnan(o), 0, o) for o in outs]
+    ro, rl = reference.merge_attention(clean[0], lses[0], clean[1], lses[1])
+    ro, rl = reference.merge_attention(ro, rl, clean[2], lses[2])
+    final = torch.empty((rows, d), dtype=out_dtype, device=DEV)
+    la = lses[0].clone().to(DEV)
+    merge_attention(outs[0].to(DEV), la, outs[1].to(DEV), lses[1].to(DEV), out=final, lse=la,
+                    out_c=outs[2].to(DEV), lse_c=lses[2].to(DEV))
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    assert final.dtype == out_dtype and torch.allclose(final.float().cpu(), ro, atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(la.cpu()), torch.isinf(rl))
+    assert torch.allclose(la.cpu()[torch.isfinite(rl)], rl[torch.isfinite(rl)], atol=1e-5)
+    with pytest.raises(ValueError, match="out_c and lse_c"):
+        merge_attention(outs[0].to(DEV), la, outs[1].to(DEV), la, out_c=outs[2].to(DEV))
+
+
 @_gpu
 def test_merge_large():
     check_merge(rows=8 * 32, d=128)
