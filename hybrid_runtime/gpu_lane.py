@@ -98,9 +98,9 @@ class GpuLane:
     # GUIDED_FRACTION of what is left of it (guided self-scheduling).
     FIRST_FRACTION = 1.0
     GUIDED_FRACTION = 0.5
-    # Whether the caller's GPU work (the window attention) is issued before the reserved first
-    # claim. A claim's programs hold every SM until PCIe delivers their reads, so work issued
-    # after it waits for the claim's end; but issued first, its host path (~0.2-0.3 ms during a
+    # Whether the caller's GPU work (the append and window attention) is issued before the
+    # reserved first claim. Issued after it, it still runs beside the claim on the GPU (measured:
+    # benchmarks/notes/gpu_lane.md section 11); issued first, its host path (~0.1-0.3 ms during a
     # step) delays the claim, which is the GPU lane's whole share when the lanes are balanced.
     # Its output is needed only at the merge, after the claim anyway.
     SIDE_WORK_FIRST = False
