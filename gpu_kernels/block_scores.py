@@ -21,7 +21,7 @@ import triton.language as tl
 
 from cpu_kernels import layout
 from gpu_kernels import task_table as tt
-from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, next_pow2
+from gpu_kernels._checks import KV_DTYPES, cdiv, check_head_dim, check_tensor, next_pow2
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def quest_scores(
     t = plan.n_tasks
     nb = max(1, plan.n_blocks_max)
     scores = torch.empty((t, g, nb), dtype=torch.float32, device=dev)
-    grid = (t, triton.cdiv(nb, block_b))
+    grid = (t, cdiv(nb, block_b))
     _quest_scores_kernel[grid](
         q, q.stride(0), q.stride(1),
         arena, plan.table, plan.chunks, scores,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels._checks import check_tensor
+from gpu_kernels._checks import cdiv, check_tensor
 from gpu_kernels.launch import CachedLaunch
 
 
@@ -96,7 +96,7 @@ def merge_attention(
         block_r = max(1, min(64, 4096 // d))
         constexprs = {"D": d, "BLOCK_R": block_r, "HAS_C": three}
         c_out, c_lse = (out_c, lse_c) if three else (out_b, lse_b)  # unread without HAS_C
-        _launch((triton.cdiv(rows, block_r),), (out_a, lse_a, out_b, lse_b, c_out, c_lse, out, lse, rows), constexprs,
+        _launch((cdiv(rows, block_r),), (out_a, lse_a, out_b, lse_b, c_out, c_lse, out, lse, rows), constexprs,
                 (d, block_r, three), {"num_warps": 4})
     return out, lse
 

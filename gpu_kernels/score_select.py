@@ -26,6 +26,7 @@ import triton.language as tl
 
 from cpu_kernels import layout
 from gpu_kernels import task_table as tt
+from gpu_kernels._checks import cdiv, next_pow2
 from gpu_kernels.launch import CachedLaunch
 
 
@@ -177,8 +178,8 @@ def score_select(
     `stream`: the CUDA stream handle to launch on (default: the current stream).
     """
     g = nsel.shape[1]
-    block_g = max(2, triton.next_power_of_2(g))
-    grid = (n_tasks, max(1, triton.cdiv(n_blocks_max, BLOCK_B)))
+    block_g = max(2, next_pow2(g))
+    grid = (n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B)))
     args = (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts,
             counts if counts_host is None else counts_host, row0, scores.shape[2])
     constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from cpu_kernels import layout
 from gpu_kernels import task_table as tt
-from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_precision, next_pow2
+from gpu_kernels._checks import KV_DTYPES, cdiv, check_head_dim, check_tensor, dot_precision, next_pow2
 from gpu_kernels.block_scores import Selection, quest_scores, select_blocks
 from gpu_kernels.launch import CachedLaunch
 from gpu_kernels.split_combine import combine_splits
@@ -272,7 +272,7 @@ def sparse_attention_selected(
         raise ValueError(f"q has {hq} heads, not a multiple of the group size {g}")
     t = plan.n_tasks
     pps = max(config.pages_per_split, config.block_n // layout.PAGE_SIZE)
-    n_splits = max(1, triton.cdiv(plan.pages_max, pps))
+    n_splits = max(1, cdiv(plan.pages_max, pps))
     part_out = torch.empty((t, n_splits, g, d), dtype=torch.float32, device=dev)
     part_lse = torch.empty((t, n_splits, g), dtype=torch.float32, device=dev)
     _sparse_attn_kernel[(t, n_splits)](
@@ -323,8 +323,8 @@ MAX_SPLITS = 64
 
 def claim_splits(pages_max: int, config: SparseConfig = SparseConfig()) -> tuple[int, int]:
     """(n_splits, pages_per_split) of a claim whose largest union has at most `pages_max` pages."""
-    pps = max(config.pages_per_split, config.block_n // layout.PAGE_SIZE, triton.cdiv(max(1, pages_max), MAX_SPLITS))
-    return max(1, triton.cdiv(pages_max, pps)), pps
+    pps = max(config.pages_per_split, config.block_n // layout.PAGE_SIZE, cdiv(max(1, pages_max), MAX_SPLITS))
+    return max(1, cdiv(pages_max, pps)), pps
 
 
 def sparse_attention_claim(

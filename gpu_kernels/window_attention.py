@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels._checks import KV_DTYPES, check_head_dim, check_tensor, dot_in_fp32, dot_precision, next_pow2
+from gpu_kernels._checks import KV_DTYPES, cdiv, check_head_dim, check_tensor, dot_in_fp32, dot_precision, next_pow2
 from gpu_kernels.launch import CachedLaunch
 
 
@@ -128,10 +128,6 @@ def _window_attn_kernel(
 _launch = CachedLaunch(_window_attn_kernel)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # plain Python: `triton.cdiv` is a jit function, slow to call from the host
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -175,7 +171,7 @@ def split_count(dev: torch.device, rows: int, span: int, block_n: int, min_tiles
     """Splits per row: about one wave of programs (rows x splits ~ SMs), each split at least
     `min_tiles` tiles. Measured on the H100 (benchmarks/gpu_attention.py sweep): fewer, longer
     programs beat many short ones here, since each split adds partial writes and a reduction."""
-    n_tiles = _cdiv(span, block_n)
+    n_tiles = cdiv(span, block_n)
     sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 2
     return max(1, min(sms // max(rows, 1), n_tiles // min_tiles, MAX_SPLITS))
 
@@ -240,8 +236,8 @@ def window_attention(
     if n_splits is None:
         n_splits = split_count(dev, rows, span, block_n)
     n_splits = max(1, min(n_splits, MAX_SPLITS))
-    split_len = _cdiv(_cdiv(span, block_n), max(1, n_splits)) * block_n
-    n_splits = _cdiv(span, split_len)
+    split_len = cdiv(cdiv(span, block_n), max(1, n_splits)) * block_n
+    n_splits = cdiv(span, split_len)
     if n_splits == 1:
         part_out, part_lse, counters = out, lse, lse  # unused by the kernel
     else:
