@@ -12,7 +12,8 @@ on one model object and one runtime:
              runtime's own cost separates the two; from the first decode step torch runs on the
              cores the runtime's CPU workers leave (`decode_threads="auto"`)
 
-The runtime is built once (its construction, numba compiles included, is timed apart) and the
+The runtime is built once (its construction is timed apart; its CPU workers' start-up, numba's
+worker loop included, ends during the warm-up calls, which are not measured) and the
 model is switched between the variants with `enable_hybrid_attention(..., runtime=rt)` /
 `disable_hybrid_attention`. One warm-up call of each, then `--reps` repetitions, interleaved
 (plain, hybrid, plain, hybrid, ...), so a change of the machine's load hits both alike. Time per

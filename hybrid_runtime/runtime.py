@@ -161,7 +161,10 @@ class HybridRuntime:
     `PredictedHeadPlanner` (features, predictor and selector per step and layer).
     `cpu_kernel` replaces the numba task kernel the native CPU workers call (same signature as
     `cpu_kernels.sparse_attention.run_task`; tests inject a failing one). Workers start here and
-    live until `close()`.
+    live until `close()`; the constructor does not wait for their start-up (pinning, workspaces,
+    compiling or loading numba's worker loop), which overlaps the prefill: the first decode step
+    with CPU tasks waits for it (`stats()["worker_start_wait_s"]`), and a worker's start error is
+    raised there, after which the runtime is closed.
 
     Before anything is allocated, the run's memory plan is admitted (`memory_plan.admit`): an
     `AdmissionError` with the figures when its peak does not fit this machine. `memory_plan`
@@ -372,8 +375,12 @@ class HybridRuntime:
             if self.cuda:
                 self._warm_up_step_kernels()
         except BaseException:
-            self.scheduler.close()
-            self._release_thread()
+            try:
+                self.scheduler.close()
+            except RuntimeError as close_error:  # workers still starting after the timeout: named, not lost
+                log.error("HybridRuntime: construction failed; closing its scheduler: %s", close_error)
+            finally:
+                self._release_thread()
             raise
         self._froze_gc = bool(sc.gc_freeze)
         if self._froze_gc:
@@ -811,7 +818,14 @@ class HybridRuntime:
             # The window attention is the step's side work: issued after the CPU workers were
             # released (issued before, it delayed their first task by 0.3-0.9 ms) and after the
             # GPU lane's first claim (benchmarks/notes/gpu_lane.md).
-            self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False)
+            try:
+                self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False)
+            except BaseException:
+                if self.scheduler.start_failed:
+                    # The CPU workers never started (what a failed construction was before start-up
+                    # moved out of it): nothing is left running, and nothing more can run.
+                    self.close()
+                raise
         else:
             window_part()
         out_w, lse_w = window["out"], window["lse"]
@@ -950,6 +964,11 @@ class HybridRuntime:
             "cpu_lane_GBps": sch.rates.cpu_lane.bytes_per_s / 1e9,
             "cpu_lane_start_us": sch.rates.cpu_start.seconds * 1e6,
             "cpu_workers_native": sch.native is not None,
+            # The CPU workers' start-up (pinning, workspaces, numba's loop compiled or loaded): how
+            # long it took in the background from construction, None until done, and how long
+            # decode waited for it (the first step with CPU tasks; 0 when it was done by then).
+            "worker_start_s": sch.workers.start_s,
+            "worker_start_wait_s": sch.worker_start_wait_s,
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).

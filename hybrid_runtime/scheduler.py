@@ -115,7 +115,10 @@ class Scheduler:
             wait_on_cpu_queue=self.workers.native is None,
         )
         self._closed = False
-        self.workers.start(cfg.step_timeout_s)
+        self._start_failed = False  # a CPU worker's start error was raised (or logged): closed
+        # Not waited for here: the workers pin themselves and compile (or load) their loop while the
+        # caller prefills; the first step with CPU tasks waits for them (`run`).
+        self.workers.start()
         log.info("scheduler: placement %s, %d %s CPU workers, GPU lane %s; %s", self.placement, self.n_cpu,
                  "native" if self.native is not None else "Python", has_gpu, self.cores.note)
 
@@ -254,9 +257,12 @@ class Scheduler:
         the CPU workers, `before_gpu` (the GPU lane's buffers), the reserved first GPU launch,
         `side_work` (the caller's own GPU work, e.g. the window attention, which then overlaps
         the tasks), then keep the GPU lane fed while polling for the end of the step. With
-        `collect=False` the caller calls `collect(job)` itself, off the step's critical path. A worker's exception is re-raised here; on a
-        timeout the queues are closed (no new task starts) and StepTimeoutError is raised, and a
-        task still running is waited for before the next step reuses the buffers.
+        `collect=False` the caller calls `collect(job)` itself, off the step's critical path. The
+        first step with CPU tasks first waits for the CPU workers' start (`await_workers`; a start
+        failure is raised there and closes the scheduler); its timeout does not count that wait.
+        A worker's exception is re-raised here; on a timeout the queues are closed (no new task
+        starts) and StepTimeoutError is raised, and a task still running is waited for before the
+        next step reuses the buffers.
         """
         if self._closed:
             raise RuntimeError("the scheduler is closed")
@@ -264,6 +270,11 @@ class Scheduler:
         deadline = time.monotonic() + timeout
         self.lane.await_orphan(timeout)
         self.split(job)
+        if not self.workers.ready and job.cpu_used:
+            # Once: the CPU workers' start (the step's timeout does not count this wait).
+            waited = time.monotonic()
+            self.await_workers()
+            deadline += time.monotonic() - waited
         if job.shared:
             # Before any CPU worker can pop: the reserved head is the GPU's whatever the order below.
             self.lane.reserve_first(job)
@@ -284,6 +295,27 @@ class Scheduler:
         if collect:
             self.collect(job)
 
+    def await_workers(self) -> None:
+        """Wait until the CPU workers have started (`workers.CpuWorkers.await_start`; at once
+        when they have). A start failure closes the scheduler (its workers are stopped) and raises
+        the worker's own error, as it would have from the constructor; `start_failed` is then true."""
+        try:
+            self.workers.await_start(self.cfg.step_timeout_s)
+        except BaseException:
+            if self.workers.start_error is not None:
+                self._closed = self._start_failed = True
+            raise
+
+    @property
+    def start_failed(self) -> bool:
+        """A CPU worker failed to start and `await_workers` raised its error: the scheduler is closed."""
+        return self._start_failed
+
+    @property
+    def worker_start_wait_s(self) -> float:
+        """How long steps waited for the CPU workers' start (the first step with CPU tasks)."""
+        return self.workers.start_wait_s
+
     def collect(self, job: StepJob) -> None:
         """After a successful step: native records into the job's columns; CPU throughput."""
         self.workers.collect(job)
@@ -302,7 +334,8 @@ class Scheduler:
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:
         """Stop and join every worker thread and wait for the GPU claims of a timed-out step;
-        raises if one is still running after `timeout` (default `scheduler.step_timeout_s`).
+        raises if one is still running after `timeout` (default `scheduler.step_timeout_s`) -- a
+        task, or a worker's start-up (compiling its loop) when no step has waited for it yet.
         Calling it again waits once more."""
         if self._closed and not any(t.is_alive() for t in self.workers.threads) and self.lane.orphan is None:
             return
@@ -310,6 +343,12 @@ class Scheduler:
         timeout = self.cfg.step_timeout_s if timeout is None else timeout
         end = time.monotonic() + timeout
         self.workers.stop(timeout)
+        error = self.workers.start_error
+        if error is not None and not self._start_failed:
+            # Never raised (no step had CPU tasks): say so once rather than drop it.
+            self._start_failed = True
+            log.warning("scheduler.close: a CPU worker had failed to start (no step needed the workers): %s: %s",
+                        type(error).__name__, error)
         while not self.lane.orphan_done():
             if time.monotonic() > end:
                 raise RuntimeError(

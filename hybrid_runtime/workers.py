@@ -7,10 +7,15 @@ runs the kernel with the GIL released, so no Python runs per task. Any other CPU
 doubles, subclasses that replace `run_one`) runs on plain Python worker threads that call
 `executor.run_one` per task.
 
-Threads start, pin themselves and make their workspaces (native ones also compile their loop, or load
-it from numba's disk cache: the stock kernel's loop is cached)
-before the constructor of the scheduler returns, so the first step does not pay for start-up and
-a start failure surfaces there.
+Threads start in the constructor of the scheduler, which does not wait for them: each pins itself
+and makes its workspace (native ones also compile their loop, or load it from numba's disk cache:
+the stock kernel's loop is cached; a cold compile took ~50 s on a 2-core host), which overlaps
+whatever the caller does next -- the prefill, which needs no CPU worker. The first thing that
+needs them -- publishing a step's CPU tasks -- waits for the start (`await_start`: once;
+afterwards one flag check), records how long it waited (`start_wait_s`) and raises a start
+failure there, the worker's own error, after stopping every thread. `stop` while threads are
+still starting joins them within its timeout like a thread inside a task, and names the ones
+still starting when they outlast it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+import numba
 import numpy as np
 
 from hybrid_runtime import native_pool
@@ -30,6 +36,20 @@ from hybrid_runtime.task_building import TaskList, native_table, queue_order
 from hybrid_runtime.tasks import Task, TaskQueue
 
 _FAILED = object()  # a worker thread's start-up state after a start error
+
+
+def _stand_ins(args: tuple) -> tuple:
+    """`args` with every array replaced by a one-element array of the same numba type (nested
+    tuples too); an array whose stand-in would type differently is kept."""
+    out = []
+    for x in args:
+        if isinstance(x, tuple):
+            x = _stand_ins(x)
+        elif isinstance(x, np.ndarray):
+            stand_in = np.zeros((1,) * x.ndim, dtype=x.dtype)
+            x = stand_in if numba.typeof(stand_in) == numba.typeof(x) else x
+        out.append(x)
+    return tuple(out)
 
 
 class CpuWorkers:
@@ -53,6 +73,9 @@ class CpuWorkers:
             self.native = native_pool.NativeJobBuffers(native["max_tasks"], native["g"], native["max_chunks"], self.n,
                                                        native["d"], int(getattr(executor, "max_blocks", 0) or 0))
             self._native_args = native
+        # Each native worker's loop arguments (`_loop_args`), held here rather than in its frames.
+        self._worker_args: list[tuple | None] = [None] * self.n
+        self._stock_kernel = native is not None and native.get("kernel") is None
         self.job: StepJob | None = None
         # The job Python workers drain: set by `wake` under the condition, never earlier. A worker
         # woken late for the previous step must not see a job whose buffers are not ready yet
@@ -62,8 +85,16 @@ class CpuWorkers:
         self._gen = 0
         self._stopping = False
         self._threads: list[threading.Thread] = []
-        self._started = threading.Barrier(self.n + 1)
+        # Start-up: workers still pinning, making workspaces or compiling (guarded by `_start_cv`),
+        # their errors, and whether `await_start` has seen them all started (the hot path's flag).
+        self._start_cv = threading.Condition()
+        self._starting = self.n
         self._start_errors: list[BaseException] = []
+        self._started_flags = [False] * self.n  # per worker: done starting (ready or failed)
+        self.ready = False
+        self.t_start = 0.0  # perf_counter at `start`
+        self.start_s: float | None = None  # from `start` until the last worker was ready (None: not yet)
+        self.start_wait_s = 0.0  # how long `await_start` blocked on the workers' start
         # The task each Python worker is in (None between tasks), for timeout messages; native
         # workers show theirs in `native.cur`.
         self._running: list[Task | None] = [None] * self.n
@@ -73,22 +104,48 @@ class CpuWorkers:
     def threads(self) -> list[threading.Thread]:
         return list(self._threads)
 
-    def start(self, stop_timeout: float) -> None:
-        """Start the threads and wait until each pinned itself, made its workspace (and compiled
-        its loop); on a start failure stop them all and raise the first error."""
+    def start(self) -> None:
+        """Start the threads; returns at once. Each pins itself, makes its workspace (and compiles
+        its loop) on its own; `await_start` waits for that."""
         target = self._native_main if self.native is not None else self._python_main
         for i in range(self.n):
             self._threads.append(threading.Thread(target=target, args=(i, self.cores[i]), name=f"hybrid-cpu{i}", daemon=True))
+        self.t_start = time.perf_counter()
         for t in self._threads:
             t.start()
-        self._started.wait()
+
+    def await_start(self, stop_timeout: float) -> None:
+        """Wait until every thread pinned itself, made its workspace (and compiled its loop); then
+        `ready` is true. On a start failure stop them all (within `stop_timeout`) and raise the
+        first worker's error; every later call raises it again. Call it before the first job is
+        published; it is cheap once `ready` (callers check the flag first)."""
+        if self.ready:
+            return
+        t0 = time.perf_counter()
+        with self._start_cv:
+            while self._starting:
+                self._start_cv.wait()
+        self.start_wait_s += time.perf_counter() - t0
         if self._start_errors:
-            self.stop(stop_timeout)
+            if not self._stopping:
+                self.stop(stop_timeout)
             raise self._start_errors[0]
-        if self.native is not None and self._native_args.get("kernel") is None:
+        if self.native is not None and self._stock_kernel:
             # The loop refuses (as a status) a row the stock kernel would have to raise on, e.g. a
-            # task past the smallest workspace; see native_pool's "Failures".
+            # task past the smallest workspace; see native_pool's "Failures". Written before the
+            # first job is published, which is when a worker first reads it.
             self.native.ctrl[native_pool.C_MAX_BLOCKS] = min(self._capacity) if self._capacity else 0
+        self.ready = True
+
+    @property
+    def start_error(self) -> BaseException | None:
+        """The first worker's start error, once every worker has finished starting; else None."""
+        with self._start_cv:
+            return self._start_errors[0] if self._start_errors and not self._starting else None
+
+    def starting(self) -> list[str]:
+        """Names of the threads still pinning, making workspaces or compiling their loop."""
+        return [t.name for t, started in zip(self._threads, self._started_flags) if not started and t.is_alive()]
 
     def queue(self, tasks: Sequence[Task], whole: bool) -> TaskQueue | NativeQueue:
         """The CPU lane's queue of `tasks`; `whole`: they are the step's whole task list, whose
@@ -140,6 +197,13 @@ class CpuWorkers:
             t.join(max(0.0, end - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
         if alive:
+            starting = self.starting()
+            if starting:  # never got to a task: still in their start-up, which cannot be interrupted
+                raise RuntimeError(
+                    f"scheduler.close: worker threads {starting} are still starting after {timeout:g} s (pinning, "
+                    "making their workspaces, compiling or loading numba's worker loop); they stop once started: "
+                    "close again to wait for them once more"
+                )
             running = self.job.running() if self.job is not None else []
             raise RuntimeError(
                 f"scheduler.close: worker threads {alive} did not stop within {timeout:g} s"
@@ -148,26 +212,42 @@ class CpuWorkers:
             )
         # Every worker has returned: drop their views of the store's arenas so it can free them.
         self._native_args = None
+        self._worker_args = [None] * self.n
         self.job = self._woken = None
 
     def _ready(self, wid: int, core: int | None) -> Any:
         """In a new worker thread: pin it, make its workspace (native: its loop's arguments, and
-        compile the loop now), then wait at the start barrier. `_FAILED` after a start error,
-        which `start` raises; the barrier is reached either way so `start` never hangs."""
+        compile the loop now), then count itself started. `_FAILED` after a start error, which
+        `await_start` raises; the worker counts itself either way so `await_start` never hangs."""
         state = _FAILED
+        error = capacity = None
         try:
             pin_current_thread(core)
             ws = self.executor.workspace()
             if self.native is None:
                 state = ws
             else:
-                args = self._loop_args(ws, wid)
-                native_pool.serve(self.native.ctrl, wid, 0, self.native.bell(wid), native_pool.LOOP_WARM, *args)
-                self._capacity.append(int(getattr(ws, "max_blocks", 0) or 0))
-                state = args
+                self._worker_args[wid] = self._loop_args(ws, wid)
+                # A cold compile's frames outlive it as garbage only a full collection frees, and
+                # with them their arguments: seen holding every arena of a closed store
+                # (benchmarks/notes/cpu_window.md, section 6). So the loop compiles (or loads) for
+                # stand-ins of the same numba types, never for the runtime's buffers.
+                native_pool.serve(*_stand_ins((self.native.ctrl, wid, 0, self.native.bell(wid), native_pool.LOOP_WARM)
+                                              + self._worker_args[wid]))
+                capacity = int(getattr(ws, "max_blocks", 0) or 0)
+                state = True
         except BaseException as exc:
-            self._start_errors.append(exc)
-        self._started.wait()
+            error = exc
+        with self._start_cv:
+            if error is not None:
+                self._start_errors.append(error)
+            if capacity is not None:
+                self._capacity.append(capacity)
+            self._started_flags[wid] = True
+            self._starting -= 1
+            if not self._starting:
+                self.start_s = time.perf_counter() - self.t_start
+            self._start_cv.notify_all()
         return state
 
     # ------------------------------------------------------------------ native workers
@@ -183,13 +263,13 @@ class CpuWorkers:
                 buf.rec, buf.cur, kernel, native_pool.scratch_of(kernel, ws), buf.team(ws, split))
 
     def _native_main(self, wid: int, core: int | None) -> None:
-        args = self._ready(wid, core)
-        if args is _FAILED:
+        if self._ready(wid, core) is _FAILED:
             return
         ctrl, cur = self.native.ctrl, self.native.cur
         while True:
-            try:
-                status = native_pool.serve(ctrl, wid, self.spin_ns, self.native.bell(wid), 0, *args)
+            try:  # the loop's arguments stay out of this frame's locals (see `_ready`)
+                status = native_pool.serve(ctrl, wid, self.spin_ns, self.native.bell(wid), 0,
+                                           *self._worker_args[wid])
             except BaseException as exc:  # a kernel that raised instead of returning a status
                 self._native_failed(wid, exc)
                 continue

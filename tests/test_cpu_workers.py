@@ -53,8 +53,9 @@ def _job(workers: CpuWorkers, layer: int) -> StepJob:
 def test_a_worker_woken_late_drains_the_job_it_was_woken_for_not_the_next_one():
     ex = HeldExecutor()
     workers = CpuWorkers(ex, [None], native=None, spin_ns=0)
-    workers.start(10.0)
+    workers.start()
     try:
+        workers.await_start(10.0)
         job0 = _job(workers, 0)
         workers.job = job0
         workers.wake()
