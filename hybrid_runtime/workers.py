@@ -177,6 +177,10 @@ class CpuWorkers:
             self._gen += 1
             self._cv.notify_all()
 
+    # How long `stop` waits for threads still starting: a cold compile of the worker loop took
+    # 50-100 s on a 2-core host (benchmarks/notes/cpu_window.md, section 6).
+    START_WAIT_S = 600.0
+
     def stop(self, timeout: float) -> None:
         """Stop and join every thread; raises if one does not stop within `timeout`.
 
@@ -192,6 +196,13 @@ class CpuWorkers:
             self.native.ring()
         with self._cv:
             self._cv.notify_all()
+        # A thread still starting (pinning, making its workspace, compiling or loading numba's loop)
+        # cannot be interrupted, and a cold compile takes a minute or two on a small host: closing
+        # right after construction waits for start-up to end (bounded), then stops as usual.
+        start_end = time.monotonic() + self.START_WAIT_S
+        with self._start_cv:
+            while self._starting and time.monotonic() < start_end:
+                self._start_cv.wait(max(0.0, start_end - time.monotonic()))
         end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
@@ -200,9 +211,9 @@ class CpuWorkers:
             starting = self.starting()
             if starting:  # never got to a task: still in their start-up, which cannot be interrupted
                 raise RuntimeError(
-                    f"scheduler.close: worker threads {starting} are still starting after {timeout:g} s (pinning, "
-                    "making their workspaces, compiling or loading numba's worker loop); they stop once started: "
-                    "close again to wait for them once more"
+                    f"scheduler.close: worker threads {starting} are still starting after {self.START_WAIT_S:g} s "
+                    "(pinning, making their workspaces, compiling or loading numba's worker loop); they stop once "
+                    "started: close again to wait for them once more"
                 )
             running = self.job.running() if self.job is not None else []
             raise RuntimeError(

@@ -157,17 +157,32 @@ def test_a_start_error_never_waited_for_is_logged_at_close(caplog):
 
 
 @pytest.mark.parametrize("kind", ["native", "python"])
-def test_close_during_a_slow_start_is_bounded_names_the_threads_and_closes_once_they_started(kind):
+def test_close_during_a_slow_start_waits_for_it_and_a_start_past_the_bound_is_named(kind, monkeypatch):
+    from hybrid_runtime.workers import CpuWorkers
+
     gate = threading.Event()
     guard = threading.Timer(HANG_GUARD_S, gate.set)
     guard.start()
-    timeout = 0.3
-    rt, _ = build(config(timeout=timeout), executor(kind, gate))
+    # Closing right after construction (a cold compile still running) waits for start-up to end.
+    rt, _ = build(config(timeout=0.3), executor(kind, gate))
+    try:
+        threading.Timer(0.5, gate.set).start()
+        t0 = time.perf_counter()
+        rt.close()
+        assert 0.4 <= time.perf_counter() - t0 < 0.5 + 2.0
+        assert rt.store.closed and not any(t.is_alive() for t in rt.scheduler.threads)
+    finally:
+        gate.set()
+        rt.close()
+    # A start-up that outlasts the bound is named; closing again waits once more.
+    monkeypatch.setattr(CpuWorkers, "START_WAIT_S", 0.3)
+    gate = threading.Event()
+    rt, _ = build(config(timeout=0.3), executor(kind, gate))
     try:
         t0 = time.perf_counter()
         with pytest.raises(RuntimeError, match=r"\['hybrid-cpu0', 'hybrid-cpu1'\] are still starting after 0.3 s"):
             rt.close()
-        assert timeout <= time.perf_counter() - t0 < timeout + 2.0
+        assert 0.3 <= time.perf_counter() - t0 < 0.6 + 2.0
         assert not rt.store.closed  # a thread that may still read the arenas keeps them
         gate.set()
         rt.close()  # waits once more: they stop as soon as they started
