@@ -170,17 +170,35 @@ class GcWatch:
         gc.callbacks.remove(self)
 
 
-def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
-    """Rows (one per policy) and the GPU lane probe (None with --no-gpu-probe) of one point."""
+def layer_setup(layers: int, batch: int, context: int, cpu_workers: int):
+    """(config, geometry) of this benchmark's runtime: Llama-3.1-8B heads over `layers` layers, a
+    bf16 store for `batch` sequences of `context` tokens, fluxion with pinned workers and a GPU lane."""
     geo = GEOMETRIES["llama-3.1-8b"]
-    geo = type(geo)(geo.name, args.layers, geo.q_heads, geo.kv_heads, geo.head_dim)
+    geo = type(geo)(geo.name, layers, geo.q_heads, geo.kv_heads, geo.head_dim)
     cfg = config_from_dict({
         "geometry": {"layers": geo.layers, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads, "head_dim": geo.head_dim},
         "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
                      "cpu_capacity_tokens": batch * context, "max_sequences": batch},
-        "scheduler": {"placement": "fluxion", "cpu_workers": args.cpu_workers, "gpu_worker": True, "pin_cores": True,
+        "scheduler": {"placement": "fluxion", "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
                       "step_timeout_s": 60.0},
     })
+    return cfg, geo
+
+
+def prefill_random(rt: HybridRuntime, batch: int, context: int, gen: torch.Generator) -> None:
+    """Sequences 0..batch-1 get random bf16 prompt KV of `context` tokens at every layer (drawn on the GPU)."""
+    geo = rt.geometry
+    for s in range(batch):
+        for layer in range(geo.layers):
+            k = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=gen.device, dtype=torch.bfloat16)
+            v = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=gen.device, dtype=torch.bfloat16)
+            rt.prefill(s, layer, k, v)
+    torch.cuda.synchronize()
+
+
+def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
+    """Rows (one per policy) and the GPU lane probe (None with --no-gpu-probe) of one point."""
+    cfg, geo = layer_setup(args.layers, batch, context, args.cpu_workers)
     mix = MixPlanner(geo, args.streaming, tuple(args.budget_range), tuple(args.blocks), args.seed)
     fixed = FixedPlanner(geo, 16, 0.05)
     dev = torch.device("cuda")
@@ -189,12 +207,7 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
     torch.set_num_threads(os.cpu_count() or 1)  # prefill's metadata math is torch CPU work
     rt = HybridRuntime(cfg, geo, head_planner=mix)
     try:
-        for s in range(batch):
-            for layer in range(geo.layers):
-                k = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-                v = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-                rt.prefill(s, layer, k, v)
-        torch.cuda.synchronize()
+        prefill_random(rt, batch, context, gen)
         # Decode-time torch CPU work is tiny; idle intra-op threads must not spin on worker cores.
         torch.set_num_threads(1)
         prefill_s = time.perf_counter() - t0

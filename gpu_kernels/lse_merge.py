@@ -52,6 +52,10 @@ def _merge_kernel(
     tl.store(lse_ptr + r, lse, mask=rmask)
 
 
+# Output dtypes of a merge: fp32 partials, or the caller's dtype for the step's final output.
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def merge_attention(
     out_a: torch.Tensor,
     lse_a: torch.Tensor,
@@ -99,10 +103,6 @@ def merge_attention(
         _launch((cdiv(rows, block_r),), (out_a, lse_a, out_b, lse_b, c_out, c_lse, out, lse, rows), constexprs,
                 (d, block_r, three), {"num_warps": 4})
     return out, lse
-
-
-# Output dtypes of a merge: fp32 partials, or the caller's dtype for the step's final output.
-OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 _launch = CachedLaunch(_merge_kernel)

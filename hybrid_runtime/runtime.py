@@ -312,11 +312,12 @@ class HybridRuntime:
         self._glse = torch.full((s, hq), float("-inf"), dtype=torch.float32, device=dev)
 
         if self.cuda:
+            from gpu_kernels.lse_merge import OUT_DTYPES as merge_out_dtypes
             from gpu_kernels.lse_merge import merge_attention as merge_gpu
             from gpu_kernels.uva import uva_view
             from gpu_kernels.window_attention import window_attention as window_gpu
 
-            self._merge_gpu, self._window_gpu = merge_gpu, window_gpu
+            self._merge_gpu, self._window_gpu, self._merge_out_dtypes = merge_gpu, window_gpu, merge_out_dtypes
             self._side_stream = torch.cuda.Stream(priority=-1)  # high priority (-1); default streams are 0
             self._win_host = torch.zeros((self.WINDOW_RING, 2 * s), dtype=torch.int32, pin_memory=True)
             # The window kernel reads a ring row through UVA: no copy op on the decode path.
@@ -377,7 +378,7 @@ class HybridRuntime:
         except BaseException:
             try:
                 self.scheduler.close()
-            except RuntimeError as close_error:  # workers still starting after the timeout: named, not lost
+            except RuntimeError as close_error:  # workers still starting past START_WAIT_S: named, not lost
                 log.error("HybridRuntime: construction failed; closing its scheduler: %s", close_error)
             finally:
                 self._release_thread()
@@ -850,13 +851,13 @@ class HybridRuntime:
                 if not isinstance(last_end, float):
                     torch.cuda.current_stream().wait_event(last_end)
                 parts.append((gout, glse))
-            fused = bool(parts) and q.device == out_w.device and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if fused else out_w
             if parts:
+                # Straight into the caller's tensor where the kernel can write it; else in place.
+                if q.device == out_w.device and q.dtype in self._merge_out_dtypes:
+                    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 (o_b, l_b), (o_c, l_c) = parts[0], parts[1] if len(parts) > 1 else (None, None)
-                self._merge_gpu(out_w, lse_w, o_b, l_b, out=out, lse=lse_w, validate=False, out_c=o_c, lse_c=l_c)
-            if not fused:
-                out = None
+                self._merge_gpu(out_w, lse_w, o_b, l_b, out=out_w if out is None else out, lse=lse_w, validate=False,
+                                out_c=o_c, lse_c=l_c)
         else:
             if cpu_used:
                 out_w, lse_w = self._merge(out_w, lse_w, cpu_out, cpu_lse)

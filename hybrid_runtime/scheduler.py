@@ -334,8 +334,8 @@ class Scheduler:
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:
         """Stop and join every worker thread and wait for the GPU claims of a timed-out step;
-        raises if one is still running after `timeout` (default `scheduler.step_timeout_s`) -- a
-        task, or a worker's start-up (compiling its loop) when no step has waited for it yet.
+        raises if a task is still running after `timeout` (default `scheduler.step_timeout_s`), or a
+        worker's start-up (compiling its loop; waited for first) after `CpuWorkers.START_WAIT_S`.
         Calling it again waits once more."""
         if self._closed and not any(t.is_alive() for t in self.workers.threads) and self.lane.orphan is None:
             return

@@ -14,8 +14,8 @@ whatever the caller does next -- the prefill, which needs no CPU worker. The fir
 needs them -- publishing a step's CPU tasks -- waits for the start (`await_start`: once;
 afterwards one flag check), records how long it waited (`start_wait_s`) and raises a start
 failure there, the worker's own error, after stopping every thread. `stop` while threads are
-still starting joins them within its timeout like a thread inside a task, and names the ones
-still starting when they outlast it.
+still starting first waits for their start-up to end (at most `START_WAIT_S`), names the ones
+still starting past that, and otherwise stops them as usual.
 """
 
 from __future__ import annotations

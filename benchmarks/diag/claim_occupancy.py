@@ -23,8 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.layer_attention import MixPlanner  # noqa: E402
-from hybrid_runtime.config import GEOMETRIES, config_from_dict  # noqa: E402
+from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 from hybrid_runtime.task_building import native_table, queue_order  # noqa: E402
 from hybrid_runtime.tasks import Step  # noqa: E402
@@ -53,24 +52,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cpu-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     args = ap.parse_args()
-    geo = GEOMETRIES["llama-3.1-8b"]
-    geo = type(geo)(geo.name, 1, geo.q_heads, geo.kv_heads, geo.head_dim)
     b, ctx = args.batch, args.context
-    cfg = config_from_dict({
-        "geometry": {"layers": 1, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads, "head_dim": geo.head_dim},
-        "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
-                     "cpu_capacity_tokens": b * ctx, "max_sequences": b},
-        "scheduler": {"placement": "fluxion", "cpu_workers": args.cpu_workers, "gpu_worker": True, "pin_cores": True},
-    })
+    cfg, geo = layer_setup(1, b, ctx, args.cpu_workers)
     mix = MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}: {sms} SMs", flush=True)
     with HybridRuntime(cfg, geo, head_planner=mix) as rt:
-        for s in range(b):
-            k = torch.randn((ctx, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-            rt.prefill(s, 0, k, torch.randn_like(k))
+        prefill_random(rt, b, ctx, gen)
         seq_ids = list(range(b))
 
         def decode_once() -> None:

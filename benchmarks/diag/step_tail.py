@@ -23,8 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.layer_attention import MixPlanner  # noqa: E402
-from hybrid_runtime.config import GEOMETRIES, config_from_dict  # noqa: E402
+from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
 from hybrid_runtime.profiling import LANE_CPU, LANE_GPU  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 
@@ -38,26 +37,15 @@ def main() -> None:
     ap.add_argument("--policies", default="fluxion,cpu_only")
     ap.add_argument("--cpu-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     args = ap.parse_args()
-    geo = GEOMETRIES["llama-3.1-8b"]
-    geo = type(geo)(geo.name, 2, geo.q_heads, geo.kv_heads, geo.head_dim)
     b, ctx = args.batch, args.context
-    cfg = config_from_dict({
-        "geometry": {"layers": geo.layers, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads, "head_dim": geo.head_dim},
-        "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
-                     "cpu_capacity_tokens": b * ctx, "max_sequences": b},
-        "scheduler": {"placement": "fluxion", "cpu_workers": args.cpu_workers, "gpu_worker": True, "pin_cores": True},
-    })
+    cfg, geo = layer_setup(2, b, ctx, args.cpu_workers)
     mix = MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     policies = args.policies.split(",")
     torch.set_num_threads(os.cpu_count() or 1)
     with HybridRuntime(cfg, geo, head_planner=mix) as rt:
-        for s in range(b):
-            for layer in range(geo.layers):
-                k = torch.randn((ctx, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-                rt.prefill(s, layer, k, torch.randn_like(k))
-        torch.cuda.synchronize()
+        prefill_random(rt, b, ctx, gen)
         torch.set_num_threads(1)
         seq_ids = list(range(b))
         marks: dict[str, float] = {}
