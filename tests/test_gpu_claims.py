@@ -131,6 +131,46 @@ def test_score_select_rows_longer_than_one_selection_tile_and_ties():
         assert torch.equal(mine[s32[mine.long()] == kth], ties[: mine.numel() - int((s32 > kth).sum())])
 
 
+@pytest.mark.parametrize("sel_elems", [8192, 1024])  # the row in registers; the chunked path
+def test_score_select_scores_that_share_their_high_digits(sel_elems):
+    # Every block's metadata is one vector plus a perturbation of 1e-5 relative: each head's scores
+    # agree in their top 12-16 bits, so the k-th key is decided by the radix select's low digits.
+    # G = 3 (a padded head lane), heads of both score signs, one head that selects nothing.
+    import gpu_kernels.score_select as ss
+
+    g, d, n_blocks = 3, 16, 700
+    c = make_case(cpu_lens=[n_blocks * 16], hkv=1, g=g, d=d, dtype=torch.float32, blks=(16,), budget=0.1, seed=9)
+    host, ids = c.ar.host, torch.from_numpy(c.ar.chunks[(0, 0)]).long()
+    rng = torch.Generator().manual_seed(4)
+    meta = host[ids, layout.META_ROW :]
+    base = torch.randn(d, generator=rng)
+    host[ids, layout.META_ROW :] = base + 1e-5 * torch.randn(meta.shape, generator=rng) * base.abs().max()
+    c.q[0, 0] = c.q[0, 0].abs() * torch.sign(base).to(c.q.device)  # positive scores
+    c.q[0, 1] = -c.q[0, 1].abs() * torch.sign(base).to(c.q.device)  # negative scores
+    c.n_select[:] = [[41, 300, 0]]
+    old = ss.SEL_ELEMS
+    try:
+        ss.SEL_ELEMS = sel_elems
+        sc = Scratch(1, g, n_blocks, d)
+        table = StepTableBuffer(DEV).upload(*pack_case(c), group_size=g)
+        nb_max, _ = table.claim_shape(0, 1)
+        score_select(table.table, table.n_select, table.chunks, 0, 1, nb_max, c.q, c.ar.arena,
+                     sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts)
+    finally:
+        ss.SEL_ELEMS = old
+    cnt = int(sc.counts[0])
+    blocks, bits = sc.ublocks[0, :cnt].cpu(), sc.uheads[0, :cnt].cpu()
+    assert (bits >> g == 0).all(), "no block is marked for the padded head lane"
+    for gg, k in enumerate((41, 300, 0)):
+        s32 = sc.scores[0, gg, :n_blocks].cpu()
+        assert s32.max() - s32.min() < 1e-3 * s32.abs().max(), "the case must make close scores"
+        mine = blocks[((bits >> gg) & 1) != 0]
+        assert mine.numel() == k
+        if k:
+            want = torch.sort(-s32.double(), stable=True).indices[:k].sort().values  # lowest ids win ties
+            assert torch.equal(mine.long(), want)
+
+
 def run_claims(c, bounds, pps=None, programs=0):
     from gpu_kernels.sparse_attention import SparseConfig, sparse_attention_claim
 

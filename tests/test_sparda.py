@@ -134,10 +134,12 @@ def test_prefetched_buffers_equal_a_synchronous_gather_and_hits_fetch_nothing():
                     slot = int(st.slots[b, h, e])
                     if not cnt:
                         continue
-                    first = int(torch.nonzero(torch.all(k[sink : sink + n, h] == ex.cache.k[1][slot, 0], -1))[0])
+                    # The store's full KV is on the host; the block cache is on the executor's device.
+                    ck, cv = ex.cache.k[1][slot].to(k.device), ex.cache.v[1][slot].to(v.device)
+                    first = int(torch.nonzero(torch.all(k[sink : sink + n, h] == ck[0], -1))[0])
                     assert first % blk == 0
-                    torch.testing.assert_close(ex.cache.k[1][slot, :cnt], k[sink + first : sink + first + cnt, h], rtol=0, atol=0)
-                    torch.testing.assert_close(ex.cache.v[1][slot, :cnt], v[sink + first : sink + first + cnt, h], rtol=0, atol=0)
+                    torch.testing.assert_close(ck[:cnt], k[sink + first : sink + first + cnt, h], rtol=0, atol=0)
+                    torch.testing.assert_close(cv[:cnt], v[sink + first : sink + first + cnt, h], rtol=0, atol=0)
         fetched = rt.stats()["sparda_blocks_fetched"]
         assert fetched == rt.stats()["sparda_blocks_selected"] == 2 * 2 * 4
         # The same selection made synchronously (the layer's own queries) hits every block.
