@@ -50,7 +50,7 @@ def _as_key(ans):
 # each a per-head histogram of the digit among the keys that match the digits fixed so far.
 # (One bit per pass took 32 dependent passes: ~0.1 ms of a claim at 32K tokens, ~0.55 ms at 128K,
 # during which the link idles.)
-RADIX_PASSES = 4
+RADIX_PASSES = tl.constexpr(4)  # a constexpr: compiled kernels read no plain globals
 
 
 @triton.jit
