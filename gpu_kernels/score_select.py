@@ -7,9 +7,9 @@ program that takes the last ticket has every score of its task visible (release/
 counter) and selects:
 
 * per head g, the exact `n_select[g]` best blocks: a radix select on the scores' order-preserving
-  integer keys finds the k-th largest key in four passes of one 8-bit digit each (a histogram per
-  head, all G heads at once; the row in registers when it fits one tile, else re-read from L2),
-  then keys above it plus the lowest-index ties make exactly k;
+  integer keys finds the k-th largest key (all G heads at once): 32 one-bit counting passes when
+  the row fits one tile in registers, else four passes of one 8-bit digit each (a histogram per
+  head) over the row re-read from L2; then keys above it plus the lowest-index ties make exactly k;
 * the union over the heads in ascending block order, each entry with a G-bit mask of the heads
   that chose it, and the union size.
 
@@ -46,10 +46,11 @@ def _as_key(ans):
     return (ans - 2147483648).to(tl.int32)
 
 
-# The k-th largest key is found one 8-bit digit at a time, most significant first: four passes,
-# each a per-head histogram of the digit among the keys that match the digits fixed so far.
-# (One bit per pass took 32 dependent passes: ~0.1 ms of a claim at 32K tokens, ~0.55 ms at 128K,
-# during which the link idles.)
+# A row longer than one selection tile finds its k-th largest key one 8-bit digit at a time, most
+# significant first: four passes over the row (re-read from L2), each a per-head histogram of the
+# digit among the keys that match the digits fixed so far. One bit per pass took 32 passes over
+# the row: measured on the H200, a claim of one task at 128K tokens selected in 638 us that way
+# and 424 us this way (`benchmarks/gpu_lane_claims.py --breakdown`).
 RADIX_PASSES = tl.constexpr(4)  # a constexpr: compiled kernels read no plain globals
 
 
@@ -132,20 +133,23 @@ def _score_select_kernel(
         base = tl.zeros([], tl.int32)
         if tl.max(k, axis=0) > 0:
             eq_seen = tl.zeros([BLOCK_G], tl.int32)
-            krem = k  # of each head's k, the keys still to be found below the digits fixed so far
             ans = tl.zeros([BLOCK_G], tl.int64)  # the k-th largest key, unsigned, digits fixed so far
             if n_blocks <= SEL_CHUNK:
-                # The common case: the whole row stays in registers for all four passes.
+                # The common case: the whole row stays in registers for every pass.
                 bb = tl.arange(0, SEL_CHUNK)
                 m = gmask[:, None] & (bb < n_blocks)[None, :]
                 u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
-                for p in tl.static_range(RADIX_PASSES):
-                    hist = _digit_counts(u, m, _as_key(ans), g, 24 - 8 * p, BLOCK_G, SEL_CHUNK)
-                    krem, ans = _fix_digit(hist, krem, ans, 24 - 8 * p, BLOCK_G)
+                # One bit per pass: a compare and a row sum each, cheaper here than four histograms
+                # (measured on the H200 at 32K tokens: 104 against 141 us for a claim of one task).
+                for i in range(32):
+                    cand = ans | (tl.full([BLOCK_G], 1, tl.int64) << (31 - i))
+                    cnt = tl.sum((m & (u >= _as_key(cand)[:, None])).to(tl.int32), axis=1)
+                    ans = tl.where(cnt >= k, cand, ans)
                 n_gt = tl.sum((m & (u > _as_key(ans)[:, None])).to(tl.int32), axis=1)
                 eq_seen, base = _emit_union(u, m, bb, g, k, ans, k - n_gt, eq_seen, base, ub, uh)
             else:
                 n_chunks = tl.cdiv(n_blocks, SEL_CHUNK)
+                krem = k  # of each head's k, the keys still to be found below the digits fixed so far
                 for p in tl.static_range(RADIX_PASSES):
                     hist = tl.zeros([BLOCK_G * 256], tl.int32)
                     for c in range(0, n_chunks):
