@@ -143,7 +143,7 @@ def test_prefetched_buffers_equal_a_synchronous_gather_and_hits_fetch_nothing():
         fetched = rt.stats()["sparda_blocks_fetched"]
         assert fetched == rt.stats()["sparda_blocks_selected"] == 2 * 2 * 4
         # The same selection made synchronously (the layer's own queries) hits every block.
-        staged = ex._stage(1, seq_ids, look)
+        staged = ex._stage(1, seq_ids, look.to(device=rt.store.device, dtype=torch.float32))  # as prefetch hands it
         torch.testing.assert_close(staged.slots, st.slots)
         assert rt.stats()["sparda_blocks_fetched"] == fetched
         assert rt.stats()["sparda_bytes_moved"] == fetched * 2 * blk * 32 * 2
