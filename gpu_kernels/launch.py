@@ -21,6 +21,7 @@ import logging
 import torch
 
 from gpu_kernels._checks import interpreted
+from gpu_kernels.streams import current_stream_handle
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class CachedLaunch:
             return
         try:
             if stream is None:
-                stream = torch.cuda.current_stream().cuda_stream
+                stream = current_stream_handle()
             g1 = grid[1] if len(grid) > 1 else 1
             rt = _KNOBS.runtime
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook

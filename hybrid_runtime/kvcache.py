@@ -48,6 +48,7 @@ import psutil
 import torch
 
 from cpu_kernels import layout
+from gpu_kernels.streams import current_stream
 from gpu_kernels.uva import uva_view
 from gpu_kernels.window_append import append_window
 from hybrid_runtime.config import GeometryConfig, KVCacheConfig
@@ -604,7 +605,7 @@ class KVStore:
             k, v = (x.to(self.device, self.dtype) if x.stride(-1) == 1 else x.to(self.device, self.dtype).contiguous()
                     for x in (k, v))
             append_window(win_k, win_v, k, v, index, validate=False)
-            done.record()  # the ring row is rewritten only after the kernel read it
+            done.record(current_stream())  # the ring row is rewritten only after the kernel read it
         else:
             slots, pos = index
             win_k[slots, :, pos] = k.to(device=self.device, dtype=self.dtype)

@@ -33,6 +33,7 @@ import torch
 
 from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
+from gpu_kernels.streams import current_stream, use_stream
 from hybrid_runtime.config import Config, ConfigError, GeometryConfig
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
@@ -575,9 +576,10 @@ class HybridRuntime:
             return
         raise _nonfinite_error({name: (int(_nonfinite_mask(x).sum()), x.numel()) for name, x in tensors.items()})
 
-    def _event(self) -> torch.cuda.Event:
+    def _event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+        """A timing event recorded on `stream` (default: the current one)."""
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(current_stream() if stream is None else stream)
         return ev
 
     # Pinned slots for the window's (slots, lengths) of recent steps: an async copy needs a
@@ -604,7 +606,7 @@ class HybridRuntime:
         dev = self._win_dev[i, : 2 * b]  # a UVA view of that pinned row
         # The runtime's own buffers and the store's window, checked when they were made.
         res = self._window_gpu(qs, win_k, win_v, dev[:b], dev[b:], max_len=max(lens), validate=False)
-        used.record()  # the row is rewritten only after the kernel read it
+        used.record(current_stream())  # the row is rewritten only after the kernel read it
         return res
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
@@ -707,7 +709,8 @@ class HybridRuntime:
             self._check_lookahead(layer, seq_ids, lookahead)
         store, geo = self.store, self.geometry
         prof = self._timeline.enabled
-        ev_entry = self._event() if cuda and prof else None
+        caller = current_stream() if cuda else None  # looked up once: each lookup costs host time
+        ev_entry = self._event(caller) if cuda and prof else None
         # A spill moves window pages into the CPU segment the tasks read: it must come first; so
         # must the append when the planner reads the window (its features include this token).
         # Otherwise the append only touches the GPU window and runs while the tasks do.
@@ -746,7 +749,7 @@ class HybridRuntime:
                 look_host = self._look_host[: lookahead.numel() * lookahead.element_size()].view(lookahead.dtype)
                 look_host = look_host.view(lookahead.shape)
                 look_host.copy_(lookahead, non_blocking=True)
-        ev_qhost = self._event() if cuda and has_cpu else None
+        ev_qhost = self._event(caller) if cuda and has_cpu else None
         if has_gpu:
             gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
 
@@ -756,7 +759,7 @@ class HybridRuntime:
             gout.zero_()
             glse.fill_(float("-inf"))
             if self.gpu_lane_device.type == "cuda":
-                job.gpu_ready = self._event()  # the GPU lane's stream starts after this point
+                job.gpu_ready = self._event(caller)  # the GPU lane's stream starts after this point
 
         window: dict = {}
 
@@ -768,15 +771,14 @@ class HybridRuntime:
                 window["out"], window["lse"] = self._window(layer, seq_ids, qs)
                 return
             # On a high-priority side stream, so that it runs ahead of anything else queued.
-            caller = torch.cuda.current_stream()
             side = self._side_stream
             side.wait_stream(caller)
-            with torch.cuda.stream(side):
+            with use_stream(side, caller):
                 if not append_first:
                     store.append(layer, seq_ids, k, v)
-                window["ev0"] = self._event() if prof else None
+                window["ev0"] = self._event(side) if prof else None
                 out, lse = self._window(layer, seq_ids, qs)
-                window["ev1"] = self._event() if prof else None
+                window["ev1"] = self._event(side) if prof else None
             caller.wait_stream(side)  # the merges below run on the caller's stream
             out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's
             lse.record_stream(caller)
@@ -838,7 +840,7 @@ class HybridRuntime:
         cpu_used = job is not None and job.cpu_used
         gpu_used = job is not None and job.gpu_used
 
-        ev_m0 = self._event() if cuda and prof else None
+        ev_m0 = self._event(caller) if cuda and prof else None
         out = None
         if cuda:
             # One kernel merges the window with the lanes' parts -- the CPU lane's read through UVA
@@ -849,7 +851,7 @@ class HybridRuntime:
             if gpu_used and job.gpu_batches:
                 last_end = job.gpu_batches[-1][1]
                 if not isinstance(last_end, float):
-                    torch.cuda.current_stream().wait_event(last_end)
+                    caller.wait_event(last_end)
                 parts.append((gout, glse))
             if parts:
                 # Straight into the caller's tensor where the kernel can write it; else in place.
@@ -867,7 +869,7 @@ class HybridRuntime:
             merged = getattr(executor, "merged", None) if job is not None else None
             if merged is not None:
                 merged(layer, seq_ids, lse_w)  # each head's final lse (EvoSparse's heat, on the device)
-        ev_end = self._event() if cuda and prof else None
+        ev_end = self._event(caller) if cuda and prof else None
         if out is None:
             # On the host the window's result lives in the runtime's own buffer: the caller gets a copy.
             out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda)
