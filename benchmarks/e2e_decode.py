@@ -148,6 +148,7 @@ from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
     timed_generate,
 )
 from hybrid_runtime.experiments.generate_timing import model_dims as _dims  # noqa: E402
+from hybrid_runtime.experiments.tpot import prefill_activation_bytes  # noqa: E402
 from hybrid_runtime.experiments.generate_timing import timeline_fields as _timeline_fields  # noqa: E402
 from hybrid_runtime.kvcache import CapacityError, arena_bytes, host_available_bytes  # noqa: E402
 
@@ -202,14 +203,16 @@ def prefill_flops(cfg, batch: int, context: int) -> float:
     return float(batch * (context * linear + attention + 2 * h * vocab))
 
 
-def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: int, hybrid_cfg: Config | None) -> dict:
+def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: int, hybrid_cfg: Config | None,
+                    gpu_bytes: int | None = None) -> dict:
     """What a variant needs, from the geometry. `needed_bytes_est` is KV + weights (the contract's
     figure); `gpu_lower_bound_bytes` adds one MLP's prefill activations (act(gate), up and their
     product, 3 x tokens x intermediate x 2 bytes) to what stays on the GPU, and decides whether a
-    variant is tried at all (see the module docstring)."""
+    variant is tried at all (see the module docstring). With `gpu_bytes`, a prompt whose one-forward
+    prefill would not fit is prefilled in chunks (`prefill_chunk_tokens`, see `prefill_chunk`), and
+    the activations are those of one chunk."""
     layers, _, inter, _, _, _, _ = _dims(cfg)
     kv = kv_bytes(cfg, batch, context)
-    act = 3 * batch * context * inter * 2
     host = 0
     if variant.kind == "hybrid":
         resident, host = 0, kv
@@ -222,7 +225,10 @@ def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: in
         host = kv
     else:
         resident = kv
+    chunk = prefill_chunk(cfg, batch, context, weights + resident, gpu_bytes)
+    act = 3 * batch * (chunk or context) * inter * 2
     return {
+        "prefill_chunk_tokens": chunk,
         "kv_bytes_est": kv,
         "weight_bytes": weights,
         "needed_bytes_est": kv + weights,
@@ -230,6 +236,34 @@ def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: in
         "gpu_lower_bound_bytes": weights + resident + act,
         "needed_host_bytes_est": host,
     }
+
+
+# Margin on `prefill_activation_bytes` when sizing prompt chunks: the caching allocator's
+# fragmentation, sdpa's workspace, rotary tables. At 4 x 128K on an H100 the one-forward prefill
+# (estimate 64 GiB of activations beside 15 GiB of weights) failed allocating an MLP tensor of 14 GiB.
+PREFILL_MARGIN = 1.25
+MIN_PREFILL_CHUNK = 1024
+
+
+def prefill_chunk(cfg, batch: int, context: int, resident_bytes: int, gpu_bytes: int | None) -> int | None:
+    """Prompt tokens per sequence per prefill forward (`generate`'s `prefill_chunk_size`) when the
+    whole prompt's activations would not fit on the GPU beside `resident_bytes` (weights and what
+    the variant keeps resident); None: one forward (or no GPU limit given). The context halved
+    until the chunk's activations, plus the earlier chunks' KV of a layer read back for its dense
+    attention, fit with `PREFILL_MARGIN`; never below `MIN_PREFILL_CHUNK`."""
+    if not gpu_bytes:
+        return None
+    room = gpu_bytes - resident_bytes
+
+    def need(tokens: int) -> float:
+        return PREFILL_MARGIN * prefill_activation_bytes(cfg, batch, tokens, context - tokens, 2)
+
+    if need(context) <= room:
+        return None
+    chunk = context
+    while chunk > MIN_PREFILL_CHUNK and need(chunk) > room:
+        chunk = max(MIN_PREFILL_CHUNK, chunk // 2)
+    return chunk
 
 
 def fit_problems(est: dict, gpu_bytes: int | None, host_bytes: int | None) -> list[str]:
@@ -314,7 +348,8 @@ def _warm(model, ids, mask, warmup_tokens: int, gen_kwargs: dict, on_first=(), t
     return time.perf_counter() - t
 
 
-def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s) -> dict:
+def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
+                prefill_chunk_tokens: int | None = None) -> dict:
     gen = dict(variant.generate_kwargs)
     row: dict = {}
     cache = None
@@ -345,6 +380,8 @@ def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_toke
             compiled = not gen.get("disable_compile") and hasattr(model, "_compiled_call")
             row["compiled"] = ids.device.type == "cuda" and compiled
             cache.reset()
+        if prefill_chunk_tokens:
+            gen["prefill_chunk_size"] = prefill_chunk_tokens  # the measured call only: the warm-up's prompt is short
         with GcWatch() as gcw:
             gcw.label = variant.name
             row.update(timed_generate(model, ids, mask, new_tokens, gen, cap_s=cap_s))
@@ -360,7 +397,7 @@ def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_toke
 
 
 def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
-                    cfg: Config) -> dict:
+                    cfg: Config, prefill_chunk_tokens: int | None = None) -> dict:
     from hybrid_runtime.integrations.transformers import (
         cores_for_runtime,
         disable_hybrid_attention,
@@ -393,7 +430,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             rt.timeline.clear()
             with GcWatch() as gcw:
                 gcw.label = variant.name
-                row.update(timed_generate(model, ids, mask, new_tokens, {}, cap_s=cap_s, on_first=decode_threads))
+                gen = {"prefill_chunk_size": prefill_chunk_tokens} if prefill_chunk_tokens else {}
+                row.update(timed_generate(model, ids, mask, new_tokens, gen, cap_s=cap_s, on_first=decode_threads))
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
         # Arenas are committed (and pinned) as prompts need them: what the run held at its end,
         # beside the address space reserved for the whole capacity.
@@ -415,20 +453,22 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
 
 def measure_variant(model, variant: Variant, batch: int, context: int, *, new_tokens: int = NEW_TOKENS,
                     warmup_tokens: int = WARMUP_TOKENS, cap_s: float | None = None, seed: int = 0,
-                    hybrid_cfg: Config | None = None) -> dict:
+                    hybrid_cfg: Config | None = None, prefill_chunk_tokens: int | None = None) -> dict:
     """Measure one (model, point, variant): the row's timing, memory and runtime fields.
 
     Raises what the measurement raised (out of memory included); `run_unit` records it.
     `hybrid_cfg` is the runtime's config for a hybrid variant (default: `hybrid_config` with a
-    worker on every core but one).
+    worker on every core but one). `prefill_chunk_tokens`: the measured `generate` prefills the
+    prompt in chunks of this many tokens (None: in one forward).
     """
     if variant.kind == "hybrid" and hybrid_cfg is None:
         hybrid_cfg = hybrid_config(variant, batch, context, new_tokens, max(1, (os.cpu_count() or 2) - 1))
     ids, mask = random_prompt(model.config.vocab_size, batch, context, seed, model.device)
     with torch.no_grad():
         if variant.kind == "hybrid":
-            return _measure_hybrid(model, variant, ids, mask, new_tokens, warmup_tokens, cap_s, hybrid_cfg)
-        return _measure_hf(model, variant, ids, mask, new_tokens, warmup_tokens, cap_s)
+            return _measure_hybrid(model, variant, ids, mask, new_tokens, warmup_tokens, cap_s, hybrid_cfg,
+                                   prefill_chunk_tokens)
+        return _measure_hf(model, variant, ids, mask, new_tokens, warmup_tokens, cap_s, prefill_chunk_tokens)
 
 
 def run_unit(model, model_name: str, variant: Variant, batch: int, context: int, *, new_tokens: int = NEW_TOKENS,
@@ -451,9 +491,9 @@ def run_unit(model, model_name: str, variant: Variant, batch: int, context: int,
     if variant.kind == "hybrid":
         cfg = hybrid_config(variant, batch, context, new_tokens, cpu_workers, hybrid_overrides)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    row.update(memory_estimate(model.config, variant, batch, context, weights, cfg))
     if gpu_bytes is None and cuda:
         gpu_bytes = torch.cuda.get_device_properties(model.device).total_memory
+    row.update(memory_estimate(model.config, variant, batch, context, weights, cfg, gpu_bytes))
     if host_bytes is None:
         host_bytes = host_available_bytes()
     short = fit_problems(row, gpu_bytes, host_bytes)
@@ -463,7 +503,7 @@ def run_unit(model, model_name: str, variant: Variant, batch: int, context: int,
     t0 = time.perf_counter()
     try:
         row.update(measure_variant(model, variant, batch, context, new_tokens=new_tokens, warmup_tokens=warmup_tokens,
-                                   cap_s=cap_s, seed=seed, hybrid_cfg=cfg))
+                                   cap_s=cap_s, seed=seed, hybrid_cfg=cfg, prefill_chunk_tokens=row["prefill_chunk_tokens"]))
         row["status"] = "ok"
     except KeyboardInterrupt:
         raise
@@ -694,7 +734,7 @@ def estimated_fit(cfg, variant: Variant, batch: int, context: int, new_tokens: i
                   gpu_bytes: int | None, host_bytes: int | None) -> list[str]:
     """`fit_problems` of a unit before anything is built (as `run_unit` will judge it)."""
     hcfg = hybrid_config(variant, batch, context, new_tokens, 1) if variant.kind == "hybrid" else None
-    return fit_problems(memory_estimate(cfg, variant, batch, context, weights, hcfg), gpu_bytes, host_bytes)
+    return fit_problems(memory_estimate(cfg, variant, batch, context, weights, hcfg, gpu_bytes), gpu_bytes, host_bytes)
 
 
 def schedule(models: list[str], points: list, variants: list[str], new_tokens: int, cap_s, budget_s: float,

@@ -175,6 +175,25 @@ def test_memory_estimates_of_the_reference_geometries():
     assert not e2e.fit_problems(hyb, e2e.H100_BYTES, e2e.H100_HOST_BYTES)
 
 
+def test_prompts_whose_prefill_does_not_fit_are_chunked():
+    llama = e2e.model_config("llama-3.1-8b")
+    w = e2e.param_count(llama) * 2
+    hcfg = e2e.hybrid_config(e2e.VARIANTS["fluxion"], 4, 131072, 24, 15)
+    # 4 x 128K: one forward needs ~64 GiB of activations beside 15 GiB of weights (it failed on an H100).
+    est = e2e.memory_estimate(llama, e2e.VARIANTS["fluxion"], 4, 131072, w, hcfg, e2e.H100_BYTES)
+    chunk = est["prefill_chunk_tokens"]
+    assert chunk is not None and chunk < 131072 and 131072 % chunk == 0
+    need = e2e.PREFILL_MARGIN * e2e.prefill_activation_bytes(llama, 4, chunk, 131072 - chunk, 2)
+    assert need + w <= e2e.H100_BYTES  # the chunk fits beside the weights
+    assert e2e.PREFILL_MARGIN * e2e.prefill_activation_bytes(llama, 4, 2 * chunk, 131072 - 2 * chunk, 2) + w > e2e.H100_BYTES
+    assert est["prefill_activation_bytes_est"] == 3 * 4 * chunk * 14336 * 2
+    # 4 x 32K fits in one forward; no GPU limit given: no chunking either.
+    small = e2e.memory_estimate(llama, e2e.VARIANTS["fluxion"], 4, 32768, w,
+                                e2e.hybrid_config(e2e.VARIANTS["fluxion"], 4, 32768, 24, 15), e2e.H100_BYTES)
+    assert small["prefill_chunk_tokens"] is None
+    assert e2e.memory_estimate(llama, e2e.VARIANTS["fluxion"], 4, 131072, w, hcfg)["prefill_chunk_tokens"] is None
+
+
 # ---------------------------------------------------------------------------- metrics from points
 def _pt(model, b, c, variant, status="ok", ttft=1.0, med=10.0, mean=None, bytes_per_step=None, construct=None):
     p = {"model": model, "batch": b, "context": c, "variant": variant, "status": status,
