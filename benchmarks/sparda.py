@@ -28,6 +28,11 @@ transfer time per layer (CUDA events around each). Metrics: `speedup_vs_sync_<po
 prefetch, `exposed_transfer_fraction_<point>` = (prefetch - hits) / (sync - hits) -- the share of
 the transfer still on the critical path -- and `hit_rate_<point>`.
 
+After the modes, one more selection of layer 1 (fetch included) is counted twice: `selection_ops`,
+the torch operators it dispatches (views and other metadata-only ops left out) plus its Triton
+launches, on any device; and on CUDA `selection_launches`, the kernels, copies and memsets the
+torch profiler sees on the GPU (a torch operator may launch several kernels, e.g. a topk).
+
     python benchmarks/sparda.py                            # (16, 32K) and (4, 128K), 8 layers
     python benchmarks/sparda.py --points 16x32768 --steps 10
     python benchmarks/sparda.py --smoke                    # tiny shapes, any machine, a few seconds
@@ -106,9 +111,7 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
                      "dtype": "bf16" if cuda else "fp32", "cpu_capacity_tokens": batch * context, "max_sequences": batch},
         "selection": {"name": "sparda"},
         "sparda": {"lookahead": "proxy", "block_size": args.block_size, "top_k": args.top_k},
-        # No task runs on a lane under sparda; the cheapest lane keeps the scheduler content (one
-        # idle CPU worker with CUDA; without it the torch lane, which compiles nothing).
-        "scheduler": {"cpu_workers": 1 if cuda else 0, "gpu_worker": not cuda, "pin_cores": False},
+        # No scheduler section: under sparda no task runs and the runtime starts no lane.
         "profiling": {"enabled": False},
     })
     gen = torch.Generator(device=dev).manual_seed(args.seed)
@@ -188,6 +191,12 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
                 row["transfer_ms_median"] = float(np.median(xf)) if xf else None
                 if xf and row["bytes_moved_per_layer_step"]:
                     row["transfer_GBps"] = row["bytes_moved_per_layer_step"] / (float(np.mean(xf)) * 1e-3) / 1e9
+            if mode == MODES[-1]:
+                ops, launches = count_selection(ex, seq_ids, looks[1], cuda)
+                for r in rows[-len(MODES) + 1:] + [row]:
+                    r["selection_ops"], r["selection_launches"] = ops, launches
+                print(f"  one selection: {ops} torch ops + Triton launches"
+                      + (f", {launches} GPU kernels/copies" if launches is not None else ""), flush=True)
             rows.append(row)
             print(f"  {mode:8s} layer {row['layer_ms_median']:.3f} ms (p90 {row['layer_ms_p90']:.3f}), hit rate "
                   f"{row['hit_rate']:.3f}, {row['bytes_moved_per_layer_step'] / 2**20:.1f} MiB moved / layer step"
@@ -199,6 +208,60 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
         if cuda:
             torch.cuda.empty_cache()
     return rows
+
+
+_VIEW_OPS = {"view", "_unsafe_view", "expand", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "permute",
+             "as_strided", "detach", "alias", "unfold", "reshape", "lift_fresh"}
+
+
+def count_selection(ex, seq_ids: list[int], queries: torch.Tensor, cuda: bool) -> tuple[int, int | None]:
+    """(torch ops dispatched + Triton launches, GPU kernels/copies/memsets or None without CUDA)
+    of one selection of layer 1 with fetch, made twice (each counted once; the cache sees both)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gpu_kernels.launch import CachedLaunch
+
+    class Ops(TorchDispatchMode):
+        n = 0
+        in_launch = False  # a launch counts once (Triton's interpreter runs torch ops of its own)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not Ops.in_launch and func.overloadpacket.__name__ not in _VIEW_OPS:
+                Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    launch = CachedLaunch.__call__
+
+    def counted(self, *a, **k):
+        Ops.n += 1
+        Ops.in_launch = True
+        try:
+            return launch(self, *a, **k)
+        finally:
+            Ops.in_launch = False
+
+    if cuda:
+        torch.cuda.synchronize()
+    CachedLaunch.__call__ = counted
+    try:
+        with Ops():
+            ex._stage(1, tuple(seq_ids), queries)
+    finally:
+        CachedLaunch.__call__ = launch
+    if not cuda:
+        return Ops.n, None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ex._stage(1, tuple(seq_ids), queries)
+            torch.cuda.synchronize()
+        gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    except (RuntimeError, AttributeError) as exc:  # a profiler without CUPTI: the op count stands alone
+        print(f"  GPU launches not counted: {exc}", file=sys.stderr)
+        return Ops.n, None
+    return Ops.n, len(gpu) or None
 
 
 def metrics_of(rows: list[dict]) -> dict:
@@ -214,7 +277,7 @@ def metrics_of(rows: list[dict]) -> dict:
         for m in MODES:
             out[f"layer_ms_{m}_{t}"] = by[m]["layer_ms_median"]
         out[f"bytes_moved_per_layer_step_{t}"] = by["prefetch"]["bytes_moved_per_layer_step"]
-        for key in ("selection_ms_median", "transfer_ms_median", "transfer_GBps"):
+        for key in ("selection_ms_median", "transfer_ms_median", "transfer_GBps", "selection_ops", "selection_launches"):
             if by["prefetch"].get(key) is not None:
                 out[f"{key.replace('_median', '')}_{t}"] = by["prefetch"][key]
     return {k: v for k, v in out.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
@@ -237,6 +300,10 @@ def markdown(record: dict) -> str:
                      f"{'-' if sel is None else f'{sel:.3f}'} | {'-' if xf is None else f'{xf:.3f}'} |")
     m = record["metrics"]
     lines += ["", ", ".join(f"`{k}` {v:.3f}" for k, v in m.items() if k.startswith(("speedup", "exposed", "hit_rate")))]
+    counts = [f"`{k}` {v:.0f}" for k, v in m.items() if k.startswith(("selection_ops", "selection_launches"))]
+    if counts:
+        lines += ["", "One selection of layer 1 with its fetch: " + ", ".join(counts) + " (torch ops dispatched + "
+                  "Triton launches; GPU kernels, copies and memsets seen by the torch profiler)."]
     return "\n".join(lines) + "\n"
 
 

@@ -55,13 +55,17 @@ class CachedLaunch:
         try:
             if stream is None:
                 stream = current_stream_handle()
+            # Every dimension of the grid: the JIT passes (x, y, z) too. Dropping z ran only the
+            # programs with program_id(2) == 0 from the second call of a variant on (the first goes
+            # through the JIT and was right; the interpreter always does, so only CUDA showed it).
             g1 = grid[1] if len(grid) > 1 else 1
+            g2 = grid[2] if len(grid) > 2 else 1
             rt = _KNOBS.runtime
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
             argv = (*args, *constexprs.values())
             # Launch hooks (profilers) get the metadata the JIT would give them.
             meta = kernel.launch_metadata(grid, stream, *argv) if enter is not None else None
-            kernel.run(grid[0], g1, 1, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *argv)
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *argv)
             self.fast_launches += 1
         except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
             log.warning("cached Triton launch unavailable (%s); launching through the JIT", exc)

@@ -335,6 +335,26 @@ class SchedulerConfig:
         return self.gpu_worker is True or (self.gpu_worker == "auto" and cuda)
 
 
+def starts_lanes(selection: SelectionConfig) -> bool:
+    """Whether a runtime of this selection starts the scheduler's lanes (CPU workers, GPU lane):
+    every selection but sparda, whose executor reads the CPU segment itself and makes no tasks."""
+    return selection.name != "sparda"
+
+
+# The scheduler keys a runtime without lanes (`starts_lanes` false) never reads, and the values
+# that may stand for them: the default, and for the lanes themselves the "none" a run's resolved
+# config records (`resolved`). pin_cores and gc_freeze stay: they act on the caller's thread
+# (its cores under tensor parallelism) and on the collector.
+IDLE_SCHEDULER_VALUES = {
+    "placement": ("fluxion",),
+    "cpu_workers": ("auto", 0),
+    "gpu_worker": ("auto", False),
+    "step_timeout_s": (SchedulerConfig.step_timeout_s,),
+    "gpu_share": (SchedulerConfig.gpu_share,),
+    "spin_us": (SchedulerConfig.spin_us,),
+}
+
+
 @dataclass(frozen=True)
 class ProfilingConfig:
     enabled: bool = True
@@ -723,6 +743,9 @@ def _validate_experiment(cfg: Config) -> None:
         if names.index(v.name) != i:
             raise ConfigError(f"{path}.name: {v.name!r} is already the name of experiment.variants[{names.index(v.name)}]; "
                               "allowed: a name of its own")
+        if v.placement is not None and not starts_lanes(cfg.selection):
+            raise ConfigError(f"{path}.placement: {v.placement!r} does nothing under selection.name "
+                              f"{cfg.selection.name!r} (no task runs, no lane is started); allowed: leave it out")
         if v.selection is None:
             continue
         if "asynctls" in (v.selection.name, cfg.selection.name) and v.selection != cfg.selection:
@@ -808,6 +831,14 @@ def _check_unused_keys(data: Mapping) -> None:
     if "checkpoint" in changed and sp.get("lookahead", defaults["lookahead"]) != "forecast":
         raise ConfigError(f"sparda.checkpoint: read only with sparda.lookahead 'forecast' (here {sp.get('lookahead')!r}); "
                           "allowed: remove it")
+    sc = data.get("scheduler") if isinstance(data.get("scheduler"), Mapping) else {}
+    if sel.get("name") == "sparda":
+        for key, allowed in IDLE_SCHEDULER_VALUES.items():
+            if key in sc and not any(sc[key] == a and isinstance(sc[key], bool) == isinstance(a, bool) for a in allowed):
+                raise ConfigError(
+                    f"scheduler.{key}: {sc[key]!r} does nothing under selection.name 'sparda' (its executor reads the "
+                    "CPU segment itself: no task runs, no CPU worker or GPU lane is started); allowed: remove it "
+                    f"(or {' / '.join(repr(a) for a in allowed)})")
     ex = data.get("experiment") if isinstance(data.get("experiment"), Mapping) else {}
     wl = data.get("workload") if isinstance(data.get("workload"), Mapping) else {}
     if ex.get("points"):
@@ -956,10 +987,12 @@ def resolved(cfg: Config, cuda: bool) -> Config:
     without CUDA: what a run records as having run."""
     kv, sc = cfg.kv_cache, cfg.scheduler
     device = ("cuda" if cuda else "cpu") if kv.device == "auto" else kv.device
+    lanes = starts_lanes(cfg.selection)
     return dataclasses.replace(
         cfg,
         kv_cache=dataclasses.replace(kv, device=device),
-        scheduler=dataclasses.replace(sc, gpu_worker=sc.gpu_lane(cuda), cpu_workers=sc.cpu_worker_count()),
+        scheduler=dataclasses.replace(sc, gpu_worker=lanes and sc.gpu_lane(cuda),
+                                      cpu_workers=sc.cpu_worker_count() if lanes else 0),
     )
 
 

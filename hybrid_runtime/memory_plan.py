@@ -27,7 +27,7 @@ import torch
 from cpu_kernels import layout
 from hybrid_runtime import native_pool
 from hybrid_runtime.forecast_block_cache import BlockCache
-from hybrid_runtime.config import Config, GeometryConfig, KVCacheConfig, sparda_cache_blocks, spill_blocks
+from hybrid_runtime.config import Config, GeometryConfig, KVCacheConfig, sparda_cache_blocks, spill_blocks, starts_lanes
 from hybrid_runtime.kvcache import CapacityError, arena_bytes, host_available_bytes
 from hybrid_runtime.prefill_statistics import statistics_bytes
 from hybrid_runtime.segment_index import CELLS_PER_CHUNK, SegmentIndex
@@ -350,7 +350,8 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
     s = kv.max_sequences
     window_on_gpu = kv.device == "cuda" or (kv.device == "auto" and cuda)
     host_kind = HOST_PINNED if cuda else HOST
-    lane_on_gpu = sc.gpu_lane(cuda) and cuda
+    lanes = starts_lanes(cfg.selection)
+    lane_on_gpu = lanes and sc.gpu_lane(cuda) and cuda
     cap_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences", "kv_cache.dtype", "geometry.layers")
     parts = []
 
@@ -384,24 +385,33 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         per_group = sparda_cache_blocks(sp, kv)
         max_blocks = -(-kv.cpu_capacity_tokens // sp.block_size) + 1
         max_chunks = -(-kv.cpu_capacity_tokens // layout.CHUNK_TOKENS) + 1
+        # A staged selection's entries per layer (slot, valid tokens, chunk, first row, fetch flag).
+        entries = s * hkv * (sp.top_k + spill_blocks(kv, sp.block_size))
         per_layer = BlockCache.nbytes(s * hkv * per_group, sp.block_size, d, es, s, hkv, max_blocks) + \
-            SegmentIndex.nbytes(n_chunks, s, hkv, d, max_chunks, es)
+            SegmentIndex.nbytes(n_chunks, s, hkv, d, max_chunks, es) + entries * (8 + 4 + 4 + 4 + 1)
         parts.append(MemoryPart(
             "sparda_cache_index", win_where, RESIDENT, _on(win_where, layers * per_layer),
             ("sparda.cache_blocks", "sparda.top_k", "kv_cache.max_sequences", "kv_cache.cpu_capacity_tokens",
              "geometry.layers"),
             f"{layers} layers x ({s * hkv * per_group} cached blocks of {sp.block_size} tokens, K and V; cell means of "
             f"{n_chunks} chunks; chunk tables)"))
-        # One selection: the batch's cells gathered and scored in fp32 (per head for a proxy), and on
-        # the host the attention's gathered K and V of every selected block in fp32.
         cells = s * hkv * max_chunks * CELLS_PER_CHUNK
-        step = cells * d * (es + _F32) + 4 * s * hq * max_chunks * CELLS_PER_CHUNK * _F32
-        if not window_on_gpu:
-            step += 2 * s * hkv * (sp.top_k + spill_blocks(kv, sp.block_size)) * sp.block_size * d * _F32
+        if window_on_gpu:
+            # One selection from the index tables (gpu_kernels/forecast_scores.py): window scores
+            # per query head in fp32 (a proxy's; a Forecast's are per KV group), the blocks' sort
+            # keys and their topk, the cache plan's scratch.
+            step = s * hq * max_chunks * CELLS_PER_CHUNK * _F32 + s * hkv * max_blocks * 8 + \
+                s * hkv * sp.top_k * 16 + entries * (3 * 8 + 2 * 4)
+            how = f"window scores of {cells} cells per query head, sort keys of {s * hkv * max_blocks} blocks"
+        else:
+            # On the host: the batch's cells gathered and scored in fp32 (per head for a proxy), and
+            # the attention's gathered K and V of every selected block in fp32.
+            step = cells * d * (es + _F32) + 4 * s * hq * max_chunks * CELLS_PER_CHUNK * _F32 + \
+                2 * entries * sp.block_size * d * _F32
+            how = f"scores of {cells} cells for {s} sequences; attention over the selected blocks on the host"
         parts.append(MemoryPart(
             "sparda_selection", win_where, "decode", _on(win_where, step),
-            ("kv_cache.max_sequences", "kv_cache.cpu_capacity_tokens", "sparda.top_k"),
-            f"scores of {cells} cells for {s} sequences; attention over the selected blocks on the host"))
+            ("kv_cache.max_sequences", "kv_cache.cpu_capacity_tokens", "sparda.top_k"), how))
 
     # Step buffers (runtime.__init__): q and packed results on the host, their device copies.
     step_keys = ("kv_cache.max_sequences",)
@@ -416,7 +426,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
                                 f"device copies of q and results of {s} sequences x {hq} heads, fp32"))
 
     mb = max_task_blocks(kv)
-    n = sc.cpu_worker_count()
+    n = sc.cpu_worker_count() if lanes else 0
     if n:
         parts.append(MemoryPart(
             "cpu_workspaces", HOST, RESIDENT, n * workspace_bytes(g, d, mb),
@@ -494,7 +504,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         "prefill_staging", staging_where, "prefill", _on(staging_where, staging),
         ("kv_cache.cpu_capacity_tokens", "kv_cache.dtype"),
         f"cast, chunk images and block metadata of one {longest}-token prompt"))
-    if sc.gpu_lane(cuda) and not cuda and not own_lane:
+    if lanes and sc.gpu_lane(cuda) and not cuda and not own_lane:
         blk = min(kv.block_sizes)
         parts.append(MemoryPart(
             "torch_lane_task", HOST, "decode", _torch_lane_task_bytes(kv.cpu_capacity_tokens, blk, 1.0, geometry, es),
@@ -549,8 +559,9 @@ def estimate_synthetic_run(cfg: Config, *, cuda: bool | None = None) -> MemoryPl
                             f"cast, chunk images and block metadata of one {ctx}-token prompt"))
 
     cpu_len = min(_cpu_tokens_after(kv, ctx, wl.decode_steps), kv.cpu_capacity_tokens)
-    # NOSA's, AsyncTLS's and EvoSparse's steps are parts of the runtime's plan.
-    if cfg.scheduler.gpu_lane(cuda) and not cuda and cfg.selection.name not in ("nosa", "asynctls", "evosparse"):
+    # NOSA's, AsyncTLS's and EvoSparse's steps are parts of the runtime's plan; SparDA starts no lane.
+    if starts_lanes(cfg.selection) and cfg.scheduler.gpu_lane(cuda) and not cuda and \
+            cfg.selection.name not in ("nosa", "asynctls", "evosparse"):
         sel = cfg.selection
         # A predicted plan may give any head budget 1.0 at its smallest block size.
         budget = {"fixed": sel.budget, "full": 1.0, "streaming": 0.0, "predicted": 1.0}[sel.name]

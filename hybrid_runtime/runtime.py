@@ -34,7 +34,7 @@ import torch
 from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
 from gpu_kernels.streams import current_stream, use_stream
-from hybrid_runtime.config import Config, ConfigError, GeometryConfig
+from hybrid_runtime.config import Config, ConfigError, GeometryConfig, starts_lanes
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
@@ -231,6 +231,10 @@ class HybridRuntime:
         sc = dataclasses.replace(cfg.scheduler, gpu_worker=cfg.scheduler.gpu_lane(torch.cuda.is_available()),
                                  cpu_workers=cfg.scheduler.cpu_worker_count(None if rank_cores is None else len(rank_cores)),
                                  pin_cores=cfg.scheduler.pin_cores and (share is None or share.exclusive))
+        lanes = starts_lanes(cfg.selection)
+        if not lanes:
+            # The SparDA executor reads the CPU segment itself and makes no tasks: no lane to start.
+            sc = dataclasses.replace(sc, cpu_workers=0, gpu_worker=False)
         # An executor argument may also be a factory `store -> executor` (executors need the store).
         if cpu_executor is not None and (isinstance(cpu_executor, type) or not hasattr(cpu_executor, "run")):
             cpu_executor = cpu_executor(store)
@@ -360,7 +364,7 @@ class HybridRuntime:
             self._confined = (threading.get_ident(), confine_current_thread(share.cores))
         try:
             self.scheduler = Scheduler(sc, self.cpu_executor, self.gpu_executor, gpu_is_cuda=lane_cuda, native=native,
-                                       cores=rank_cores)
+                                       cores=rank_cores, lanes=lanes)
         except BaseException:
             self._release_thread()
             raise

@@ -65,6 +65,7 @@ class Scheduler:
         gpu_is_cuda: bool = False,
         native: dict | None = None,
         cores: Sequence[int] | None = None,
+        lanes: bool = True,
     ):
         """`cpu_executor`: a `CpuTaskExecutor`; `gpu_executor`: a `GpuLaunchExecutor`, or an
         `Executor` with only `run` (then wrapped to launch synchronously). `native`: what native
@@ -72,14 +73,17 @@ class Scheduler:
         `max_chunks`, optional `kernel`); without it, or with a CPU executor whose
         `native_kernel` is None or missing, CPU workers are Python threads calling `run_one`.
         `cores`: the cores the workers and the caller are planned over (default: this process's;
-        a tensor-parallel rank's runtime passes its share, `pinning.rank_cores`)."""
+        a tensor-parallel rank's runtime passes its share, `pinning.rank_cores`).
+        `lanes=False`: a runtime whose own executor reads the CPU segment and makes no tasks
+        (`selection.name: sparda`): no CPU worker, no GPU lane, and `run` refuses."""
         self.cfg = cfg
-        n_cpu = cfg.cpu_worker_count(None if cores is None else len(cores))
+        n_cpu = cfg.cpu_worker_count(None if cores is None else len(cores)) if lanes else 0
         self.cpu_executor = cpu_executor if n_cpu > 0 else None
         # "auto" serves a GPU lane only with a CUDA executor (the runtime makes none without CUDA).
-        self.gpu_executor = gpu_executor if cfg.gpu_lane(gpu_is_cuda) else None
+        self.gpu_executor = gpu_executor if lanes and cfg.gpu_lane(gpu_is_cuda) else None
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
-        if not (has_cpu or has_gpu):
+        self.has_lanes = has_cpu or has_gpu
+        if lanes and not self.has_lanes:
             raise ConfigError("scheduler: no worker at all; set scheduler.cpu_workers >= 1 or scheduler.gpu_worker: true")
         # What each placement has learned about the lanes (its own samples only), bounded by the
         # GPU executor's measured link bandwidth when it has one.
@@ -266,6 +270,8 @@ class Scheduler:
         """
         if self._closed:
             raise RuntimeError("the scheduler is closed")
+        if not self.has_lanes:
+            raise RuntimeError("this scheduler has no lanes (built with lanes=False: its runtime makes no tasks)")
         timeout = self.cfg.step_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         self.lane.await_orphan(timeout)

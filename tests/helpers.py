@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -27,3 +28,28 @@ def random_kv(length: int, kv_heads: int, head_dim: int, seed: int = 0) -> tuple
     k = torch.randn(length, kv_heads, head_dim, generator=gen)
     v = torch.randn(length, kv_heads, head_dim, generator=gen)
     return k, v
+
+
+@contextlib.contextmanager
+def reversed_interpreter_grid() -> Iterator[list[int]]:
+    """Triton's interpreter runs a launch's programs one after another, x outermost, each seeing
+    what earlier ones stored; a GPU runs them in any order, concurrently. Inside this context the
+    interpreter runs them last first (program (x, y, z) in slot (nx-1-x, ny-1-y, nz-1-z)), so a
+    kernel whose result depends on program order differs from its in-order run. Yields a list
+    whose one entry counts the programs run reversed (a test checks it ran any). Interpreter only."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    real = type(builder).set_grid_idx
+    ran = [0]
+
+    def set_grid_idx(x: int, y: int, z: int) -> None:
+        nx, ny, nz = builder.grid_dim
+        ran[0] += 1
+        real(builder, nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    builder.set_grid_idx = set_grid_idx
+    try:
+        yield ran
+    finally:
+        del builder.set_grid_idx

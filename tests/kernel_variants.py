@@ -215,14 +215,20 @@ def nosa(geometry: GeometryConfig, dtype: str) -> None:
 
 
 def sparda(geometry: GeometryConfig, dtype: str) -> None:
-    """SparDA's prefetch gather and slot attention, on the executor's own block cache and index, with
-    the index dtypes its selection (`SpardaExecutor._stage`) produces. It has no warm-up."""
+    """SparDA's selection -- block scores as sort keys, cache lookup and assignment, the prefetch
+    gather -- through the executor's own warm-up (`SpardaExecutor.warm_up`, CUDA only: called here
+    on the CPU store) at every block size, with the Forecast's lookahead (it warms up both query
+    head counts and a spill's variants); then slot attention, with the index dtypes the selection
+    (`SpardaExecutor._stage`) produces."""
     from gpu_kernels.forecast_gather import gather_blocks
     from gpu_kernels.slot_attention import slot_attention
-    from hybrid_runtime.config import SpardaConfig
+    from hybrid_runtime.config import BLOCK_SIZES, SpardaConfig
     from hybrid_runtime.executors.sparda import SpardaExecutor
 
     cfg, store = _store(geometry, dtype)
+    for block_size in BLOCK_SIZES:
+        SpardaExecutor(store, SpardaConfig(block_size=block_size, lookahead="forecast"), cfg.kv_cache,
+                       use_triton=True).warm_up()
     ex = SpardaExecutor(store, SpardaConfig(), cfg.kv_cache)
     b, hkv, e = 1, store.kv_heads, ex.top_k
     slots = torch.zeros((b, hkv, e), dtype=torch.int64)  # `cache.assign`'s dst, viewed as the blocks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -13,11 +14,16 @@ from forecast.grid import cell_counts, cell_means, group_block_scores, top_block
 from hybrid_runtime.config import ConfigError, config_from_dict
 from hybrid_runtime.reference import dense_attention, merge_attention
 from hybrid_runtime.runtime import HybridRuntime
-from tests.helpers import random_kv
+from tests.helpers import random_kv, reversed_interpreter_grid
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GEOM = {"layers": 3, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 TOL = dict(atol=2e-3, rtol=2e-3) if torch.cuda.is_available() else dict(atol=3e-5, rtol=1e-4)
 LENGTHS = [300, 700]
+# Programs of a launch in the interpreter's order, or last first (`reversed_interpreter_grid`): a
+# kernel whose result depends on the order its programs run in differs between the two.
+GRID_ORDERS = ["in_order", pytest.param("reversed", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="reorders the Triton interpreter's programs; compiled kernels run in any order"))]
 
 
 def sparda_config(lookahead="proxy", top_k=8, block_size=32, dtype="fp32", **sp):
@@ -27,9 +33,7 @@ def sparda_config(lookahead="proxy", top_k=8, block_size=32, dtype="fp32", **sp)
                      "dtype": dtype},
         "selection": {"name": "sparda"},
         "sparda": {"lookahead": lookahead, "top_k": top_k, "block_size": block_size, **sp},
-        # The CPU segment is read by the SparDA executor alone: no task runs on either lane, so the
-        # cheapest one (the torch lane, no numba workers to compile) keeps the scheduler content.
-        "scheduler": {"cpu_workers": 0, "gpu_worker": True, "pin_cores": False},
+        # No scheduler section: the SparDA executor reads the CPU segment alone and no lane starts.
     })
 
 
@@ -209,6 +213,171 @@ def test_slot_attention_triton_equals_torch(splits):
     assert torch.all(lse[1, 3:] == float("-inf")) and not o[1, 3:].any()
 
 
+def _key_scores(keys):
+    """The fp32 scores behind block sort keys (gpu_kernels.forecast_scores)."""
+    hi = (keys >> 32).to(torch.int32)
+    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def _prefilled(lengths=(300, 1000, 700), dtype="bf16", **sp):
+    rt = HybridRuntime(sparda_config(dtype=dtype, **sp))
+    for s, n in enumerate(lengths):
+        for layer in range(GEOM["layers"]):
+            rt.prefill(s, layer, *random_kv(n, GEOM["kv_heads"], GEOM["head_dim"], seed=10 * s + layer))
+    return rt
+
+
+def _grid_order(order):
+    """The context a test's launches run in: as they are, or with the interpreter's grid reversed."""
+    return reversed_interpreter_grid() if order == "reversed" else contextlib.nullcontext([1])
+
+
+@pytest.mark.parametrize("grid_order", GRID_ORDERS)
+@pytest.mark.parametrize("heads", [GEOM["kv_heads"], GEOM["q_heads"]])
+@pytest.mark.parametrize("limited", [False, True])
+def test_block_sort_keys_kernel_equals_the_torch_scores(heads, limited, grid_order):
+    """Scores read through the chunk tables (Triton) against group_block_scores on gathered cells;
+    a batch of three (the grid's z): a launch must score every sequence, in any program order."""
+    from gpu_kernels.forecast_scores import block_sort_keys, is_valid_key
+
+    with _prefilled(top_k=6) as rt:
+        ex, dev = rt.sparda, rt.device
+        seq_slots = torch.tensor([rt.store.slot(s) for s in (2, 0, 1)], device=dev)
+        n = ex.index.host_lengths[1, seq_slots.cpu().numpy()]
+        n_chunks = -(-int(n.max()) // layout.CHUNK_TOKENS)
+        width = n_chunks * layout.CHUNK_TOKENS // 32 + 3  # wider than the grid: padding columns
+        limit = torch.tensor([3, 20, 1], dtype=torch.int32, device=dev) if limited else None
+        q = torch.randn(3, heads, 32, generator=torch.Generator().manual_seed(7)).to(dev)
+        want = ex._sort_keys_torch(1, seq_slots, q, n_chunks, width, limit)
+        valid = is_valid_key(want)
+        assert valid.sum() > 10 and not valid[..., -3:].any()  # blocks past the segment or the limit: none
+        # Twice: on CUDA the first launch of a variant goes through the JIT, the second through the
+        # cached launcher (the executor's warm-up may already have made it the first).
+        for _ in range(2):
+            # Pre-filled with the key of a valid block of score 2.0 (what an unwritten column would keep).
+            got = torch.full_like(want, 1 << 62)
+            with _grid_order(grid_order) as ran:
+                block_sort_keys(q, ex.index.cells[1], ex.index.tables[1], ex.index.lengths[1], seq_slots, n_chunks * 8,
+                                32, got, limit)
+            assert ran[0] > 0
+            assert torch.equal(is_valid_key(got), valid)
+            torch.testing.assert_close(_key_scores(got)[valid], _key_scores(want)[valid], atol=1e-5, rtol=1e-5)
+            assert torch.equal(torch.topk(got, 6).indices, torch.topk(want, 6).indices)
+
+
+def test_sort_keys_order_like_a_stable_descending_sort():
+    from gpu_kernels.forecast_scores import is_valid_key, sort_keys
+
+    scores = torch.tensor([[0.5, -0.0, 2.0, 2.0, float("-inf"), 0.0, -3.0, 0.5]])
+    keys = sort_keys(scores, width=10)
+    order = torch.sort(scores, descending=True, stable=True).indices
+    assert torch.topk(keys, 8).indices.tolist() == order.tolist()
+    assert is_valid_key(keys).tolist() == [[True, True, True, True, False, True, True, True, False, False]]
+
+
+@pytest.mark.parametrize("grid_order", GRID_ORDERS)
+def test_cache_placement_kernels_equal_the_torch_path(grid_order):
+    """BlockCache.place: lookup, eviction order and assignment in Triton against the torch ops,
+    over steps with hits, evictions, entries without a block, spill extras and an invalidation;
+    the lookup's programs in any order."""
+    from gpu_kernels.forecast_scores import sort_keys
+    from hybrid_runtime.forecast_block_cache import BlockCache, Placement
+
+    s, hkv, max_blocks, blk, dev = 3, 2, 40, 32, DEV
+    caches = [BlockCache(1, 80, blk, 8, torch.float32, dev, s, hkv, max_blocks) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 100, (s, hkv, max_blocks * blk // 128 + 1), generator=gen, dtype=torch.int32).to(dev)
+    lengths = torch.tensor([900, 300, 1200], dtype=torch.int32, device=dev)
+    fetched = []
+    for step in range(10):
+        seq = torch.tensor([2, 0, 1] if step % 3 else [0, 2], device=dev)
+        b = len(seq)
+        nb = (lengths[seq].long() + blk - 1) // blk
+        scores = torch.randn(b, hkv, max_blocks, generator=gen).round(decimals=1).to(dev)  # ties included
+        extra, n_extra = None, 0
+        if step % 4 == 3:  # a spill: top-k below the old end, then the blocks from it on
+            extra, n_extra = (nb - 3).clamp_min(0).to(torch.int32), 5
+            nb = extra.long()
+        scores = scores.masked_fill(torch.arange(max_blocks, device=dev) >= nb[:, None, None], float("-inf"))
+        top = torch.topk(sort_keys(scores), 8)
+        if step == 6:
+            for c in caches:
+                c.invalidate(0, 2, first_block=10)
+        m = b * hkv * (8 + n_extra)
+        outs = []
+        for cache, triton in zip(caches, (False, True)):
+            out = Placement(torch.zeros(m, dtype=torch.int64, device=dev), *(torch.zeros(m, dtype=torch.int32, device=dev)
+                            for _ in range(3)), torch.zeros(m, dtype=torch.bool, device=dev))
+            with _grid_order(grid_order if triton else "in_order") as ran:
+                cache.place(0, top.values, top.indices, extra, n_extra, seq, lengths, table, 128, out, triton)
+            assert ran[0] > 0
+            outs.append(out)
+        for field in ("slots", "ntok", "chunk", "row0", "fetch"):
+            assert torch.equal(getattr(outs[0], field), getattr(outs[1], field)), (step, field)
+        for field in ("slot_of", "owner", "stamp"):
+            assert torch.equal(getattr(caches[0], field)[0], getattr(caches[1], field)[0]), (step, field)
+        assert caches[0].counts() == caches[1].counts()
+        fetched.append(int(outs[0].fetch.sum()))
+    assert caches[0].counts()[1] > 80 and min(fetched) < max(fetched)  # evictions happened, and hits
+
+
+def _decode_steps(rt, steps, seed, forecast_layer=1):
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for step in range(steps):
+        for layer in range(GEOM["layers"]):
+            q = torch.randn(2, 8, 32, generator=gen)
+            k, v = torch.randn(2, 2, 32, generator=gen), torch.randn(2, 2, 32, generator=gen)
+            heads = GEOM["kv_heads"] if layer == forecast_layer else GEOM["q_heads"]
+            look = torch.randn(2, heads, 32, generator=gen) if layer + 1 < GEOM["layers"] else None
+            outs.append(rt.decode(layer, [1, 0], q.to(rt.device), k.to(rt.device), v.to(rt.device),
+                                  lookahead=None if look is None else look.to(rt.device)))
+    return outs
+
+
+def test_triton_selection_through_the_runtime_equals_the_torch_path():
+    """The executor with the Triton selection (interpreted without CUDA) against its torch path:
+    the same outputs, blocks, cache state, counts; and a spill's re-selection alike."""
+    runtimes = [_prefilled(top_k=5), _prefilled(top_k=5)]
+    try:
+        runtimes[0].sparda.use_triton, runtimes[1].sparda.use_triton = False, True
+        runtimes[1].sparda.warm_up()
+        results = [_decode_steps(rt, 3, seed=9) for rt in runtimes]
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, **TOL)
+        ex_a, ex_b = (rt.sparda for rt in runtimes)
+        for layer in range(GEOM["layers"]):
+            for field in ("slot_of", "owner", "stamp"):
+                assert torch.equal(getattr(ex_a.cache, field)[layer], getattr(ex_b.cache, field)[layer]), (layer, field)
+        assert runtimes[0].stats() == runtimes[1].stats()
+        # A re-selection after a spill: top-k below each old end, then every block from it on.
+        old = np.array([200, 640])
+        q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(11)).to(runtimes[0].device)
+        st_a, st_b = (ex._stage(1, (1, 0), q, spilled_from=old) for ex in (ex_a, ex_b))
+        assert st_a.slots.shape == (2, 2, 5 + ex_a.spill_blocks)
+        assert torch.equal(st_a.slots, st_b.slots) and torch.equal(st_a.ntok, st_b.ntok)
+        assert int(st_a.ntok.sum()) > 0
+        assert runtimes[0].stats() == runtimes[1].stats()
+    finally:
+        for rt in runtimes:
+            rt.close()
+
+
+def test_sparda_runtime_starts_no_lanes():
+    from hybrid_runtime.memory_plan import estimate_runtime
+
+    with HybridRuntime(sparda_config()) as rt:
+        assert rt.scheduler.n_cpu == 0 and rt.scheduler.threads == [] and rt.cpu_executor is None
+        assert rt.gpu_executor is None and rt.scheduler.lane.executor is None
+        st = rt.stats()
+        assert st["cpu_workers"] == 0 and st["gpu_worker"] is False
+        with pytest.raises(RuntimeError, match="no lanes"):
+            rt.scheduler.run(None)
+    for cuda in (False, True):  # nor does the memory plan count lanes
+        names = {p.name for p in estimate_runtime(sparda_config(), cuda=cuda).parts}
+        assert "sparda_selection" in names and not names & {"cpu_workspaces", "gpu_lane_scratch", "torch_lane_task"}
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("data,match", [
     ({"sparda": {"top_k": 4}}, "sparda.top_k: read only under selection.name 'sparda'"),
@@ -223,10 +392,41 @@ def test_slot_attention_triton_equals_torch(splits):
      "selection.streaming_heads"),
     ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"},
       "experiment": {"variants": [{"name": "a", "selection": {"name": "fixed"}}]}}, "variants cannot switch"),
+    # The scheduler's lane settings do nothing under sparda (no task, no lane).
+    ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"}, "scheduler": {"placement": "gpu_only"}},
+     r"scheduler.placement: 'gpu_only' does nothing under selection.name 'sparda'.*allowed: remove it \(or 'fluxion'\)"),
+    ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"}, "scheduler": {"cpu_workers": 4}},
+     r"scheduler.cpu_workers: 4 does nothing.*allowed: remove it \(or 'auto' / 0\)"),
+    ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"}, "scheduler": {"gpu_worker": True}},
+     r"scheduler.gpu_worker: True does nothing.*\(or 'auto' / False\)"),
+    ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"}, "scheduler": {"spin_us": 5.0}},
+     "scheduler.spin_us: 5.0 does nothing"),
+    ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"}, "scheduler": {"gpu_share": 0.5}},
+     "scheduler.gpu_share: 0.5 does nothing"),
+    ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"}, "scheduler": {"step_timeout_s": 5}},
+     "scheduler.step_timeout_s: 5 does nothing"),
+    ({"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"},
+      "experiment": {"variants": [{"name": "a", "placement": "cpu_only"}]}},
+     r"experiment.variants\[0\].placement: 'cpu_only' does nothing under selection.name 'sparda'"),
 ])
 def test_bad_sparda_config_is_refused_naming_the_key(data, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict(data)
+
+
+def test_sparda_scheduler_keys_that_say_no_lanes_and_a_resolved_config_read_back():
+    from hybrid_runtime.config import resolved
+
+    base = {"selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy"}}
+    ok = config_from_dict({**base, "scheduler": {"cpu_workers": 0, "gpu_worker": False, "placement": "fluxion",
+                                                 "pin_cores": False, "gc_freeze": False, "spin_us": 20000.0}})
+    assert ok.scheduler.cpu_workers == 0 and ok.scheduler.pin_cores is False
+    for cuda in (False, True):
+        ran = resolved(config_from_dict(base), cuda=cuda)
+        assert (ran.scheduler.cpu_workers, ran.scheduler.gpu_worker) == (0, False)
+        assert config_from_dict(ran.to_dict()) == ran  # a run's config.yaml reads back
+    # Elsewhere the same keys keep their meaning.
+    assert config_from_dict({"scheduler": {"cpu_workers": 4, "gpu_worker": True}}).scheduler.cpu_workers == 4
 
 
 def test_bad_lookahead_is_refused_before_anything_changes():
@@ -275,7 +475,6 @@ def _hf_config(lookahead, top_k, checkpoint=None):
         "kv_cache": {"dtype": "fp32", "sink": 8, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 2048,
                      "max_sequences": 2},
         "selection": {"name": "sparda"}, "sparda": sp,
-        "scheduler": {"cpu_workers": 0, "gpu_worker": True, "pin_cores": False},
     })
 
 
@@ -389,7 +588,6 @@ def test_cuda_prefetch_on_the_side_stream_gives_dense_attention_at_full_top_k():
         "geometry": GEOM,
         "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 4096, "max_sequences": 3},
         "selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy", "top_k": 64, "block_size": 32},
-        "scheduler": {"cpu_workers": 1, "gpu_worker": False, "pin_cores": False},
     })
     dev = torch.device("cuda")
     with HybridRuntime(cfg) as rt:

@@ -9,7 +9,7 @@ query per KV group, or the proxy's one per head (`forecast.model`) -- and:
    layer `l + 1`'s compressed keys (`SegmentIndex`: 16-token cell means on the window's device;
    windows of 32 tokens, stride 16) with Q, max-pool onto blocks, take each group's top-k, look
    the blocks up in layer `l + 1`'s pool of the `BlockCache`, give the misses slots (least
-   recently used first) and copy only them from the pinned CPU store (`gpu_kernels.block_gather`,
+   recently used first) and copy only them from the pinned CPU store (`gpu_kernels.forecast_gather`,
    reading the arena through its UVA view); record an event. Nothing waits for it on the host.
 2. **attend(l + 1)**, in `decode(l + 1)`: the caller's stream waits for that event only, then
    attends the staged blocks (`gpu_kernels.slot_attention`) giving `(out, lse)`, which the runtime
@@ -22,6 +22,15 @@ attention adds CPU-segment blocks the selection never saw (they were local token
 then re-selects with the same queries (the old blocks now hit) and also fetches every block the
 spill touched, so `local` stays attended. Without CUDA all of it runs synchronously on the host
 with the same logic and buffers. No step synchronises with the host.
+
+One selection on CUDA is five Triton launches and two `torch.topk`: the block scores read the
+cells through the chunk tables (`gpu_kernels.forecast_scores`, two launches: window scores, then
+blocks as sort keys), `torch.topk` of the keys, the cache lookup, `torch.topk` of the slots'
+stamps (the eviction order), the assignment with the fetch list (`gpu_kernels.forecast_plan`),
+and the copy of the misses (`gpu_kernels.forecast_gather`). The host reads only its own copy of the segments'
+lengths (the grid's width) and allocates nothing but per-call scratch from the caching allocator;
+a staged selection's slots and valid tokens live in per-layer buffers. Without CUDA, the same
+steps run as torch ops (the cells gathered and scored by `forecast.grid.group_block_scores`).
 """
 
 from __future__ import annotations
@@ -35,10 +44,11 @@ import numpy as np
 import torch
 
 from cpu_kernels import layout
-from forecast.grid import cell_counts, group_block_scores, top_blocks
+from forecast.grid import CELL, cell_counts, group_block_scores
 from gpu_kernels.forecast_gather import gather_blocks
+from gpu_kernels.forecast_scores import block_sort_keys, sort_keys
 from gpu_kernels.slot_attention import slot_attention, slot_attention_torch
-from hybrid_runtime.forecast_block_cache import BlockCache
+from hybrid_runtime.forecast_block_cache import BlockCache, Placement
 from hybrid_runtime.config import KVCacheConfig, SpardaConfig, sparda_cache_blocks, spill_blocks
 from hybrid_runtime.kvcache import KVStore
 from hybrid_runtime.segment_index import CELLS_PER_CHUNK, SegmentIndex
@@ -57,6 +67,14 @@ class StagedSelection:
     events: tuple | None = None  # (start, selected, fetched) timing events, when timing is on
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """A batch's sequence slots: on the device (int64) and as host row indices."""
+
+    slots: torch.Tensor
+    rows: np.ndarray
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -66,12 +84,15 @@ class SpardaExecutor:
     """Selection one layer ahead, block cache and prefetch over a `KVStore` (see the module doc).
 
     `timing`: record CUDA events around each selection's scoring and transfer (`last_events`),
-    for benchmarks.
+    for benchmarks. `use_triton`: select with the Triton kernels (default: on CUDA; the tests run
+    them on the host under Triton's interpreter).
     """
 
-    def __init__(self, store: KVStore, cfg: SpardaConfig, kv_cfg: KVCacheConfig, timing: bool = False):
+    def __init__(self, store: KVStore, cfg: SpardaConfig, kv_cfg: KVCacheConfig, timing: bool = False,
+                 use_triton: bool | None = None):
         self.store, self.cfg = store, cfg
         self.cuda = store.device.type == "cuda"
+        self.use_triton = self.cuda if use_triton is None else use_triton
         self.block_size, self.top_k = cfg.block_size, cfg.top_k
         self.spill_blocks = spill_blocks(kv_cfg, cfg.block_size)
         self.index = SegmentIndex(store)
@@ -85,10 +106,57 @@ class SpardaExecutor:
         self.staged: list[StagedSelection | None] = [None] * store.layers
         self.last_events: list[tuple | None] = [None] * store.layers
         self.prefetched_steps = self.synchronous_steps = self.spill_reselections = 0
-        self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
-        self._heads = torch.arange(hkv, device=store.device)
+        self._batches: dict[tuple[int, ...], _Batch] = {}
+        # Per layer, the staged selection's entries (the largest batch, a spill's extra blocks
+        # included): written by the layer's selection, read by its attention.
+        entries = s * hkv * (cfg.top_k + self.spill_blocks)
+        dev = store.device
+        self._placed = [Placement(torch.zeros(entries, dtype=torch.int64, device=dev),
+                                  torch.zeros(entries, dtype=torch.int32, device=dev),
+                                  torch.zeros(entries, dtype=torch.int32, device=dev),
+                                  torch.zeros(entries, dtype=torch.int32, device=dev),
+                                  torch.zeros(entries, dtype=torch.bool, device=dev)) for _ in range(store.layers)]
+        self._ready = [torch.cuda.Event() for _ in range(store.layers)] if self.cuda else None
+        if self.use_triton and self.cuda:
+            self.warm_up()
 
     # ------------------------------------------------------------------ bookkeeping
+    def warm_up(self) -> None:
+        """Compile the selection's kernels now, not in a decode step: the variants this config
+        uses (scores per query head for a layer's own query; per KV group for the Forecast; a
+        spill's limit and extra blocks after a prefetch), on sequence slot 0 with an empty
+        segment at layer 0 -- nothing is selected, fetched or cached."""
+        idx, store, dev = self.index, self.store, self.store.device
+        slots = torch.zeros(1, dtype=torch.long, device=dev)
+        lengths = torch.zeros_like(idx.lengths[0])
+        limit = torch.zeros(1, dtype=torch.int32, device=dev)
+        heads = {store.geometry.q_heads}
+        if self.cfg.lookahead == "forecast":
+            heads.add(store.kv_heads)
+        spills = (False,) if self.cfg.lookahead == "same_layer" else (False, True)
+        width = self.top_k
+        # The copy reads nothing (no block is fetched): a one-chunk stand-in of the arena compiles it.
+        arena = torch.zeros((1, layout.CHUNK_ROWS, store.head_dim), dtype=store.dtype, device=dev)
+        steps = self.cache.steps[0]
+        for h in sorted(heads):
+            for spill in spills:
+                queries = torch.zeros((1, h, store.head_dim), dtype=torch.float32, device=dev)
+                keys = torch.empty((1, store.kv_heads, width), dtype=torch.int64, device=dev)
+                block_sort_keys(queries, idx.cells[0], idx.tables[0], lengths, slots, CELLS_PER_CHUNK, self.block_size,
+                                keys, limit if spill else None)
+                top = torch.topk(keys, self.top_k, dim=-1)
+                n_extra = self.spill_blocks if spill else 0
+                m = store.kv_heads * (self.top_k + n_extra)
+                placed = self._placed[0]
+                out = Placement(*(t[:m] for t in (placed.slots, placed.ntok, placed.chunk, placed.row0, placed.fetch)))
+                self.cache.place(0, top.values, top.indices, limit if spill else None, n_extra, slots, lengths,
+                                 idx.tables[0], layout.CHUNK_TOKENS, out, True)
+                gather_blocks(arena, self.cache.k[0], self.cache.v[0], out.chunk, out.row0, out.slots, out.fetch,
+                              use_triton=True)
+        self.cache.steps[0] = steps  # no block was placed: the layer's clock stays where it was
+        if self.cuda:
+            torch.cuda.synchronize()
+
     def _wait_side(self) -> None:
         """Order the caller's stream after the prefetch stream (GPU-side; the host does not wait)."""
         if self.cuda:
@@ -100,7 +168,7 @@ class SpardaExecutor:
         self.cache.invalidate(layer, self.store.slot(seq_id))
         self.index.update(seq_id, layer)
         self.staged[layer] = None
-        self._slot_tensors.clear()
+        self._batches.clear()
 
     def spilled(self, layer: int, seq_ids: Sequence[int], old_lens: Sequence[int]) -> None:
         """Sequences' segments at `layer` grew from `old_lens` (a spill): index the new tokens,
@@ -118,16 +186,17 @@ class SpardaExecutor:
             self.cache.invalidate(layer, slot)
         self.index.forget(seq_id)
         self.staged = [None] * self.store.layers
-        self._slot_tensors.clear()
+        self._batches.clear()
 
-    def _slots(self, seq_ids: tuple[int, ...]) -> torch.Tensor:
-        t = self._slot_tensors.get(seq_ids)
-        if t is None:
-            if len(self._slot_tensors) > 64:
-                self._slot_tensors.clear()
-            t = self._slot_tensors[seq_ids] = torch.tensor([self.store.slot(s) for s in seq_ids], dtype=torch.long,
-                                                           device=self.store.device)
-        return t
+    def _batch(self, seq_ids: tuple[int, ...]) -> _Batch:
+        batch = self._batches.get(seq_ids)
+        if batch is None:
+            if len(self._batches) > 64:
+                self._batches.clear()
+            rows = np.array([self.store.slot(s) for s in seq_ids], dtype=np.intp)
+            batch = self._batches[seq_ids] = _Batch(torch.from_numpy(rows).to(dtype=torch.long, device=self.store.device),
+                                                    rows)
+        return batch
 
     # ------------------------------------------------------------------ selection and transfer
     def _stage(self, layer: int, seq_ids: tuple[int, ...], queries: torch.Tensor,
@@ -135,61 +204,71 @@ class SpardaExecutor:
         """Select and fetch on the current stream: each group's top-k blocks by `queries`; with
         `spilled_from`, top-k among the blocks before each sequence's old end plus every block
         from it on (what a spill added)."""
-        idx, cache, blk = self.index, self.cache, self.block_size
+        idx, blk = self.index, self.block_size
+        if queries.stride(-1) != 1:  # the kernels read rows of unit stride
+            queries = queries.contiguous()
         ev = None
         if self.timing:
             ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
             ev[0].record()
-        slot_t = self._slots(seq_ids)
-        lens = idx.host_lengths[layer, [self.store.slot(s) for s in seq_ids]]
-        b = len(seq_ids)
-        m = max(1, -(-int(lens.max()) // layout.CHUNK_TOKENS))
-        ct = idx.tables[layer][slot_t, :, :m].long()  # [B, Hkv, m]
-        hkv, d = ct.shape[1], idx.cells[layer].shape[-1]
-        cells = idx.cells[layer][ct].view(b, hkv, m * CELLS_PER_CHUNK, d)
-        lens_dev = idx.lengths[layer][slot_t]  # [B]
-        counts = cell_counts(lens_dev, m * CELLS_PER_CHUNK)  # [B, C]
-        scores = group_block_scores(queries, cells, counts, blk, m * layout.CHUNK_TOKENS)  # [B, Hkv, NB]
-        nb = scores.shape[-1]
-        blocks_ar = torch.arange(nb, device=scores.device)
-        if spilled_from is not None:
-            first_new = torch.as_tensor(spilled_from // blk, device=scores.device)
-            scores = scores.masked_fill(blocks_ar >= first_new[:, None, None], float("-inf"))
-        blocks, valid = top_blocks(scores, self.top_k)
-        if spilled_from is not None:
-            n_blocks = (lens_dev + blk - 1) // blk
-            extra = (first_new[:, None] + torch.arange(self.spill_blocks, device=scores.device)).expand(b, self.spill_blocks)
-            ext_valid = extra < n_blocks[:, None]
-            blocks = torch.cat([blocks, extra[:, None].expand(b, hkv, -1)], -1)
-            valid = torch.cat([valid, ext_valid[:, None].expand(b, hkv, -1)], -1)
-        heads = self._heads[None, :, None]
-        keys = torch.where(valid, cache.key(slot_t[:, None, None], heads, blocks), -1)
-        dst, fetch = cache.assign(layer, keys.reshape(-1))
+        batch = self._batch(seq_ids)
+        lens = idx.host_lengths[layer, batch.rows]  # the host's copy: no device read
+        b, hkv = len(seq_ids), self.store.kv_heads
+        n_chunks = max(1, -(-int(lens.max()) // layout.CHUNK_TOKENS))
+        n_cells = n_chunks * CELLS_PER_CHUNK
+        width = max(n_cells * CELL // blk, self.top_k)  # blocks of the grid, at least top_k columns
+        stream = torch.cuda.current_stream().cuda_stream if self.cuda else None
+        first_new, n_extra = None, 0
+        if spilled_from is not None:  # a spill between prefetch and attention: rare, may copy
+            first_new = torch.from_numpy((spilled_from // blk).astype(np.int32)).to(self.store.device)
+            n_extra = self.spill_blocks
+        lengths = idx.lengths[layer]
+        if self.use_triton:
+            keys = torch.empty((b, hkv, width), dtype=torch.int64, device=queries.device)
+            block_sort_keys(queries, idx.cells[layer], idx.tables[layer], lengths, batch.slots, n_cells, blk, keys,
+                            first_new, stream=stream)
+        else:
+            keys = self._sort_keys_torch(layer, batch.slots, queries, n_chunks, width, first_new)
+        top = torch.topk(keys, self.top_k, dim=-1)
+        e = self.top_k + n_extra
+        placed = self._placed[layer]
+        out = Placement(*(t[: b * hkv * e] for t in (placed.slots, placed.ntok, placed.chunk, placed.row0, placed.fetch)))
+        self.cache.place(layer, top.values, top.indices, first_new, n_extra, batch.slots, lengths, idx.tables[layer],
+                         layout.CHUNK_TOKENS, out, self.use_triton, stream)
         if ev is not None:
             ev[1].record()
-        per_chunk = layout.CHUNK_TOKENS // blk
-        pos = (blocks // per_chunk).clamp(max=idx.max_chunks - 1)
-        chunk = idx.tables[layer][slot_t[:, None, None], heads, pos].reshape(-1)
-        row0 = ((blocks % per_chunk) * blk).to(torch.int32).reshape(-1)
         arena = self.store.arena_cuda(layer) if self.cuda else self.store.arena(layer)
-        stream = torch.cuda.current_stream().cuda_stream if self.cuda else None
-        gather_blocks(arena, cache.k[layer], cache.v[layer], chunk, row0, dst, fetch, stream=stream)
-        ntok = ((lens_dev[:, None, None] - blocks * blk).clamp(0, blk) * valid).to(torch.int32)
+        gather_blocks(arena, self.cache.k[layer], self.cache.v[layer], out.chunk, out.row0, out.slots, out.fetch,
+                      stream=stream, use_triton=self.use_triton)
         ready = None
         if self.cuda:
-            ready = torch.cuda.Event()
+            ready = self._ready[layer]
             ready.record()
         if ev is not None:
             ev[2].record()
             self.last_events[layer] = ev
-        return StagedSelection(seq_ids, lens, queries, dst.view(blocks.shape), ntok, ready, ev)
+        return StagedSelection(seq_ids, lens, queries, out.slots.view(b, hkv, e), out.ntok.view(b, hkv, e), ready, ev)
+
+    def _sort_keys_torch(self, layer: int, seq_slots: torch.Tensor, queries: torch.Tensor, n_chunks: int, width: int,
+                         first_new: torch.Tensor | None) -> torch.Tensor:
+        """`block_sort_keys` in torch: the batch's cells gathered and scored by `group_block_scores`."""
+        idx = self.index
+        b, hkv = seq_slots.shape[0], self.store.kv_heads
+        ct = idx.tables[layer][seq_slots, :, :n_chunks].long()  # [B, Hkv, m]
+        cells = idx.cells[layer][ct].view(b, hkv, n_chunks * CELLS_PER_CHUNK, -1)
+        counts = cell_counts(idx.lengths[layer][seq_slots], n_chunks * CELLS_PER_CHUNK)  # [B, C]
+        scores = group_block_scores(queries.float(), cells, counts, self.block_size, n_chunks * layout.CHUNK_TOKENS)
+        if first_new is not None:
+            blocks = torch.arange(scores.shape[-1], device=scores.device)
+            scores = scores.masked_fill(blocks >= first_new[:, None, None], float("-inf"))
+        return sort_keys(scores, width)
 
     def prefetch(self, layer: int, seq_ids: Sequence[int], queries: torch.Tensor) -> None:
         """Select and start fetching `layer`'s blocks for the batch `seq_ids` with `queries [B, H, D]`
         (H = Hkv: one raw-scored query per group; H = Hq: one per head, unscaled) and return: on the
         side stream with CUDA (after the caller's stream reaches this point), at once on the host."""
         seq_ids = tuple(seq_ids)
-        queries = queries.to(device=self.store.device, dtype=torch.float32)
+        queries = queries.to(device=self.store.device, dtype=torch.float32)  # one dtype: one compiled variant
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
@@ -209,9 +288,7 @@ class SpardaExecutor:
         if st is not None and st.seq_ids == seq_ids:
             if st.ready is not None:
                 torch.cuda.current_stream().wait_event(st.ready)
-                st.slots.record_stream(torch.cuda.current_stream())
-                st.ntok.record_stream(torch.cuda.current_stream())
-            now = self.index.host_lengths[layer, [self.store.slot(s) for s in seq_ids]]
+            now = self.index.host_lengths[layer, self._batch(seq_ids).rows]
             if not np.array_equal(now, st.cpu_lens):
                 st = self._stage(layer, seq_ids, st.queries, spilled_from=st.cpu_lens)
                 self.spill_reselections += 1

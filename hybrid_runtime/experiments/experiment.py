@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib.util
 
-from hybrid_runtime.config import Config, ConfigError
+from hybrid_runtime.config import Config, ConfigError, starts_lanes
 from hybrid_runtime.experiments.points import experiment_points, point_label
 from hybrid_runtime.experiments.progress import Progress
 from hybrid_runtime.experiments.variants import experiment_variants
@@ -41,7 +41,7 @@ def check(cfg: Config, cuda: bool) -> None:
     gpu_lane = sc.gpu_lane(cuda)
     from hybrid_runtime.scheduler import NEEDS
 
-    for i, v in enumerate(variants):
+    for i, v in enumerate(variants if starts_lanes(cfg.selection) else ()):  # placements need lanes, sparda none
         key = f"experiment.variants[{i}].placement" if ex.variants else "scheduler.placement"
         need_cpu, need_gpu = NEEDS[v.placement]
         if (need_cpu or v.placement == "fluxion" and not gpu_lane) and sc.cpu_workers < 1:

@@ -87,9 +87,8 @@ def runtime_config(settings: SpardaQualitySettings, policy: str) -> Config:
     longest = max(settings.lengths)
     data: dict = {
         "kv_cache": {"dtype": settings.store_dtype, "max_sequences": 2, "cpu_capacity_tokens": longest + 512},
-        # No task runs on a lane under sparda: the cheapest lane (the torch one, no numba workers)
-        # keeps the scheduler content without CUDA and leaves the host's cores to the model.
-        "scheduler": {"cpu_workers": 0, "gpu_worker": True, "pin_cores": False},
+        # No scheduler section: under sparda no task runs and no lane starts, so the host's cores
+        # stay the model's.
         "profiling": {"enabled": False},
     }
     for section, values in (settings.runtime or {}).items():
