@@ -36,13 +36,15 @@ def test_key_tells_apart_what_triton_specialises_on():
 
 def test_cached_launch_computes_what_the_jit_does():
     launch = CachedLaunch(_add_kernel)
-    for n in (100, 100, 37):
+    # 37 specialises as 100 does (neither 1 nor a multiple of 16): the compiled kernel serves it;
+    # 48 (a multiple of 16) is a new variant and goes through the JIT.
+    for n in (100, 100, 37, 48):
         x = torch.randn(n, device=DEV)
         y = torch.full((n,), float("nan"), device=DEV)
         launch((triton.cdiv(n, 64),), (x, y, n), {"BLOCK": 64}, (64,), {"num_warps": 1})
         assert torch.equal(y.cpu(), (x + 1.0).cpu())
-    if CUDA:  # the repeated variant went straight to the compiled kernel
-        assert launch.fast_launches == 1
+    if CUDA:  # the second and third calls went straight to the compiled kernel
+        assert launch.fast_launches == 2
     else:  # the interpreter always goes through the JIT
         assert launch.fast_launches == 0
 
