@@ -3,14 +3,16 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead tpot_grid
-#   nosa asynctls sparda evosparse (default: the first four). Experiments need matplotlib: carry its wheels
+#   steps: gpu_tests kernel_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead
+#   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests: the test files of the
+#   Triton kernels, every marker, compiled on CUDA (on CI they run under the interpreter, which accepts
+#   code and expectations the compiled path does not: two such test bugs and a launcher bug hid there). Experiments need matplotlib: carry its wheels
 #   in .carry/wheels (the device has no index); tpot_grid runs the grid's first point and returns
 #   its run folder as tpot_grid.tgz (a run folder has more files than come back one by one).
 set -u
 commit=${1:?commit sha under test (the device copy has no .git)}
 shift
-steps=${*:-gpu_tests gpu_attention cpu_attention layer_attention}
+steps=${*:-gpu_tests kernel_tests gpu_attention cpu_attention layer_attention}
 out=${OUT:?run this through the device tool, which sets OUT}
 export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
@@ -20,6 +22,9 @@ export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
 for step in $steps; do
     case $step in
         gpu_tests) timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests ;;
+        kernel_tests) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+            tests/test_gpu_claims.py tests/test_launch.py tests/test_window_append.py tests/test_sparda.py \
+            tests/test_nosa.py tests/test_asynctls.py tests/test_predictor_fused.py tests/test_predictor_model.py ;;
         gpu_attention) timeout 150 python benchmarks/gpu_attention.py --rounds 7 --out-dir "$out" ;;
         cpu_attention) timeout 150 python benchmarks/cpu_attention.py --out "$out" ;;
         layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-h100.json" ;;
