@@ -40,7 +40,7 @@ def slot_attention_torch(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
 @triton.jit(do_not_specialize=["E", "PER_SPLIT"])
 def _slot_attn_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, ntok_ptr, part_out_ptr, part_lse_ptr, E, PER_SPLIT,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLK: tl.constexpr, D: tl.constexpr,
-                      N_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -82,7 +82,9 @@ def _slot_attn_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, ntok_ptr, part_out_ptr, pa
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    part = (r.to(tl.int64) * N_SPLITS + s) * G + g
+    # The split count is the grid's, not a constexpr: it follows the batch size, and a constexpr
+    # would compile a variant for every batch size the decode loop meets.
+    part = (r.to(tl.int64) * tl.num_programs(1) + s) * G + g
     tl.store(part_out_ptr + part[:, None] * D + d[None, :], o, mask=gmask[:, None])
     tl.store(part_lse_ptr + part, lse, mask=gmask)
 
@@ -104,11 +106,11 @@ def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     part_out = torch.empty((rows, n_splits, g, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((rows, n_splits, g), dtype=torch.float32, device=q.device)
     fp32 = dot_in_fp32(cache_k.dtype)
-    constexprs = {"G": g, "BLOCK_G": max(16, next_pow2(g)), "BLK": blk, "D": d, "N_SPLITS": n_splits,
+    constexprs = {"G": g, "BLOCK_G": max(16, next_pow2(g)), "BLK": blk, "D": d,
                   "DOT_FP32": fp32, "DOT_PRECISION": dot_precision(cache_k.dtype)}
     if rows and e:
         _launch((rows, n_splits), (q.contiguous(), cache_k, cache_v, slots, ntok, part_out, part_lse, e, per_split),
-                constexprs, (g, blk, d, n_splits, fp32, cache_k.dtype), {"num_warps": 4}, stream=stream)
+                constexprs, (g, blk, d, fp32, cache_k.dtype), {"num_warps": 4}, stream=stream)
     else:
         part_out.zero_()
         part_lse.fill_(float("-inf"))

@@ -155,6 +155,11 @@ class SpardaExecutor:
                               use_triton=True)
         self.cache.steps[0] = steps  # no block was placed: the layer's clock stays where it was
         if self.cuda:
+            # The attention over the cache slots: one variant whatever the batch (its split count
+            # is the grid's); entries with no tokens read nothing.
+            q = torch.zeros((1, store.geometry.q_heads, store.head_dim), dtype=torch.float32, device=dev)
+            none = torch.zeros((1, store.kv_heads, 1), dtype=torch.long, device=dev)
+            slot_attention(q, self.cache.k[0], self.cache.v[0], none, none.int(), n_splits=1)
             torch.cuda.synchronize()
 
     def _wait_side(self) -> None:
