@@ -58,6 +58,19 @@ def select(c, table, start, stop, sc):
                  sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts)
 
 
+def select_with_tile(c, sc, sel_elems: int) -> None:
+    """`select` of the case's first task with the selection tile `SEL_ELEMS` set to `sel_elems`
+    (smaller than the row: the chunked path)."""
+    import gpu_kernels.score_select as ss
+
+    old = ss.SEL_ELEMS
+    try:
+        ss.SEL_ELEMS = sel_elems
+        select(c, upload(c), 0, 1, sc)
+    finally:
+        ss.SEL_ELEMS = old
+
+
 def check_selection(c, start, stop, sc):
     for j, i in enumerate(range(start, stop)):
         s, h, blk = c.tasks[i]
@@ -100,25 +113,15 @@ def test_score_select_exact_topk_and_union(dtype):
 def test_score_select_rows_longer_than_one_selection_tile_and_ties():
     # 2600 blocks of 16 tokens, more than one selection tile (SEL_ELEMS / BLOCK_G): the chunked path. Duplicated
     # keys make equal scores, so the tie rule decides which blocks complete each head's k.
-    import gpu_kernels.score_select as ss
-
     g = 2
     c = make_case(cpu_lens=[2600 * 16], hkv=1, g=g, d=16, dtype=torch.float32, blks=(16,), budget=0.1, seed=5)
-    old = ss.SEL_ELEMS
-    try:
-        ss.SEL_ELEMS = 1024  # a smaller tile so the interpreter runs the chunked path quickly
-        host = c.ar.host
-        ids = c.ar.chunks[(0, 0)]
-        # Every chunk's metadata equal to the first chunk's: scores repeat every 8 blocks.
-        host[torch.from_numpy(ids[1:]).long(), layout.META_ROW :] = host[int(ids[0]), layout.META_ROW :]
-        sc = Scratch(1, g, 2600, 16)
-        c.n_select[:] = [[37, 260]]
-        table = StepTableBuffer(DEV).upload(*pack_case(c), group_size=g)
-        nb_max, _ = table.claim_shape(0, 1)
-        score_select(table.table, table.n_select, table.chunks, 0, 1, nb_max, c.q, c.ar.arena,
-                     sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts)
-    finally:
-        ss.SEL_ELEMS = old
+    host = c.ar.host
+    ids = c.ar.chunks[(0, 0)]
+    # Every chunk's metadata equal to the first chunk's: scores repeat every 8 blocks.
+    host[torch.from_numpy(ids[1:]).long(), layout.META_ROW :] = host[int(ids[0]), layout.META_ROW :]
+    sc = Scratch(1, g, 2600, 16)
+    c.n_select[:] = [[37, 260]]
+    select_with_tile(c, sc, 1024)  # a smaller tile so the interpreter runs the chunked path quickly
     cnt = int(sc.counts[0])
     blocks, bits = sc.ublocks[0, :cnt].cpu(), sc.uheads[0, :cnt].cpu()
     for gg, k in enumerate((37, 260)):
@@ -136,8 +139,6 @@ def test_score_select_scores_that_share_their_high_digits(sel_elems):
     # Every block's metadata is one vector plus a perturbation of 1e-5 relative: each head's scores
     # agree in their top 12-16 bits, so the k-th key is decided by the radix select's low digits.
     # G = 3 (a padded head lane), heads of both score signs, one head that selects nothing.
-    import gpu_kernels.score_select as ss
-
     g, d, n_blocks = 3, 16, 700
     c = make_case(cpu_lens=[n_blocks * 16], hkv=1, g=g, d=d, dtype=torch.float32, blks=(16,), budget=0.1, seed=9)
     host, ids = c.ar.host, torch.from_numpy(c.ar.chunks[(0, 0)]).long()
@@ -148,16 +149,8 @@ def test_score_select_scores_that_share_their_high_digits(sel_elems):
     c.q[0, 0] = c.q[0, 0].abs() * torch.sign(base).to(c.q.device)  # positive scores
     c.q[0, 1] = -c.q[0, 1].abs() * torch.sign(base).to(c.q.device)  # negative scores
     c.n_select[:] = [[41, 300, 0]]
-    old = ss.SEL_ELEMS
-    try:
-        ss.SEL_ELEMS = sel_elems
-        sc = Scratch(1, g, n_blocks, d)
-        table = StepTableBuffer(DEV).upload(*pack_case(c), group_size=g)
-        nb_max, _ = table.claim_shape(0, 1)
-        score_select(table.table, table.n_select, table.chunks, 0, 1, nb_max, c.q, c.ar.arena,
-                     sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts)
-    finally:
-        ss.SEL_ELEMS = old
+    sc = Scratch(1, g, n_blocks, d)
+    select_with_tile(c, sc, sel_elems)
     cnt = int(sc.counts[0])
     blocks, bits = sc.ublocks[0, :cnt].cpu(), sc.uheads[0, :cnt].cpu()
     assert (bits >> g == 0).all(), "no block is marked for the padded head lane"
