@@ -46,6 +46,16 @@ def _as_key(ans):
     return (ans - 2147483648).to(tl.int32)
 
 
+@triton.jit
+def _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK: tl.constexpr):
+    """Tile `c` of a task's score rows, all heads: block ids, valid entries and order keys (the
+    scores were just written by other programs: read from L2, `.cg`)."""
+    bb = c * SEL_CHUNK + tl.arange(0, SEL_CHUNK)
+    m = gmask[:, None] & (bb < n_blocks)[None, :]
+    u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+    return bb, m, u
+
+
 # A row longer than one selection tile finds its k-th largest key one 8-bit digit at a time, most
 # significant first: four passes over the row (re-read from L2), each a per-head histogram of the
 # digit among the keys that match the digits fixed so far. One bit per pass took 32 passes over
@@ -136,9 +146,7 @@ def _score_select_kernel(
             ans = tl.zeros([BLOCK_G], tl.int64)  # the k-th largest key, unsigned, digits fixed so far
             if n_blocks <= SEL_CHUNK:
                 # The common case: the whole row stays in registers for every pass.
-                bb = tl.arange(0, SEL_CHUNK)
-                m = gmask[:, None] & (bb < n_blocks)[None, :]
-                u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                bb, m, u = _score_tile(srow, g, gmask, 0, n_blocks, NB_CAP, SEL_CHUNK)
                 # One bit per pass: a compare and a row sum each, cheaper here than four histograms
                 # (measured on the H200 at 32K tokens: 104 against 141 us for a claim of one task).
                 for i in range(32):
@@ -153,21 +161,15 @@ def _score_select_kernel(
                 for p in tl.static_range(RADIX_PASSES):
                     hist = tl.zeros([BLOCK_G * 256], tl.int32)
                     for c in range(0, n_chunks):
-                        bb = c * SEL_CHUNK + tl.arange(0, SEL_CHUNK)
-                        m = gmask[:, None] & (bb < n_blocks)[None, :]
-                        u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                        bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)
                         hist += _digit_counts(u, m, _as_key(ans), g, 24 - 8 * p, BLOCK_G, SEL_CHUNK)
                     krem, ans = _fix_digit(hist, krem, ans, 24 - 8 * p, BLOCK_G)
                 n_gt = tl.zeros([BLOCK_G], tl.int32)
                 for c in range(0, n_chunks):
-                    bb = c * SEL_CHUNK + tl.arange(0, SEL_CHUNK)
-                    m = gmask[:, None] & (bb < n_blocks)[None, :]
-                    u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                    bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)
                     n_gt += tl.sum((m & (u > _as_key(ans)[:, None])).to(tl.int32), axis=1)
                 for c in range(0, n_chunks):
-                    bb = c * SEL_CHUNK + tl.arange(0, SEL_CHUNK)
-                    m = gmask[:, None] & (bb < n_blocks)[None, :]
-                    u = _order_key(tl.load(srow + g[:, None] * NB_CAP + bb[None, :], mask=m, other=0.0, cache_modifier=".cg"))
+                    bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)
                     eq_seen, base = _emit_union(u, m, bb, g, k, ans, k - n_gt, eq_seen, base, ub, uh)
         tl.store(counts_ptr + t, base)
         # Also straight into pinned host memory (a UVA view): the host reads the union sizes after
