@@ -148,8 +148,8 @@ from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
     timed_generate,
 )
 from hybrid_runtime.experiments.generate_timing import model_dims as _dims  # noqa: E402
-from hybrid_runtime.experiments.tpot import prefill_activation_bytes  # noqa: E402
 from hybrid_runtime.experiments.generate_timing import timeline_fields as _timeline_fields  # noqa: E402
+from hybrid_runtime.experiments.tpot import prefill_activation_bytes  # noqa: E402
 from hybrid_runtime.kvcache import CapacityError, arena_bytes, host_available_bytes  # noqa: E402
 
 BENCHMARK = "e2e_decode"

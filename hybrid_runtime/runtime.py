@@ -580,10 +580,11 @@ class HybridRuntime:
             return
         raise _nonfinite_error({name: (int(_nonfinite_mask(x).sum()), x.numel()) for name, x in tensors.items()})
 
-    def _event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
-        """A timing event recorded on `stream` (default: the current one)."""
+    @staticmethod
+    def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """A timing event recorded on `stream` (callers pass the stream they looked up once)."""
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record(current_stream() if stream is None else stream)
+        ev.record(stream)
         return ev
 
     # Pinned slots for the window's (slots, lengths) of recent steps: an async copy needs a
