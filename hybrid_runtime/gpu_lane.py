@@ -6,6 +6,13 @@ executor's own CUDA stream, and meanwhile polls for the end of the step. Driving
 from the calling thread avoids two thread hand-offs per step (a GIL hand-off costs a ~50 us
 thread wake-up on the reference VM). Steps without a GPU lane use the same loop to wait for the
 CPU workers and to enforce the step timeout.
+
+A step with CPU tasks ends when its last CPU task does: GPU claims still running then *trail*
+the step (the merge waits for them on the device) and are retired -- bytes, timeline columns,
+what the lane learns -- in the next step's idle rounds or by `settle`. Retiring a claim costs
+~0.2 ms of host time, which otherwise sat on the step's critical path whenever the launcher's
+own work ended after the lanes did (benchmarks/notes/gpu_lane.md section 13). A failure or a
+stall of a trailing claim is raised by the next step.
 """
 
 from __future__ import annotations
@@ -133,6 +140,19 @@ class GpuLane:
         self.orphan: StepJob | None = None
         # Set when an orphan outlived another whole step timeout: every later step refuses to run.
         self.broken: str | None = None
+        # Claims of the previous step that were still on the GPU when its last CPU task finished
+        # (`trails`): the step returned without waiting for them -- its merge waits on their end
+        # event on the device -- and they are retired here later: in the next step's idle rounds,
+        # or by `settle`. (job, queue rows, end time of its last retired claim); the claims stay
+        # in `job.gpu_pending`.
+        self.trailing: tuple | None = None
+
+    @property
+    def trails(self) -> bool:
+        """Whether a step may return with claims still on the GPU: the executor's launches only
+        read the step's buffers and the pinned arena, and their retirement only counts bytes
+        (`GpuUvaExecutor.retire_later`); any other executor is waited for inside its step."""
+        return bool(getattr(self.executor, "retire_later", False))
 
     def reserve_first(self, job: StepJob) -> None:
         """The GPU's first claim of a shared step, taken from the queue's head before the CPU
@@ -171,30 +191,22 @@ class GpuLane:
         side_pending = side_work is not None
         timed_out = False
         grace_end = None
+        trails = self.trails
         while True:
             progressed = False
+            if self.trailing is not None:
+                try:
+                    progressed = self._retire_trailing(block=False)
+                except BaseException as exc:
+                    job.fail(exc)
             # Retire finished launches first, so the claim below sees the stream as it is.
             while pipeline:
                 handle = pipeline[0][0]
                 query = getattr(handle, "query", None)
                 if query is not None and not query():
                     break  # never blocks: a claim that does not finish is left to the timeout
-                handle, i, j, nb, per_task, t_claim = pipeline.popleft()
-                nbytes = None
-                try:
-                    nbytes = handle.wait()
-                except BaseException as exc:
-                    job.fail(exc, f"the GPU lane's claim of queue positions [{i}, {j})")
-                finally:
-                    gq.finish(j - i)
-                t_done = time.perf_counter()
-                if self.clock is not None and not isinstance(handle.end, float):
-                    t_done = self.clock.to_host(handle.end)  # when it ended, not when it was noticed
-                job.gpu_last_end = max(job.gpu_last_end, t_done)
-                self._record(job, handle, rows[i:j], per_task, nbytes)
-                if job.error is None:
-                    self._learn(handle, nb, t_claim, t_done, prev_done, nbytes)
-                prev_done = t_done
+                entry = pipeline.popleft()
+                prev_done = self._retire(job, rows, entry, prev_done, counted=trails)
                 progressed = True
             if side_pending and job.gpu_first is not None and self.SIDE_WORK_FIRST:
                 side_pending = False
@@ -227,6 +239,12 @@ class GpuLane:
                         m = self.rates.model
                         free_at = max(t0, free_at) + (0.0 if pipeline else m.lat) + nb / m.bw
                         pipeline.append((handle, i, j, nb, (time.perf_counter() - t0) / (j - i), t0))
+                        # Known at launch: the merge waits on the last launch's end event.
+                        job.gpu_batches.append((handle.start, handle.end, rows[i:j]))
+                        if trails:
+                            # Done as far as the step is concerned: its results are ordered before
+                            # the merge on the device (the claim is retired later, maybe after the step).
+                            gq.finish(j - i)
                     except BaseException as exc:
                         gq.finish(j - i)
                         job.fail(exc, f"the GPU lane's launch of queue positions [{i}, {j})")
@@ -235,14 +253,22 @@ class GpuLane:
                 side_pending = False
                 self._call(job, side_work)
                 continue
-            if job.done() and not pipeline:
+            # With CPU tasks, the step ends when the last of them does: claims still on the GPU
+            # trail it (the merge waits for them on the device). A GPU-only step waits for them.
+            if job.done() and self.trailing is None and (
+                    not pipeline or (trails and job.error is None and job.cpu_used)):
                 if job.shared:
                     self.skipped = 0 if launched else self.skipped + 1
+                if pipeline:
+                    self.trailing = (job, rows, prev_done)  # retired on a later call (`trails`)
                 return
             now = time.monotonic()
             if not timed_out and now > deadline:
                 timed_out = True
                 state = job.describe()
+                if self.trailing is not None:
+                    prev = self.trailing[0]
+                    state += f"; the previous step's (layer {prev.layer}) GPU claims: {prev.describe()}"
                 job.fail(StepTimeoutError(
                     f"decode step at layer {job.layer} did not finish within scheduler.step_timeout_s={timeout:g} s "
                     f"({state}); its remaining tasks were dropped"
@@ -256,6 +282,69 @@ class GpuLane:
                 return
             if not progressed:
                 self._idle(job)
+
+    def _retire(self, job: StepJob, rows: np.ndarray, entry: tuple, prev_done: float | None, counted: bool) -> float:
+        """Retire one finished claim of `job`: its bytes, timeline columns and what the lane learns
+        from it; returns when it ended (host time). `counted`: the queue already counts it finished."""
+        handle, i, j, nb, per_task, t_claim = entry
+        nbytes = None
+        try:
+            nbytes = handle.wait()
+        except BaseException as exc:
+            job.fail(exc, f"the GPU lane's claim of queue positions [{i}, {j})")
+        finally:
+            if not counted:
+                job.gpu_queue.finish(j - i)
+        t_done = time.perf_counter()
+        if self.clock is not None and not isinstance(handle.end, float):
+            t_done = self.clock.to_host(handle.end)  # when it ended, not when it was noticed
+        job.gpu_last_end = max(job.gpu_last_end, t_done)
+        self._record(job, handle, rows[i:j], per_task, nbytes)
+        if job.error is None:
+            self._learn(handle, nb, t_claim, t_done, prev_done, nbytes)
+        return t_done
+
+    def _retire_trailing(self, block: bool) -> bool:
+        """Retire the previous step's claims that have ended (all of them, waiting, with `block`);
+        True if any was retired. A claim that failed raises its error here, naming its step."""
+        job, rows, prev_done = self.trailing
+        pending = job.gpu_pending
+        progressed = False
+        while pending:
+            query = getattr(pending[0][0], "query", None)
+            if not block and query is not None and not query():
+                break
+            prev_done = self._retire(job, rows, pending.popleft(), prev_done, counted=True)
+            progressed = True
+        if pending:
+            self.trailing = (job, rows, prev_done)
+            return progressed
+        self.trailing = None
+        if job.error is not None:
+            error, job.error = job.error, None
+            error.add_note(f"it ended after its step (layer {job.layer}) had returned; that step's output "
+                           "may hold the failed claim's part")
+            raise error
+        self.learn_balance(job)
+        return progressed
+
+    def settle(self, block: bool = True) -> bool:
+        """Retire the previous step's trailing claims (between steps: before the store changes,
+        a probe, a placement switch or reading the timeline); with `block` wait for them. Returns
+        whether claims are still trailing."""
+        if self.trailing is not None:
+            self._retire_trailing(block)
+        return self.trailing is not None
+
+    def learn_balance(self, job: StepJob) -> None:
+        """After a shared step whose lanes both reported (CPU records collected, GPU claims
+        retired): the first claim's learned correction, from where each lane ended."""
+        rates = self.rates
+        if job.shared and job.gpu_last_end > 0.0 and job.error is None:
+            # Where the CPU lane ended; with no CPU task, where it could have started.
+            cpu_end = job.cpu_last_end or (job.t_release + rates.cpu_start.seconds if job.t_release > 0.0 else 0.0)
+            if cpu_end > 0.0:
+                rates.learn_balance(cpu_end, job.gpu_last_end, job.gpu_queue.total_bytes)
 
     @staticmethod
     def _call(job: StepJob, fn: Callable[[], None]) -> None:
@@ -294,7 +383,15 @@ class GpuLane:
             time.sleep(1e-4)
 
     def orphan_done(self) -> bool:
-        """Retire the finished claims of a timed-out step (never blocks); True once nothing of it runs."""
+        """Retire the finished claims of a timed-out step, and the previous step's trailing ones
+        (never blocks); True once nothing of them runs."""
+        if self.trailing is not None:
+            try:
+                self._retire_trailing(block=False)
+            except BaseException as exc:  # no step to fail any more (a timeout or close): say what it was
+                log.warning("a trailing GPU claim failed after its step: %r", exc)
+            if self.trailing is not None:
+                return False
         job = self.orphan
         if job is None:
             return True
@@ -309,7 +406,8 @@ class GpuLane:
                 handle.wait()
             except BaseException as exc:  # that step already raised its timeout; say what came after
                 log.warning("GPU claim [%d, %d) of a timed-out step at layer %d failed after the step: %r", i, j, job.layer, exc)
-            job.gpu_queue.finish(j - i)
+            if not self.trails:
+                job.gpu_queue.finish(j - i)  # else counted at its launch
         if pending or not job.done():
             return False
         self.orphan = None
@@ -369,7 +467,6 @@ class GpuLane:
 
     def _record(self, job: StepJob, handle: Any, rows: np.ndarray, per_task: float, nbytes: np.ndarray | None) -> None:
         """Timeline columns of a retired claim (arrays; CUDA-event intervals are resolved later)."""
-        job.gpu_batches.append((handle.start, handle.end, rows))
         if nbytes is not None:
             job.gpu_bytes += float(np.sum(nbytes))
         cols = job.columns

@@ -378,6 +378,9 @@ class HybridRuntime:
             self._timeline = Timeline(self.scheduler.worker_names, self.scheduler.worker_lanes,
                                       clock if cfg.profiling.enabled else None, enabled=cfg.profiling.enabled,
                                       max_steps=cfg.profiling.max_steps)
+            # A step may return before its last GPU claims ended (`GpuLane.trails`): they fill its
+            # timeline columns when retired.
+            self._timeline.before_resolve = self.scheduler.lane.settle
             if self.cuda:
                 self._warm_up_step_kernels()
         except BaseException:
@@ -505,6 +508,7 @@ class HybridRuntime:
             raise ValueError(f"the {self.cfg.selection.name!r} selection needs q_last, the query of the prompt's last "
                              "token at this layer ([q_heads, head_dim]), at every prefill; nothing was changed")
         _check_finite(tensors)
+        self.scheduler.lane.settle()  # no claim of an earlier step reads the store while it changes
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._clock_stale = self._clock is not None
         self._forget_tasks(seq_id)
@@ -524,6 +528,7 @@ class HybridRuntime:
                 f"release({seq_id}): sequence {seq_id} is not in the store (never prefilled, or already released); "
                 f"sequences in the store: {sorted(self.store.sequences())}"
             )
+        self.scheduler.lane.settle()  # its pages may be reused at once: no earlier claim may still read them
         planner_release = getattr(self.planner, "release", None)
         if planner_release is not None:
             planner_release(seq_id)
@@ -921,6 +926,7 @@ class HybridRuntime:
             raise RuntimeError("probe_gpu_lane: the head planner plans from the step's queries (and keeps state per "
                                "step); probe with a planner that does not, e.g. a fixed policy")
         seq_ids = [int(s) for s in seq_ids]
+        self.scheduler.lane.settle()  # the probe's launches use the lane's buffers and ring slots
         tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
         if not tasks:
             return []
@@ -960,6 +966,8 @@ class HybridRuntime:
     def stats(self) -> dict:
         """Scheduler estimates and placement, for reports; the GPU lane's only where there is one."""
         sch = self.scheduler
+        if not self._closed:
+            sch.lane.settle()  # the previous step's trailing GPU claims: their bytes and what the lane learned
         stats = {
             "placement": sch.placement,
             "cpu_workers": sch.n_cpu,

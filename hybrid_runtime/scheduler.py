@@ -196,6 +196,8 @@ class Scheduler:
                 f"scheduler.placement: {placement!r} needs the GPU lane; set scheduler.gpu_worker: true "
                 "(without CUDA the GPU lane runs the torch reference executor)"
             )
+        if self.lane is not None:
+            self.lane.settle()  # the trailing claims teach the placement that ran them
         self.placement = placement
         self.rates = self._rates.setdefault(estimates or placement, LaneRates(self.link_bw, self.n_cpu))
         if self.lane is not None:
@@ -331,11 +333,9 @@ class Scheduler:
             rates.cpu_lane.update(job.cpu_bytes, job.cpu_last_end - job.cpu_first_start)
             if job.t_release > 0.0:
                 rates.cpu_start.update(max(0.0, job.cpu_first_start - job.t_release))
-        if job.shared and job.gpu_last_end > 0.0 and job.error is None:
-            # Where the CPU lane ended; with no CPU task, where it could have started.
-            cpu_end = job.cpu_last_end or (job.t_release + rates.cpu_start.seconds if job.t_release > 0.0 else 0.0)
-            if cpu_end > 0.0:
-                rates.learn_balance(cpu_end, job.gpu_last_end, job.gpu_queue.total_bytes)
+        trailing = self.lane.trailing
+        if trailing is None or trailing[0] is not job:
+            self.lane.learn_balance(job)  # else once its trailing claims are retired
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:

@@ -173,6 +173,20 @@ def test_timeline_resolves_in_batches():
     assert [r.attention_s for r in tl.records] == [0.5] * 10
 
 
+def test_timeline_settles_trailing_work_before_it_converts_a_step():
+    """`before_resolve` (the GPU lane's `settle`) runs first; while it reports work outstanding, a
+    batch resolution leaves the last step pending (its columns are filled when that work retires)."""
+    tl = Timeline(["cpu0"], [LANE_CPU], clock=None)
+    tl.RESOLVE_EVERY = 4
+    calls = []
+    tl.before_resolve = lambda block: calls.append(block) or not block  # outstanding until a blocking settle
+    for i in range(4):
+        tl.record(layer=0, batch=1, placement="fluxion", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
+                  gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
+    assert calls == [False] and len(tl._records) == 3 and [p.index for p in tl._pending] == [3]
+    assert len(tl.records) == 4 and calls == [False, True]
+
+
 def test_timeline_keeps_the_last_max_steps_and_counts_the_dropped():
     tl = Timeline(["cpu0"], [LANE_CPU], clock=None, max_steps=6)
     tl.RESOLVE_EVERY = 4

@@ -663,3 +663,121 @@ def test_delay_clips_a_lone_stall_but_follows_a_lasting_change():
     for _ in range(Delay.OUTLIER_RUN):  # three in a row: the machine changed, follow it
         d.update(20e-3)
     assert d.seconds > 5e-3
+
+
+# ---------------------------------------------------------------------------- trailing GPU claims
+class _GatedHandle(_Handle):
+    """A claim that 'runs on the device' until its gate opens (`query` is False until then)."""
+
+    def __init__(self, start, end, nbytes, gate: threading.Event, owner: "TrailingGpu"):
+        super().__init__(start, end, nbytes)
+        self.gate, self.owner = gate, owner
+
+    def query(self):
+        return self.gate.is_set()
+
+    def wait(self):
+        self.gate.wait()
+        self.owner.retired += 1
+        if self.owner.fail_wait:
+            raise RuntimeError("claim failed on the device")
+        return self.nbytes
+
+
+class TrailingGpu(CountingGpu):
+    """A GPU executor double whose claims may be retired after their step (`retire_later`)."""
+
+    retire_later = True
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.retired = 0
+        self.fail_wait = False
+
+    def launch(self, plan, start, stop, step):
+        h = super().launch(plan, start, stop, step)
+        return _GatedHandle(h.start, h.end, h.nbytes, self.gate, self)
+
+
+def trailing_scheduler(placement="fluxion"):
+    gpu = TrailingGpu()
+    s = Scheduler(sched_cfg(placement, cpu_workers=2), CountingCpu(delay=1e-4), gpu)
+    # Lanes of equal modeled speed and no fixed cost: the GPU lane reserves about half the step.
+    s.tp_cpu_worker = 1e9
+    s.rates.cpu_lane.bytes_per_s = 2e9
+    s.rates.cpu_start.seconds = 0.0
+    s.gpu_model.lat, s.gpu_model.bw = 0.0, 2e9
+    s.rates.delay.seconds, s.rates.delay.weight = 0.0, 0.0
+    return s, gpu
+
+
+def test_claims_still_on_the_gpu_trail_their_step_and_the_next_step_retires_them():
+    s, gpu = trailing_scheduler()
+    try:
+        first = run_job(s, fake_tasks(300))  # returns although no claim has ended on the "device"
+        assert gpu.batches and gpu.retired == 0 and s.lane.trailing is not None
+        assert first.done() and len(first.gpu_batches) == len(gpu.batches)  # the merge's end event is known
+        gpu_rows = np.concatenate([rows for _, _, rows in first.gpu_batches])
+        assert (first.columns["worker"][gpu_rows] == -1).all()  # not recorded yet
+        assert sorted(s.cpu_executor.runs + gpu.runs) == list(range(300))
+        balance = s.rates.balance
+        gpu.gate.set()  # the claims end; the next step retires them before it returns
+        claims = len(gpu.batches)
+        second = run_job(s, fake_tasks(300, seed=1))
+        assert gpu.retired >= claims and (first.columns["worker"][gpu_rows] == s.gpu_worker_id).all()
+        assert first.gpu_last_end > 0.0 and s.rates.balance != balance  # learned from the finished step
+        assert second.done() and s.lane.trailing is None  # its own claims had ended: none trail
+    finally:
+        s.close()
+
+
+def test_a_gpu_only_step_waits_for_its_claims():
+    s, gpu = trailing_scheduler("gpu_only")
+    try:
+        threading.Timer(0.2, gpu.gate.set).start()
+        t0 = time.monotonic()
+        job = run_job(s, fake_tasks(50))
+        assert time.monotonic() - t0 >= 0.19 and s.lane.trailing is None
+        assert gpu.retired == len(gpu.batches) and (job.columns["worker"] == s.gpu_worker_id).all()
+    finally:
+        s.close()
+
+
+def test_settle_and_close_wait_for_trailing_claims():
+    s, gpu = trailing_scheduler()
+    try:
+        run_job(s, fake_tasks(300))
+        assert s.lane.trailing is not None
+        assert s.lane.settle(block=False)  # still on the device: nothing retired, nothing blocks
+        threading.Timer(0.2, gpu.gate.set).start()
+        t0 = time.monotonic()
+        assert not s.lane.settle(block=True)
+        assert time.monotonic() - t0 >= 0.19 and gpu.retired == len(gpu.batches)
+        gpu.gate.clear()
+        run_job(s, fake_tasks(300))
+        assert s.lane.trailing is not None
+        threading.Timer(0.2, gpu.gate.set).start()
+        s.close()  # waits for them: nothing may read the store after close
+        assert s.lane.trailing is None and gpu.retired == len(gpu.batches)
+    finally:
+        s.close()
+
+
+def test_a_trailing_claim_that_fails_fails_the_next_step_and_names_its_step():
+    s, gpu = trailing_scheduler()
+    try:
+        run_job(s, fake_tasks(300))
+        assert s.lane.trailing is not None
+        gpu.fail_wait = True
+        gpu.gate.set()
+        with pytest.raises(RuntimeError, match="claim failed on the device") as info:
+            run_job(s, fake_tasks(300, seed=1))
+        assert "ended after its step" in "\n".join(getattr(info.value, "__notes__", []))
+        gpu.fail_wait = False
+        s.cpu_executor.runs.clear()
+        gpu.runs.clear()
+        run_job(s, fake_tasks(300, seed=2))  # the scheduler stays usable
+        assert sorted(s.cpu_executor.runs + gpu.runs) == list(range(300))
+    finally:
+        s.close()

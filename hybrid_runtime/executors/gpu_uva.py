@@ -65,6 +65,9 @@ class GpuUvaExecutor:
     """Executor protocol (`device = "gpu"`) over a `KVStore`'s arenas, with claim launches."""
 
     device = "gpu"
+    # A claim reads only the step's buffers and the pinned arena and its `wait` only counts bytes:
+    # the GPU lane may return from a step before the claim ended and retire it later (`GpuLane.trails`).
+    retire_later = True
 
     def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None):
         self.store = store

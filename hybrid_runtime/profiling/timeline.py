@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -185,6 +185,10 @@ class Timeline:
         self._records: list[StepRecord] = []
         self._next_index = 0
         self.recording_s = 0.0  # host time `record` spent on the decode path
+        # Called before pending steps are converted, with `block`: settles work that fills their
+        # columns after the step returned (the GPU lane's trailing claims); returns True while
+        # the last recorded step still has such work outstanding.
+        self.before_resolve: Callable[[bool], bool] | None = None
         self.resolve_s = 0.0  # host time spent converting pending steps into records
 
     # ------------------------------------------------------------------ hot path
@@ -225,10 +229,13 @@ class Timeline:
     # ------------------------------------------------------------------ resolution
     def _resolve(self, block: bool) -> None:
         keep = []
-        for i, p in enumerate(self._pending):
+        pending = self._pending
+        if self.before_resolve is not None and self.before_resolve(block) and pending:
+            keep, pending = pending[-1:], pending[:-1]  # its GPU claims are not retired yet
+        for i, p in enumerate(pending):
             if p.ev_end is not None and not block and not p.ev_end.query():
                 # Events complete in order on a stream: later steps are not ready either.
-                keep = self._pending[i:]
+                keep = pending[i:] + keep
                 break
             if p.ev_end is not None and block:
                 p.ev_end.synchronize()
