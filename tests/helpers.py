@@ -10,6 +10,13 @@ import torch
 from hybrid_runtime.config import Config, config_from_dict
 from hybrid_runtime.kvcache import KVStore
 
+# Where tests run the Triton kernels: compiled on CUDA where there is one, else on CPU tensors under
+# Triton's interpreter (conftest.py and gpu_kernels/__init__.py set TRITON_INTERPRET before any kernel
+# module is imported). Tests build their inputs on the host, move them to DEV for the kernels and
+# the executors' device state, and compare on the host.
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+
 
 def small_config(**kv: Any) -> Config:
     geometry = kv.pop("geometry", {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32})

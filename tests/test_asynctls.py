@@ -26,6 +26,7 @@ from hybrid_runtime.resident_cache import ResidentCache, plan_insert, plan_updat
 from hybrid_runtime.runtime import HybridRuntime
 from hybrid_runtime.tasks import Step
 from hybrid_runtime.token_index import ChannelSets, channel_scores, dequantize_int4, quantize_int4
+from tests.helpers import DEV
 
 GEOMETRY = {"layers": 2, "q_heads": 6, "kv_heads": 2, "head_dim": 32}
 D_C = 8
@@ -125,16 +126,17 @@ def test_index_matches_the_store_and_counts_its_memory():
         store = rt.store
         for layer in range(2):
             table = store.chunk_table(0, layer)
+            block_meta = ex.index.block_meta[layer].cpu()  # the index lives on the executor's device
             for h in range(2):
-                meta = ex.index.block_meta[layer][torch.from_numpy(table[h]).long()].reshape(-1, 2, 32)
+                meta = block_meta[torch.from_numpy(table[h]).long()].reshape(-1, 2, 32)
                 ref = store.block_metadata(0, layer, h, 16)
                 assert torch.equal(meta[: ref.shape[0]], ref)
             k_cpu = store.full_kv(0, layer)[0][16 : 16 + store.cpu_len(0, layer)]  # [L_cpu, Hkv, D]
             n = k_cpu.shape[0]
             pos = torch.arange(n)
             cid = torch.from_numpy(table).long()[:, pos // 128]  # [Hkv, n]
-            approx = ex.index.keys(layer, cid, (pos % 128).expand_as(cid))  # [Hkv, n, d_c]
-            exact = k_cpu.transpose(0, 1).gather(2, ex.index.channels[layer][:, None, :].expand(-1, n, -1))
+            approx = ex.index.keys(layer, cid.to(ex.dev), (pos % 128).expand_as(cid).to(ex.dev)).cpu()  # [Hkv, n, d_c]
+            exact = k_cpu.transpose(0, 1).gather(2, ex.index.channels[layer].cpu()[:, None, :].expand(-1, n, -1))
             step = (exact.amax(-1) - exact.amin(-1)) / 15
             assert bool(((approx - exact).abs() <= step[..., None] / 2 + 1e-5).all())
         sizes = memory_bytes(cfg.selection, cfg.kv_cache, cfg.geometry, store.n_chunks)
@@ -169,17 +171,19 @@ def test_token_selection_equals_a_reference_on_the_same_index():
         q = torch.randn(hkv, g, 32, generator=gen) / math.sqrt(32)
         active = torch.tensor([[True, True, False], [True, True, True]])
         table = torch.from_numpy(np.ascontiguousarray(store.chunk_table(0, layer))).long()
-        cached = ex.cache.table[layer][store.slot(0)]  # [Hkv, S]: warmed at prefill
+        cached = ex.cache.table[layer][store.slot(0)]  # [Hkv, S]: warmed at prefill, on the executor's device
         h = torch.arange(hkv)
         cpu_len = torch.full((hkv,), store.cpu_len(0, layer))
-        sel, sel_valid = ex._select_tokens(layer, q, active, cached, h, table, cpu_len)
+        sel, sel_valid = ex._select_tokens(layer, *(x.to(ex.dev) for x in (q, active, cached, h, table, cpu_len)))
         assert bool(sel_valid.all())
+        # The reference on the host, from the index's dequantized keys.
+        sel, cached, channels = sel.cpu(), cached.cpu(), ex.index.channels[layer].cpu()
         for row in range(hkv):
             blocks = cached[row][cached[row] >= 0]
             pos = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)
             pos = pos[pos < int(cpu_len[row])]
-            keys = ex.index.keys(layer, table[row, pos // 128], pos % 128)  # [n, d_c]
-            qc = q[row][:, ex.index.channels[layer, row]]
+            keys = ex.index.keys(layer, table[row, pos // 128].to(ex.dev), (pos % 128).to(ex.dev)).cpu()  # [n, d_c]
+            qc = q[row][:, channels[row]]
             probs = torch.stack([torch.softmax(keys @ qc[i], 0) for i in range(g) if active[row, i]]).mean(0)
             want = set(pos[torch.topk(probs, 24).indices].tolist())
             slots = sel[row] // 16
@@ -265,13 +269,17 @@ def test_cache_after_a_step_holds_m_t_and_fetches_m_t_minus_c_t():
         cpu_len = torch.full((2,), store.cpu_len(0, 0))
         arena = store.arena(0)
         for step in range(6):
-            c_t = ex.cache.table[0][slot].clone()
+            c_t = ex.cache.table[0][slot].clone().cpu()  # a copy on the host (.cpu() of a host tensor is no copy)
             missed_before = ex.blocks_missed
             q = torch.randn(1, g.q_heads, g.head_dim, generator=gen)
             rt.decode(0, [0], q, *torch.randn(2, 1, g.kv_heads, g.head_dim, generator=gen))
             qs = (q[0] / math.sqrt(g.head_dim)).view(2, 3, -1)
-            m_t = ex._select_blocks(0, qs, torch.ones(2, 3, dtype=torch.bool), table, cpu_len)
-            after = ex.cache.table[0][slot]
+            # M_t on the executor's device, as decode computed it; the cache read back on the host.
+            m_t = ex._select_blocks(0, *(x.to(ex.dev) for x in (qs, torch.ones(2, 3, dtype=torch.bool), table, cpu_len)))
+            m_t = m_t.cpu()
+            if ex.cuda:
+                torch.cuda.synchronize()  # lagged, the step's copies into the cache run on a side stream after decode
+            after, cache_k, cache_v = ex.cache.table[0][slot].cpu(), ex.cache.k[0].cpu(), ex.cache.v[0].cpu()
             fetched = 0
             for h in range(2):
                 m = set(m_t[h][m_t[h] >= 0].tolist())
@@ -283,8 +291,8 @@ def test_cache_after_a_step_holds_m_t_and_fetches_m_t_minus_c_t():
                         continue
                     pos = blk * 16 + torch.arange(16)
                     cid = table[h, pos // 128]
-                    assert torch.equal(ex.cache.k[0][slot, h, s_i], arena[cid, layout.K_ROW + pos % 128])
-                    assert torch.equal(ex.cache.v[0][slot, h, s_i], arena[cid, layout.V_ROW + pos % 128])
+                    assert torch.equal(cache_k[slot, h, s_i], arena[cid, layout.K_ROW + pos % 128])
+                    assert torch.equal(cache_v[slot, h, s_i], arena[cid, layout.V_ROW + pos % 128])
             assert ex.blocks_missed - missed_before == fetched
             assert ex.epsilon_per_step()[-1] == fetched / 10
             assert rt.timeline.records[-1].bytes_read.sum() == fetched * 16 * 2 * 32 * 4
@@ -403,7 +411,7 @@ def test_config_selects_the_executor_and_refuses_what_it_cannot_run(tmp_path):
     assert cache_slots(config_from_dict(base).selection, config_from_dict(base).kv_cache) == 128 + 33 + 1
 
 
-def test_cache_fetch_kernel_matches_torch_under_the_interpreter():
+def test_cache_fetch_kernel_matches_torch():
     from gpu_kernels.block_fetch import fetch_blocks
 
     gen = torch.Generator().manual_seed(12)
@@ -413,10 +421,10 @@ def test_cache_fetch_kernel_matches_torch_under_the_interpreter():
     dest = torch.tensor([[2, -1, 0], [-1, 1, 3]])
     seq_slot, kv_head = torch.tensor([1, 0]), torch.tensor([0, 1])
     want = ResidentCache(1, 2, 2, 4, 64, 16, torch.float32, torch.device("cpu"))
-    want.fetch(0, arena, chunks, seq_slot, kv_head, blocks, dest)
-    got_k, got_v = torch.zeros_like(want.k[0]), torch.zeros_like(want.v[0])
-    fetch_blocks(arena, chunks, seq_slot, kv_head, blocks, dest, got_k, got_v)
-    assert torch.equal(got_k, want.k[0]) and torch.equal(got_v, want.v[0])
+    want.fetch(0, arena, chunks, seq_slot, kv_head, blocks, dest)  # the torch path, on the host
+    got_k, got_v = torch.zeros_like(want.k[0], device=DEV), torch.zeros_like(want.v[0], device=DEV)
+    fetch_blocks(*(x.to(DEV) for x in (arena, chunks, seq_slot, kv_head, blocks, dest)), got_k, got_v)
+    assert torch.equal(got_k.cpu(), want.k[0]) and torch.equal(got_v.cpu(), want.v[0])
     assert bool(want.k[0][1, 0, 2].ne(0).all()) and bool(want.k[0][1, 0, 1].eq(0).all())
     # Block 5 of row 0 is the second half of its third chunk, id 0 (64-token blocks, two per chunk).
     assert torch.equal(want.v[0][1, 0, 0], arena[0, layout.V_ROW + 64 : layout.V_ROW + 128])

@@ -13,6 +13,7 @@ from hybrid_runtime.pinning import torch_threads
 from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.runtime import HybridRuntime
 from predictor.eviction_head import EvictionHeads, load_eviction_heads, save_eviction_heads
+from tests.helpers import DEV
 
 GEOM = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 
@@ -149,9 +150,11 @@ def test_cache_holds_exactly_the_selected_blocks_after_each_step(tmp_path):
             rows = np.concatenate(ex.selection_log[seen[0]:])
             blocks = np.concatenate(ex.selection_blocks[seen[0]:])
             seen[0] = len(ex.selection_log)
+            # The cache on the host (it lives on the executor's device); the store's full_kv is on the host too.
+            cache_block, cache_k, cache_v = (t[layer].cpu() for t in (ex.cache.block, ex.cache.k, ex.cache.v))
             for row, sel in zip(rows, blocks):
                 slot, head, cpu_len = int(row[COL["slot"]]), int(row[COL["kv_head"]]), int(row[COL["cpu_len"]])
-                held = ex.cache.block[layer][slot, head]
+                held = cache_block[slot, head]
                 assert sorted(held[held >= 0].tolist()) == sorted(int(b) for b in sel if b >= 0)
                 seq = next(s for s in seq_ids if rt.store.slot(s) == slot)
                 k, v = rt.store.full_kv(seq, layer)
@@ -160,8 +163,8 @@ def test_cache_holds_exactly_the_selected_blocks_after_each_step(tmp_path):
                     if b >= 0:
                         n = min(16, cpu_len - b * 16)
                         lo = sink + b * 16
-                        assert torch.equal(ex.cache.k[layer][slot, head, c, :n], k[lo : lo + n, head])
-                        assert torch.equal(ex.cache.v[layer][slot, head, c, :n], v[lo : lo + n, head])
+                        assert torch.equal(cache_k[slot, head, c, :n], k[lo : lo + n, head])
+                        assert torch.equal(cache_v[slot, head, c, :n], v[lo : lo + n, head])
             checked.append(len(rows))
 
         decode_steps(rt, 18, after_step=check)  # a spill at step 16
@@ -223,8 +226,9 @@ def test_cache_attention_kernel_matches_attend_blocks():
     slots, heads, batch = torch.tensor([0, 0, 2, 1]), torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1, 1])
     cpu_len = torch.tensor([60, 40, 50, 70])
     q = torch.randn(b, hkv * g, d, generator=gen)
-    out, lse = torch.zeros(b, hkv * g, d), torch.full((b, hkv * g), float("-inf"))
-    cache_attention(q, k, v, blocks, slots, heads, batch, cpu_len, out, lse)
+    out, lse = torch.zeros(b, hkv * g, d, device=DEV), torch.full((b, hkv * g), float("-inf"), device=DEV)
+    cache_attention(*(x.to(DEV) for x in (q, k, v, blocks, slots, heads, batch, cpu_len)), out, lse)
+    out, lse = out.cpu(), lse.cpu()
     want_o, want_l = attend_blocks(q.view(b, hkv, g, d)[batch, heads], k[slots, heads], v[slots, heads],
                                    blocks[slots, heads], cpu_len, nb)
     torch.testing.assert_close(out.view(b, hkv, g, d)[batch, heads], want_o, atol=1e-4, rtol=1e-4)

@@ -1,7 +1,7 @@
 """The fused predictor kernels against the torch reference: features (`decode_features`), network
-(`HeadPropertyNet.predict`) and selector (`DeviceSelector`), under Triton's interpreter at small
-shapes (GQA groups of 1, 3 and 4, windows short of full, empty CPU segments, padding rows left
-alone) and on CUDA (gpu-marked) at the Llama-3.1-8B head geometry."""
+(`HeadPropertyNet.predict`) and selector (`DeviceSelector`) at small shapes (GQA groups of 1, 3 and
+4, windows short of full, empty CPU segments, padding rows left alone) on `DEV` (compiled on CUDA,
+under Triton's interpreter without it), and on CUDA (gpu-marked) at the Llama-3.1-8B head geometry."""
 
 from __future__ import annotations
 
@@ -18,9 +18,7 @@ from hybrid_runtime.prefill_statistics import PrefillStatisticsCache
 from hybrid_runtime.selector import GranularitySelector
 from predictor.features import FEATURE_NAMES, decode_features
 from predictor.model import Checkpoint, HeadPropertyNet
-from tests.helpers import random_kv
-
-CUDA = torch.cuda.is_available()
+from tests.helpers import CUDA, DEV, random_kv
 
 
 def random_network(hidden: tuple[int, ...], seed: int) -> HeadPropertyNet:
@@ -39,7 +37,7 @@ def random_network(hidden: tuple[int, ...], seed: int) -> HeadPropertyNet:
 class Case:
     """A layer's statistics rows, previous queries and window for `max_sequences` slots, and one step."""
 
-    def __init__(self, hkv: int, g: int, d: int, device: str, *, window: int, prompts: list[int],
+    def __init__(self, hkv: int, g: int, d: int, device: torch.device | str, *, window: int, prompts: list[int],
                  window_lens: list[int], slots: list[int], max_sequences: int, sink: int = 4, local: int = 16,
                  kv_dtype: torch.dtype = torch.float32, seed: int = 0):
         self.hq, self.hkv, self.d = hkv * g, hkv, d
@@ -124,7 +122,7 @@ INTERP_TOL = dict(atol=2e-5, rtol=2e-5)
 @pytest.mark.parametrize("hkv, g, d", [(2, 4, 32), (2, 3, 16), (3, 1, 16)])
 def test_fused_kernels_match_the_reference(hkv, g, d):
     # Prompts: 12 tokens (all in the window: empty CPU segment), 150 and 60; windows full, short, 1 row.
-    case = Case(hkv, g, d, "cpu", window=40, prompts=[12, 150, 60], window_lens=[7, 40, 25], slots=[0, 2, 1],
+    case = Case(hkv, g, d, DEV, window=40, prompts=[12, 150, 60], window_lens=[7, 40, 25], slots=[0, 2, 1],
                 max_sequences=4, seed=hkv * 10 + g)
     assert case.idx[3, :3].tolist() == [0, 40, 130]
     net = random_network((40, 24), seed=g)
@@ -136,7 +134,7 @@ def test_fused_features_split_over_parts(parts):
     # 16-row tiles: a 90-row window is 6 tiles, several per part; the 20 sink rows span two tiles
     # (two parts); a 5-row window has one tile, so the other parts are empty; D 32 in 16-row
     # covariance blocks: at 4 parts two of them have no rows. Parts merge in any order of arrival.
-    case = Case(2, 4, 32, "cpu", window=96, prompts=[400, 150, 30], window_lens=[90, 5, 30], slots=[0, 2, 1],
+    case = Case(2, 4, 32, DEV, window=96, prompts=[400, 150, 30], window_lens=[90, 5, 30], slots=[0, 2, 1],
                 max_sequences=3, sink=20, local=64, seed=11)
     net = random_network((16,), seed=12)
     fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 3, "block_w": 16, "parts": parts,
@@ -147,7 +145,7 @@ def test_fused_features_split_over_parts(parts):
 
 
 def test_fused_selector_settings_and_a_one_layer_network():
-    case = Case(2, 4, 16, "cpu", window=24, prompts=[80, 9], window_lens=[24, 1], slots=[1, 0], max_sequences=2,
+    case = Case(2, 4, 16, DEV, window=24, prompts=[80, 9], window_lens=[24, 1], slots=[1, 0], max_sequences=2,
                 sink=0, local=16, seed=3)
     net = random_network((8,), seed=4)
     fused = fused_for(case, net, 2, block_sizes=(32, 128), skip_streaming=False)
@@ -160,7 +158,7 @@ def test_fused_network_of_any_depth_and_width(hidden):
     # The predict kernel's network: pairs of layers in registers, the first dot of a pair over 64-column
     # chunks of its input (200 -> 256 padded: 4 chunks; 300 -> 512: 8), the output layer alone after an
     # odd count (3 and 7 Linears), up to 8 Linears (4 pairs).
-    case = Case(2, 4, 16, "cpu", window=24, prompts=[80, 30], window_lens=[24, 9], slots=[1, 0], max_sequences=2,
+    case = Case(2, 4, 16, DEV, window=24, prompts=[80, 30], window_lens=[24, 9], slots=[1, 0], max_sequences=2,
                 sink=4, local=16, seed=21)
     net = random_network(hidden, seed=22)
     check_against_reference(case, net, fused_for(case, net, 2), layer=1, n_layers=3, tol=INTERP_TOL)
@@ -168,16 +166,17 @@ def test_fused_network_of_any_depth_and_width(hidden):
 
 def test_fused_network_of_the_output_layer_alone():
     # One Linear (41 -> 3, no hidden layer): the odd-count path with nothing before it.
-    case = Case(2, 4, 16, "cpu", window=24, prompts=[80, 30], window_lens=[24, 9], slots=[1, 0], max_sequences=2,
+    case = Case(2, 4, 16, DEV, window=24, prompts=[80, 30], window_lens=[24, 9], slots=[1, 0], max_sequences=2,
                 sink=4, local=16, seed=41)
     gen = torch.Generator().manual_seed(42)
-    weight, bias = torch.randn(3, len(FEATURE_NAMES), generator=gen), torch.randn(3, generator=gen)
-    mean, std = torch.randn(len(FEATURE_NAMES), generator=gen), torch.rand(len(FEATURE_NAMES), generator=gen) + 0.5
+    weight, bias = torch.randn(3, len(FEATURE_NAMES), generator=gen).to(DEV), torch.randn(3, generator=gen).to(DEV)
+    mean = torch.randn(len(FEATURE_NAMES), generator=gen).to(DEV)
+    std = (torch.rand(len(FEATURE_NAMES), generator=gen) + 0.5).to(DEV)
     net = random_network((8,), seed=0)
     fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 2, "linears": [(weight, bias)],
                                   "feature_mean": mean, "feature_std": std, "target_mean": [0.3, -0.2],
                                   "target_std": [2.0, 0.5]})
-    out = torch.zeros(fused.out_size)
+    out = torch.zeros(fused.out_size, device=DEV)
     fused.run(case.q, case.idx, case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k,
               case.window_v, 0.5, out)
     n = 2 * case.hq
@@ -192,7 +191,7 @@ def test_fused_predict_programs_over_kv_groups(hkv, g, groups, batch):
     # Programs of `groups` whole KV groups: 3 KV heads in blocks of 2 (the last block half empty), one
     # group per program, a single sequence; the per-sequence maxima still span every head.
     slots = [1, 0][:batch]
-    case = Case(hkv, g, 16, "cpu", window=24, prompts=[80, 30], window_lens=[24, 9][:batch], slots=slots,
+    case = Case(hkv, g, 16, DEV, window=24, prompts=[80, 30], window_lens=[24, 9][:batch], slots=slots,
                 max_sequences=2, sink=4, local=16, seed=31 + hkv + g)
     net = random_network((24, 40), seed=32)
     fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 2, "predict_groups": groups,
@@ -203,7 +202,7 @@ def test_fused_predict_programs_over_kv_groups(hkv, g, groups, batch):
 
 
 def test_plan_refuses_what_it_cannot_run():
-    case = Case(2, 4, 16, "cpu", window=16, prompts=[40], window_lens=[16], slots=[0], max_sequences=1)
+    case = Case(2, 4, 16, DEV, window=16, prompts=[40], window_lens=[16], slots=[0], max_sequences=1)
     net = random_network((8,), seed=0)
     fused_for(case, net, 1)  # the valid plan
     names = list(FEATURE_NAMES)
@@ -229,10 +228,10 @@ def test_plan_refuses_what_it_cannot_run():
         with pytest.raises(ValueError, match=name):
             FusedHeadPredictor(**{**plan_kwargs(case, net), name: bad})
     fused = fused_for(case, net, 1)
-    out = torch.zeros(fused.out_size)
+    out = torch.zeros(fused.out_size, device=DEV)
     args = (case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k, case.window_v)
     with pytest.raises(ValueError, match="1 <= B <= 1"):
-        fused.run(torch.zeros(2, case.hq, case.d), case.idx, *args, 0.0, out)
+        fused.run(torch.zeros(2, case.hq, case.d, device=DEV), case.idx, *args, 0.0, out)
     with pytest.raises(ValueError, match="out has shape"):
         fused.run(case.q, case.idx, *args, 0.0, out[:-1])
     assert tuple(FEATURE_COLUMNS) == tuple(FEATURE_NAMES)
@@ -244,11 +243,12 @@ def plan_kwargs(case: Case, net: HeadPropertyNet) -> dict:
                 statistics_width=case.cache.width, feature_names=FEATURE_NAMES, linears=network_linears(net),
                 feature_mean=net.feature_mean, feature_std=net.feature_std, target_mean=[0.0, 0.0],
                 target_std=[1.0, 1.0], tau=0.1, block_sizes=(16, 32), streaming_threshold=0.5, skip_streaming=True,
-                device="cpu")
+                device=case.q.device)
 
 
 # ---------------------------------------------------------------------------- through the planner
-def planner_pair(device: str, kv_dtype: str, hidden: tuple[int, ...]):
+def planner_pair(kv_dtype: str, hidden: tuple[int, ...], other_path: str):
+    """A store (its window on CUDA when there is one), the fused planner over it and one on `other_path`."""
     cfg = config_from_dict({
         "geometry": {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32},
         "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 4096, "max_sequences": 4,
@@ -258,12 +258,11 @@ def planner_pair(device: str, kv_dtype: str, hidden: tuple[int, ...]):
     store = KVStore(cfg.kv_cache, cfg.geometry)  # the window on CUDA when there is one
     ckpt = Checkpoint(random_network(hidden, seed=5), list(FEATURE_NAMES), tau=0.1)
     fused = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="fused")
-    other = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt,
-                                 path="graph" if device != "cpu" else "eager")
+    other = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path=other_path)
     return cfg, store, fused, other
 
 
-def run_planners(store, fused, other, device: str, budget_tol: float) -> None:
+def run_planners(store, fused, other, device: torch.device | str, budget_tol: float) -> None:
     for s, n in ((0, 300), (1, 20), (2, 120)):  # sequence 1: no CPU segment
         for layer in (0, 1):
             k, v = (x.to(device) for x in random_kv(n, 2, 32, seed=40 + s + layer))
@@ -286,10 +285,11 @@ def run_planners(store, fused, other, device: str, budget_tol: float) -> None:
 
 
 def test_fused_planner_equals_the_eager_planner():
-    cfg, store, fused, eager = planner_pair("cpu", "fp32", (16, 16))
+    cfg, store, fused, eager = planner_pair("fp32", (16, 16), "eager")
     try:
         assert fused.path == "fused" and eager.path == "eager" and not fused._graphs
-        run_planners(store, fused, eager, "cpu", 1e-5)
+        assert store.device.type == DEV.type  # the planners run where the store's window is
+        run_planners(store, fused, eager, DEV, 1e-5)
     finally:
         store.close()
 
@@ -331,7 +331,7 @@ def test_fused_kernels_match_the_reference_on_cuda_at_llama_heads(kv_dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_fused_planner_equals_the_graph_planner_on_cuda():
-    cfg, store, fused, graph = planner_pair("cuda", "bf16", (256, 256, 128))
+    cfg, store, fused, graph = planner_pair("bf16", (256, 256, 128), "graph")
     try:
         run_planners(store, fused, graph, "cuda", 1e-4)
     finally:
