@@ -36,7 +36,11 @@ Per point and variant (`measure_variant`; runs on the CPU too, which the CI test
   compiled or loaded from its disk cache; `worker_start_s`: how long that took beside the caller's
   work); the first decode step with CPU tasks waits for what is left of it, `worker_start_wait_s`,
   which lands in the warm-up call's time (`warmup_s`) or, with `--warmup-tokens 0`, in the
-  measured call's TTFT; its pinned host memory
+  measured call's TTFT. Nor does it wait for the kernel warm-up (the decode step's Triton kernels,
+  or numba's host window kernels without CUDA, compiled on a thread of their own:
+  `hybrid_runtime/warmup.py`; `kernel_warmup_s`: how long that took from construction on): the
+  first decode step waits for what is left of it first, `kernel_warmup_wait_s`, then for the
+  workers; the two waits add up to the first step's wait. Its pinned host memory
   (the KV store's arena bytes), the selected bytes per decode step (the runtime's timeline:
   bytes read by every task, all layers, divided by the decode steps), the GPU lane's byte share.
   Torch uses every core during the prefill (the prompt's block metadata is torch CPU work) and,
@@ -413,6 +417,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
     rt = enable_hybrid_attention(model, cfg)
     row["runtime_construction_s"] = time.perf_counter() - t
     row["worker_start_wait_s"] = None  # set below: where the workers' start-up cost went instead
+    row["kernel_warmup_wait_s"] = None  # likewise for the kernel warm-up
     try:
         store = rt.store
         row["host_arena_pinned"] = bool(store.pinned)
@@ -443,6 +448,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         # The first decode step with CPU tasks (the warm-up's, when there is one) waited this long
         # for the CPU workers' start-up; the workers took `worker_start_s` from construction on.
         row["worker_start_wait_s"], row["worker_start_s"] = st["worker_start_wait_s"], st["worker_start_s"]
+        # ... and, before that, for the kernel warm-up, which took `kernel_warmup_s` from construction on.
+        row["kernel_warmup_wait_s"], row["kernel_warmup_s"] = st["warmup_wait_s"], st["warmup_s"]
         row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps") if k in st}
         return row
@@ -652,8 +659,8 @@ def markdown(result: dict) -> str:
         "",
         "| model | batch | context | variant | status | TTFT s | TPOT med ms | mean | p99 | n | floor ms "
         "| TPOT/floor | TTFT/dense | peak GPU GiB | decode peak GiB | pinned host GiB | construct s "
-        "| worker wait s | MB/step | GPU bytes | note |",
-        "|" + " --- |" * 21,
+        "| kernel wait s | worker wait s | MB/step | GPU bytes | note |",
+        "|" + " --- |" * 22,
     ]
     for p in result["points"]:
         note = p.get("reason") or ""
@@ -670,7 +677,8 @@ def markdown(result: dict) -> str:
             f"{_num(p.get('tpot_ms_p99'))} | {p.get('tpot_samples', '-')} | {_num(p.get('floor_ms'))} | "
             f"{_num(p.get('tpot_over_floor'))} | {_num(p.get('ttft_over_dense'))} | {_gib(p.get('peak_gpu_bytes'))} | "
             f"{_gib(p.get('decode_peak_gpu_bytes'))} | {_gib(p.get('pinned_host_bytes'))} | "
-            f"{_num(p.get('runtime_construction_s'))} | {_num(p.get('worker_start_wait_s'))} | "
+            f"{_num(p.get('runtime_construction_s'))} | {_num(p.get('kernel_warmup_wait_s'))} | "
+            f"{_num(p.get('worker_start_wait_s'))} | "
             f"{_num(None if p.get('bytes_per_step') is None else p['bytes_per_step'] / 1e6, '.1f')} | "
             f"{'-' if share is None else f'{share:.0%}'} | {note.strip().replace('|', '/')} |")
     if result.get("floors"):

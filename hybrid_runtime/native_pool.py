@@ -639,9 +639,11 @@ def scratch_of(kernel, workspace) -> tuple:
 
 
 def warm_up() -> None:
-    """Compile the host-side helpers (the worker loop compiles, or loads from the disk cache, in its threads)."""
+    """Compile the host-side helpers for the argument types the host and the GPU lane pass
+    (`queues.NativeQueue`: `publish` with its `start`). Each CPU worker calls it at its start,
+    before it compiles (or loads) its loop, so the first step's wait for the workers covers it."""
     c = np.zeros(CTRL_SIZE, dtype=np.int64)
-    job = publish(c, 0, 0, 0)
+    job = publish(c, 0, 0, 0, 0)
     claim(c, job, 1, 0)
     close(c, job, 0)
     head(c, job, 0)

@@ -48,6 +48,7 @@ from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
 from hybrid_runtime.task_building import build_tasks
 from hybrid_runtime.tasks import Step
 from hybrid_runtime.tensor_parallel import TensorParallelShard
+from hybrid_runtime.warmup import BackgroundWarmUp, host_step_kernel_jobs, step_kernel_jobs
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,9 @@ class HybridRuntime:
     live until `close()`; the constructor does not wait for their start-up (pinning, workspaces,
     compiling or loading numba's worker loop), which overlaps the prefill: the first decode step
     with CPU tasks waits for it (`stats()["worker_start_wait_s"]`), and a worker's start error is
-    raised there, after which the runtime is closed.
+    raised there, after which the runtime is closed. Nor does it wait for the decode step's kernels
+    to compile (`warmup.py`): the first `decode` waits for them (`stats()["warmup_wait_s"]`) and
+    raises a failed compile there (`KernelWarmUpError`, naming the kernel).
 
     Before anything is allocated, the run's memory plan is admitted (`memory_plan.admit`): an
     `AdmissionError` with the figures when its peak does not fit this machine. `memory_plan`
@@ -257,6 +260,7 @@ class HybridRuntime:
             from hybrid_runtime.executors.asynctls import asynctls_executor
 
             gpu_executor = asynctls_executor(store, cfg.selection)
+        warm_jobs: list = []  # kernels compiled after the constructor returns, before the first decode step
         if gpu_executor is None and sc.gpu_worker:
             if cfg.selection.name == "nosa":
                 from hybrid_runtime.executors.nosa import NosaExecutor
@@ -267,8 +271,12 @@ class HybridRuntime:
                 from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 
                 gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream())
-                # Compile the claim kernels and measure the link now, not in the first decode step.
-                gpu_executor.warm_up()
+                # The link is measured now (the scheduler reads it); the claim kernels compile on
+                # the background warm-up thread, before the first decode step (warmup.py).
+                gpu_executor.measure_link()
+                warm_jobs.append(("GPU lane claim kernels (score_select, sparse_attention_claim)",
+                                  gpu_executor.compile_kernels))
+                store.arena_cuda(0)  # its view made here: the warm-up thread changes nothing in the store
             else:
                 log.info("no CUDA device: the GPU lane (scheduler.gpu_worker: true) runs the torch reference "
                          "executor on the CPU")
@@ -331,6 +339,7 @@ class HybridRuntime:
             # The CPU lane's results as the merge kernel reads them (through UVA, no copy op).
             self._res_uva = uva_view(self._res_host, self.device.index)
             self._win_turn = 0
+            warm_jobs = step_kernel_jobs(store, geometry, self.device, window_gpu, merge_gpu) + warm_jobs
         else:
             # The window part on the host (cpu_kernels.window_attention): its result buffers, the
             # kernel's score scratch and numpy views of the windows, made once.
@@ -339,13 +348,10 @@ class HybridRuntime:
             self._wlse = torch.zeros((s, hq), dtype=torch.float32)
             self._wscores = np.zeros((geometry.group_size, max(1, w)), dtype=np.float32)
             self._win_numpy = [tuple(numpy_view(t) for t in store.window(layer)) for layer in range(store.layers)]
-            # Compile both kernels now, not in the first decode step (empty window, one row).
-            none = np.zeros(1, dtype=np.int32)
-            win_k, win_v = self._win_numpy[0]
-            window_attention_host(self._q_host[: hq * d].view(1, hq, d).numpy(), win_k, win_v, none, none,
-                                  self._wout[:1].numpy(), self._wlse[:1].numpy(), self._wscores)
-            merge_host(self._wout[0].numpy(), self._wlse[0].numpy(), self._wout[0].numpy(), self._wlse[0].numpy(),
-                       self._wout[0].numpy())
+            # Both kernels compile on the background warm-up thread, before the first decode step.
+            warm_jobs += host_step_kernel_jobs(self._q_host[: hq * d].view(1, hq, d).numpy(), *self._win_numpy[0],
+                                               self._wout[:1].numpy(), self._wlse[:1].numpy(), self._wscores,
+                                               window_attention_host, merge_host)
         native = {
             "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
             "q_flat": self._q_host.numpy(),
@@ -381,8 +387,6 @@ class HybridRuntime:
             # A step may return before its last GPU claims ended (`GpuLane.trails`): they fill its
             # timeline columns when retired.
             self._timeline.before_resolve = self.scheduler.lane.settle
-            if self.cuda:
-                self._warm_up_step_kernels()
         except BaseException:
             try:
                 self.scheduler.close()
@@ -394,33 +398,10 @@ class HybridRuntime:
         self._froze_gc = bool(sc.gc_freeze)
         if self._froze_gc:
             freeze_collector()
-
-    def _warm_up_step_kernels(self) -> None:
-        """Compile the window kernel's two variants (one split, several), the merge kernel and the
-        window append now: their arguments never select another variant, so no decode step compiles."""
-        g = self.geometry
-        q = torch.zeros((1, g.q_heads, g.head_dim), dtype=torch.float32, device=self.device)
-        win_k, win_v = self.store.window(0)
-        zero = torch.zeros(2, dtype=torch.int32, device=self.device)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(self._side_stream):  # where decode runs it (one workspace per stream)
-            for n_splits in (1, 2):
-                out, lse = self._window_gpu(q, win_k, win_v, zero[:1], zero[1:], max_len=win_k.shape[2], n_splits=n_splits)
-        torch.cuda.synchronize()
-        # Merges: in place (fp32), and the step's final one of two or three parts into the model's
-        # dtype (taken to be the store's; another dtype compiles its variant at its first step).
-        self._merge_gpu(out, lse, out.clone(), lse.clone(), out=out, lse=lse)
-        for out_dtype in dict.fromkeys((self.store.dtype, torch.float32)):
-            final = torch.empty(out.shape, dtype=out_dtype, device=self.device)
-            self._merge_gpu(out, lse, out.clone(), lse.clone(), out=final, lse=lse)
-            self._merge_gpu(out, lse, out.clone(), lse.clone(), out=final, lse=lse, out_c=out.clone(), lse_c=lse.clone())
-        # The append kernel's one variant (the store converts k and v to the window's dtype first),
-        # writing slot 0's row 0 back with what it holds.
-        from gpu_kernels.window_append import append_window
-
-        row = (win_k[:1, :, 0].clone(), win_v[:1, :, 0].clone())
-        append_window(win_k, win_v, row[0], row[1], torch.zeros((2, 1), dtype=torch.long, device=self.device))
-        torch.cuda.synchronize()
+        # Last: the kernels the decode step launches compile on a thread of their own while the
+        # caller prefills; the first decode step waits for them (`await_warm_up`).
+        self._warm_up = BackgroundWarmUp(warm_jobs, device=self.device,
+                                         stream=torch.cuda.Stream(self.device) if self.cuda else None).start()
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "HybridRuntime":
@@ -442,6 +423,7 @@ class HybridRuntime:
         self._closed = True
         try:
             self.scheduler.close()
+            self._warm_up.join()  # it reads the store's arena: joined (not its error) before it is freed
             # Only once no worker can read them: the pinned arenas go back to the system.
             self.store.close()
         finally:
@@ -449,6 +431,14 @@ class HybridRuntime:
                 thaw_collector()
             if first:
                 self._release_thread()
+
+    def await_warm_up(self) -> float:
+        """Wait for the background kernel warm-up (the first decode step does); returns the seconds
+        waited. Raises `warmup.KernelWarmUpError` naming a kernel that failed to compile. A caller
+        that captures CUDA graphs of its own before the first decode step calls it first: the
+        warm-up thread's allocations and module loads are not allowed during such a capture."""
+        self._check_open()
+        return self._warm_up.wait()
 
     def _release_thread(self) -> None:
         """Give a rank's constructing thread back the cores it had (when close runs on that thread)."""
@@ -706,6 +696,8 @@ class HybridRuntime:
         """
         t_entry = time.perf_counter()
         self._check_open()
+        if not self._warm_up.ready:
+            self._warm_up.wait()  # the first step: every kernel it launches has compiled (warmup.py)
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
@@ -919,6 +911,7 @@ class HybridRuntime:
         from hybrid_runtime.task_building import native_table, queue_order
 
         self._check_open()
+        self._warm_up.wait()
         ex = self.scheduler.lane.executor
         if ex is None:
             raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker false, or 'auto' without CUDA)")
@@ -985,6 +978,11 @@ class HybridRuntime:
             # decode waited for it (the first step with CPU tasks; 0 when it was done by then).
             "worker_start_s": sch.workers.start_s,
             "worker_start_wait_s": sch.worker_start_wait_s,
+            # The kernel warm-up (warmup.py) likewise: how long it took on its thread from the end
+            # of construction, None until done, and how long decode waited for it (the first step,
+            # before it waits for the CPU workers' start: the two waits add up).
+            "warmup_s": self._warm_up.seconds,
+            "warmup_wait_s": self._warm_up.wait_s,
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).

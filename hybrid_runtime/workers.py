@@ -8,7 +8,8 @@ doubles, subclasses that replace `run_one`) runs on plain Python worker threads 
 `executor.run_one` per task.
 
 Threads start in the constructor of the scheduler, which does not wait for them: each pins itself
-and makes its workspace (native ones also compile their loop, or load it from numba's disk cache:
+and makes its workspace (native ones also compile the host's queue helpers, `native_pool.warm_up`,
+and their loop, or load them from numba's disk cache:
 the stock kernel's loop is cached; a cold compile took ~50 s on a 2-core host), which overlaps
 whatever the caller does next -- the prefill, which needs no CPU worker. The first thing that
 needs them -- publishing a step's CPU tasks -- waits for the start (`await_start`: once;
@@ -69,7 +70,6 @@ class CpuWorkers:
         self.spin_ns = spin_ns
         self.native = None
         if native is not None:
-            native_pool.warm_up()
             self.native = native_pool.NativeJobBuffers(native["max_tasks"], native["g"], native["max_chunks"], self.n,
                                                        native["d"], int(getattr(executor, "max_blocks", 0) or 0))
             self._native_args = native
@@ -238,6 +238,7 @@ class CpuWorkers:
             if self.native is None:
                 state = ws
             else:
+                native_pool.warm_up()  # the host's helpers: compiled by the first worker here, not in the constructor
                 self._worker_args[wid] = self._loop_args(ws, wid)
                 # A cold compile's frames outlive it as garbage only a full collection frees, and
                 # with them their arguments: seen holding every arena of a closed store

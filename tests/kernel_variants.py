@@ -165,17 +165,14 @@ def _store(geometry: GeometryConfig, dtype: str) -> tuple[Config, KVStore]:
 
 def decode_step(geometry: GeometryConfig, dtype: str) -> None:
     """The runtime's window attention, merges and window append: its own warm-up
-    (`HybridRuntime._warm_up_step_kernels`, which compiles every variant a decode step uses)."""
-    from types import SimpleNamespace
-
+    (`hybrid_runtime.warmup.step_kernel_jobs`, which compiles every variant a decode step uses)."""
     from gpu_kernels.lse_merge import merge_attention
     from gpu_kernels.window_attention import window_attention
-    from hybrid_runtime.runtime import HybridRuntime
+    from hybrid_runtime.warmup import step_kernel_jobs
 
     cfg, store = _store(geometry, dtype)
-    runtime = SimpleNamespace(geometry=cfg.geometry, device=torch.device("cpu"), store=store, _side_stream=None,
-                              _window_gpu=window_attention, _merge_gpu=merge_attention)
-    HybridRuntime._warm_up_step_kernels(runtime)
+    for _, job in step_kernel_jobs(store, cfg.geometry, torch.device("cpu"), window_attention, merge_attention):
+        job()
     store.close()
 
 

@@ -97,6 +97,9 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     # what was left of it (the measured call's steps never wait), and the workers had started.
     assert 0.0 <= row["worker_start_wait_s"] <= row["warmup_s"]
     assert row["worker_start_s"] is not None and row["worker_start_s"] > 0
+    # Likewise the kernel warm-up: the warm-up call's first step waited for what was left of it.
+    assert 0.0 <= row["kernel_warmup_wait_s"] <= row["warmup_s"]
+    assert row["kernel_warmup_s"] is not None and row["kernel_warmup_s"] > 0
     # The arenas reserve the whole capacity and commit (pin, with CUDA) what the prompts use.
     assert row["reserved_host_bytes"] == arena_bytes(seen["kv_cfg"], seen["geometry"])[1] > 0
     assert row["pinned_host_bytes"] == (0 if not row["host_arena_pinned"] else row["pinned_host_bytes"])
@@ -281,7 +284,7 @@ def test_results_json_and_markdown_follow_the_contract(tmp_path, monkeypatch, me
         {(p["model"], p["batch"], p["context"], p["variant"]) for p in pts}
     md = path.with_suffix(".md").read_text()
     assert "| model | batch | context | variant | status |" in md and "## metrics" in md
-    assert "| construct s | worker wait s | MB/step |" in md
+    assert "| construct s | kernel wait s | worker wait s | MB/step |" in md
     assert "`fluxion_tpot_over_floor_max`: 2" in md
     assert "| m | 4 | 128K | dense | oom |" in md and "needs 80.0 GiB" in md
     assert "predictor not implemented" in md and "| tiny | 2 | 300 | cpu_only | ok |" in md

@@ -7,7 +7,8 @@ copy; a claim of rows `[start, stop)` is then two launches on the executor's str
 (attention over the union with the split combine fused) -- and one small copy of the union
 sizes back to a pinned landing slot for byte accounting. No host synchronisation, no per-task
 Python, no allocation: scratch buffers grow only at `upload`, when a step needs more than any
-step before it. Every kernel variant is compiled by `warm_up`, before the first decode step.
+step before it. Every kernel variant is compiled by `warm_up` (or `compile_kernels`), before the first
+decode step.
 
 `run(tasks, step)` is the synchronous form of the same path for callers holding `Task` objects.
 Without CUDA the kernels run under Triton's interpreter on the host arena (tests only; slow).
@@ -238,8 +239,15 @@ class GpuUvaExecutor:
             task.device = self.device
 
     def warm_up(self) -> None:
-        """Compile every kernel variant now (one tiny claim on chunk 0 of layer 0's arena) and
-        measure the host-to-GPU link, which bounds the scheduler's model of this lane."""
+        """Compile every kernel variant now (`compile_kernels`) and measure the host-to-GPU link
+        (`measure_link`)."""
+        self.compile_kernels()
+        self.measure_link()
+
+    def compile_kernels(self) -> None:
+        """Compile every kernel variant: one tiny claim on chunk 0 of layer 0's arena, ordered
+        after the calling thread's current stream; waits for the claim only (not the device).
+        The runtime calls it on its background warm-up thread (`warmup.py`)."""
         g, hq, d = self.group_size, self.store.geometry.q_heads, self.head_dim
         tab = np.zeros((1, native_pool.T_COLS), dtype=np.int64)
         tab[0, native_pool.T_BLOCK] = 16
@@ -253,6 +261,10 @@ class GpuUvaExecutor:
         self.launch(self.upload(packed), 0, 1, step).wait()
         self.bytes_read = 0
         self.launches = 0
+
+    def measure_link(self) -> None:
+        """Measure the host-to-GPU link (CUDA only), which bounds the scheduler's model of this
+        lane: tens of milliseconds, before the scheduler is built (it reads `link_bytes_per_s`)."""
         if self.cuda:
             self.link_bytes_per_s = link_bandwidth(self.dev)
 
