@@ -6,19 +6,22 @@ layer, then runs decode steps over every layer. Prints one JSON line with host s
 
     construction_s           `HybridRuntime(cfg)`
     prefill_s                every layer's prefill of the batch
-    first_decode_s           the first decode step's layer 0 (the CPU workers' start is waited
-                             for here when construction did not wait for it)
-    worker_start_wait_s      that wait, from `stats()` (absent where the runtime does not report it)
+    first_decode_s           the first decode step's layer 0 (the kernel warm-up and the CPU
+                             workers' start are waited for here: both run in the background)
+    warmup_wait_s            the wait for the kernel warm-up (`hybrid_runtime/warmup.py`), from `stats()`
+    warmup_s                 from construction until the warm-up had compiled everything, from `stats()`
+    worker_start_wait_s      the wait for the workers, from `stats()` (absent where the runtime does not report it)
     worker_start_s           from construction until the workers had started, from `stats()` (same)
     next_layer_decode_ms     median of the later layers' and steps' decode calls
     second_construction_s    a second runtime of the same config in the same process (numba's
                              code is loaded by then), built after the first closed
 
-Numba's disk cache is wherever NUMBA_CACHE_DIR points; run it once with a fresh directory
-(cold: every kernel compiles) and again with the same one (warm: loaded from disk):
+Numba's and Triton's disk caches are wherever NUMBA_CACHE_DIR and TRITON_CACHE_DIR point; run
+it once with fresh directories (cold: every kernel compiles) and again with the same ones (warm:
+loaded from disk):
 
-    d=$(mktemp -d); NUMBA_CACHE_DIR=$d python benchmarks/diag/runtime_start.py
-    NUMBA_CACHE_DIR=$d python benchmarks/diag/runtime_start.py
+    export NUMBA_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
+    python benchmarks/diag/runtime_start.py; python benchmarks/diag/runtime_start.py
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     rt = HybridRuntime(cfg)
-    row = {"numba_cache_dir": os.environ.get("NUMBA_CACHE_DIR"), "import_s": IMPORT_S,
+    row = {"numba_cache_dir": os.environ.get("NUMBA_CACHE_DIR"), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+           "import_s": IMPORT_S,
            "construction_s": time.perf_counter() - t0, "cpu_workers": rt.stats()["cpu_workers"],
            "cpu_workers_native": rt.stats()["cpu_workers_native"]}
     try:
@@ -90,7 +94,7 @@ def main() -> None:
                 else:
                     later.append(dt)
         row["next_layer_decode_ms"] = statistics.median(later) * 1e3
-        for key in ("worker_start_wait_s", "worker_start_s"):
+        for key in ("warmup_wait_s", "warmup_s", "worker_start_wait_s", "worker_start_s"):
             if rt.stats().get(key) is not None:
                 row[key] = rt.stats()[key]
     finally:
