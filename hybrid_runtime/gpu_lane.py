@@ -18,6 +18,7 @@ stall of a trailing claim is raised by the next step.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -146,6 +147,9 @@ class GpuLane:
         # or by `settle`. (job, queue rows, end time of its last retired claim); the claims stay
         # in `job.gpu_pending`.
         self.trailing: tuple | None = None
+        # `settle` may run on another thread than the steps (`stats()` from a reporter): one
+        # retirement at a time.
+        self._trail_lock = threading.Lock()
 
     @property
     def trails(self) -> bool:
@@ -307,6 +311,12 @@ class GpuLane:
     def _retire_trailing(self, block: bool) -> bool:
         """Retire the previous step's claims that have ended (all of them, waiting, with `block`);
         True if any was retired. A claim that failed raises its error here, naming its step."""
+        with self._trail_lock:
+            if self.trailing is None:
+                return False
+            return self._retire_trailing_locked(block)
+
+    def _retire_trailing_locked(self, block: bool) -> bool:
         job, rows, prev_done = self.trailing
         pending = job.gpu_pending
         progressed = False

@@ -678,6 +678,8 @@ class _GatedHandle(_Handle):
 
     def wait(self):
         self.gate.wait()
+        if self.owner.wait_s:
+            time.sleep(self.owner.wait_s)  # the GIL is released here, as in a real event wait
         self.owner.retired += 1
         if self.owner.fail_wait:
             raise RuntimeError("claim failed on the device")
@@ -694,6 +696,7 @@ class TrailingGpu(CountingGpu):
         self.gate = threading.Event()
         self.retired = 0
         self.fail_wait = False
+        self.wait_s = 0.0
 
     def launch(self, plan, start, stop, step):
         h = super().launch(plan, start, stop, step)
@@ -780,4 +783,40 @@ def test_a_trailing_claim_that_fails_fails_the_next_step_and_names_its_step():
         run_job(s, fake_tasks(300, seed=2))  # the scheduler stays usable
         assert sorted(s.cpu_executor.runs + gpu.runs) == list(range(300))
     finally:
+        s.close()
+
+
+def test_settle_from_another_thread_during_steps_retires_each_claim_once():
+    """`stats()` may settle the lane from a reporting thread while steps run: each trailing claim is
+    retired exactly once and every task still runs once."""
+    s, gpu = trailing_scheduler()
+    gpu.gate.set()  # claims end at once; whether they trail depends on timing
+    gpu.wait_s = 2e-4  # a retirement takes a while (and yields the GIL): the threads overlap in it
+    learned: list = []  # the jobs themselves (kept alive: no id is reused)
+    learn = s.lane.learn_balance
+    s.lane.learn_balance = lambda job: (learned.append(job), learn(job))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reporter():
+        while not stop.is_set():
+            try:
+                s.lane.settle(block=False)
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+    t = threading.Thread(target=reporter)
+    t.start()
+    try:
+        for step in range(20):
+            s.cpu_executor.runs.clear()
+            gpu.runs.clear()
+            run_job(s, fake_tasks(200, seed=step))
+            assert sorted(s.cpu_executor.runs + gpu.runs) == list(range(200))
+        s.lane.settle()
+        assert gpu.retired == len(gpu.batches) and not errors
+        assert len(learned) == len({id(job) for job in learned}) == 20  # each step's balance learned once
+    finally:
+        stop.set()
+        t.join()
         s.close()
