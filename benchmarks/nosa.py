@@ -20,18 +20,22 @@ completely every step. Misses exclude each sequence's first step (the empty cach
 Per point and selector: cache misses per decode step (all layers and KV heads) and per layer-step,
 bytes over the link per layer-step, and the attention time per layer-step (`HybridRuntime.decode`
 of one layer: selection, cache update, gather of misses, attention over the cache, the window
-part and the merge; CUDA-synchronised wall time; median, mean, p90). Writes
-`benchmarks/results/nosa-<device>.json` (results contract in docs/architecture.md) with
+part and the merge; CUDA-synchronised wall time; median, mean, p90). Each selector runs on a fresh
+runtime in the order `--selectors` gives (each point records its `run_index`: a reversed order
+checks that the times do not depend on it). Writes `benchmarks/results/nosa-<device>.json`
+(results contract in docs/architecture.md) and its table beside it (`.md`), with
 `miss_ratio_vs_query_aware_kq025` (misses per step of nosa_kq025 over query_aware, the larger of
 the two points) and `attention_ms_8x32k` (nosa_kq025's median at (8, 32K)).
 
     python benchmarks/nosa.py                      # the device run (~2-3 min on an H100 host)
     python benchmarks/nosa.py --smoke              # a tiny shape on the CPU (torch paths), ~1 min
+    python benchmarks/nosa.py --render benchmarks/results/nosa-h100.json   # rewrite its .md table
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -64,6 +68,10 @@ SMOKE_POINTS = [(2, 2048)]
 SMOKE = {"k_tokens": 1024, "block_tokens": 64, "pool_kernel_tokens": 32, "pool_stride_tokens": 16}
 SMOKE_KV = {"sink": 64, "local": 192, "generated_cap": 64}
 SMOKE_KQ = {"nosa_kq025": 256, "nosa_kq0125": 128}
+
+
+SCORE_SOURCE = "eviction_head with seeded random weights (no trained head for this geometry)"
+QUERY_AWARE_SOURCE = "none: every cache block by the pooled query-aware score (InfLLMv2-style)"
 
 
 def runtime_config(geo: GeometryConfig, batch: int, context: int, nosa: dict, kv: dict, steps: int, score: str) -> object:
@@ -147,6 +155,7 @@ def run_selector(name: str, args, geo: GeometryConfig, batch: int, context: int,
             "attention_ms_p90": float(np.percentile(att, 90)),
             "locality_min": loc["min"], "locality_bound": loc["bound"], "prefill_s": prefill_s,
             "kernels": ex.kernels,
+            "score_source": SCORE_SOURCE if nosa["selector"] == "nosa" else QUERY_AWARE_SOURCE,
         }
     print(f"  {name:12s} misses/step {row['misses_per_step']:8.1f} ({row['miss_fraction']:.3f} of selected), "
           f"{row['link_MB_per_layer_step']:.2f} MB/layer-step, attention {row['attention_ms_median']:.3f} ms median "
@@ -189,6 +198,41 @@ def assemble_metrics(rows: list[dict]) -> dict:
     return m
 
 
+def markdown(record: dict) -> str:
+    """The table of a results-contract record of this benchmark (`nosa-<device>.json`): every
+    figure read from its points and metrics."""
+    c, rows, m = record["config"], record["points"], record["metrics"]
+    first = rows[0]
+    k_blocks = first["cache_blocks"] + first["fixed_blocks"]
+    nosa = first["nosa"]
+    lines = [f"# NOSA executor: cache misses and attention time per layer ({record['device']})", "",
+             f"commit {record['commit']}; `{record['command']}`; created {record['created']}.", "",
+             f"{c['geometry']} geometry, {c['layers']} layers, random bf16 K/V, AR(1) decode queries (rho {c['rho']}), "
+             f"{c['steps']} measured steps after {c['warmup']} (the cache fill excluded). k = {nosa['k_tokens']} tokens "
+             f"= {k_blocks} blocks of {nosa['block_tokens']}: {first['fixed_blocks']} sink and window blocks and a "
+             f"{first['cache_blocks']}-block GPU cache per (sequence, layer, KV head), the same for every selector. "
+             f"Score source: {c['score_source']} (what it ranks says nothing about quality; the quality cost is "
+             "measured on SmolLM2, nosa_quality-cpu.md). Attention ms: `HybridRuntime.decode` of one layer "
+             "(selection, cache update, gather of misses, attention over the cache, window part, merge), "
+             "CUDA-synchronised wall time.", "",
+             "| batch | context | selector | query-aware blocks of k | misses / step | vs query-aware | "
+             "link MB / layer-step | attention ms median (p90) | locality min (bound) | run order |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        t = tag(r["batch"], r["context"])
+        ratio = m.get(f"miss_ratio_{r['selector']}_vs_query_aware_{t}")
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {r['selector']} | {r['query_aware_blocks']} of "
+                     f"{k_blocks} | {r['misses_per_step']:.1f} | {'-' if ratio is None else f'{ratio:.3f}'} | "
+                     f"{r['link_MB_per_layer_step']:.2f} | {r['attention_ms_median']:.3f} ({r['attention_ms_p90']:.3f}) | "
+                     f"{r['locality_min']:.3f} ({r['locality_bound']:.3f}) | {r.get('run_index', '-')} |")
+    if "miss_ratio_vs_query_aware_kq025" in m:
+        ratio = m["miss_ratio_vs_query_aware_kq025"]
+        lines += ["", f"Issue 21's bar: misses per step at k_q / k = 0.25 at most 0.5 of the query-aware-only "
+                  f"selector's with the same cache: {ratio:.3f} at the worse point "
+                  f"({'met' if ratio <= 0.5 else 'not met'})."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on whatever device there is (checks the script)")
@@ -198,9 +242,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4, help="unmeasured steps (the cache fill, compiles)")
     ap.add_argument("--rho", type=float, default=0.9, help="AR(1) correlation of consecutive decode queries")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--selectors", default=",".join(SELECTORS),
+                    help=f"the selectors to run, in this order at every point (default {','.join(SELECTORS)})")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/nosa-<device slug>.json; "
-                    "with --smoke runs/nosa-smoke.json)")
+                    "with --smoke runs/nosa-smoke.json); the table goes beside it (.md)")
+    ap.add_argument("--render", metavar="JSON", default=None, help="write the .md table of an existing result file "
+                    "beside it, and exit")
     args = ap.parse_args()
+    if args.render:
+        path = Path(args.render)
+        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+        print(f"wrote {path.with_suffix('.md')}")
+        return
+    selectors = args.selectors.split(",")
+    unknown = [x for x in selectors if x not in SELECTORS]
+    if unknown or len(set(selectors)) != len(selectors) or not selectors:
+        sys.exit(f"--selectors {args.selectors}: allowed a comma list of distinct names from {', '.join(SELECTORS)}")
+    if "query_aware" not in selectors:
+        sys.exit("--selectors: query_aware is needed (every miss ratio is against it)")
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("benchmarks/nosa.py measures the GPU block cache and needs a CUDA device; --smoke runs a tiny shape on the CPU")
     if not 0.0 <= args.rho < 1.0:
@@ -219,15 +278,16 @@ def main() -> None:
     for batch, context in points:
         print(f"point batch={batch} context={context} ({geo.name}, {geo.layers} layers)", flush=True)
         q_all = queries(geo, batch, args.warmup + args.steps, args.rho, args.seed + 3, dev)
-        for name in SELECTORS:
-            rows.append(run_selector(name, args, geo, batch, context, q_all))
+        for index, name in enumerate(selectors):
+            rows.append({**run_selector(name, args, geo, batch, context, q_all), "run_index": index})
     metrics = assemble_metrics(rows)
     config = {"geometry": geo.name, "layers": geo.layers, "steps": args.steps, "warmup": args.warmup, "rho": args.rho,
               "seed": args.seed, "smoke": args.smoke, "torch": torch.__version__,
-              "score_source": "eviction_head with seeded random weights (no trained head for this geometry)",
+              "score_source": SCORE_SOURCE, "selectors": selectors,
               "kv_cache": SMOKE_KV if args.smoke else PAPER_KV}
     out = args.out or (str(ROOT / "runs" / "nosa-smoke.json") if args.smoke else None)
     path = write_results("nosa", metrics, rows, extra={"config": config}, out_path=out)
+    path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
     for k, v in metrics.items():
         print(f"{k}: {v:.4g}")
     print(f"wrote {path}")

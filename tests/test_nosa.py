@@ -13,7 +13,7 @@ from hybrid_runtime.pinning import torch_threads
 from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.runtime import HybridRuntime
 from predictor.eviction_head import EvictionHeads, load_eviction_heads, save_eviction_heads
-from tests.helpers import DEV
+from tests.helpers import CUDA, DEV
 
 GEOM = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 
@@ -48,8 +48,9 @@ def nosa_config(tmp_path=None, k_tokens=256, k_q_tokens=64, score="eviction_head
     })
 
 
-def decode_steps(rt, steps, lengths=(300, 1000), seed=0, check_dense=False, after_step=None):
-    """Prefill random prompts, then `steps` decode steps of every layer; optionally check against dense."""
+def decode_steps(rt, steps, lengths=(300, 1000), seed=0, check_dense=False, after_step=None, outs=None):
+    """Prefill random prompts, then `steps` decode steps of every layer; optionally check against
+    dense, and append every step's output to `outs`."""
     gen = torch.Generator().manual_seed(seed)
     seq_ids = list(range(len(lengths)))
     for s, n in zip(seq_ids, lengths):
@@ -60,6 +61,8 @@ def decode_steps(rt, steps, lengths=(300, 1000), seed=0, check_dense=False, afte
             q = torch.randn(len(seq_ids), 8, 32, generator=gen) * 3
             k, v = torch.randn(len(seq_ids), 2, 32, generator=gen), torch.randn(len(seq_ids), 2, 32, generator=gen)
             out = rt.decode(layer, seq_ids, q, k, v)
+            if outs is not None:
+                outs.append(out.float().cpu())
             if check_dense:
                 ref = torch.stack([dense_attention(q[b], *rt.store.full_kv(s, layer))[0] for b, s in enumerate(seq_ids)])
                 torch.testing.assert_close(out, ref, atol=3e-5, rtol=1e-4)
@@ -106,13 +109,23 @@ def test_block_max_pools_sub_blocks_and_masks_invalid_blocks():
 
 # ---------------------------------------------------------------------------- through the runtime
 @pytest.mark.parametrize("source", ["eviction_head", "decayed_attention", "query_aware"])
-def test_k_covering_every_block_equals_dense_attention(tmp_path, source):
+@pytest.mark.parametrize("k_blocks", [68, 65])
+def test_k_covering_every_block_equals_dense_attention(tmp_path, source, k_blocks):
     """No bias, and a cache as large as the CPU segment: the output is dense attention, through spills."""
-    # 1000-token prompt: 60 CPU blocks, 61 after the spill; k = 68 blocks leaves a 64-block cache.
-    cfg = nosa_config(tmp_path, k_tokens=68 * 16, **({"selector": "query_aware"} if source == "query_aware" else {"score": source}))
+    # 1000-token prompt: 60 CPU blocks, 61 after the spill. k = 68 blocks leaves a 64-block cache
+    # (room to spare); k = 65 a 61-block cache, exactly every block once the spill has come (no free slot).
+    cfg = nosa_config(tmp_path, k_tokens=k_blocks * 16,
+                      **({"selector": "query_aware"} if source == "query_aware" else {"score": source}))
     with HybridRuntime(cfg) as rt:
+        ex = rt.gpu_executor
+        ex.selection_log = []
         decode_steps(rt, 20, check_dense=True)  # a spill of 16 tokens at step 16
-        assert rt.gpu_executor.misses > 0
+        assert ex.misses > 0 and ex.capacity == k_blocks - 4
+        log = np.concatenate(ex.selection_log)
+        # Every CPU block selected at every step: the longer sequence's last steps fill the cache.
+        blocks = -(-log[:, COL["cpu_len"]] // 16)
+        assert (log[:, COL["selected"]] == np.minimum(blocks, ex.capacity)).all()
+        assert (log[:, COL["selected"]] == ex.capacity).any() == (k_blocks == 65)
 
 
 def test_eviction_head_locality_never_falls_below_ke_over_k(tmp_path):
@@ -203,14 +216,20 @@ def test_triton_kernels_match_the_torch_path(tmp_path):
         cfg = nosa_config(tmp_path, k_tokens=128, score="decayed_attention", dtype="bf16")
         with HybridRuntime(cfg, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, kernels=kernels)) as rt:
             ex = rt.gpu_executor
-            got = []
-            decode_steps(rt, 3, lengths=(200, 330),
+            got, step_outs = [], []
+            decode_steps(rt, 3, lengths=(200, 330), outs=step_outs,
                          after_step=lambda step, layer, seq_ids: got.append(rt.timeline.records[-1].bytes_read.copy()))
             caches[kernels] = [c.clone() for c in ex.cache.k + ex.cache.v + ex.cache.block]
-            outs[kernels] = (got, ex.misses)
+            outs[kernels] = (got, ex.misses, torch.stack(step_outs))
     for a, b in zip(caches["torch"], caches["triton"]):
         assert torch.equal(a, b)
     assert outs["torch"][1] == outs["triton"][1] > 0
+    # The same bytes per task and step, and the same merged output. The interpreter multiplies the
+    # bf16 cache in fp32; compiled on CUDA the kernel's dots take bf16 operands (as the GPU test allows).
+    assert len(outs["torch"][0]) == len(outs["triton"][0]) == 3 * GEOM["layers"]
+    assert all(np.array_equal(a, b) for a, b in zip(outs["torch"][0], outs["triton"][0]))
+    tol = 2e-2 if CUDA else 1e-4
+    torch.testing.assert_close(outs["triton"][2], outs["torch"][2], atol=tol, rtol=tol)
 
 
 def test_cache_attention_kernel_matches_attend_blocks():
@@ -330,6 +349,68 @@ def test_device_benchmark_smoke_runs_on_the_host(tmp_path):
     assert {"miss_ratio_vs_query_aware_kq025", "misses_per_step_query_aware_2x2k"} <= set(m)
     assert 0 < m["miss_ratio_vs_query_aware_kq025"] < 1
     assert all(p["locality_min"] >= p["locality_bound"] for p in record["points"])
+    # Every point names its score source and its place in the run order; the table sits beside the JSON.
+    assert [p["run_index"] for p in record["points"]] == [0, 1, 2]
+    assert [p["score_source"].split(" ")[0] for p in record["points"]] == ["eviction_head", "eviction_head", "none:"]
+    from benchmarks.nosa import markdown
+
+    assert out.with_suffix(".md").read_text() == markdown(record)
+
+
+def quality_results(lengths=(4096, 8192)):
+    """A `nosa_quality.run` result with made-up figures (the shape `metrics_of` reads)."""
+    def policy(agreement, misses, gap, source):
+        return {"agreement": agreement, "kl": 0.01, "ppl": 10.0, "link_bytes_per_step_after_fill": misses * 16384.0,
+                "cache": {"misses_per_step": misses}, "locality": {"min_minus_bound": gap}, "score_source": source}
+
+    entry = {"dense": {"ppl": 9.0}, "policies": {
+        "nosa_kq025": policy(0.9, 40.0, 0.0, "eviction_head distilled"),
+        "nosa_decayed_kq025": policy(0.92, 30.0, -0.125, "decayed_attention"),
+        "query_aware": policy(0.95, 100.0, 0.1, "none: query-aware"),
+    }}
+    return {"lengths": {str(n): entry for n in lengths}}
+
+
+def test_quality_metrics_carry_the_issues_names():
+    from hybrid_runtime.experiments.nosa_quality import metrics_of
+
+    m = metrics_of(quality_results())
+    for tag in ("4k", "8k"):
+        assert m[f"agreement_nosa_kq025_{tag}"] == 0.9 and m[f"agreement_query_aware_{tag}"] == 0.95
+        assert m[f"miss_ratio_nosa_kq025_vs_query_aware_{tag}"] == pytest.approx(0.4)
+        assert m[f"link_bytes_per_step_nosa_kq025_{tag}"] == 40.0 * 16384
+    # Over the eviction-head policies only: the decayed score's -0.125 does not count.
+    assert m["min_locality_minus_bound"] == 0.0
+    assert "min_locality_minus_bound_query_aware_4k" not in m
+
+
+def test_device_benchmark_metrics_name_the_issues_figures():
+    from benchmarks.nosa import assemble_metrics
+
+    def row(selector, batch, misses, ms):
+        return {"selector": selector, "batch": batch, "context": 32768, "misses_per_step": misses,
+                "attention_ms_median": ms}
+
+    rows = [row("nosa_kq025", 8, 40.0, 1.5), row("query_aware", 8, 100.0, 2.0),
+            row("nosa_kq025", 16, 90.0, 2.5), row("query_aware", 16, 200.0, 3.0)]
+    m = assemble_metrics(rows)
+    assert m["miss_ratio_vs_query_aware_kq025"] == pytest.approx(0.45)  # the worse of the two points
+    assert m["attention_ms_8x32k"] == 1.5 and m["attention_ms_query_aware_16x32k"] == 3.0
+
+
+@pytest.mark.parametrize("name", ["nosa_quality-cpu", "nosa-h100"])
+def test_committed_nosa_tables_are_rendered_from_their_json(name):
+    """benchmarks/results/<name>.md is what the script renders from <name>.json (no typed-in figure)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.nosa import markdown as device_markdown
+    from hybrid_runtime.experiments.nosa_quality import markdown as quality_markdown
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    record = json.loads((results / f"{name}.json").read_text())
+    render = quality_markdown if name.startswith("nosa_quality") else device_markdown
+    assert (results / f"{name}.md").read_text() == render(record)
 
 
 def test_warm_up_runs_both_triton_kernels_and_changes_nothing(tmp_path):

@@ -20,8 +20,10 @@ This is an adaptation (no NOSA-trained model exists for SmolLM2: the eviction he
 with the model frozen and its Eq. 8 bias is off); every policy's result names its score source.
 Misses per step exclude each sequence's first decode step, which fills the empty cache.
 
-Outputs `nosa_quality.json` in `--out`; with `--results-dir`, the results-contract file
-`nosa_quality-<device>.json` (`cpu` on a host without CUDA). Exit codes: 0 success, 2 bad settings.
+Outputs `nosa_quality.json` and its tables `nosa_quality.md` in `--out`; with `--results-dir`, the
+results-contract file `nosa_quality-<device>.json` (`cpu` on a host without CUDA) and the same
+tables beside it (`.md`). `--render FILE.json` rewrites the tables of an existing results-contract
+file and exits (no model is loaded). Exit codes: 0 success, 2 bad settings.
 """
 
 from __future__ import annotations
@@ -235,30 +237,115 @@ def metrics_of(results: dict) -> dict:
     return m
 
 
+# The issue's bar for the miss ratio at k_q / k = 0.25 (NOSA reports about 2x fewer misses).
+MISS_RATIO_BAR = 0.5
+
+
+def markdown(record: dict) -> str:
+    """The tables of a results-contract record of this experiment (`nosa_quality-<device>.json`):
+    every figure is read from the record's points and metrics."""
+    s, points, m = record["settings"], record["points"], record["metrics"]
+    first = points[0]
+    k_blocks = first["cache_blocks"] + first["fixed_blocks"]
+    lines = ["# SmolLM2-135M-Instruct through the NOSA executor (an adaptation)", ""]
+    if "commit" in record:
+        versions = "".join(f"; {k} {v}" for k, v in record.get("versions", {}).items())
+        lines += [f"Device: {record['device']}; commit {record['commit']}; command `{record['command']}`; "
+                  f"created {record['created']}{versions}.", ""]
+    lines += [
+        f"Per step each KV head selects k = {s['k_tokens']} tokens = {k_blocks} blocks of {s['block_tokens']}: "
+        f"{first['fixed_blocks']} sink and window blocks (the runtime's GPU window) and {first['cache_blocks']} "
+        "CPU-resident blocks held in a GPU block cache per (sequence, layer, KV head), the same capacity for every "
+        f"policy. Query-aware score: pooled q.K (sub-blocks of {s['pool_kernel_tokens']} every "
+        f"{s['pool_stride_tokens']} tokens, max per block). {s['positions']} teacher-forced positions per length "
+        f"through the runtime ({s['store_dtype']} store) against the dense model. No NOSA-trained model runs here: "
+        "the eviction head is distilled with SmolLM2 frozen and its Eq. 8 softmax bias is off. Link MB / step: "
+        "the cache misses' K and V over all layers per decode step, the first step's cache fill excluded. "
+        "Locality: the share of a step's k blocks selected the step before (blocks a spill created or "
+        "extended excused), its minimum over task-steps, against the bound k_e / k.",
+        "",
+        "| L | policy | query-aware blocks of k | agreement | KL | ppl | link MB / step | misses / step | misses vs query-aware | locality min (bound) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    lengths = sorted({int(p["length"]) for p in points})
+    for length in lengths:
+        tag = length_tag(length)
+        lines.append(f"| {tag} | dense | - | - | - | {m[f'ppl_dense_{tag}']:.3f} | - | - | - | - |")
+        for p in (p for p in points if int(p["length"]) == length):
+            ratio = m.get(f"miss_ratio_{p['policy']}_vs_query_aware_{tag}")
+            loc = p["locality"]
+            lines.append(
+                f"| {tag} | {p['policy']} | {p['query_aware_blocks']} of {k_blocks} | {p['agreement']:.3f} | "
+                f"{p['kl']:.4f} | {p['ppl']:.3f} | {p['link_bytes_per_step_after_fill'] / 1e6:.3f} | "
+                f"{p['cache']['misses_per_step']:.1f} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+                f"{loc['min']:.3f} ({loc['bound']:.3f}) |")
+    lines += ["", f"Issue 21's bars: misses per step at k_q / k = 0.25 at most {MISS_RATIO_BAR} of the query-aware-only "
+              "selector's, and the eviction head's locality never below k_e / k.", ""]
+    for length in lengths:
+        tag = length_tag(length)
+        ratio = m.get(f"miss_ratio_nosa_kq025_vs_query_aware_{tag}")
+        if ratio is not None:
+            verdict = "met" if ratio <= MISS_RATIO_BAR else "not met"
+            lines.append(f"* {tag}: miss ratio nosa_kq025 / query_aware {ratio:.3f} ({verdict}); agreement "
+                         f"{m[f'agreement_nosa_kq025_{tag}']:.3f} vs {m[f'agreement_query_aware_{tag}']:.3f}, KL "
+                         f"{m[f'kl_nosa_kq025_{tag}']:.4f} vs {m[f'kl_query_aware_{tag}']:.4f}.")
+    if "min_locality_minus_bound" in m:
+        gap = m["min_locality_minus_bound"]
+        lines.append(f"* Eviction-head policies, every length: min locality minus bound {gap:+.3f} "
+                     f"({'never below' if gap >= 0 else 'below'} the bound).")
+    lines += ["", "Score sources:", ""]
+    lines += [f"* {name}: {p['score_source']}" for name, p in record["policies"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def library_versions() -> dict:
+    """torch's and transformers' versions: the same commit on another pair gave agreement one
+    position in 256 apart (benchmarks/notes/nosa.md)."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def write_outputs(results: dict, out: Path, results_dir: Path | None, command: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    points = [{"length": int(length), "policy": p, **r} for length, e in results["lengths"].items()
+              for p, r in e["policies"].items()]
+    record = {"metrics": metrics_of(results), "points": points, "settings": results["settings"],
+              "policies": results["policies"]}
     if results_dir is not None:
-        points = [{"length": int(length), "policy": p, **r} for length, e in results["lengths"].items()
-                  for p, r in e["policies"].items()]
         # A host without CUDA writes `nosa_quality-cpu.json` (not `-cpu<N>`), as the quality experiment does.
-        written.append(write_results("nosa_quality", metrics_of(results), points,
-                                     out_path=results_dir / f"nosa_quality-{device_kind_slug()}.json",
-                                     extra={"command": command, "settings": results["settings"],
-                                            "policies": results["policies"]}))
+        final = write_results("nosa_quality", record["metrics"], points,
+                              out_path=results_dir / f"nosa_quality-{device_kind_slug()}.json",
+                              extra={"command": command, "settings": results["settings"],
+                                     "policies": results["policies"], "versions": library_versions()})
+        record = json.loads(final.read_text())
+        md = final.with_suffix(".md")
+        md.write_text(markdown(record))
+        written += [final, md]
     (out / "nosa_quality.json").write_text(json.dumps(results, indent=2) + "\n")
-    return written + [out / "nosa_quality.json"]
+    (out / "nosa_quality.md").write_text(markdown(record))
+    return written + [out / "nosa_quality.json", out / "nosa_quality.md"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid_runtime.experiments.nosa_quality", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for nosa_quality.json")
+    parser.add_argument("--out", help="folder for nosa_quality.json and .md (required unless --render)")
     parser.add_argument("--config", help="YAML with `nosa_quality:` and `runtime:` sections")
     parser.add_argument("--results-dir", help="also write the results-contract file here (benchmarks/results)")
     parser.add_argument("--lengths", type=int, nargs="+")
     parser.add_argument("--positions", type=int)
+    parser.add_argument("--render", metavar="JSON", help="write the .md tables of an existing results-contract file "
+                        "(benchmarks/results/nosa_quality-cpu.json) beside it, and exit")
     args = parser.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+        timestamped_progress(f"wrote {path.with_suffix('.md')}")
+        return 0
+    if not args.out:
+        parser.error("--out is required (unless --render)")
     try:
         settings = load_section_settings(args.config, {"lengths": args.lengths, "positions": args.positions},
                                          "nosa_quality", NosaQualitySettings,
