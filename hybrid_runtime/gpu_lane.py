@@ -338,6 +338,17 @@ class GpuLane:
         self.learn_balance(job)
         return progressed
 
+    def describe_unfinished(self) -> str:
+        """What of earlier steps still runs (a timed-out step's tasks, the previous step's trailing
+        claims), for close's message."""
+        parts = []
+        if self.orphan is not None:
+            parts.append(f"timed-out step at layer {self.orphan.layer}: {self.orphan.describe()}")
+        trailing = self.trailing
+        if trailing is not None:
+            parts.append(f"trailing GPU claims of the step at layer {trailing[0].layer}: {trailing[0].describe()}")
+        return "; ".join(parts) or "nothing"
+
     def settle(self, block: bool = True) -> bool:
         """Retire the previous step's trailing claims (between steps: before the store changes,
         a probe, a placement switch or reading the timeline); with `block` wait for them. Returns

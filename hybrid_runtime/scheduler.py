@@ -339,11 +339,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:
-        """Stop and join every worker thread and wait for the GPU claims of a timed-out step;
-        raises if a task is still running after `timeout` (default `scheduler.step_timeout_s`), or a
+        """Stop and join every worker thread and wait for the GPU claims of a timed-out step and the
+        previous step's trailing ones; raises if a task or claim is still running after `timeout`
+        (default `scheduler.step_timeout_s`), or a
         worker's start-up (compiling its loop; waited for first) after `CpuWorkers.START_WAIT_S`.
         Calling it again waits once more."""
-        if self._closed and not any(t.is_alive() for t in self.workers.threads) and self.lane.orphan is None:
+        if self._closed and not any(t.is_alive() for t in self.workers.threads) and self.lane.orphan is None \
+                and self.lane.trailing is None:
             return
         self._closed = True
         timeout = self.cfg.step_timeout_s if timeout is None else timeout
@@ -358,8 +360,8 @@ class Scheduler:
         while not self.lane.orphan_done():
             if time.monotonic() > end:
                 raise RuntimeError(
-                    f"scheduler.close: tasks of a timed-out step are still running after {timeout:g} s "
-                    f"({self.lane.orphan.describe()}); close again to wait for them once more"
+                    f"scheduler.close: tasks or GPU claims of earlier steps are still running after {timeout:g} s "
+                    f"({self.lane.describe_unfinished()}); close again to wait for them once more"
                 )
             time.sleep(1e-4)
 

@@ -820,3 +820,18 @@ def test_settle_from_another_thread_during_steps_retires_each_claim_once():
         stop.set()
         t.join()
         s.close()
+
+
+def test_close_names_a_trailing_claim_that_does_not_end_and_a_later_close_finds_it_done():
+    s, gpu = trailing_scheduler()
+    try:
+        run_job(s, fake_tasks(300))
+        assert s.lane.trailing is not None
+        with pytest.raises(RuntimeError, match="still running after 0.2 s .*trailing GPU claims of the step at layer 0"):
+            s.close(timeout=0.2)
+        gpu.gate.set()
+        s.close(timeout=5.0)  # once more: the claims ended, they are retired
+        assert s.lane.trailing is None and gpu.retired == len(gpu.batches)
+    finally:
+        gpu.gate.set()
+        s.close()
