@@ -270,9 +270,9 @@ class GpuLane:
             if not timed_out and now > deadline:
                 timed_out = True
                 state = job.describe()
-                if self.trailing is not None:
-                    prev = self.trailing[0]
-                    state += f"; the previous step's (layer {prev.layer}) GPU claims: {prev.describe()}"
+                trailing = self.trailing
+                if trailing is not None:
+                    state += f"; {self._describe_trailing(trailing)}"
                 job.fail(StepTimeoutError(
                     f"decode step at layer {job.layer} did not finish within scheduler.step_timeout_s={timeout:g} s "
                     f"({state}); its remaining tasks were dropped"
@@ -344,10 +344,15 @@ class GpuLane:
         parts = []
         if self.orphan is not None:
             parts.append(f"timed-out step at layer {self.orphan.layer}: {self.orphan.describe()}")
-        trailing = self.trailing
+        trailing = self.trailing  # read once: a settle on another thread may clear it
         if trailing is not None:
-            parts.append(f"trailing GPU claims of the step at layer {trailing[0].layer}: {trailing[0].describe()}")
+            parts.append(self._describe_trailing(trailing))
         return "; ".join(parts) or "nothing"
+
+    @staticmethod
+    def _describe_trailing(trailing: tuple) -> str:
+        prev = trailing[0]
+        return f"trailing GPU claims of the step at layer {prev.layer}: {prev.describe()}"
 
     def settle(self, block: bool = True) -> bool:
         """Retire the previous step's trailing claims (between steps: before the store changes,

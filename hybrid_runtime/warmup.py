@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -78,8 +79,8 @@ class BackgroundWarmUp:
         kernel = "(setting the device and stream)"
         try:
             cuda = self.device is not None and self.device.type == "cuda"
-            with torch.cuda.device(self.device) if cuda else _nothing(), \
-                    torch.cuda.stream(self.stream) if cuda and self.stream is not None else _nothing():
+            with torch.cuda.device(self.device) if cuda else nullcontext(), \
+                    torch.cuda.stream(self.stream) if cuda and self.stream is not None else nullcontext():
                 for kernel, job in self.jobs:
                     job()
                 if cuda and self.stream is not None:
@@ -118,14 +119,6 @@ class BackgroundWarmUp:
         if self._thread.is_alive():
             raise RuntimeError(f"kernel warm-up thread {self._thread.name!r} still compiling after "
                                f"{self.JOIN_S if timeout is None else timeout:g} s; close again to wait once more")
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def step_kernel_jobs(store: Any, geometry: Any, device: torch.device, window_fn: Callable,

@@ -715,11 +715,18 @@ def trailing_scheduler(placement="fluxion"):
     return s, gpu
 
 
+def run_leaving_claims_trailing(s: Scheduler) -> StepJob:
+    """A step whose claims are still on the "device" (the gate is closed) when its CPU tasks end."""
+    job = run_job(s, fake_tasks(300))
+    assert s.lane.trailing is not None
+    return job
+
+
 def test_claims_still_on_the_gpu_trail_their_step_and_the_next_step_retires_them():
     s, gpu = trailing_scheduler()
     try:
-        first = run_job(s, fake_tasks(300))  # returns although no claim has ended on the "device"
-        assert gpu.batches and gpu.retired == 0 and s.lane.trailing is not None
+        first = run_leaving_claims_trailing(s)  # returns although no claim has ended on the "device"
+        assert gpu.batches and gpu.retired == 0
         assert first.done() and len(first.gpu_batches) == len(gpu.batches)  # the merge's end event is known
         gpu_rows = np.concatenate([rows for _, _, rows in first.gpu_batches])
         assert (first.columns["worker"][gpu_rows] == -1).all()  # not recorded yet
@@ -750,16 +757,14 @@ def test_a_gpu_only_step_waits_for_its_claims():
 def test_settle_and_close_wait_for_trailing_claims():
     s, gpu = trailing_scheduler()
     try:
-        run_job(s, fake_tasks(300))
-        assert s.lane.trailing is not None
+        run_leaving_claims_trailing(s)
         assert s.lane.settle(block=False)  # still on the device: nothing retired, nothing blocks
         threading.Timer(0.2, gpu.gate.set).start()
         t0 = time.monotonic()
         assert not s.lane.settle(block=True)
         assert time.monotonic() - t0 >= 0.19 and gpu.retired == len(gpu.batches)
         gpu.gate.clear()
-        run_job(s, fake_tasks(300))
-        assert s.lane.trailing is not None
+        run_leaving_claims_trailing(s)
         threading.Timer(0.2, gpu.gate.set).start()
         s.close()  # waits for them: nothing may read the store after close
         assert s.lane.trailing is None and gpu.retired == len(gpu.batches)
@@ -770,8 +775,7 @@ def test_settle_and_close_wait_for_trailing_claims():
 def test_a_trailing_claim_that_fails_fails_the_next_step_and_names_its_step():
     s, gpu = trailing_scheduler()
     try:
-        run_job(s, fake_tasks(300))
-        assert s.lane.trailing is not None
+        run_leaving_claims_trailing(s)
         gpu.fail_wait = True
         gpu.gate.set()
         with pytest.raises(RuntimeError, match="claim failed on the device") as info:
@@ -825,8 +829,7 @@ def test_settle_from_another_thread_during_steps_retires_each_claim_once():
 def test_close_names_a_trailing_claim_that_does_not_end_and_a_later_close_finds_it_done():
     s, gpu = trailing_scheduler()
     try:
-        run_job(s, fake_tasks(300))
-        assert s.lane.trailing is not None
+        run_leaving_claims_trailing(s)
         with pytest.raises(RuntimeError, match="still running after 0.2 s .*trailing GPU claims of the step at layer 0"):
             s.close(timeout=0.2)
         gpu.gate.set()
