@@ -107,6 +107,15 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert seen["kv_cfg"].cpu_capacity_tokens == BATCH * (CONTEXT + NEW)
     assert row["runtime_stats"]["placement"] == "cpu_only"
     assert row["torch_threads_decode"] >= 1
+    # Where a step's time went around the layers: every part measured, the host parts of one step
+    # within its token interval (they are disjoint host spans of the same step).
+    split = {k: row[f"step_{k}_median"] for k in ("decode_host_ms", "between_layers_host_ms", "q_wait_ms",
+                                                   "attention_ms", "merge_after_return_ms")}
+    assert all(v >= 0 for v in split.values()) and split["decode_host_ms"] > 0 and split["attention_ms"] > 0
+    assert split["between_layers_host_ms"] > 0  # the model's own layers ran between the runtime's
+    assert split["decode_host_ms"] + split["between_layers_host_ms"] <= max(row["tpot_ms"]) + 1e-6
+    # Without a GPU, attention ends when decode returns: nothing lags the return.
+    assert split["merge_after_return_ms"] == 0.0
 
 
 def test_the_model_is_left_as_it_was(model, measured):

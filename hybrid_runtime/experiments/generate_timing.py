@@ -240,7 +240,37 @@ def timeline_fields(rt, layers: int) -> dict:
         "bytes_per_step": total / steps if steps else None,
         "gpu_byte_share": gpu / total if total else None,
         "attention_ms_per_step": attn / steps * 1e3 if steps else None,
+        **layer_time_split(recs, layers),
     }
+
+
+def layer_time_split(recs: list, layers: int) -> dict:
+    """Where a decode step's time goes around the runtime's layers, medians over whole steps (ms).
+
+    Per step (the sum over its `layers` consecutive records): `decode_host_ms` -- host time inside
+    `decode`; `between_layers_host_ms` -- host time between one layer's `decode` returning and the
+    next layer's call (the model's own Python and launches); `q_wait_ms` -- how long after the call
+    the GPU produced q (the host ran ahead of the device by that much); `attention_ms` -- q produced
+    to merged output (the timeline's attention time); `merge_after_return_ms` -- how long the merged
+    output lagged the call's return. Empty when the records do not split into whole steps.
+    """
+    n = len(recs) // layers if layers else 0
+    if not n or len(recs) != n * layers:
+        return {}
+    t_entry = np.array([r.t_entry for r in recs]).reshape(n, layers)
+    t_return = np.array([r.t_return for r in recs]).reshape(n, layers)
+    t_start = np.array([r.t_start for r in recs]).reshape(n, layers)
+    t_end = np.array([r.t_end for r in recs]).reshape(n, layers)
+    if np.isnan(t_entry).any() or np.isnan(t_return).any():
+        return {}
+    parts = {
+        "decode_host_ms": (t_return - t_entry).sum(axis=1),
+        "between_layers_host_ms": (t_entry[:, 1:] - t_return[:, :-1]).sum(axis=1),
+        "q_wait_ms": np.maximum(t_start - t_entry, 0.0).sum(axis=1),
+        "attention_ms": (t_end - t_start).sum(axis=1),
+        "merge_after_return_ms": np.maximum(t_end - t_return, 0.0).sum(axis=1),
+    }
+    return {f"step_{k}_median": float(np.median(v) * 1e3) for k, v in parts.items()}
 
 
 __all__ = [
@@ -251,6 +281,7 @@ __all__ = [
     "config_for_geometry",
     "kv_bytes",
     "latency_stats",
+    "layer_time_split",
     "model_config",
     "model_dims",
     "param_count",

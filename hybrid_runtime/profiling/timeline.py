@@ -101,6 +101,8 @@ class StepRecord:
     gpu_intervals: np.ndarray  # [n, 2] float64, busy intervals of the GPU (any stream)
     gpu_labels: tuple = ()
     has_gpu: bool = False
+    t_entry: float = float("nan")  # host time `decode` was called
+    t_return: float = float("nan")  # host time `decode` was about to return (the merge may still run)
 
     @property
     def attention_s(self) -> float:
@@ -307,6 +309,8 @@ class Timeline:
             gpu_intervals=np.asarray(gpu_iv, dtype=np.float64).reshape(-1, 2),
             gpu_labels=tuple(labels),
             has_gpu=p.has_gpu,
+            t_entry=p.t_entry,
+            t_return=p.t_end_host,
         )
 
     @property
