@@ -263,7 +263,9 @@ class GpuLane:
                 side_pending = False
                 self._call(job, side_work)
                 continue
-            if cpu_trails and job.gpu_first is None and job.error is None and not job.done():
+            # (An executor whose claims cannot trail is waited for first: its positions count as
+            # finished only when retired.)
+            if cpu_trails and job.gpu_first is None and job.error is None and not job.done() and (trails or not pipeline):
                 if pipeline:
                     if self.trailing is not None:
                         try:
