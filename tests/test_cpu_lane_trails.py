@@ -233,7 +233,7 @@ def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(p
             # Waiting steps never trail; trailing ones do, unless all their tasks ended before the
             # step's host work did.
             trailed = st["cpu_trailed_steps"]
-            assert (trailed > 60) if trails else (trailed == 0), f"{trailed} of 120 steps trailed their CPU tasks"
+            assert (trailed >= 30) if trails else (trailed == 0), f"{trailed} of 120 steps trailed their CPU tasks"
             recs = rt.timeline.records
             assert len(recs) == 120 and all(r.worker.min() >= 0 for r in recs if r.n_tasks)
             outs[trails] = torch.stack(got)
