@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels._checks import check_tensor
+from gpu_kernels._checks import check_tensor, interpreted
 from gpu_kernels.launch import CachedLaunch
 
 
 @triton.jit(do_not_specialize=["target", "ticket", "max_polls"])
 def _wait_kernel(ctrl_ptr, target, ticket, max_polls, COUNT: tl.constexpr, RELEASE: tl.constexpr,
-                 STOP: tl.constexpr):
+                 STOP: tl.constexpr, ACQUIRE: tl.constexpr):
     count = tl.load(ctrl_ptr + COUNT, volatile=True)
     release = tl.load(ctrl_ptr + RELEASE, volatile=True)
     stop = tl.load(ctrl_ptr + STOP, volatile=True)
@@ -37,6 +37,12 @@ def _wait_kernel(ctrl_ptr, target, ticket, max_polls, COUNT: tl.constexpr, RELEA
         release = tl.load(ctrl_ptr + RELEASE, volatile=True)
         stop = tl.load(ctrl_ptr + STOP, volatile=True)
         polls += 1
+    if ACQUIRE:
+        # The polls are relaxed loads: without an acquire at system scope, the later kernels of
+        # the stream may read the workers' results from lines the GPU cached before they were
+        # written (measured: the merge then read a previous step's CPU part now and then).
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, $1;", "=r,r", [polls], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 def wait_for_count(ctrl: torch.Tensor, count_index: int, target: int, *, release_index: int, ticket: int,
@@ -53,9 +59,10 @@ def wait_for_count(ctrl: torch.Tensor, count_index: int, target: int, *, release
                 raise IndexError(f"{name} {i} is outside ctrl's {n} words")
         if max_polls < 1:
             raise ValueError(f"max_polls is {max_polls}; expected at least 1")
+    acquire = not interpreted()  # the interpreter runs no PTX (and needs no fence)
     _launch((1,), (ctrl, int(target), int(ticket), int(max_polls)),
-            {"COUNT": count_index, "RELEASE": release_index, "STOP": stop_index},
-            (count_index, release_index, stop_index), {"num_warps": 1}, stream)
+            {"COUNT": count_index, "RELEASE": release_index, "STOP": stop_index, "ACQUIRE": acquire},
+            (count_index, release_index, stop_index, acquire), {"num_warps": 1}, stream)
 
 
 _launch = CachedLaunch(_wait_kernel)
