@@ -375,6 +375,7 @@ class HybridRuntime:
             native["ctrl"] = self._ctrl_host.numpy()
             self._ctrl_uva = uva_view(self._ctrl_host, self.device.index)
             self._wait_for_count = wait_for_count
+            self._res_dev = torch.empty(self._res_host.shape, dtype=self._res_host.dtype, device=self.device)
             # Polls before the device-side wait gives up by itself (~1 us each); the host releases it
             # sooner when the step times out (Scheduler.settle_cpu).
             self._wait_polls = int(min(2**31 - 1, sc.step_timeout_s * 4e6))
@@ -877,12 +878,17 @@ class HybridRuntime:
             # from the pinned buffer its workers wrote (no copy op) -- and writes the caller's dtype.
             parts = []
             if cpu_used and job.cpu_trailing:
-                # The CPU tasks are still running: the stream waits for the workers' done count.
+                # The CPU tasks are still running: the stream waits for the workers' done count, then
+                # one copy brings their results over (a DMA read of host memory at that point: the
+                # merge's UVA loads, issued before the workers wrote, read stale lines now and then).
                 target, ticket = self.scheduler.cpu_lane_target(job)
                 self._wait_for_count(self._ctrl_uva, native_pool.C_DONE, target, release_index=native_pool.C_RELEASE,
                                      ticket=ticket, stop_index=native_pool.C_STOP, max_polls=self._wait_polls,
                                      stream=caller.cuda_stream, validate=False)
-            if cpu_used:
+                m = n + b * hq
+                self._res_dev[:m].copy_(self._res_host[:m], non_blocking=True)
+                parts.append((self._res_dev[:n].view(b, hq, d), self._res_dev[n:m].view(b, hq)))
+            elif cpu_used:
                 parts.append((self._res_uva[:n].view(b, hq, d), self._res_uva[n : n + b * hq].view(b, hq)))
             if gpu_used and job.gpu_batches:
                 last_end = job.gpu_batches[-1][1]
