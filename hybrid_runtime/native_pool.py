@@ -98,9 +98,6 @@ SEM_BYTES = 64  # one doorbell per cache line (a glibc sem_t is 32 bytes)
 C_SEQ, C_STOP, C_WORD, C_DONE = 0, 8, 16, 24
 C_LAYER, C_B, C_N = 32, 33, 34
 C_MAX_BLOCKS = 35  # blocks the stock kernel's workspaces hold (0: rows not checked), written at start
-# The latest job id whose CPU tasks the host gave up (a timed-out step): a device-side wait for
-# that job's DONE count ends (`gpu_kernels.host_count_wait`). Never read by the workers.
-C_RELEASE = 36
 CTRL_SIZE = 40
 MASK = (1 << 32) - 1
 
@@ -665,13 +662,8 @@ class NativeJobBuffers:
     """
 
     def __init__(self, max_tasks: int, group_size: int, max_chunks: int, n_workers: int, head_dim: int = 0,
-                 max_blocks: int = 0, ctrl: np.ndarray | None = None):
-        # `ctrl`: the control words in memory the caller provides (pinned, so that a CUDA stream can
-        # wait on DONE: `gpu_kernels.host_count_wait`); zeroed here.
-        if ctrl is not None and (ctrl.dtype != np.int64 or ctrl.shape != (CTRL_SIZE,) or not ctrl.flags.c_contiguous):
-            raise ValueError(f"ctrl is {ctrl.dtype} {ctrl.shape}; expected contiguous int64 ({CTRL_SIZE},)")
-        self.ctrl = np.zeros(CTRL_SIZE, dtype=np.int64) if ctrl is None else ctrl
-        self.ctrl[:] = 0
+                 max_blocks: int = 0):
+        self.ctrl = np.zeros(CTRL_SIZE, dtype=np.int64)
         self.tab = np.zeros((max(1, max_tasks), T_COLS), dtype=np.int64)
         self.nsel = np.zeros((max(1, max_tasks), group_size), dtype=np.int32)
         self.chunks = np.zeros(max(1, max_chunks), dtype=np.int32)
