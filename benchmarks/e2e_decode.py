@@ -19,6 +19,9 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         Random weights make the plans meaningless for quality; the timing is what counts
                         (predictor and selector cost, and the bytes its plans read). Recorded as skipped
                         when the checkpoint is not in the tree.
+    fluxion_trails,     fluxion and cpu_only with `scheduler.cpu_lane_trails`: a layer's `decode` returns
+    cpu_only_trails     once its work is queued, before its CPU tasks end (the merge waits for them on
+                        the device), so the model's next layer is issued while the workers run.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -175,6 +178,7 @@ class Variant:
     generate_kwargs: dict = field(default_factory=dict)
     placement: str | None = None  # scheduler placement of a hybrid variant
     selection: str | None = None  # a hybrid variant's `selection.name` when not the config's (fixed)
+    scheduler: dict = field(default_factory=dict)  # a hybrid variant's own scheduler keys
     needs_cuda: bool = False
 
     def unavailable(self) -> str | None:
@@ -194,6 +198,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("cpu_only", "hybrid", placement="cpu_only"),
     Variant("static", "hf"),
     Variant("fluxion_predictor", "hybrid", placement="fluxion", selection="predicted"),
+    # The step returns before its CPU tasks end; the merge waits for them on the device, so the
+    # model's next layer is issued while the workers run.
+    Variant("fluxion_trails", "hybrid", placement="fluxion", scheduler={"cpu_lane_trails": True}),
+    Variant("cpu_only_trails", "hybrid", placement="cpu_only", scheduler={"cpu_lane_trails": True}),
 )}
 
 
@@ -294,7 +302,7 @@ def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, c
                      "cpu_capacity_tokens": batch * (context + new_tokens), "max_sequences": batch},
         "selection": {"name": "fixed", "block_size": 16, "budget": 0.05},
         "scheduler": {"placement": variant.placement, "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
-                      "step_timeout_s": 60.0},
+                      "step_timeout_s": 60.0, **variant.scheduler},
     }
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)

@@ -323,6 +323,11 @@ class SchedulerConfig:
     spin_us: float = field(default=20000.0, metadata=_range(0.0, None))
     # Freeze the objects alive at runtime start out of the collector's walks (gc_control.py).
     gc_freeze: bool = True
+    # On CUDA with native CPU workers (placements fluxion and cpu_only): `decode` returns once the
+    # step's work is queued, before its CPU tasks end; the merge waits for them on the device (a
+    # wait on the workers' done count in pinned memory), so the caller issues the model's next
+    # layer while the workers run. Errors of those tasks are raised by the next step.
+    cpu_lane_trails: bool = False
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this
@@ -352,6 +357,7 @@ IDLE_SCHEDULER_VALUES = {
     "step_timeout_s": (SchedulerConfig.step_timeout_s,),
     "gpu_share": (SchedulerConfig.gpu_share,),
     "spin_us": (SchedulerConfig.spin_us,),
+    "cpu_lane_trails": (SchedulerConfig.cpu_lane_trails,),
 }
 
 

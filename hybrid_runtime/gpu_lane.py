@@ -170,10 +170,13 @@ class GpuLane:
             job.gpu_first = gq.reserve_head(want)
             job.gpu_first_t = time.perf_counter()
 
-    def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None) -> None:
+    def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None,
+              cpu_trails: bool = False) -> None:
         """The GPU lane and the wait for the step's end, on the calling thread; `side_work` (the
         caller's own GPU work) runs once, after the first claim is launched (before a reserved
-        one with `SIDE_WORK_FIRST`)."""
+        one with `SIDE_WORK_FIRST`). `cpu_trails`: return once the reserved first claim (the
+        lane's only one then) and the side work are issued, without waiting for the CPU tasks
+        (the caller waits for them on the device); a step that failed by then still waits."""
         gq = job.gpu_queue if job.gpu_used else None
         ex = self.executor
         plan, rows = None, None
@@ -220,7 +223,10 @@ class GpuLane:
                 # was handed out, so it counts as finished (nothing may wait for it).
                 (i, j), job.gpu_first = job.gpu_first, None
                 gq.finish(j - i)
-            if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH:
+            # A step whose CPU lane trails launches nothing but its reserved claim: the device-side
+            # wait counts the CPU lane's positions, so the split must be fixed when the step returns.
+            may_claim = not cpu_trails or job.gpu_first is not None
+            if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH and may_claim:
                 t0 = time.perf_counter()
                 busy_s = max(0.0, free_at - t0) if pipeline else 0.0
                 want = 0.0 if job.gpu_first is not None else self.claim_bytes(
@@ -257,6 +263,20 @@ class GpuLane:
                 side_pending = False
                 self._call(job, side_work)
                 continue
+            # (An executor whose claims cannot trail is waited for first: its positions count as
+            # finished only when retired.)
+            if cpu_trails and job.gpu_first is None and job.error is None and not job.done() and (trails or not pipeline):
+                if pipeline:
+                    if self.trailing is not None:
+                        try:
+                            self._retire_trailing(block=True)  # the previous step's: long ended by now
+                        except BaseException as exc:
+                            job.fail(exc)
+                            continue
+                    self.trailing = (job, rows, prev_done)
+                if job.shared:
+                    self.skipped = 0 if launched else self.skipped + 1
+                return
             # With CPU tasks, the step ends when the last of them does: claims still on the GPU
             # trail it (the merge waits for them on the device). A GPU-only step waits for them.
             if job.done() and self.trailing is None and (

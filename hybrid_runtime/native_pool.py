@@ -662,8 +662,13 @@ class NativeJobBuffers:
     """
 
     def __init__(self, max_tasks: int, group_size: int, max_chunks: int, n_workers: int, head_dim: int = 0,
-                 max_blocks: int = 0):
-        self.ctrl = np.zeros(CTRL_SIZE, dtype=np.int64)
+                 max_blocks: int = 0, ctrl: np.ndarray | None = None):
+        # `ctrl`: the control words in memory the caller provides (pinned, so that a CUDA stream can
+        # wait on DONE: `gpu_kernels.host_count_wait`); zeroed here.
+        if ctrl is not None and (ctrl.dtype != np.int64 or ctrl.shape != (CTRL_SIZE,) or not ctrl.flags.c_contiguous):
+            raise ValueError(f"ctrl is {ctrl.dtype} {ctrl.shape}; expected contiguous int64 ({CTRL_SIZE},)")
+        self.ctrl = np.zeros(CTRL_SIZE, dtype=np.int64) if ctrl is None else ctrl
+        self.ctrl[:] = 0
         self.tab = np.zeros((max(1, max_tasks), T_COLS), dtype=np.int64)
         self.nsel = np.zeros((max(1, max_tasks), group_size), dtype=np.int32)
         self.chunks = np.zeros(max(1, max_chunks), dtype=np.int32)

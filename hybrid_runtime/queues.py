@@ -34,6 +34,7 @@ class NativeQueue:
         self.job = -1
         self.reserved = 0  # head positions taken by the GPU lane before publishing
         self.gpu_done = 0
+        self.released = 0  # never-started positions added to DONE to end a device-side wait
         self.closed_at: int | None = None
         self._close_lock = threading.Lock()
 
@@ -98,7 +99,16 @@ class NativeQueue:
     def finished(self) -> int:
         if self.job < 0:  # never published: only the GPU lane's reserved head ran
             return self.gpu_done
-        return int(native.done(self.pool.ctrl)) + self.gpu_done
+        return int(native.done(self.pool.ctrl)) + self.gpu_done - self.released
+
+    def release_unstarted(self) -> None:
+        """After `close`: count the positions no lane will run into the done word, so that a
+        device-side wait for the CPU lane's count (`gpu_kernels.host_count_wait`) ends once the
+        tasks still running end; `finished` leaves them out."""
+        if self.closed_at is None or self.job < 0 or self.released:
+            return
+        self.released = self.total - self.closed_at
+        native.add_done(self.pool.ctrl, self.released)
 
     def close(self) -> int:
         with self._close_lock:

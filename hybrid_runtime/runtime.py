@@ -34,6 +34,7 @@ import torch
 from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
 from gpu_kernels.streams import current_stream, use_stream
+from hybrid_runtime import native_pool
 from hybrid_runtime.config import Config, ConfigError, GeometryConfig, starts_lanes
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
@@ -363,6 +364,23 @@ class HybridRuntime:
             "max_chunks": store.n_chunks,
             "kernel": cpu_kernel,
         }
+        # The native workers' control words in pinned memory: with `scheduler.cpu_lane_trails` the
+        # merge's stream waits on their done count (a driver stream wait on host memory).
+        self._done_address = None
+        if self.cuda:
+            self._ctrl_host = torch.zeros(native_pool.CTRL_SIZE, dtype=torch.int64, pin_memory=True)
+            native["ctrl"] = self._ctrl_host.numpy()
+            if sc.cpu_lane_trails:
+                from gpu_kernels.host_count_wait import device_address, driver_wait_available, wait_for_count
+
+                missing = driver_wait_available()
+                if missing is not None:
+                    raise ConfigError(f"scheduler.cpu_lane_trails: true needs a driver stream wait on host memory, "
+                                      f"but {missing}; set it to false")
+                self._done_address = device_address(self._ctrl_host[native_pool.C_DONE :])
+                self._wait_for_count = wait_for_count
+                # The trailing CPU part reaches the merge by one copy queued after the wait.
+                self._res_dev = torch.empty(self._res_host.shape, dtype=self._res_host.dtype, device=self.device)
         # A rank's launcher (this thread) and the threads it starts later (the store's committer,
         # whose page faults place the arenas) stay on the rank's cores, and so on its NUMA node.
         self._confined = None
@@ -376,6 +394,9 @@ class HybridRuntime:
             raise
         if share is not None:
             self.scheduler.cores.note = f"{tensor_parallel.describe()}: {share.note}; {self.scheduler.cores.note}"
+        # Steps return before their CPU tasks end (the merge waits for them on the device): only
+        # on CUDA, where the native workers' done count is in pinned memory.
+        self._cpu_trails = bool(self._done_address is not None and self.scheduler.native is not None)
         try:
             clock = self._clock = CudaClock() if self.cuda else None
             self._clock_stale = False  # set by prefill: the next decode step calibrates first
@@ -386,7 +407,7 @@ class HybridRuntime:
                                       max_steps=cfg.profiling.max_steps)
             # A step may return before its last GPU claims ended (`GpuLane.trails`): they fill its
             # timeline columns when retired.
-            self._timeline.before_resolve = self.scheduler.lane.settle
+            self._timeline.before_resolve = self.scheduler.settle
         except BaseException:
             try:
                 self.scheduler.close()
@@ -498,7 +519,7 @@ class HybridRuntime:
             raise ValueError(f"the {self.cfg.selection.name!r} selection needs q_last, the query of the prompt's last "
                              "token at this layer ([q_heads, head_dim]), at every prefill; nothing was changed")
         _check_finite(tensors)
-        self.scheduler.lane.settle()  # no claim of an earlier step reads the store while it changes
+        self.scheduler.settle()  # no claim of an earlier step reads the store while it changes
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._clock_stale = self._clock is not None
         self._forget_tasks(seq_id)
@@ -518,7 +539,7 @@ class HybridRuntime:
                 f"release({seq_id}): sequence {seq_id} is not in the store (never prefilled, or already released); "
                 f"sequences in the store: {sorted(self.store.sequences())}"
             )
-        self.scheduler.lane.settle()  # its pages may be reused at once: no earlier claim may still read them
+        self.scheduler.settle()  # its pages may be reused at once: no earlier claim may still read them
         planner_release = getattr(self.planner, "release", None)
         if planner_release is not None:
             planner_release(seq_id)
@@ -701,6 +722,10 @@ class HybridRuntime:
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
+        if self.scheduler.cpu_inflight is not None:
+            # The previous step's CPU tasks (`cpu_lane_trails`) end before this one changes anything;
+            # its q reaching the host would wait for them anyway (its model layer needed their output).
+            self.scheduler.settle_cpu()
         if self._clock_stale:
             # After a prefill (seconds to minutes of GPU work) the event clock has drifted from the
             # host's by up to milliseconds, which the GPU lane's launch model and the timeline read.
@@ -824,7 +849,8 @@ class HybridRuntime:
             # released (issued before, it delayed their first task by 0.3-0.9 ms) and after the
             # GPU lane's first claim (benchmarks/notes/gpu_lane.md).
             try:
-                self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False)
+                self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False,
+                                   cpu_trails=self._cpu_trails)
             except BaseException:
                 if self.scheduler.start_failed:
                     # The CPU workers never started (what a failed construction was before start-up
@@ -848,7 +874,15 @@ class HybridRuntime:
             # One kernel merges the window with the lanes' parts -- the CPU lane's read through UVA
             # from the pinned buffer its workers wrote (no copy op) -- and writes the caller's dtype.
             parts = []
-            if cpu_used:
+            if cpu_used and job.cpu_trailing:
+                # The CPU tasks are still running: the stream waits for the workers' done count, then
+                # one copy brings their results over (a DMA read of host memory at that point: the
+                # merge's UVA loads, issued before the workers wrote, read stale lines now and then).
+                self._wait_for_count(self._done_address, self.scheduler.cpu_lane_target(job), caller.cuda_stream)
+                m = n + b * hq
+                self._res_dev[:m].copy_(self._res_host[:m], non_blocking=True)
+                parts.append((self._res_dev[:n].view(b, hq, d), self._res_dev[n:m].view(b, hq)))
+            elif cpu_used:
                 parts.append((self._res_uva[:n].view(b, hq, d), self._res_uva[n : n + b * hq].view(b, hq)))
             if gpu_used and job.gpu_batches:
                 last_end = job.gpu_batches[-1][1]
@@ -875,8 +909,8 @@ class HybridRuntime:
         if out is None:
             # On the host the window's result lives in the runtime's own buffer: the caller gets a copy.
             out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda)
-        if job is not None:
-            self.scheduler.collect(job)  # bookkeeping, after the merge is queued
+        if job is not None and not job.cpu_trailing:
+            self.scheduler.collect(job)  # bookkeeping, after the merge is queued (a trailing job: at the next step)
         if prof:
             gpu_events = [("window", window["ev0"], window["ev1"]), ("merge", ev_m0, ev_end)] if cuda else []
             self._timeline.record(
@@ -919,7 +953,7 @@ class HybridRuntime:
             raise RuntimeError("probe_gpu_lane: the head planner plans from the step's queries (and keeps state per "
                                "step); probe with a planner that does not, e.g. a fixed policy")
         seq_ids = [int(s) for s in seq_ids]
-        self.scheduler.lane.settle()  # the probe's launches use the lane's buffers and ring slots
+        self.scheduler.settle()  # the probe's launches use the lane's buffers and ring slots
         tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
         if not tasks:
             return []
@@ -960,7 +994,7 @@ class HybridRuntime:
         """Scheduler estimates and placement, for reports; the GPU lane's only where there is one."""
         sch = self.scheduler
         if not self._closed:
-            sch.lane.settle()  # the previous step's trailing GPU claims: their bytes and what the lane learned
+            sch.settle()  # the previous step's trailing work: its bytes and what the lanes learned
         stats = {
             "placement": sch.placement,
             "cpu_workers": sch.n_cpu,
@@ -985,6 +1019,8 @@ class HybridRuntime:
             "warmup_wait_s": self._warm_up.wait_s,
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
+            # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
+            "cpu_trailed_steps": sch.cpu_trailed_steps,
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
             "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }

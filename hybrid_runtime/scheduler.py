@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hybrid_runtime import native_pool
 from hybrid_runtime.config import PLACEMENT_NAMES, ConfigError, SchedulerConfig
 from hybrid_runtime.executors.base import CpuTaskExecutor, Executor, GpuLaunchExecutor, native_kernel_of
 from hybrid_runtime.gpu_lane import GpuLane, as_launch_executor
@@ -118,6 +119,10 @@ class Scheduler:
             poll_sleep=0.0 if pinned else 50e-6,
             wait_on_cpu_queue=self.workers.native is None,
         )
+        # A step that returned before its CPU tasks ended (`cpu_lane_trails`): collected, and its
+        # errors raised, before anything that needs it (`settle`).
+        self.cpu_inflight: StepJob | None = None
+        self.cpu_trailed_steps = 0  # steps that returned before their CPU tasks ended
         self._closed = False
         self._start_failed = False  # a CPU worker's start error was raised (or logged): closed
         # Not waited for here: the workers pin themselves and compile (or load) their loop while the
@@ -197,7 +202,7 @@ class Scheduler:
                 "(without CUDA the GPU lane runs the torch reference executor)"
             )
         if self.lane is not None:
-            self.lane.settle()  # the trailing claims teach the placement that ran them
+            self.settle()  # the trailing work teaches the placement that ran it
         self.placement = placement
         self.rates = self._rates.setdefault(estimates or placement, LaneRates(self.link_bw, self.n_cpu))
         if self.lane is not None:
@@ -255,6 +260,7 @@ class Scheduler:
         side_work: Callable[[], None] | None = None,
         before_gpu: Callable[[], None] | None = None,
         collect: bool = True,
+        cpu_trails: bool = False,
     ) -> None:
         """Split `job`, run it on both lanes and return when every task finished.
 
@@ -269,12 +275,19 @@ class Scheduler:
         A worker's exception is re-raised here; on a timeout the queues are closed (no new task
         starts) and StepTimeoutError is raised, and a task still running is waited for before the
         next step reuses the buffers.
+
+        `cpu_trails` (placements fluxion and cpu_only with native workers, else ignored): return
+        once the CPU workers are released and the GPU lane's reserved claim and `side_work` are
+        issued; the job is then `cpu_trailing`, the caller makes its device wait for the CPU lane
+        (`cpu_lane_target`), and the scheduler collects the job -- raising a worker's error or the
+        step timeout -- at the next step or `settle`.
         """
         if self._closed:
             raise RuntimeError("the scheduler is closed")
         if not self.has_lanes:
             raise RuntimeError("this scheduler has no lanes (built with lanes=False: its runtime makes no tasks)")
         timeout = self.cfg.step_timeout_s if timeout is None else timeout
+        self.settle_cpu()
         deadline = time.monotonic() + timeout
         self.lane.await_orphan(timeout)
         self.split(job)
@@ -297,11 +310,65 @@ class Scheduler:
                 before_gpu()
             except BaseException as exc:
                 job.fail(exc)
-        self.lane.drive(job, deadline, timeout, side_work)
+        cpu_trails = cpu_trails and job.cpu_used and self.native is not None and self.placement in ("fluxion", "cpu_only")
+        self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails)
         if job.error is not None:
             raise job.error
+        if cpu_trails and not job.done():
+            job.cpu_trailing, job.deadline = True, deadline
+            self.cpu_inflight = job
+            self.cpu_trailed_steps += 1
+            return
         if collect:
             self.collect(job)
+
+    @staticmethod
+    def cpu_lane_target(job: StepJob) -> int:
+        """The native done count a device-side wait for a `cpu_trailing` job's CPU tasks waits
+        for: the positions the CPU lane owns (all but the GPU lane's reserved head)."""
+        q = job.cpu_queue
+        return q.total - q.reserved
+
+    def settle_cpu(self) -> None:
+        """Wait for the CPU tasks of a step that returned before they ended (`cpu_lane_trails`) and
+        collect them; raises what failed there (a worker's error, or the step timeout, after which
+        the device-side wait is released and the tasks still running are waited for by the next
+        step) -- noted as coming from that earlier step."""
+        job = self.cpu_inflight
+        if job is None:
+            return
+        spin = self.lane.poll_sleep
+        while not job.done():
+            if time.monotonic() > job.deadline:
+                state = job.describe()
+                job.fail(StepTimeoutError(
+                    f"decode step at layer {job.layer} did not finish within scheduler.step_timeout_s="
+                    f"{self.cfg.step_timeout_s:g} s ({state}); its remaining tasks were dropped"))
+                self.lane.orphan = job  # the next step waits for the tasks still running
+                break
+            if spin:
+                time.sleep(spin)
+        self.cpu_inflight = None
+        if job.error is not None:
+            # A failed step closed its queue: the positions never started are counted, so the
+            # device-side wait ends when the tasks still running do.
+            job.cpu_queue.release_unstarted()
+            error, job.error = job.error, None
+            error.add_note(f"raised by the next step: the step at layer {job.layer} had returned before its CPU "
+                           "tasks ended (scheduler.cpu_lane_trails); its output holds no valid CPU part")
+            raise error
+        self.collect(job)
+
+    def settle(self, block: bool = True) -> bool:
+        """Collect a step whose CPU tasks trail it and retire trailing GPU claims (between steps:
+        before the store changes, a probe, a placement switch, reading the timeline); with
+        `block` wait for them. Returns whether work of the last step is still outstanding."""
+        job = self.cpu_inflight
+        if job is not None:
+            if not block and not job.done():
+                return True
+            self.settle_cpu()
+        return self.lane.settle(block)
 
     def await_workers(self) -> None:
         """Wait until the CPU workers have started (`workers.CpuWorkers.await_start`; at once
@@ -350,7 +417,11 @@ class Scheduler:
         self._closed = True
         timeout = self.cfg.step_timeout_s if timeout is None else timeout
         end = time.monotonic() + timeout
-        self.workers.stop(timeout)
+        self.workers.stop(timeout)  # closes the queues
+        if self.cpu_inflight is not None:  # a device-side wait for its CPU tasks ends
+            self.cpu_inflight.cpu_queue.close()
+            self.cpu_inflight.cpu_queue.release_unstarted()
+            self.cpu_inflight = None
         error = self.workers.start_error
         if error is not None and not self._start_failed:
             # Never raised (no step had CPU tasks): say so once rather than drop it.

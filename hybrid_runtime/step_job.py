@@ -61,6 +61,11 @@ class StepJob:
     cpu_first_start: float = 0.0
     cpu_last_end: float = 0.0
     gpu_last_end: float = 0.0  # host time the GPU lane's last claim of the step ended
+    # The step returned before its CPU tasks ended (`scheduler.cpu_lane_trails`): the merge waits
+    # for them on the device; the scheduler collects them before the next step (`deadline`: when
+    # that wait gives them up, monotonic seconds).
+    cpu_trailing: bool = False
+    deadline: float = 0.0
     # What is running, for timeout and failure messages (no per-step allocation: the CPU workers
     # hand over their own list, the GPU lane its pipeline): the task each Python CPU worker is in
     # (None between tasks), and the GPU claims launched and not yet retired,

@@ -71,7 +71,8 @@ class CpuWorkers:
         self.native = None
         if native is not None:
             self.native = native_pool.NativeJobBuffers(native["max_tasks"], native["g"], native["max_chunks"], self.n,
-                                                       native["d"], int(getattr(executor, "max_blocks", 0) or 0))
+                                                       native["d"], int(getattr(executor, "max_blocks", 0) or 0),
+                                                       ctrl=native.get("ctrl"))
             self._native_args = native
         # Each native worker's loop arguments (`_loop_args`), held here rather than in its frames.
         self._worker_args: list[tuple | None] = [None] * self.n

@@ -1,0 +1,74 @@
+"""Hold a CUDA stream until a counter in pinned host memory reaches a target.
+
+Why: a decode step's merge needs the CPU workers' results, and the host used to wait for the
+workers before it queued the merge, so the model's next layer could not be issued while they ran.
+With this wait the host queues the merge at once; the stream reaches it only once the workers have
+counted every task done.
+
+How: the driver's stream memory operation `cuStreamWaitValue64` (`_v2`, on by default since CUDA
+11.7): the GPU's front end re-reads the 64-bit word in host memory until it is >= the target,
+with no kernel and no SM held. A first version polled from a one-warp Triton kernel with volatile
+loads; on the H200 those loads were served from a line of the L2 that the previous step's poll had
+cached, so a wait now and then saw the previous step's final count and the merge read results the
+workers had not written (benchmarks/notes/e2e_overlap.md).
+
+A step that fails or times out closes its queue; the host then counts the positions never started
+into the word (`NativeQueue.release_unstarted`), so the wait ends when the tasks still running do.
+Device-side memory ordering: the workers count a task done with a
+sequentially consistent atomic add after writing its results, and the caller reads the results by
+a copy queued after the wait (a DMA read of host memory when the copy runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_wait():
+    """`cuStreamWaitValue64_v2` from the CUDA driver, typed; raises RuntimeError where it is missing."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise RuntimeError(f"the CUDA driver library could not be loaded ({exc})") from exc
+    fn = getattr(lib, "cuStreamWaitValue64_v2", None) or getattr(lib, "cuStreamWaitValue64", None)
+    if fn is None:
+        raise RuntimeError("this CUDA driver has no cuStreamWaitValue64 (stream memory operations)")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def driver_wait_available() -> str | None:
+    """None where `wait_for_count` can run, else why not."""
+    try:
+        _driver_wait()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def device_address(word: torch.Tensor) -> int:
+    """The device address of a pinned host tensor's first element (for `wait_for_count`)."""
+    from gpu_kernels.uva import _device_pointer
+
+    if word.device.type != "cpu" or not word.is_pinned():
+        raise ValueError(f"the counter must be in pinned host memory; got a {word.device} tensor "
+                         f"(pinned: {word.is_pinned() if word.device.type == 'cpu' else False})")
+    return _device_pointer(word.data_ptr())
+
+
+def wait_for_count(address: int, target: int, stream: int) -> None:
+    """Queue on `stream` (raw handle) a wait until the int64 at device `address` (pinned host
+    memory, `device_address`) is >= `target`."""
+    status = _driver_wait()(ctypes.c_void_p(stream), address, int(target), _WAIT_GEQ)
+    if status != 0:
+        raise RuntimeError(f"cuStreamWaitValue64 failed with CUDA driver error {status}")
+
+
+__all__ = ["device_address", "driver_wait_available", "wait_for_count"]

@@ -1,0 +1,251 @@
+"""Steps that return before their CPU tasks end (`scheduler.cpu_lane_trails`).
+
+On the host: the scheduler's side, and the done count the device-side wait reads (it must reach
+the wait's target exactly when the CPU lane's positions are all done, and the host's release must
+raise it past). On CUDA (`gpu` marker): the driver's stream wait itself, and the runtime's output
+against a runtime that waits, fed the same inputs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from hybrid_runtime import native_pool
+from hybrid_runtime.scheduler import Scheduler, StepJob, StepTimeoutError
+from tests.test_scheduler import CountingGpu, CountingNativeCpu, id_tasks, native_args, sched_cfg
+
+N = 64
+
+
+@numba.njit(nogil=True)
+def gated_kernel(arena, chunks, cpu_len, block_size, q, n_select, out, lse, hits):
+    """Counts its task (`cpu_len` is the task id) once the gate (`hits[-1]`) opens; task 7 raises
+    while `hits[-2]` is set."""
+    while native_pool.atomic_load(hits, hits.shape[0] - 1) == 0:
+        native_pool.cpu_relax()
+    if cpu_len == 7 and hits[hits.shape[0] - 2] != 0:
+        raise FloatingPointError("kernel failed on task 7")
+    native_pool.atomic_add(hits, cpu_len, 1)
+    return 1
+
+
+def scheduler(placement: str = "cpu_only", timeout: float = 120.0, gpu: object = None):
+    hits = np.zeros(N + 2, dtype=np.int64)
+    cfg = sched_cfg(placement, cpu_workers=2, gpu_worker=gpu is not None, timeout=timeout)
+    s = Scheduler(cfg, CountingNativeCpu(hits), gpu, native=native_args(N, gated_kernel))
+    return s, hits
+
+
+def open_gate(hits: np.ndarray, after_s: float = 0.0) -> threading.Thread:
+    def go():
+        time.sleep(after_s)
+        hits[-1] = 1  # an aligned 8-byte store: the workers' acquire loads see it
+
+    th = threading.Thread(target=go)
+    th.start()
+    return th
+
+
+def await_count(s: Scheduler, job: StepJob, timeout: float = 60.0) -> None:
+    """What the device-side wait does, on the host: until the done word reaches the job's target."""
+    target = s.cpu_lane_target(job)
+    end = time.monotonic() + timeout
+    while s.native.ctrl[native_pool.C_DONE] < target:
+        assert time.monotonic() < end, f"done count {s.native.ctrl[native_pool.C_DONE]} never reached {target}"
+        time.sleep(1e-4)
+
+
+def test_a_step_returns_before_its_cpu_tasks_and_the_device_wait_ends_when_they_do():
+    s, hits = scheduler()
+    try:
+        job = StepJob(0, id_tasks(N), batch=1)
+        s.run(job, cpu_trails=True)
+        # Returned with every task held at the gate: nothing ran, the job trails.
+        assert job.cpu_trailing and s.cpu_inflight is job and not job.done()
+        assert hits[:N].sum() == 0
+        assert s.cpu_lane_target(job) == N
+        th = open_gate(hits, after_s=0.2)
+        t0 = time.perf_counter()
+        await_count(s, job)
+        assert time.perf_counter() - t0 >= 0.15
+        assert s.native.ctrl[native_pool.C_DONE] == N and (hits[:N] == 1).all()  # counted after every result
+        th.join()
+        # The next step collects it first: every task recorded, each once.
+        nxt = StepJob(0, id_tasks(N, seed=1), batch=1)
+        s.run(nxt)
+        assert s.cpu_inflight is None and job.columns["worker"].min() >= 0 and (hits[:N] == 2).all()
+        assert not nxt.cpu_trailing and nxt.done()
+    finally:
+        hits[-1] = 1
+        s.close()
+
+
+def test_a_failed_trailing_task_is_raised_by_the_next_step_and_releases_the_device_wait():
+    s, hits = scheduler()
+    try:
+        hits[N] = 1  # task 7 fails
+        job = StepJob(0, id_tasks(N), batch=1)
+        s.run(job, cpu_trails=True)
+        assert job.cpu_trailing
+        open_gate(hits).join()
+        with pytest.raises(FloatingPointError, match="task 7") as info:
+            s.settle()
+        assert any("layer 0 had returned before its CPU tasks ended" in n for n in info.value.__notes__)
+        # The failed position was counted done, the positions never started too (by the host):
+        # the device-side wait ends at its target.
+        assert s.native.ctrl[native_pool.C_DONE] == N
+        await_count(s, job)
+        hits[N] = 0
+        s.run(StepJob(0, id_tasks(N), batch=1))  # the scheduler stays usable
+        assert s.cpu_inflight is None
+    finally:
+        s.close()
+
+
+def test_a_trailing_step_that_times_out_is_raised_and_its_tasks_are_waited_for():
+    s, hits = scheduler(timeout=0.3)
+    try:
+        job = StepJob(0, id_tasks(N), batch=1)
+        s.run(job, cpu_trails=True)
+        with pytest.raises(StepTimeoutError, match="layer 0 did not finish"):
+            s.settle_cpu()
+        # The two tasks the workers hold are all the device still waits for.
+        assert s.native.ctrl[native_pool.C_DONE] == N - 2
+        open_gate(hits, after_s=0.1)
+        await_count(s, job)
+        s.run(StepJob(0, id_tasks(N, seed=2), batch=1))  # waits for the orphaned tasks first
+        assert s.lane.orphan is None
+    finally:
+        hits[-1] = 1
+        s.close()
+
+
+@pytest.mark.gpu
+def test_the_driver_wait_holds_the_stream_until_the_host_counts():
+    from gpu_kernels.host_count_wait import device_address, wait_for_count
+
+    word = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    addr = device_address(word[3:])
+    for target in (5, 6):
+        word[3] = 0
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        wait_for_count(addr, target, torch.cuda.current_stream().cuda_stream)
+        e1.record()
+        time.sleep(0.05)
+        assert not e1.query()  # still held
+        word[3] = target - 1
+        time.sleep(0.02)
+        assert not e1.query()
+        word[3] = target + 1 if target == 6 else target  # at or past the target
+        e1.synchronize()
+        assert e0.elapsed_time(e1) >= 60.0
+    with pytest.raises(ValueError, match="pinned host memory"):
+        device_address(torch.zeros(2, dtype=torch.int64))
+
+
+def test_fluxion_trailing_step_keeps_the_gpu_to_its_reserved_claim():
+    gpu = CountingGpu()
+    s, hits = scheduler("fluxion", gpu=gpu)
+    # Lanes of equal modeled speed: the GPU lane reserves about half the queue.
+    s.tp_cpu_worker = 1e9
+    s.rates.cpu_lane.bytes_per_s = 2e9
+    s.rates.cpu_start.seconds = 0.0
+    s.gpu_model.lat, s.gpu_model.bw = 0.0, 2e9
+    try:
+        tasks = id_tasks(N)
+        job = StepJob(0, tasks, batch=1)
+        s.run(job, cpu_trails=True)
+        assert job.cpu_trailing and job.gpu_first is None
+        reserved = job.cpu_queue.reserved
+        assert 0 < reserved < N and gpu.batches == [reserved]  # one launch: the reserved head, no more
+        assert s.cpu_lane_target(job) == N - reserved
+        open_gate(hits)
+        await_count(s, job)
+        s.settle()
+        on_gpu = np.zeros(N, dtype=np.int64)
+        on_gpu[[t.cpu_len for t in tasks if t.seq_id in set(gpu.runs)]] = 1
+        assert ((hits[:N] + on_gpu) == 1).all()  # each task once, on one lane
+    finally:
+        hits[-1] = 1
+        s.close()
+
+
+@pytest.mark.parametrize("placement", ["uniform", "length"])
+def test_static_placements_wait_for_their_cpu_tasks(placement):
+    s, hits = scheduler(placement, gpu=CountingGpu())
+    try:
+        open_gate(hits, after_s=0.1)
+        job = StepJob(0, id_tasks(N), batch=1)
+        s.run(job, cpu_trails=True)  # ignored: a separate GPU queue is driven until the step ends
+        assert not job.cpu_trailing and job.done() and s.cpu_inflight is None
+    finally:
+        hits[-1] = 1
+        s.close()
+
+
+# ---------------------------------------------------------------------------- the runtime on CUDA
+def _runtime(placement: str, trails: bool, profiling: bool = True):
+    from hybrid_runtime.config import config_from_dict
+    from hybrid_runtime.runtime import HybridRuntime
+
+    return HybridRuntime(config_from_dict({
+        "geometry": {"layers": 3, "q_heads": 8, "kv_heads": 2, "head_dim": 64},
+        "kv_cache": {"sink": 16, "local": 64, "generated_cap": 32, "cpu_capacity_tokens": 121000,
+                     "max_sequences": 3},
+        "selection": {"name": "fixed", "block_size": 16, "budget": 0.25},
+        # One worker: the step's CPU tasks run one after another, well past the step's host work.
+        "scheduler": {"placement": placement, "cpu_workers": 1, "cpu_lane_trails": trails, "gc_freeze": False},
+        "profiling": {"enabled": profiling},
+    }))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["fluxion", "cpu_only"])
+def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(placement):
+    """Layers chained on the GPU without a host sync between them (each layer's q comes from the
+    previous layer's output, as in a model), so the host issues layer l + 1 while layer l's CPU
+    tasks run. A runtime that waits, fed the same inputs, gives the same output at every step,
+    spills included."""
+    from tests.helpers import random_kv
+
+    lengths = [50000, 30000, 40000]  # tasks of ~1 ms: they outlast the step's host work
+    inputs, outs = [], {}
+    for trails in (True, False):
+        rt = _runtime(placement, trails)
+        try:
+            for s, n in enumerate(lengths):
+                for layer in range(3):
+                    rt.prefill(s, layer, *(x.cuda() for x in random_kv(n, 2, 64, seed=10 * s + layer)))
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            mix = torch.randn(64, 64, generator=gen, device="cuda") / 8
+            q = torch.randn(3, 8, 64, generator=gen, device="cuda")
+            got = []
+            for i in range(120):  # 40 steps of 3 layers: past the window's generated cap, so spills change the tasks
+                if trails:
+                    k = torch.randn(3, 2, 64, generator=gen, device="cuda")
+                    v = torch.randn(3, 2, 64, generator=gen, device="cuda")
+                    inputs.append((q, k, v))
+                else:
+                    q, k, v = inputs[i]
+                out = rt.decode(i % 3, [0, 1, 2], q, k, v)
+                got.append(out)
+                if trails:
+                    q = torch.tanh(out @ mix) * 4  # the next layer's query depends on this output
+            st = rt.stats()  # settles the last step; its records are complete
+            # Waiting steps never trail; trailing ones do, unless all their tasks ended before the
+            # step's host work did.
+            trailed = st["cpu_trailed_steps"]
+            assert (trailed >= 30) if trails else (trailed == 0), f"{trailed} of 120 steps trailed their CPU tasks"
+            recs = rt.timeline.records
+            assert len(recs) == 120 and all(r.worker.min() >= 0 for r in recs if r.n_tasks)
+            outs[trails] = torch.stack(got)
+        finally:
+            rt.close()
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-3, rtol=1e-3)
