@@ -248,4 +248,9 @@ def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(p
             outs[trails] = torch.stack(got)
         finally:
             rt.close()
-    torch.testing.assert_close(outs[True], outs[False], atol=1e-3, rtol=1e-3)
+    # cpu_only: the same kernels on the same data, so the same output to rounding. fluxion: the
+    # lanes split each step anew, and a task the GPU lane ran in one runtime and a CPU worker in
+    # the other may select a block or two differently where scores tie to rounding (up to ~1e-2
+    # here); a merge that read CPU results before they were written was off by 0.3-0.7.
+    tol = 1e-3 if placement == "cpu_only" else 2e-2
+    torch.testing.assert_close(outs[True], outs[False], atol=tol, rtol=tol)
