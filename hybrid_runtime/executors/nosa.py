@@ -3,7 +3,8 @@
 An adaptation of NOSA (Native and Offloadable Sparse Attention) and its inference system NOSI to
 this runtime, serving the GPU lane (`selection.name: nosa`, placement `gpu_only`). No NOSA-trained
 model runs here: the importance score is an eviction head distilled for a frozen model
-(`predictor.train_eviction_head`), or the training-free decayed accumulated attention, and the
+(`predictor.train_eviction_head`; it reads each token's key or value, as its checkpoint says: the
+shipped one reads the key), or the training-free decayed accumulated attention, and the
 eviction head's Eq. 8 softmax bias is not applied (the frozen model was not trained with it).
 
 Per decode step and layer, one task per (sequence, KV head), all G query heads of the group:
@@ -201,7 +202,7 @@ class NosaExecutor:
         self.sub_keys[layer][ids] = keys.reshape(hkv * m, self.subs_per_chunk, -1).to(self.sub_keys[layer].dtype)
         if self.importance is not None:
             s = torch.zeros((hkv, total, 1), dtype=torch.float32, device=self.dev)
-            s[:, :t, 0] = self.heads(layer, v.to(self.dev))
+            s[:, :t, 0] = self.heads(layer, self.heads.pick(k, v).to(self.dev))
             pooled, _ = sub_block_means(s, count, self.n_b, self.kernel, self.stride)
             pooled = pooled[..., 0].masked_fill(n_sub == 0, float("-inf"))  # [Hkv, m * spc]
             blocks = pooled.view(hkv * m, self.blocks_per_chunk, self.spb).amax(-1)

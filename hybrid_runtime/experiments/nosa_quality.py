@@ -131,7 +131,11 @@ def score_source(nosa: dict) -> str:
         return f"decayed_attention (training-free; decay {nosa['decay']} per step)"
     path = resolve_checkpoint(nosa["checkpoint"])
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path else "missing"
-    return f"eviction_head distilled with SmolLM2 frozen ({nosa['checkpoint']}, sha256 {digest}; Eq. 8 bias off)"
+    reads = "missing"
+    if path:  # what the heads read; a checkpoint without `source` reads values
+        reads = torch.load(path, map_location="cpu", weights_only=True)["geometry"].get("source", "value")
+    return (f"eviction_head reading each token's {reads}, distilled with SmolLM2 frozen ({nosa['checkpoint']}, "
+            f"sha256 {digest}; Eq. 8 bias off)")
 
 
 def cache_statistics(log: np.ndarray, steps: int, layers: int) -> dict:
