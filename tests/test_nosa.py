@@ -398,7 +398,7 @@ def test_device_benchmark_metrics_name_the_issues_figures():
     assert m["attention_ms_8x32k"] == 1.5 and m["attention_ms_query_aware_16x32k"] == 3.0
 
 
-@pytest.mark.parametrize("name", ["nosa_quality-cpu", "nosa-h100"])
+@pytest.mark.parametrize("name", ["nosa_quality-cpu", "nosa-h100", "nosa-h200"])
 def test_committed_nosa_tables_are_rendered_from_their_json(name):
     """benchmarks/results/<name>.md is what the script renders from <name>.json (no typed-in figure)."""
     import json
