@@ -59,10 +59,11 @@ def test_the_executor_scores_blocks_from_the_heads_source_only(tmp_path, source)
     k, v, other = (torch.randn(600, 2, 32, generator=gen) for _ in range(3))
 
     def importance(kk, vv):
-        rt = HybridRuntime(cfg, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, eviction_heads=heads))
-        rt.prefill(0, 0, kk, vv)
-        ex = rt.gpu_executor
-        return ex.importance[0][: ex.store.n_chunks].clone()
+        # Closed on the way out: an open runtime keeps its workers and the collector frozen.
+        with HybridRuntime(cfg, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, eviction_heads=heads)) as rt:
+            rt.prefill(0, 0, kk, vv)
+            ex = rt.gpu_executor
+            return ex.importance[0][: ex.store.n_chunks].clone()
 
     base = importance(k, v)
     same, changed = (importance(k, other), importance(other, v)) if source == "key" else (importance(other, v), importance(k, other))
