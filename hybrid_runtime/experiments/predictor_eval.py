@@ -132,6 +132,9 @@ POLICIES: dict[str, tuple[dict, str]] = {
                                 "predicted, tau 0.125, upper Eq. 1 fit at blk 16-128, 11 texts x 16 positions"),
     "predicted_upper_tau015": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16_tau0.15_upper.pt"},
                                "predicted, tau 0.15, upper Eq. 1 fit at blk 16-128, 11 texts x 16 positions"),
+    "predicted_upper_tau015_thr08": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16_tau0.15_upper.pt",
+                                      "streaming_threshold": 0.8},
+                                     "predicted, tau 0.15, upper Eq. 1 fit, streaming at p >= 0.8 (a validation candidate)"),
 }
 #: How the labels of each checkpoint made here differ from the shipped checkpoint's (`predictor.labels` flags).
 LABEL_FLAGS = {
@@ -141,14 +144,17 @@ LABEL_FLAGS = {
     "predicted_tau015_thr08": "--tau 0.15", "predicted_tau020_thr08": "--tau 0.2",
     "predicted_t11p16_thr08": "--texts 11 --positions 16",
     "predicted_upper_tau0125": "--texts 11 --positions 16 --tau 0.125", "predicted_upper_tau015": "--texts 11 --positions 16 --tau 0.15",
+    "predicted_upper_tau015_thr08": "--texts 11 --positions 16 --tau 0.15",
     "predicted_t8p8": "", "predicted_q80": "",
 }
 #: Checkpoints trained with flags beyond the shipped checkpoint's (`predictor.train`), and their labels
 #: file where it is not named after the checkpoint (several taus labelled in one pass).
 UPPER_FIT = "--fit-block-sizes 16,32,64,128 --fit-method upper"
-TRAIN_FLAGS = {"predicted_upper_tau0125": UPPER_FIT, "predicted_upper_tau015": UPPER_FIT, "predicted_q80": "--quantile 0.8"}
+TRAIN_FLAGS = {"predicted_upper_tau0125": UPPER_FIT, "predicted_upper_tau015": UPPER_FIT,
+               "predicted_upper_tau015_thr08": UPPER_FIT, "predicted_q80": "--quantile 0.8"}
 LABEL_FILES = {"predicted_upper_tau0125": "runs/predictor/smollm2_labels_t11p16_tau0.125.npz",
                "predicted_upper_tau015": "runs/predictor/smollm2_labels_t11p16_tau0.15.npz",
+               "predicted_upper_tau015_thr08": "runs/predictor/smollm2_labels_t11p16_tau0.15.npz",
                "predicted_t8p8": "runs/predictor/smollm2_labels.npz", "predicted_q80": "runs/predictor/smollm2_labels.npz"}
 GROUPS = {
     "baselines": ("fixed16_005", "fixed32_002", "predicted", "predicted_t8p8", "predicted_q80", "predicted_t11p16"),
