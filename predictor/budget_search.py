@@ -199,6 +199,38 @@ def fit_budget_law(budgets: torch.Tensor, block_sizes: tuple[int, ...] = BLOCK_S
     return bgt0.float(), k.float()
 
 
+def fit_budget_law_upper(budgets: torch.Tensor, block_sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `budgets [N, len(block_sizes)]`, the law `bgt0 + k * log2(blk)` that lies at or
+    above every budget and has the least sum over the block sizes: the smallest Eq. 1 law from
+    which every listed block size meets tau (a least-squares line falls below the smallest budget
+    at some block size of most rows, and a head given less than it misses tau there).
+
+    A linear programme in (bgt0, k) whose optimum is a line through two of the points: every
+    pair's line is tried and the least feasible one kept (the line through the highest point
+    with k = 0 is always feasible, so every row has one).
+    """
+    if budgets.shape[-1] != len(block_sizes) or len(set(block_sizes)) < 2:
+        raise ValueError(f"budgets must be [N, {len(block_sizes)}] over at least two distinct block sizes {block_sizes}")
+    x = torch.tensor([math.log2(b) for b in block_sizes], dtype=torch.float64, device=budgets.device)
+    y = budgets.double()
+    top = y.amax(-1)
+    best_sum, best_b0, best_k = top * x.numel(), top, torch.zeros_like(top)  # flat through the highest point
+    slack = 1e-7  # float32 budgets: a line through two points may miss a third by rounding only
+    for i in range(x.numel()):
+        for j in range(i + 1, x.numel()):
+            if x[j] == x[i]:
+                continue
+            k = (y[:, j] - y[:, i]) / (x[j] - x[i])
+            b0 = y[:, i] - k * x[i]
+            line = b0[:, None] + k[:, None] * x
+            total = line.sum(-1)
+            better = (line >= y - slack).all(-1) & (total < best_sum)
+            best_sum = torch.where(better, total, best_sum)
+            best_b0 = torch.where(better, b0, best_b0)
+            best_k = torch.where(better, k, best_k)
+    return best_b0.float(), best_k.float()
+
+
 __all__ = [
     "BLOCK_SIZES",
     "block_bounds",
@@ -206,6 +238,7 @@ __all__ = [
     "all_counts",
     "error_curves",
     "fit_budget_law",
+    "fit_budget_law_upper",
     "geometric_counts",
     "prefix_errors",
     "relative_errors",

@@ -1,7 +1,7 @@
 """Offline labels for the head-property predictor: SmolLM2-135M on real text, exact budgets per head.
 
     python -m predictor.labels --out runs/predictor/smollm2_labels.npz
-        [--lengths 2048,4096,8192] [--positions 8] [--texts 8] [--tau 0.1] [--criterion output] [--threads 1]
+        [--lengths 2048,4096,8192] [--positions 8] [--texts 8] [--tau 0.1[,0.125,...]] [--criterion output] [--threads 1]
 
 **Texts.** The corpus is `pydoc_data.topics` (every topic, in key order), cut into disjoint
 chunks of `max(lengths)` tokens. For a chunk and a length `L` the prompt is its first
@@ -31,7 +31,10 @@ from the prompt's prefill statistics (anchor = the prompt's last query), the win
 **Saved** (`np.load`): `features` float32 [N, 41], `feature_names` str [41], `bgt0` float32 [N],
 `k` float32 [N], `streaming` bool [N], `split` str [N] ("train"/"heldout", by text: the text
 used second, sixth, ... i.e. `i % heldout_every == 1`), int32 [N] `text_id` (chunk index),
-`layer`, `head`, `position` (token index in the chunk), scalar `tau`. The file is rewritten after
+`layer`, `head`, `position` (token index in the chunk), scalar `tau`, and the smallest budgets
+before the fit, `budgets` float32 [N, 5] at `budget_block_sizes` int32 [5] (1, 16, 32, 64, 128).
+Several taus (`--tau 0.1,0.125`) are labelled in one pass, one file each (`--out` holds `{tau}`):
+the forward passes and error curves are shared. The file is rewritten after
 every text, so a partial dataset is usable while the build runs; a JSON summary (texts, repeat
 fractions, label statistics, timings, the check against the model's own attention outputs) is
 written beside it.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -49,7 +53,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -239,12 +243,27 @@ def label_layer(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, q_prev: torch
     query. Returns `features [n * Hq, F]`, `budgets [n * Hq, len(BLOCK_SIZES)]`, `streaming`,
     `o_full [n, Hq, D]` (rows position-major, then head).
     """
+    return label_layer_taus(k, v, q, q_prev, q_anchor, positions, prompt_len, layer, n_layers, settings,
+                            (settings.tau,))[0]
+
+
+@torch.no_grad()
+def label_layer_taus(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, q_prev: torch.Tensor, q_anchor: torch.Tensor,
+                     positions: list[int], prompt_len: int, layer: int, n_layers: int, settings: LabelSettings,
+                     taus: Sequence[float]) -> list[dict[str, torch.Tensor]]:
+    """`label_layer` at several error bounds at once: one dict per tau of `taus`, in order.
+
+    The error curves (the cost) are computed once; per tau only the budgets, the streaming flag
+    and the features that depend on tau (the anchor budgets of the prefill statistics and the
+    Gaussian budget estimate) are. `settings.tau` is not used.
+    """
     sink, local = settings.sink, settings.local
     cpu_end = prompt_len - local
     dev = k.device
     k_cpu, v_cpu = k[sink:cpu_end], v[sink:cpu_end]
     n_cpu = k_cpu.shape[0]
-    stats = compute_prefill_statistics(k[:prompt_len], v[:prompt_len], q_anchor, sink=sink, local=local, tau=settings.tau)
+    stats_of = [compute_prefill_statistics(k[:prompt_len], v[:prompt_len], q_anchor, sink=sink, local=local, tau=t)
+                for t in taus]
     # The window buffer: sink rows, then every token from the prompt's local part on.
     win = torch.cat([torch.arange(sink, device=dev), torch.arange(cpu_end, max(positions) + 1, device=dev)])
     win_k, win_v = k[win].transpose(0, 1), v[win].transpose(0, 1)  # [Hkv, W, D]
@@ -253,7 +272,7 @@ def label_layer(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, q_prev: torch
     counts = {blk: (geometric_counts(n_cpu, blk) if blk == 1 else all_counts(n_cpu, blk)).to(dev) for blk in BLOCK_SIZES}
     bounds = {blk: block_bounds(k_cpu, blk) for blk in BLOCK_SIZES if blk > 1}
     n, hq, _ = q.shape
-    out: dict[str, list] = {"features": [], "budgets": [], "streaming": [], "o_full": []}
+    outs: list[dict[str, list]] = [{"features": [], "budgets": [], "streaming": [], "o_full": []} for _ in taus]
     for lo in range(0, n, settings.position_batch):
         hi = min(n, lo + settings.position_batch)
         b = hi - lo
@@ -262,20 +281,22 @@ def label_layer(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, q_prev: torch
         qb = q[lo:hi]
         out_w, lse_w = window_attention(qb, wk, wv, wl)
         errs, o_full = error_curves(qb, k_cpu, v_cpu, out_w, lse_w, counts, bounds=bounds)
-        if settings.criterion == "score95":  # mass at the same block counts as the error curves
-            curves = {blk: criterion_curve("score95", settings.tau, mass=prefix_mass(qb, k_cpu, lse_w, blk)[..., counts[blk]])
-                      for blk in BLOCK_SIZES}
-        else:
-            curves = {blk: criterion_curve(settings.criterion, settings.tau, err=e, o_full=o_full) for blk, e in errs.items()}
-        rel = {blk: c for blk, (c, _) in curves.items()}
-        bound = curves[BLOCK_SIZES[0]][1]
-        budgets = [smallest_budget(rel[blk], counts[blk], blk, n_cpu, bound) for blk in BLOCK_SIZES]
-        out["streaming"].append((rel[BLOCK_SIZES[0]][..., 0] <= bound).reshape(-1))
-        out["budgets"].append(torch.stack(budgets, -1).reshape(b * hq, -1))
-        out["o_full"].append(o_full)
+        masses = ({blk: prefix_mass(qb, k_cpu, lse_w, blk)[..., counts[blk]] for blk in BLOCK_SIZES}
+                  if settings.criterion == "score95" else {})  # mass at the same block counts as the error curves
         rows = torch.zeros(b, dtype=torch.long, device=dev)
-        out["features"].append(decode_features(stats.index(rows), qb, q_prev[lo:hi], wk, wv, wl, layer, n_layers))
-    return {key: torch.cat(val) for key, val in out.items()}
+        for tau, stats, out in zip(taus, stats_of, outs):
+            if settings.criterion == "score95":
+                curves = {blk: criterion_curve("score95", tau, mass=m) for blk, m in masses.items()}
+            else:
+                curves = {blk: criterion_curve(settings.criterion, tau, err=e, o_full=o_full) for blk, e in errs.items()}
+            rel = {blk: c for blk, (c, _) in curves.items()}
+            bound = curves[BLOCK_SIZES[0]][1]
+            budgets = [smallest_budget(rel[blk], counts[blk], blk, n_cpu, bound) for blk in BLOCK_SIZES]
+            out["streaming"].append((rel[BLOCK_SIZES[0]][..., 0] <= bound).reshape(-1))
+            out["budgets"].append(torch.stack(budgets, -1).reshape(b * hq, -1))
+            out["o_full"].append(o_full)
+            out["features"].append(decode_features(stats.index(rows), qb, q_prev[lo:hi], wk, wv, wl, layer, n_layers))
+    return [{key: torch.cat(val) for key, val in out.items()} for out in outs]
 
 
 # ---------------------------------------------------------------------------- the dataset
@@ -300,6 +321,9 @@ def assemble(cols: dict[str, list], tau: float) -> dict[str, np.ndarray]:
         "head": np.concatenate(cols["head"]).astype(np.int32),
         "position": np.concatenate(cols["position"]).astype(np.int32),
         "tau": np.array(float(tau)),
+        # The smallest budgets themselves, before the Eq. 1 fit (a trainer may refit over other block sizes).
+        "budgets": np.concatenate(cols["budgets"]).astype(np.float32),
+        "budget_block_sizes": np.array(BLOCK_SIZES, dtype=np.int32),
     }
 
 
@@ -340,76 +364,119 @@ def build(model: Any, corpus: torch.Tensor, settings: LabelSettings, out: Path |
 
     Returns the arrays and a summary (texts, timings, label statistics).
     """
+    return build_taus(model, corpus, [settings], None if out is None else [out], progress)[0]
+
+
+@torch.no_grad()
+def build_taus(model: Any, corpus: torch.Tensor, settings: Sequence[LabelSettings], outs: Sequence[Path] | None = None,
+               progress: Progress = print) -> list[tuple[dict[str, np.ndarray], dict]]:
+    """`build` for several settings that differ in `tau` only, in one pass: one labels file each.
+
+    The forward passes and the error curves are shared; each file is what `build` with its
+    settings would write. Returns `(arrays, summary)` per settings, in order.
+    """
+    if not settings:
+        raise ValueError("no settings to label with")
+    first = settings[0]
+    others = [s for s in settings if dataclasses.replace(s, tau=first.tau) != first]
+    if others:
+        raise ValueError(f"settings labelled in one pass may differ in tau only; {others[0]} differs from {first} "
+                         "in more")
+    if len({s.tau for s in settings}) != len(settings):
+        raise ValueError(f"taus {[s.tau for s in settings]} name one tau twice")
+    if outs is not None and len(outs) != len(settings):
+        raise ValueError(f"{len(outs)} output files for {len(settings)} settings")
+    taus = [s.tau for s in settings]
     t_start = time.perf_counter()
     n_layers = model.config.num_hidden_layers
-    texts = select_texts(corpus, settings)
+    texts = select_texts(corpus, first)
     if not texts:
-        raise ValueError(f"no chunk of {max(settings.lengths)} tokens has a decode span repeating under "
-                         f"{settings.max_repeat:.0%} of its 8-grams at lengths {settings.lengths}")
+        raise ValueError(f"no chunk of {max(first.lengths)} tokens has a decode span repeating under "
+                         f"{first.max_repeat:.0%} of its 8-grams at lengths {first.lengths}")
     progress(f"{len(texts)} texts: " + "; ".join(
-        f"{t.text_id} ({t.split}) " + ", ".join(f"{n}: {t.repeat[n]:.3f}" for n in settings.lengths) for t in texts))
-    cols = empty_columns()
-    summary: dict = {"settings": asdict(settings), "texts": [], "block_sizes": list(BLOCK_SIZES)}
+        f"{t.text_id} ({t.split}) " + ", ".join(f"{n}: {t.repeat[n]:.3f}" for n in first.lengths) for t in texts))
+    cols = [empty_columns() for _ in taus]
+    summaries: list[dict] = [{"settings": asdict(s), "texts": [], "block_sizes": list(BLOCK_SIZES)} for s in settings]
     max_o_dev = 0.0
-    arrays: dict[str, np.ndarray] = {}
+    arrays: list[dict[str, np.ndarray]] = [{} for _ in taus]
     for text in texts:
         t0 = time.perf_counter()
         longest = max(text.lengths)
-        plan = {n: decode_positions(settings, text.text_id, n) for n in text.lengths}
-        wanted = [p for n, ps in plan.items() for p in (*ps, *(x - 1 for x in ps), n - settings.span - 1)]
+        plan = {n: decode_positions(first, text.text_id, n) for n in text.lengths}
+        wanted = [p for n, ps in plan.items() for p in (*ps, *(x - 1 for x in ps), n - first.span - 1)]
         rec = capture_qkv(model, corpus[text.offset : text.offset + longest], wanted)
         t_forward = time.perf_counter() - t0
         for length, positions in plan.items():
-            prompt_len = length - settings.span
+            prompt_len = length - first.span
             at = rec["index"]
             for layer in range(n_layers):
                 q = rec["q"][layer]
-                res = label_layer(rec["k"][layer], rec["v"][layer], q[[at[p] for p in positions]],
-                                  q[[at[p - 1] for p in positions]], q[at[prompt_len - 1]], positions, prompt_len,
-                                  layer, n_layers, settings)
+                results = label_layer_taus(rec["k"][layer], rec["v"][layer], q[[at[p] for p in positions]],
+                                           q[[at[p - 1] for p in positions]], q[at[prompt_len - 1]], positions,
+                                           prompt_len, layer, n_layers, first, taus)
                 o_model = rec["o"][layer][[at[p] for p in positions]]
-                dev = (res["o_full"] - o_model).norm(dim=-1).amax() / o_model.norm(dim=-1).amax().clamp_min(1e-30)
+                o_full = results[0]["o_full"]
+                dev = (o_full - o_model).norm(dim=-1).amax() / o_model.norm(dim=-1).amax().clamp_min(1e-30)
                 max_o_dev = max(max_o_dev, float(dev))
-                budgets = res["budgets"]
-                bgt0, kk = fit_budget_law(budgets)
-                rows = budgets.shape[0]
-                hq = rows // len(positions)
-                cols["features"].append(res["features"].cpu().numpy())
-                cols["budgets"].append(budgets.cpu().numpy())
-                cols["bgt0"].append(bgt0.cpu().numpy())
-                cols["k"].append(kk.cpu().numpy())
-                cols["streaming"].append(res["streaming"].cpu().numpy())
-                cols["split"].append(np.full(rows, text.split))
-                cols["text_id"].append(np.full(rows, text.text_id))
-                cols["layer"].append(np.full(rows, layer))
-                cols["head"].append(np.tile(np.arange(hq), len(positions)))
-                cols["position"].append(np.repeat(np.array(positions), hq))
+                for res, col in zip(results, cols):
+                    budgets = res["budgets"]
+                    bgt0, kk = fit_budget_law(budgets)
+                    rows = budgets.shape[0]
+                    hq = rows // len(positions)
+                    col["features"].append(res["features"].cpu().numpy())
+                    col["budgets"].append(budgets.cpu().numpy())
+                    col["bgt0"].append(bgt0.cpu().numpy())
+                    col["k"].append(kk.cpu().numpy())
+                    col["streaming"].append(res["streaming"].cpu().numpy())
+                    col["split"].append(np.full(rows, text.split))
+                    col["text_id"].append(np.full(rows, text.text_id))
+                    col["layer"].append(np.full(rows, layer))
+                    col["head"].append(np.tile(np.arange(hq), len(positions)))
+                    col["position"].append(np.repeat(np.array(positions), hq))
         del rec
-        arrays = assemble(cols, settings.tau)
-        summary["texts"].append({"text_id": text.text_id, "offset": text.offset, "split": text.split,
-                                 "lengths": list(text.lengths), "repeat_8gram": {str(n): r for n, r in text.repeat.items()},
-                                 "seconds_forward": t_forward, "seconds": time.perf_counter() - t0})
-        if out is not None:
-            save_npz(out, arrays)
+        for i, tau in enumerate(taus):
+            arrays[i] = assemble(cols[i], tau)
+            summaries[i]["texts"].append({"text_id": text.text_id, "offset": text.offset, "split": text.split,
+                                          "lengths": list(text.lengths),
+                                          "repeat_8gram": {str(n): r for n, r in text.repeat.items()},
+                                          "seconds_forward": t_forward, "seconds": time.perf_counter() - t0})
+            if outs is not None:
+                save_npz(Path(outs[i]), arrays[i])
         progress(f"text {text.text_id} ({text.split}, lengths {list(text.lengths)}): forward {t_forward:.0f} s, "
-                 f"labels {time.perf_counter() - t0 - t_forward:.0f} s; {arrays['bgt0'].size} rows so far")
+                 f"labels {time.perf_counter() - t0 - t_forward:.0f} s; {arrays[0]['bgt0'].size} rows so far")
     if max_o_dev > 1e-3:
         raise RuntimeError(f"the labels' dense outputs differ from the model's own attention outputs by {max_o_dev:.2e} "
                            "of the largest head norm: the window or segment bookkeeping is wrong")
-    summary["max_output_deviation_vs_model"] = max_o_dev
-    summary["labels"] = label_statistics(arrays, np.concatenate(cols["budgets"]))
-    summary["seconds"] = time.perf_counter() - t_start
-    return arrays, summary
+    for summary, arr in zip(summaries, arrays):
+        summary["max_output_deviation_vs_model"] = max_o_dev
+        summary["labels"] = label_statistics(arr, arr["budgets"])
+        summary["seconds"] = time.perf_counter() - t_start
+    return list(zip(arrays, summaries))
+
+
+def output_paths(out: str, taus: Sequence[float]) -> list[Path]:
+    """The labels file of each tau: `out` itself for one tau; for several, `out` must hold `{tau}`,
+    replaced by each tau (`:g`), so that every file is named."""
+    if len(taus) == 1 and "{tau}" not in out:
+        return [Path(out)]
+    if "{tau}" not in out:
+        raise ValueError(f"--out {out!r}: with several taus it must contain {{tau}} (e.g. runs/labels_tau{{tau}}.npz)")
+    paths = [Path(out.replace("{tau}", f"{t:g}")) for t in taus]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"--out {out!r} names one file for two taus: {[str(p) for p in paths]}")
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m predictor.labels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="the .npz to write (a .json summary goes beside it)")
+    parser.add_argument("--out", required=True, help="the .npz to write (a .json summary goes beside it); with several "
+                                                      "taus it must contain {tau}")
     parser.add_argument("--lengths", default="2048,4096,8192", help="context lengths, comma-separated (default 2048,4096,8192)")
     parser.add_argument("--positions", type=int, default=LabelSettings.positions, help="decode positions per (text, length)")
     parser.add_argument("--texts", type=int, default=LabelSettings.texts, help="chunks of the corpus used at most")
-    parser.add_argument("--tau", type=float, default=LabelSettings.tau, help="Eq. 2 error bound (default 0.1)")
+    parser.add_argument("--tau", default=str(LabelSettings.tau),
+                        help="Eq. 2 error bound (default 0.1); several, comma-separated, label in one pass (one file each)")
     parser.add_argument("--span", type=int, default=LabelSettings.span, help="decode positions after each prompt")
     parser.add_argument("--seed", type=int, default=LabelSettings.seed)
     parser.add_argument("--criterion", choices=CRITERIA, default=LabelSettings.criterion,
@@ -424,13 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
     try:
-        settings = LabelSettings(lengths=lengths, positions=args.positions, texts=args.texts, tau=args.tau,
-                                 span=args.span, seed=args.seed, criterion=args.criterion)
+        taus = [float(x) for x in args.tau.split(",")]
+    except ValueError:
+        parser.error(f"--tau must be one or more comma-separated numbers, got {args.tau!r}")
+    try:
+        settings = [LabelSettings(lengths=lengths, positions=args.positions, texts=args.texts, tau=tau,
+                                  span=args.span, seed=args.seed, criterion=args.criterion) for tau in taus]
+        outs = output_paths(args.out, taus)
     except ValueError as e:
         parser.error(str(e))
-    out = Path(args.out)
-    if out.suffix != ".npz":
-        parser.error(f"--out must name a .npz file, got {out}")
+    if any(out.suffix != ".npz" for out in outs):
+        parser.error(f"--out must name a .npz file, got {args.out}")
 
     def progress(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -444,15 +515,18 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_smollm2(dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
     corpus = tok(corpus_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
     progress(f"model and {corpus.numel()} corpus tokens loaded in {time.perf_counter() - t0:.0f} s")
-    arrays, summary = build(model, corpus, settings, out, progress)
-    summary["command"] = " ".join(["python -m predictor.labels", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    summary["seconds_with_model_load"] = time.perf_counter() - t0
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    lab = summary["labels"]
-    progress(f"wrote {out}: {lab['rows']} rows ({lab['per_split']['train']['rows']} train, {lab['per_split']['heldout']['rows']} "
-             f"heldout), streaming {lab['streaming_fraction']:.3f}, bgt0 p10/p50/p90 {lab['bgt0']['p10']:.3f}/"
-             f"{lab['bgt0']['p50']:.3f}/{lab['bgt0']['p90']:.3f}, k p10/p50/p90 {lab['k']['p10']:.4f}/{lab['k']['p50']:.4f}/"
-             f"{lab['k']['p90']:.4f}, {summary['seconds_with_model_load'] / 60:.1f} min")
+    built = build_taus(model, corpus, settings, outs, progress)
+    command = " ".join(["python -m predictor.labels", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    for out, (arrays, summary) in zip(outs, built):
+        summary["command"] = command
+        summary["seconds_with_model_load"] = time.perf_counter() - t0
+        out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+        lab = summary["labels"]
+        progress(f"wrote {out}: {lab['rows']} rows ({lab['per_split']['train']['rows']} train, "
+                 f"{lab['per_split']['heldout']['rows']} heldout), streaming {lab['streaming_fraction']:.3f}, bgt0 "
+                 f"p10/p50/p90 {lab['bgt0']['p10']:.3f}/{lab['bgt0']['p50']:.3f}/{lab['bgt0']['p90']:.3f}, k p10/p50/p90 "
+                 f"{lab['k']['p10']:.4f}/{lab['k']['p50']:.4f}/{lab['k']['p90']:.4f}, "
+                 f"{summary['seconds_with_model_load'] / 60:.1f} min")
     return 0
 
 

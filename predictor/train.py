@@ -16,6 +16,7 @@ training settings and a description of the data).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -36,6 +37,7 @@ from predictor.model import DEFAULT_HIDDEN, Checkpoint, HeadPropertyNet
 SPLITS = ("train", "heldout")
 INT_COLUMNS = ("text_id", "layer", "head", "position")
 EARLY_STOP = ("validation", "heldout")
+FIT_METHODS = ("least_squares", "upper")  # how refit_budget_law fits Eq. 1
 # Block sizes the runtime reads at (Eq. 1 is evaluated at these for the budget error metric).
 BLOCK_SIZES = (16, 32, 64, 128)
 
@@ -57,6 +59,10 @@ class Labels:
     position: np.ndarray
     tau: float
     source: str = ""
+    # The smallest budgets before the Eq. 1 fit, [N, B] at `budget_block_sizes` (labels files that
+    # record them); `refit_budget_law` fits Eq. 1 again over a subset of those block sizes.
+    budgets: np.ndarray | None = None
+    budget_block_sizes: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return int(self.features.shape[0])
@@ -64,7 +70,8 @@ class Labels:
     def rows(self, mask: np.ndarray) -> "Labels":
         return Labels(self.features[mask], self.feature_names, self.bgt0[mask], self.k[mask], self.streaming[mask],
                       self.split[mask], self.text_id[mask], self.layer[mask], self.head[mask], self.position[mask],
-                      self.tau, self.source)
+                      self.tau, self.source, None if self.budgets is None else self.budgets[mask],
+                      self.budget_block_sizes)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rows": len(self), "features": len(self.feature_names), "tau": self.tau,
@@ -132,8 +139,53 @@ def load_labels(path: str | Path) -> Labels:
     shared = np.intersect1d(text[split == "train"], text[split == "heldout"])
     if shared.size:
         raise _fail(p, f"texts {shared[:5].tolist()} have rows in both splits; the split must be by text")
+    budgets, budget_blocks = arrays.get("budgets"), arrays.get("budget_block_sizes")
+    if (budgets is None) != (budget_blocks is None):
+        raise _fail(p, "'budgets' and 'budget_block_sizes' come together (one is missing)")
+    if budgets is not None:
+        if budget_blocks.ndim != 1 or budget_blocks.dtype.kind not in "iu" or (budget_blocks < 1).any():
+            raise _fail(p, f"'budget_block_sizes' must be positive integers [B], got {budget_blocks.dtype} {budget_blocks!r}")
+        if budgets.shape != (n, budget_blocks.size) or budgets.dtype != np.float32 or not np.isfinite(budgets).all():
+            raise _fail(p, f"'budgets' must be finite float32 [{n}, {budget_blocks.size}], got {budgets.dtype} "
+                           f"{list(budgets.shape)}")
     return Labels(feats, [str(x) for x in names.tolist()], arrays["bgt0"], arrays["k"], arrays["streaming"], split,
-                  text, arrays["layer"], arrays["head"], arrays["position"], float(tau), source=p)
+                  text, arrays["layer"], arrays["head"], arrays["position"], float(tau), source=p, budgets=budgets,
+                  budget_block_sizes=() if budget_blocks is None else tuple(int(b) for b in budget_blocks))
+
+
+def refit_budget_law(labels: Labels, block_sizes: Sequence[int], method: str = "least_squares") -> Labels:
+    """`labels` with `bgt0`, `k` fitted again (Eq. 1) to the smallest budgets at `block_sizes`
+    only. The labels' own fit spans every measured block size, exact top-k tokens (blk 1)
+    included, which the runtime never reads at: fitting the runtime's block sizes alone puts the
+    law where the selector evaluates it. `method` (`FIT_METHODS`): `least_squares`, or `upper`,
+    the least law at or above every budget (`predictor.budget_search.fit_budget_law_upper`)."""
+    from predictor.budget_search import fit_budget_law, fit_budget_law_upper
+
+    if method not in FIT_METHODS:
+        raise ValueError(f"fit method {method!r} is not one of {list(FIT_METHODS)}")
+
+    if labels.budgets is None:
+        raise ValueError(f"labels file {labels.source}: no 'budgets' array (made before the labels recorded them); "
+                         "refitting the budget law needs it: make the labels again with python -m predictor.labels")
+    blocks = tuple(int(b) for b in block_sizes)
+    missing = [b for b in blocks if b not in labels.budget_block_sizes]
+    if len(set(blocks)) < 2 or missing:
+        raise ValueError(f"fit block sizes {list(blocks)} must be at least two distinct block sizes of the labels' "
+                         f"{list(labels.budget_block_sizes)}" + (f" ({missing} are not)" if missing else ""))
+    cols = [labels.budget_block_sizes.index(b) for b in blocks]
+    fit = fit_budget_law if method == "least_squares" else fit_budget_law_upper
+    bgt0, k = fit(torch.from_numpy(labels.budgets[:, cols]), blocks)
+    return dataclasses.replace(labels, bgt0=bgt0.numpy().astype(np.float32), k=k.numpy().astype(np.float32))
+
+
+def fold_streaming_threshold(model: HeadPropertyNet, threshold: float) -> None:
+    """Shift the streaming logit's bias so that `p_streaming >= 0.5` of the result is
+    `p_streaming >= threshold` of `model`: the planner's default threshold then makes the decision
+    the threshold was chosen for, with no setting to carry beside the checkpoint."""
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"streaming threshold must lie in (0, 1), got {threshold}")
+    with torch.no_grad():
+        model.streaming_head.bias -= math.log(threshold / (1.0 - threshold))
 
 
 def validation_texts(labels: Labels, fraction: float, seed: int) -> np.ndarray:
@@ -217,6 +269,11 @@ class TrainSettings:
     refit: bool = False
     # Quantile the bgt0 and k heads aim at (pinball loss); 0.5 is the absolute error.
     quantile: float = 0.5
+    # Block sizes the Eq. 1 targets are fitted to (`refit_budget_law`); empty: the labels' own fit.
+    fit_block_sizes: tuple[int, ...] = ()
+    fit_method: str = "least_squares"  # with fit_block_sizes: one of FIT_METHODS
+    # Folded into the streaming head's bias after training (`fold_streaming_threshold`); 0.5: none.
+    streaming_threshold: float = 0.5
     seed: int = 0
     device: str = "cpu"
     # torch intra-op threads while training; 0 keeps torch's setting. A network this small trains
@@ -241,6 +298,13 @@ class TrainSettings:
             raise ValueError("refit needs early_stop='validation' (the epoch count comes from the validation texts)")
         if not 0 < self.validation_fraction < 1:
             raise ValueError(f"validation_fraction must lie in (0, 1), got {self.validation_fraction}")
+        if not 0.0 < self.streaming_threshold < 1.0:
+            raise ValueError(f"streaming_threshold must lie in (0, 1), got {self.streaming_threshold}")
+        if self.fit_method not in FIT_METHODS:
+            raise ValueError(f"fit_method must be one of {list(FIT_METHODS)}, got {self.fit_method!r}")
+        if self.fit_block_sizes and (len(set(self.fit_block_sizes)) < 2 or min(self.fit_block_sizes) < 1):
+            raise ValueError(f"fit_block_sizes must be at least two distinct positive block sizes, got "
+                             f"{list(self.fit_block_sizes)}")
 
 
 def _tensors(labels: Labels, dev: torch.device) -> tuple[torch.Tensor, ...]:
@@ -270,16 +334,27 @@ def train(labels: Labels, settings: TrainSettings | None = None, log: Any = None
     """Train on the training texts (minus the validation texts); stop when the validation loss has
     not improved for `patience` epochs and keep the best epoch's weights. With `refit`, then train
     a fresh network on every training text for that many epochs (the held-out texts are still
-    never seen). Seeded: the same data and settings give the same network on the same machine."""
+    never seen). With `fit_block_sizes` the targets are refitted first (`training_targets`); a
+    `streaming_threshold` other than 0.5 is folded into the returned network's streaming bias (the
+    validation metrics in the report are the unfolded network's, at 0.5). Seeded: the same data
+    and settings give the same network on the same machine."""
     st = settings or TrainSettings()
     st.check()
     threads = torch.get_num_threads()
     if st.threads:
         torch.set_num_threads(st.threads)
     try:
-        return _train(labels, st, log)
+        model, info = _train(training_targets(labels, st), st, log)
     finally:
         torch.set_num_threads(threads)
+    if st.streaming_threshold != 0.5:
+        fold_streaming_threshold(model, st.streaming_threshold)
+    return model, info
+
+
+def training_targets(labels: Labels, settings: TrainSettings) -> Labels:
+    """The labels with the Eq. 1 targets the settings train on: refitted over `fit_block_sizes` when given."""
+    return refit_budget_law(labels, settings.fit_block_sizes, settings.fit_method) if settings.fit_block_sizes else labels
 
 
 def _fit(fit: Labels, val: Labels | None, st: TrainSettings, epochs: int, log: Any) -> tuple[HeadPropertyNet, dict]:
@@ -371,6 +446,7 @@ def run(data: str, out: str, settings: TrainSettings, note: str = "", log: Any =
         raise ValueError(f"--out must name a .pt file, got {out}")
     labels = load_labels(data)
     model, info = train(labels, settings, log=None)
+    labels = training_targets(labels, settings)  # held-out metrics against the targets it was trained on
     train_rows = labels.rows(labels.split == "train")
     heldout = evaluate(model, labels.rows(labels.split == "heldout"), train_rows)
     validation = info["validation"]
@@ -378,7 +454,8 @@ def run(data: str, out: str, settings: TrainSettings, note: str = "", log: Any =
     if note:
         data_desc["note"] = note
     training = {k: v for k, v in info.items() if k not in ("history", "validation")}
-    training["settings"] = {**settings.__dict__, "hidden": list(settings.hidden)}
+    training["settings"] = {**settings.__dict__, "hidden": list(settings.hidden),
+                            "fit_block_sizes": list(settings.fit_block_sizes)}
     ckpt = Checkpoint(model.cpu(), labels.feature_names, labels.tau, data_desc, {"heldout": heldout}, training)
     ckpt.save(out)
     report = {
@@ -424,6 +501,15 @@ def _hidden(text: str) -> tuple[int, ...]:
     return widths
 
 
+def _block_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--fit-block-sizes takes comma-separated block sizes such as 16,32,64,128, "
+                                         f"got {text!r}")
+    return sizes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m predictor.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="labels .npz")
@@ -445,6 +531,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quantile", type=float, default=d.quantile,
                     help="quantile of bgt0 and k to predict (default 0.5, the absolute error; higher: fewer heads "
                          "under-budgeted, more bytes)")
+    ap.add_argument("--fit-block-sizes", type=_block_sizes, default=d.fit_block_sizes,
+                    help="fit the Eq. 1 targets to the labels' budgets at these block sizes only (e.g. 16,32,64,128; "
+                         "default: the labels' own fit over every measured block size)")
+    ap.add_argument("--fit-method", choices=FIT_METHODS, default=d.fit_method,
+                    help="with --fit-block-sizes: least squares (default) or upper, the least law at or above every "
+                         "budget")
+    ap.add_argument("--streaming-threshold", type=float, default=d.streaming_threshold,
+                    help="fold this p_streaming threshold into the streaming head's bias (default 0.5: none)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--threads", type=int, default=d.threads, help="torch threads while training (0: torch's default)")
@@ -453,8 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = TrainSettings(hidden=args.hidden, lr=args.lr, weight_decay=args.weight_decay, batch_size=args.batch_size,
                              max_epochs=args.max_epochs, patience=args.patience,
                              validation_fraction=args.validation_fraction, early_stop=args.early_stop, refit=args.refit,
-                             quantile=args.quantile,
-                             seed=args.seed,
+                             quantile=args.quantile, fit_block_sizes=args.fit_block_sizes, fit_method=args.fit_method,
+                             streaming_threshold=args.streaming_threshold, seed=args.seed,
                              device=args.device, threads=args.threads)
     try:
         argv_used = list(sys.argv[1:] if argv is None else argv)

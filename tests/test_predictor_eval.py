@@ -103,7 +103,7 @@ def test_plan_tally_metrics_and_markdown():
     assert m["streaming_accuracy"] == 0.85 and m["bgt0_mae"] == 0.02 and m["k_mae"] == 0.01
     assert all(isinstance(v, float) for v in m.values())
     md = pe.markdown(results)
-    assert "| predicted, tau 0.1 (shipped checkpoint) | 0.900 |" in md and "1.00/0.00/0.00/0.00" in md
+    assert f"| {pe.describe('predicted')} | 0.900 |" in md and "1.00/0.00/0.00/0.00" in md
 
 
 @pytest.mark.parametrize("tau", [1e-9, 10.0])
@@ -148,3 +148,20 @@ def test_every_evaluated_checkpoint_is_shipped_and_matches_the_features():
         tau = float(flags[flags.index("--tau") + 1]) if "--tau" in flags else 0.1
         assert ck.tau == pytest.approx(tau), slug
         assert ck.metrics["heldout"]["streaming_accuracy"] > ck.metrics["heldout"]["streaming_accuracy_majority_baseline"]
+
+
+def test_a_validation_run_is_kept_apart_from_the_scored_text(tmp_path):
+    """Settings are chosen on a window that does not overlap the scored one, and such a run never
+    becomes a result."""
+    s = pe.EvalSettings(policies=("fixed16_005",), validation_offset=91750 + 8193)
+    assert pe.evaluated_offset(s) == 91750 + 8193 and pe.evaluated_offset(pe.EvalSettings()) == 91750
+    with pytest.raises(ValueError, match="overlaps the scored window"):
+        pe.EvalSettings(policies=("fixed16_005",), validation_offset=91750 + 8000)
+    with pytest.raises(ValueError, match="overlaps the scored window"):
+        pe.EvalSettings(policies=("fixed16_005",), validation_offset=91750 - 100)
+    assert pe.main(["--out", str(tmp_path / "o"), "--validation-offset", "99943", "--results-dir",
+                    str(tmp_path / "r")]) == 2  # refused before the model loads
+    results = {"text": {"validation": True}}
+    with pytest.raises(ValueError, match="not a result"):
+        pe.write_outputs(results, tmp_path / "o", tmp_path / "r", "cmd")
+    assert not (tmp_path / "r").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +22,12 @@ from predictor.budget_search import (
     smallest_budget,
 )
 from predictor.features import FEATURE_NAMES, window_attention
-from predictor.labels import (LabelSettings, build, label_layer, main, repeated_fraction, save_npz, select_texts,
-                             text_ranges)
+from predictor.labels import (LabelSettings, build, build_taus, label_layer, main, output_paths, repeated_fraction,
+                             save_npz, select_texts, text_ranges)
 from tests.helpers import random_kv
 
-CONTRACT = {"features", "feature_names", "bgt0", "k", "streaming", "split", "text_id", "layer", "head", "position", "tau"}
+CONTRACT = {"features", "feature_names", "bgt0", "k", "streaming", "split", "text_id", "layer", "head", "position", "tau",
+            "budgets", "budget_block_sizes"}
 
 
 def brute_force_error(q, k_cpu, v_cpu, wk, wv, blk, n_blocks):
@@ -235,3 +237,64 @@ def test_dataset_contract_on_a_tiny_model(tmp_path):
     assert text_ranges(corpus, dataclasses.replace(settings, tau=0.02, criterion="score95")) == read
     save_npz(out, arrays)  # rewriting in place leaves no temporary file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["labels.npz"]
+
+
+def test_several_taus_in_one_pass_equal_one_pass_each(tmp_path):
+    """`build_taus` shares the forward passes and error curves; each file is what `build` writes for its tau."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                   max_position_embeddings=2048, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    corpus = torch.randint(0, 256, (1400,))
+    settings = LabelSettings(lengths=(400, 640), span=32, sink=16, local=64, positions=3, texts=2)
+    taus = (0.05, 0.2)
+    outs = output_paths(str(tmp_path / "labels_tau{tau}.npz"), taus)
+    assert [p.name for p in outs] == ["labels_tau0.05.npz", "labels_tau0.2.npz"]
+    built = build_taus(model, corpus, [dataclasses.replace(settings, tau=t) for t in taus], outs,
+                       progress=lambda _: None)
+    for tau, out, (arrays, summary) in zip(taus, outs, built):
+        alone, _ = build(model, corpus, dataclasses.replace(settings, tau=tau), None, progress=lambda _: None)
+        saved = np.load(out, allow_pickle=False)
+        for name in CONTRACT:
+            np.testing.assert_array_equal(saved[name], alone[name], err_msg=f"{name} at tau {tau}")
+        assert summary["settings"]["tau"] == tau
+    # A looser bound never needs more: budgets at 0.2 are at most those at 0.05, streaming at least as often.
+    tight, loose = (np.load(p) for p in outs)
+    assert (loose["budgets"] <= tight["budgets"] + 1e-7).all()
+    assert (loose["streaming"] >= tight["streaming"]).all()
+    assert list(tight["budget_block_sizes"]) == [1, 16, 32, 64, 128]
+    with pytest.raises(ValueError, match="tau only"):
+        build_taus(model, corpus, [settings, dataclasses.replace(settings, tau=0.2, positions=2)])
+    with pytest.raises(ValueError, match="twice"):
+        build_taus(model, corpus, [settings, settings])
+    with pytest.raises(ValueError, match=r"\{tau\}"):
+        output_paths("labels.npz", (0.1, 0.2))
+    assert output_paths("labels.npz", (0.1,)) == [Path("labels.npz")]
+
+
+def test_upper_fit_is_the_least_law_above_every_budget():
+    """Against a brute-force grid over (bgt0, k): never below a budget, and no feasible line of the
+    grid has a smaller sum over the block sizes."""
+    from predictor.budget_search import fit_budget_law_upper
+
+    blocks = (16, 32, 64, 128)
+    x = torch.tensor([math.log2(b) for b in blocks], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    budgets = torch.rand(64, 4, generator=gen) * 0.3
+    budgets[0] = torch.tensor([0.05, 0.05, 0.05, 0.05])  # flat
+    budgets[1] = torch.tensor([0.07, 0.10, 0.16, 0.23])  # convex, as the measured budgets are: the chord of the ends
+    bgt0, k = fit_budget_law_upper(budgets, blocks)
+    line = bgt0.double()[:, None] + k.double()[:, None] * x
+    assert (line >= budgets.double() - 1e-6).all()
+    torch.testing.assert_close(line[0].float(), budgets[0])
+    torch.testing.assert_close(line[1, [0, 3]].float(), budgets[1, [0, 3]])
+    ks = torch.linspace(-0.2, 0.2, 401, dtype=torch.float64)
+    for row in range(budgets.shape[0]):
+        y = budgets[row].double()
+        b0_needed = (y[None, :] - ks[:, None] * x[None, :]).amax(-1)  # least bgt0 feasible for each k
+        grid_best = (b0_needed[:, None] + ks[:, None] * x[None, :]).sum(-1).min()
+        assert float(line[row].sum()) <= float(grid_best) + 1e-5
+    with pytest.raises(ValueError, match="two distinct"):
+        fit_budget_law_upper(budgets[:, :1], (16,))

@@ -204,8 +204,8 @@ def test_shipped_checkpoints_match_the_features_and_carry_their_metrics(name):
     assert path.stat().st_size < 1_000_000
     ck = load_checkpoint(path)
     ck.check_feature_names(FEATURE_NAMES)
-    assert ck.tau == pytest.approx(0.1)
     report = json.loads(path.with_suffix(".json").read_text())
+    assert ck.tau == pytest.approx(report["tau"]) and 0.0 < ck.tau <= 0.2
     for key in ("streaming_accuracy", "bgt0_mae", "k_mae"):
         assert ck.metrics["heldout"][key] == pytest.approx(report["heldout"][key])
     assert report["data"]["heldout_texts"] >= 1 and not report["heldout_used_for_early_stopping"]
@@ -292,3 +292,71 @@ def test_prefix_mass_is_the_attention_probability_of_window_and_top_blocks():
     monotone = bool((mass[..., 1:] >= mass[..., :-1] - 1e-6).all())
     assert monotone
     torch.testing.assert_close(budget, (first * blk / lc).clamp(max=1.0).float())
+
+
+def test_refit_budget_law_fits_the_chosen_block_sizes_only(tmp_path):
+    """Budgets on an exact law at the runtime's block sizes and off it at blk 1: the refit over
+    16..128 recovers the law, the labels' own fit (all five) does not."""
+    from predictor.train import refit_budget_law
+
+    arrays = synthetic_labels(n_texts=6, rows_per_text=10, heldout_texts=2)
+    n = arrays["bgt0"].size
+    blocks = np.array([1, 16, 32, 64, 128], dtype=np.int32)
+    budgets = (arrays["bgt0"][:, None] + arrays["k"][:, None] * np.log2(blocks)[None]).astype(np.float32)
+    budgets[:, 0] = 0.001  # exact top-k tokens need far less than the line says
+    labels = load_labels(write(tmp_path, {**arrays, "budgets": budgets, "budget_block_sizes": blocks}))
+    refit = refit_budget_law(labels, (16, 32, 64, 128))
+    np.testing.assert_allclose(refit.bgt0, arrays["bgt0"], atol=1e-5)
+    np.testing.assert_allclose(refit.k, arrays["k"], atol=1e-6)
+    assert refit.budgets is labels.budgets and len(refit.rows(refit.split == "train")) < n
+    upper = refit_budget_law(labels, (16, 32, 64, 128), "upper")  # exact on a line: the same law
+    np.testing.assert_allclose(upper.bgt0, arrays["bgt0"], atol=1e-5)
+    budgets[:, 2] += 0.05  # a bump at blk 32: the least-squares law falls below it, the upper one does not
+    bumped = load_labels(write(tmp_path, {**arrays, "budgets": budgets, "budget_block_sizes": blocks}, "bump.npz"))
+    for method, below in (("least_squares", True), ("upper", False)):
+        fit = refit_budget_law(bumped, (16, 32, 64, 128), method)
+        law = fit.bgt0[:, None] + fit.k[:, None] * np.log2(blocks[1:])[None]
+        assert bool((law < budgets[:, 1:] - 1e-5).any()) is below, method
+    with pytest.raises(ValueError, match="fit method"):
+        refit_budget_law(labels, (16, 32), "median")
+    with pytest.raises(ValueError, match="at least two distinct"):
+        refit_budget_law(labels, (16, 16))
+    with pytest.raises(ValueError, match=r"\[8\] are not"):
+        refit_budget_law(labels, (8, 16))
+    no_budgets = load_labels(write(tmp_path, arrays, "old.npz"))
+    with pytest.raises(ValueError, match="no 'budgets' array"):
+        refit_budget_law(no_budgets, (16, 32))
+    with pytest.raises(ValueError, match="come together"):
+        load_labels(write(tmp_path, {**arrays, "budgets": budgets}, "half.npz"))
+    with pytest.raises(ValueError, match="'budgets' must be finite float32"):
+        load_labels(write(tmp_path, {**arrays, "budgets": budgets[:, :4], "budget_block_sizes": blocks}, "bad.npz"))
+    # Training on the refitted targets: the settings say so and the held-out metrics use them.
+    out = str(tmp_path / "refit.pt")
+    rc = main(["--data", str(tmp_path / "labels.npz"), "--out", out, "--hidden", "8", "--max-epochs", "3",
+               "--threads", "1", "--fit-block-sizes", "16,32,64,128", "--fit-method", "upper",
+               "--streaming-threshold", "0.7"])
+    assert rc == 0
+    ck = load_checkpoint(out)
+    assert ck.training["settings"]["fit_block_sizes"] == [16, 32, 64, 128]
+    assert ck.training["settings"]["streaming_threshold"] == 0.7 and ck.training["settings"]["fit_method"] == "upper"
+    assert main(["--data", str(tmp_path / "old.npz"), "--out", str(tmp_path / "x.pt"),
+                 "--fit-block-sizes", "16,32"]) == 2
+
+
+def test_folded_streaming_threshold_moves_the_decision_to_one_half(trained):
+    """`p >= 0.5` of the folded network is `p >= threshold` of the original, row for row."""
+    import copy
+
+    from predictor.train import fold_streaming_threshold
+
+    labels, model, _ = trained
+    x = torch.from_numpy(labels.features)
+    p = model.predict(x)[2]
+    folded = copy.deepcopy(model)
+    fold_streaming_threshold(folded, 0.8)
+    b, k, p_folded = folded.predict(x)
+    margin = (p - 0.8).abs() > 1e-4  # rows at the threshold itself may round either way
+    assert torch.equal((p_folded >= 0.5)[margin], (p >= 0.8)[margin])
+    assert torch.equal(b, model.predict(x)[0]) and torch.equal(k, model.predict(x)[1])
+    with pytest.raises(ValueError, match="lie in"):
+        fold_streaming_threshold(folded, 1.0)

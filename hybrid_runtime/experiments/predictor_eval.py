@@ -18,7 +18,9 @@ For predicted policies the plans are tallied per step: heads with a budget, grou
 the block sizes chosen.
 
 Policies (`POLICIES`): the fixed baselines (16, 0.05) and (32, 0.02); `predicted` (the shipped
-tau = 0.1 checkpoint); the tau sweep; the ablations of Fluxion Fig. 10: dynamic granularity vs a
+checkpoint: tau 0.1, the upper Eq. 1 fit over blk 16-128, 11 texts x 16 positions; the previous
+default, tau 0.1 with the labels' least-squares fit over blk 1-128 on 8 texts x 8 positions, is
+`predicted_t8p8`); the upper fit at tau 0.125 and 0.15; the tau sweep; the ablations of Fluxion Fig. 10: dynamic granularity vs a
 fixed block of 16 or 32 (`selection.block_sizes`), with and without streaming-head skipping
 (`selection.skip_streaming`), and the three budget criteria of the labels (Eq. 2, Eq. 2 without the
 head-contribution term, 95% attention score). The tau sweep cannot re-select with one predictor:
@@ -28,7 +30,7 @@ so every tau (and every criterion) is its own checkpoint, trained on labels of t
 positions made with that tau (or criterion); `checkpoint_commands` prints how each was made.
 
 **Oracle** (`ORACLES`, `oracle_plans.py`, evaluation only): the same selector fed each step's exact labels (the
-budget law fitted to the smallest budgets meeting tau, and the streaming flag, computed like the
+budget law fitted, by least squares over blk 1-128, to the smallest budgets meeting tau, and the streaming flag, computed like the
 offline labels from the full KV the store holds) instead of the predictor's. It reads the whole
 CPU-resident KV every step, which no serving policy may; it separates what the criterion and tau
 cost (oracle vs fixed) from what the predictor's errors cost (predicted vs oracle).
@@ -41,6 +43,12 @@ file's (text, position) rows, chunks of `predictor.labels.corpus_text`, tokenise
 other checkpoint's labels use the same texts: same settings, only tau or the criterion differ).
 Both are checked before the model runs; the run refuses an offset that fails and names ones that
 pass.
+
+**Validation runs** (`--validation-offset OFFSET`, `validation_offset`): the same measurement on
+the window at another offset, which must not overlap the scored one, for choosing settings
+(checkpoint, tau, thresholds) on text that is not reported; it skips the held-out predictor
+metrics, records (does not refuse) n-grams shared with the labelled texts (every candidate was
+trained on the same texts), and cannot write to `--results-dir`.
 
 Writes `predictor_eval.json` and `.md` to `--out`; with `--results-dir`,
 `predictor_smollm2-<device>.json` (`cpu` on a host without CUDA) and its table.
@@ -61,7 +69,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hybrid_runtime.config import config_from_dict, resolve_checkpoint
+from hybrid_runtime.config import SelectionConfig, config_from_dict, resolve_checkpoint
 from hybrid_runtime.experiments.quality_settings import (
     load_section_settings,
     run_and_write,
@@ -72,6 +80,7 @@ from hybrid_runtime.profiling.results import device_kind_slug, write_results
 Progress = Callable[[str], None]
 
 BASELINE = "fixed16_005"  # bytes ratios are against this policy
+DEFAULT_CHECKPOINT = SelectionConfig().checkpoint  # what the `predicted` policy loads when none is named
 
 #: Oracle slug -> the tau of its exact labels (Eq. 2, as the shipped checkpoint's labels).
 ORACLES: dict[str, float] = {"oracle_tau010": 0.10, "oracle_tau015": 0.15}
@@ -81,7 +90,9 @@ ORACLES: dict[str, float] = {"oracle_tau010": 0.10, "oracle_tau015": 0.15}
 POLICIES: dict[str, tuple[dict, str]] = {
     "fixed16_005": ({"name": "fixed", "block_size": 16, "budget": 0.05}, "fixed (16, 0.05)"),
     "fixed32_002": ({"name": "fixed", "block_size": 32, "budget": 0.02}, "fixed (32, 0.02)"),
-    "predicted": ({"name": "predicted"}, "predicted, tau 0.1 (shipped checkpoint)"),
+    "predicted": ({"name": "predicted"}, "predicted, shipped checkpoint (tau 0.1, upper Eq. 1 fit, 11 texts x 16 positions)"),
+    "predicted_t8p8": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t8p8.pt"},
+                       "predicted, tau 0.1, labels' own Eq. 1 fit, 8 texts x 8 positions (the previous default)"),
     "predicted_q80": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_q80.pt"},
                       "predicted, tau 0.1, budgets at the 0.8 quantile"),
     "predicted_tau002": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_tau0.02.pt"},
@@ -96,7 +107,7 @@ POLICIES: dict[str, tuple[dict, str]] = {
     "predicted_blk32": ({"name": "predicted", "block_sizes": [32]}, "predicted budgets, block fixed at 32"),
     "predicted_no_streaming": ({"name": "predicted", "skip_streaming": False},
                                "predicted, no streaming heads (every head its budget law)"),
-    # 0.8: the threshold at which the held-out streaming precision reaches 0.98 (0.948 at 0.5).
+    # 0.8: the threshold at which the previous default's held-out streaming precision reached 0.98 (0.948 at 0.5).
     "predicted_thr08": ({"name": "predicted", "streaming_threshold": 0.8},
                         "predicted, streaming only at p_streaming >= 0.8"),
     "predicted_no_head_contribution": (
@@ -113,6 +124,17 @@ POLICIES: dict[str, tuple[dict, str]] = {
                                 "streaming_threshold": 0.8}, "predicted, tau 0.2, streaming at p >= 0.8"),
     "predicted_t11p16_thr08": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16.pt",
                                 "streaming_threshold": 0.8}, "predicted, 11 texts x 16 positions, streaming at p >= 0.8"),
+    # Eq. 1 labels refitted as the least law at or above the smallest budgets of the runtime's block
+    # sizes (16..128; `predictor.budget_search.fit_budget_law_upper`) instead of the least-squares
+    # line over every measured size, exact top-k tokens (blk 1) included; 11 texts x 16 positions,
+    # three taus labelled in one pass.
+    "predicted_upper_tau0125": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16_tau0.125_upper.pt"},
+                                "predicted, tau 0.125, upper Eq. 1 fit at blk 16-128, 11 texts x 16 positions"),
+    "predicted_upper_tau015": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16_tau0.15_upper.pt"},
+                               "predicted, tau 0.15, upper Eq. 1 fit at blk 16-128, 11 texts x 16 positions"),
+    "predicted_upper_tau015_thr08": ({"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_t11p16_tau0.15_upper.pt",
+                                      "streaming_threshold": 0.8},
+                                     "predicted, tau 0.15, upper Eq. 1 fit, streaming at p >= 0.8 (a validation candidate)"),
 }
 #: How the labels of each checkpoint made here differ from the shipped checkpoint's (`predictor.labels` flags).
 LABEL_FLAGS = {
@@ -121,15 +143,30 @@ LABEL_FLAGS = {
     "predicted_score95": "--criterion score95", "predicted_t11p16": "--texts 11 --positions 16",
     "predicted_tau015_thr08": "--tau 0.15", "predicted_tau020_thr08": "--tau 0.2",
     "predicted_t11p16_thr08": "--texts 11 --positions 16",
+    "predicted_upper_tau0125": "--texts 11 --positions 16 --tau 0.125", "predicted_upper_tau015": "--texts 11 --positions 16 --tau 0.15",
+    "predicted_upper_tau015_thr08": "--texts 11 --positions 16 --tau 0.15",
+    "predicted_t8p8": "", "predicted_q80": "",
 }
+#: Checkpoints trained with flags beyond the shipped checkpoint's (`predictor.train`), and their labels
+#: file where it is not named after the checkpoint (several taus labelled in one pass).
+UPPER_FIT = "--fit-block-sizes 16,32,64,128 --fit-method upper"
+TRAIN_FLAGS = {"predicted_upper_tau0125": UPPER_FIT, "predicted_upper_tau015": UPPER_FIT,
+               "predicted_upper_tau015_thr08": UPPER_FIT, "predicted_q80": "--quantile 0.8"}
+LABEL_FILES = {"predicted_upper_tau0125": "runs/predictor/smollm2_labels_t11p16_tau0.125.npz",
+               "predicted_upper_tau015": "runs/predictor/smollm2_labels_t11p16_tau0.15.npz",
+               "predicted_upper_tau015_thr08": "runs/predictor/smollm2_labels_t11p16_tau0.15.npz",
+               "predicted_t8p8": "runs/predictor/smollm2_labels.npz", "predicted_q80": "runs/predictor/smollm2_labels.npz"}
 GROUPS = {
-    "baselines": ("fixed16_005", "fixed32_002", "predicted", "predicted_q80", "predicted_t11p16"),
-    "tau sweep": ("predicted_tau002", "predicted_tau005", "predicted", "predicted_tau015", "predicted_tau020"),
+    "baselines": ("fixed16_005", "fixed32_002", "predicted", "predicted_t8p8", "predicted_q80", "predicted_t11p16"),
+    "Eq. 1 fit and tau (11 texts x 16 positions)": ("predicted_t11p16", "predicted", "predicted_upper_tau0125",
+                                                     "predicted_upper_tau015"),
+    "tau sweep (labels' own fit, 8 texts x 8 positions)": ("predicted_tau002", "predicted_tau005", "predicted_t8p8",
+                                                           "predicted_tau015", "predicted_tau020"),
     "granularity": ("predicted", "predicted_blk16", "predicted_blk32"),
-    "predictor vs exact labels": ("predicted", "oracle_tau010", "predicted_tau015", "oracle_tau015"),
+    "predictor vs exact labels": ("predicted_t8p8", "oracle_tau010", "predicted_tau015", "oracle_tau015"),
     "streaming heads": ("predicted", "predicted_thr08", "predicted_no_streaming"),
-    "operating points": ("predicted_thr08", "predicted_tau015_thr08", "predicted_tau020_thr08", "predicted_t11p16_thr08"),
-    "budget criterion": ("predicted", "predicted_no_head_contribution", "predicted_score95"),
+    "operating points": ("predicted_tau015_thr08", "predicted_tau020_thr08", "predicted_t11p16_thr08"),
+    "budget criterion": ("predicted_t8p8", "predicted_no_head_contribution", "predicted_score95"),
 }
 
 
@@ -146,10 +183,11 @@ def checkpoint_commands(slug: str) -> list[str]:
     if slug not in LABEL_FLAGS:
         return []
     ckpt = POLICIES[slug][0]["checkpoint"]
-    data = f"runs/predictor/smollm2_labels_{Path(ckpt).stem.replace('smollm2_', '')}.npz"
+    data = LABEL_FILES.get(slug, f"runs/predictor/smollm2_labels_{Path(ckpt).stem.replace('smollm2_', '')}.npz")
     args = " ".join(f"{k} {v}" for k, v in label_arguments(slug).items())
+    extra = f" {TRAIN_FLAGS[slug]}" if slug in TRAIN_FLAGS else ""
     return [f"python -m predictor.labels --out {data} {args} --threads 1",
-            f"python -m predictor.train --data {data} --out {ckpt} --refit --threads 1 --hidden 256,256,128"]
+            f"python -m predictor.train --data {data} --out {ckpt} --refit --threads 1 --hidden 256,256,128{extra}"]
 
 
 def label_settings(slug: str) -> Any:
@@ -171,11 +209,15 @@ class EvalSettings:
     # 8-gram repeat 0.016 and 0.020); the quality harness's 30000 lies inside a training text.
     text_offset: int = 91750
     overlap_ngram: int = 16
-    labels: str = "runs/predictor/smollm2_labels.npz"  # the shipped checkpoint's labels (held-out metrics)
+    labels: str = "runs/predictor/smollm2_labels_t11p16_tau0.1.npz"  # the shipped checkpoint's labels (held-out metrics)
     model_dtype: str = "float32"
     store_dtype: str = "bf16"
     threads: int = 0
     runtime: dict = field(default_factory=dict)  # extra runtime sections (kv_cache, scheduler, profiling)
+    # A validation run: the window at this offset instead of `text_offset`'s, which it must not
+    # overlap, so that settings chosen on it are not chosen on the scored text; no held-out
+    # predictor metrics (the labels file may be absent), never written to the results.
+    validation_offset: int | None = None
 
     def __post_init__(self) -> None:
         bad = [p for p in self.policies if p not in POLICIES and p not in ORACLES]
@@ -187,6 +229,12 @@ class EvalSettings:
             raise ValueError(f"predictor_eval.lengths {list(self.lengths)} must each exceed positions + 1 = {self.positions + 1}")
         if self.overlap_ngram < 4:
             raise ValueError(f"predictor_eval.overlap_ngram must be >= 4, got {self.overlap_ngram}")
+        if self.validation_offset is not None:
+            span = max(self.lengths) + 1
+            if abs(self.validation_offset - self.text_offset) < span:
+                raise ValueError(f"predictor_eval.validation_offset {self.validation_offset}: its window of {span} tokens "
+                                 f"overlaps the scored window at text_offset {self.text_offset}; allowed: offsets at least "
+                                 f"{span} tokens away from it")
         for slug in self.policies:
             ckpt = POLICIES.get(slug, ({}, ""))[0].get("checkpoint")
             if ckpt is not None and resolve_checkpoint(ckpt) is None:
@@ -217,6 +265,11 @@ def runtime_config(settings: EvalSettings, slug: str, longest: int):
     return config_from_dict(data)
 
 
+def evaluated_offset(settings: EvalSettings) -> int:
+    """The first token of the evaluated window: the validation text's in a validation run, else the scored one."""
+    return settings.text_offset if settings.validation_offset is None else settings.validation_offset
+
+
 def describe(slug: str) -> str:
     return POLICIES[slug][1] if slug in POLICIES else f"oracle: exact tau {ORACLES[slug]:g} labels every step"
 
@@ -225,9 +278,9 @@ def describe(slug: str) -> str:
 def heldout_metrics(labels_path: str) -> dict:
     """The shipped checkpoint on the held-out texts of its labels file (checked by SHA-256)."""
     from predictor.model import load_checkpoint
-    from predictor.train import describe_file, evaluate, load_labels
+    from predictor.train import describe_file, evaluate, load_labels, refit_budget_law
 
-    ckpt_path = resolve_checkpoint(POLICIES["predicted"][0].get("checkpoint", "predictor/checkpoints/smollm2.pt"))
+    ckpt_path = resolve_checkpoint(POLICIES["predicted"][0].get("checkpoint", DEFAULT_CHECKPOINT))
     ckpt = load_checkpoint(ckpt_path)
     path = Path(labels_path)
     if not path.is_file():
@@ -238,9 +291,14 @@ def heldout_metrics(labels_path: str) -> dict:
         raise ValueError(f"predictor_eval.labels: {labels_path} (sha256 {digest[:12]}) is not the file the checkpoint "
                          f"was trained on (sha256 {str(ckpt.data.get('sha256'))[:12]})")
     labels = load_labels(path)
+    trained = ckpt.training.get("settings", {})
+    if trained.get("fit_block_sizes"):  # held out against the targets it was trained on
+        labels = refit_budget_law(labels, trained["fit_block_sizes"], trained.get("fit_method", "least_squares"))
     ckpt.check_feature_names(labels.feature_names)
     out = evaluate(ckpt.model, labels.rows(labels.split == "heldout"), labels.rows(labels.split == "train"))
     out["heldout_texts"] = sorted(set(labels.text_id[labels.split == "heldout"].tolist()))
+    out["checkpoint"] = str(POLICIES["predicted"][0].get("checkpoint", DEFAULT_CHECKPOINT))
+    out["tau"] = ckpt.tau
     return out
 
 
@@ -289,7 +347,7 @@ def labelled_text(settings: EvalSettings, labelled: np.ndarray) -> tuple[list[tu
         section = POLICIES.get(slug, ({}, ""))[0]
         if section.get("name") != "predicted":
             continue
-        ckpt = section.get("checkpoint", "predictor/checkpoints/smollm2.pt")
+        ckpt = section.get("checkpoint", DEFAULT_CHECKPOINT)
         data = load_checkpoint(resolve_checkpoint(ckpt)).data.get("file")
         if data is None:
             raise ValueError(f"{ckpt} does not record its labels file; the evaluation cannot check its texts")
@@ -315,12 +373,15 @@ def check_text(tokenizer: Any, corpus: torch.Tensor, settings: EvalSettings) -> 
     from predictor.labels import corpus_text as labels_corpus_text
 
     longest = max(settings.lengths)
-    repeated = check_novel(corpus, settings.lengths, settings.positions, settings.text_offset)
+    offset = evaluated_offset(settings)
+    repeated = check_novel(corpus, settings.lengths, settings.positions, offset)
     labelled = tokenizer(labels_corpus_text(), add_special_tokens=False, return_tensors="np").input_ids[0]
     ranges, sources = labelled_text(settings, labelled)
-    window = text_window(corpus, longest, settings.text_offset)[0].numpy()
+    window = text_window(corpus, longest, offset)[0].numpy()
     overlap = training_overlap(window, labelled, ranges, settings.overlap_ngram)
-    if overlap > 0:
+    # A validation window only chooses among checkpoints trained on the same texts, so a shared
+    # n-gram favours none of them: recorded, not refused (the scored window must share none).
+    if overlap > 0 and settings.validation_offset is None:
         passing = []
         for off in range(0, corpus.shape[1] - longest - 1, 250):
             w = corpus[0, off : off + longest + 1].numpy()
@@ -330,9 +391,9 @@ def check_text(tokenizer: Any, corpus: torch.Tensor, settings: EvalSettings) -> 
                 if len(passing) == 5:
                     break
         raise UnusableTextError(
-            f"predictor_eval.text_offset {settings.text_offset}: {overlap:.2%} of the window's {settings.overlap_ngram}-grams "
+            f"predictor_eval text at {offset}: {overlap:.2%} of the window's {settings.overlap_ngram}-grams "
             f"occur in the predictor's labelled texts (ranges {ranges}); allowed: none; offsets that pass: {passing}")
-    return {"first_token": settings.text_offset, "repeated_8gram": {str(n): r for n, r in repeated.items()},
+    return {"first_token": offset, "validation": settings.validation_offset is not None, "repeated_8gram": {str(n): r for n, r in repeated.items()},
             f"labelled_{settings.overlap_ngram}gram_overlap": overlap,
             "labelled_8gram_overlap": training_overlap(window, labelled, ranges, 8),
             "labelled_ranges": ranges, "label_files": sources}
@@ -381,20 +442,22 @@ def run_eval(model: Any, tokenizer: Any, settings: EvalSettings, progress: Progr
     t_start = time.perf_counter()
     corpus = corpus_ids(tokenizer)
     text = check_text(tokenizer, corpus, settings)
-    progress(f"text at {settings.text_offset}: 8-gram repeat {text['repeated_8gram']}, "
+    progress(f"{'validation ' if settings.validation_offset is not None else ''}text at {text['first_token']}: 8-gram repeat {text['repeated_8gram']}, "
              f"{text[f'labelled_{settings.overlap_ngram}gram_overlap']:.4f} of its {settings.overlap_ngram}-grams in the "
              f"predictor's labelled texts ({text['labelled_8gram_overlap']:.4f} of its 8-grams)")
-    heldout = heldout_metrics(settings.labels)
-    progress(f"held out: streaming accuracy {heldout['streaming_accuracy']:.3f}, bgt0 MAE {heldout['bgt0_mae']:.4f}, "
-             f"k MAE {heldout['k_mae']:.4f}")
+    heldout: dict = {}
+    if settings.validation_offset is None:
+        heldout = heldout_metrics(settings.labels)
+        progress(f"held out: streaming accuracy {heldout['streaming_accuracy']:.3f}, bgt0 MAE {heldout['bgt0_mae']:.4f}, "
+                 f"k MAE {heldout['k_mae']:.4f}")
     checkpoints = {}
     for slug in settings.policies:
         if slug in ORACLES:
             continue
         ckpt = POLICIES[slug][0].get("checkpoint", POLICIES["predicted"][0].get("checkpoint"))
         if POLICIES[slug][0]["name"] == "predicted":
-            c = load_checkpoint(resolve_checkpoint(ckpt or "predictor/checkpoints/smollm2.pt"))
-            checkpoints[slug] = {"checkpoint": ckpt or "predictor/checkpoints/smollm2.pt", "tau": c.tau,
+            c = load_checkpoint(resolve_checkpoint(ckpt or DEFAULT_CHECKPOINT))
+            checkpoints[slug] = {"checkpoint": ckpt or DEFAULT_CHECKPOINT, "tau": c.tau,
                                  "heldout": c.metrics.get("heldout", {}), "data": c.data}
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -404,7 +467,7 @@ def run_eval(model: Any, tokenizer: Any, settings: EvalSettings, progress: Progr
                      "checkpoints": checkpoints, "lengths": {}}
     for length in settings.lengths:
         prompt_len = length - n
-        ids = text_window(corpus, length, settings.text_offset)
+        ids = text_window(corpus, length, text["first_token"])
         targets = ids[0, prompt_len + 1 : length + 1]
         t0 = time.perf_counter()
         # One more position than scored: the prompt's last query, which predicted policies prefill with.
@@ -482,14 +545,18 @@ def markdown(results: dict) -> str:
     if "meta" in results:
         m = results["meta"]
         lines += [f"{m['device']}; commit {m['commit']}; {m['created']}", "", f"`{m['command']}`", ""]
+    if text.get("validation"):
+        lines += [f"**Validation run** (not the scored text at {s['text_offset']}): settings are chosen here.", ""]
     lines += [f"Text: corpus tokens from {text['first_token']}, {s['positions']} teacher-forced positions per length; "
               f"8-gram repeat of the scored part {text['repeated_8gram']}; "
               f"{text[f'labelled_{ngram}gram_overlap']:.4f} of its {ngram}-grams and "
               f"{text['labelled_8gram_overlap']:.4f} of its 8-grams occur in the predictor's labelled texts.", "",
               "## Predictor on held-out texts", "",
-              "| checkpoint | tau | streaming accuracy | majority baseline | bgt0 MAE | k MAE |", "| --- | --- | --- | --- | --- | --- |",
-              f"| smollm2.pt (recomputed here) | 0.1 | {h['streaming_accuracy']:.3f} | "
-              f"{h['streaming_accuracy_majority_baseline']:.3f} | {h['bgt0_mae']:.4f} | {h['k_mae']:.4f} |"]
+              "| checkpoint | tau | streaming accuracy | majority baseline | bgt0 MAE | k MAE |", "| --- | --- | --- | --- | --- | --- |"]
+    if h:
+        lines.append(f"| {Path(h.get('checkpoint', DEFAULT_CHECKPOINT)).name} (recomputed here) | {h.get('tau', 0.1):g} | "
+                     f"{h['streaming_accuracy']:.3f} | {h['streaming_accuracy_majority_baseline']:.3f} | {h['bgt0_mae']:.4f} | "
+                     f"{h['k_mae']:.4f} |")
     shown = set()
     for slug, c in results["checkpoints"].items():
         ho = c["heldout"]
@@ -525,6 +592,8 @@ def markdown(results: dict) -> str:
 
 
 def write_outputs(results: dict, out: Path, results_dir: Path | None, command: str) -> list[Path]:
+    if results_dir is not None and results["text"].get("validation"):
+        raise ValueError("a validation run (validation_offset) is not a result: leave out --results-dir")
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if results_dir is not None:
@@ -553,12 +622,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int)
     parser.add_argument("--text-offset", type=int)
     parser.add_argument("--policies", nargs="+", choices=[*POLICIES, *ORACLES])
+    parser.add_argument("--validation-offset", type=int,
+                        help="a validation run on the window at this corpus offset (disjoint from the scored one): "
+                             "for choosing settings; no held-out metrics, no --results-dir")
     args = parser.parse_args(argv)
     try:
         settings = load_settings(args.config, {"lengths": args.lengths, "positions": args.positions,
-                                               "text_offset": args.text_offset, "policies": args.policies})
+                                               "text_offset": args.text_offset, "policies": args.policies,
+                                               "validation_offset": args.validation_offset})
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if settings.validation_offset is not None and args.results_dir:
+        print("error: a validation run (--validation-offset) is not a result: leave out --results-dir", file=sys.stderr)
         return 2
     return run_and_write("hybrid_runtime.experiments.predictor_eval", argv, settings,
                          lambda model, tok: run_eval(model, tok, settings, timestamped_progress),
