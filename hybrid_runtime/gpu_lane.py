@@ -28,7 +28,7 @@ import numpy as np
 from hybrid_runtime.executors.base import Executor, GpuLaunchExecutor
 from hybrid_runtime.lane_rates import LaneRates
 from hybrid_runtime.task_building import TaskList, queue_arrays
-from hybrid_runtime.step_job import RuntimeBrokenError, StepJob, StepTimeoutError
+from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
 from hybrid_runtime.tasks import Step, Task
 
 log = logging.getLogger(__name__)
@@ -289,14 +289,8 @@ class GpuLane:
             now = time.monotonic()
             if not timed_out and now > deadline:
                 timed_out = True
-                state = job.describe()
                 trailing = self.trailing
-                if trailing is not None:
-                    state += f"; {self._describe_trailing(trailing)}"
-                job.fail(StepTimeoutError(
-                    f"decode step at layer {job.layer} did not finish within scheduler.step_timeout_s={timeout:g} s "
-                    f"({state}); its remaining tasks were dropped"
-                ))
+                job.fail_timed_out(timeout, self._describe_trailing(trailing) if trailing is not None else "")
                 grace_end = now + min(1.0, timeout)
             if timed_out and now > grace_end:
                 # Tasks still running cannot be interrupted: remember the job (and, in

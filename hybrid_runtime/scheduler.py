@@ -25,7 +25,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hybrid_runtime import native_pool
 from hybrid_runtime.config import PLACEMENT_NAMES, ConfigError, SchedulerConfig
 from hybrid_runtime.executors.base import CpuTaskExecutor, Executor, GpuLaunchExecutor, native_kernel_of
 from hybrid_runtime.gpu_lane import GpuLane, as_launch_executor
@@ -340,10 +339,7 @@ class Scheduler:
         spin = self.lane.poll_sleep
         while not job.done():
             if time.monotonic() > job.deadline:
-                state = job.describe()
-                job.fail(StepTimeoutError(
-                    f"decode step at layer {job.layer} did not finish within scheduler.step_timeout_s="
-                    f"{self.cfg.step_timeout_s:g} s ({state}); its remaining tasks were dropped"))
+                job.fail_timed_out(self.cfg.step_timeout_s)
                 self.lane.orphan = job  # the next step waits for the tasks still running
                 break
             if spin:

@@ -133,6 +133,14 @@ class StepJob:
         for q in self.queues():
             q.close()
 
+    def fail_timed_out(self, timeout_s: float, also: str = "") -> None:
+        """Fail with the step timeout, saying what was still running (and `also`, more of it)."""
+        state = self.describe() + (f"; {also}" if also else "")
+        self.fail(StepTimeoutError(
+            f"decode step at layer {self.layer} did not finish within scheduler.step_timeout_s={timeout_s:g} s "
+            f"({state}); its remaining tasks were dropped"
+        ))
+
     def done(self) -> bool:
         return all(q.done() for q in self.queues())
 

@@ -195,13 +195,18 @@ def test_settings_and_cli_reject_bad_values():
         main(["--out", "x.csv"])
 
 
-def test_dataset_contract_on_a_tiny_model(tmp_path):
+def tiny_llama():
+    """A random 2-layer Llama (4 query heads, 2 KV heads, head dim 16), seeded (skips without transformers)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=16, intermediate_size=128,
                                    max_position_embeddings=2048, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_dataset_contract_on_a_tiny_model(tmp_path):
+    model = tiny_llama()
     corpus = torch.randint(0, 256, (2100,))
     settings = LabelSettings(lengths=(400, 640), span=32, sink=16, local=64, positions=3, texts=3)
     out = tmp_path / "labels.npz"
@@ -241,12 +246,7 @@ def test_dataset_contract_on_a_tiny_model(tmp_path):
 
 def test_several_taus_in_one_pass_equal_one_pass_each(tmp_path):
     """`build_taus` shares the forward passes and error curves; each file is what `build` writes for its tau."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                                   max_position_embeddings=2048, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama()
     corpus = torch.randint(0, 256, (1400,))
     settings = LabelSettings(lengths=(400, 640), span=32, sink=16, local=64, positions=3, texts=2)
     taus = (0.05, 0.2)
