@@ -19,9 +19,10 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         Random weights make the plans meaningless for quality; the timing is what counts
                         (predictor and selector cost, and the bytes its plans read). Recorded as skipped
                         when the checkpoint is not in the tree.
-    fluxion_trails,     fluxion and cpu_only with `scheduler.cpu_lane_trails`: a layer's `decode` returns
-    cpu_only_trails     once its work is queued, before its CPU tasks end (the merge waits for them on
-                        the device), so the model's next layer is issued while the workers run.
+    fluxion_waits,      fluxion and cpu_only with `scheduler.cpu_lane_trails: false`: every layer's
+    cpu_only_waits      `decode` waits for its CPU tasks. By default (and in fluxion, cpu_only) a layer
+                        returns once its work is queued and the merge waits for the tasks on the device,
+                        so the model's next layer is issued while the workers run (the last layer waits).
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -198,10 +199,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("cpu_only", "hybrid", placement="cpu_only"),
     Variant("static", "hf"),
     Variant("fluxion_predictor", "hybrid", placement="fluxion", selection="predicted"),
-    # The step returns before its CPU tasks end; the merge waits for them on the device, so the
-    # model's next layer is issued while the workers run.
-    Variant("fluxion_trails", "hybrid", placement="fluxion", scheduler={"cpu_lane_trails": True}),
-    Variant("cpu_only_trails", "hybrid", placement="cpu_only", scheduler={"cpu_lane_trails": True}),
+    # Every layer waits for its CPU tasks (the default lets them trail: the merge waits on the device).
+    Variant("fluxion_waits", "hybrid", placement="fluxion", scheduler={"cpu_lane_trails": False}),
+    Variant("cpu_only_waits", "hybrid", placement="cpu_only", scheduler={"cpu_lane_trails": False}),
 )}
 
 

@@ -281,6 +281,10 @@ def _check_gpu_worker(value: bool | str) -> str | None:
     return None if isinstance(value, bool) or value == "auto" else "'auto', true or false"
 
 
+def _check_cpu_lane_trails(value: bool | str) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "'auto', true or false"
+
+
 def _check_cpu_workers(value: int | str) -> str | None:
     if value == "auto" or (isinstance(value, int) and 0 <= value <= 1024):
         return None
@@ -326,14 +330,22 @@ class SchedulerConfig:
     # On CUDA with native CPU workers (placements fluxion and cpu_only): `decode` returns once the
     # step's work is queued, before its CPU tasks end; the merge waits for them on the device (a
     # wait on the workers' done count in pinned memory), so the caller issues the model's next
-    # layer while the workers run. Errors of those tasks are raised by the next step.
-    cpu_lane_trails: bool = False
+    # layer while the workers run. Errors of those tasks are raised by the next `decode` (the last
+    # layer always waits, so they surface within the same model step). "auto": on where the
+    # driver's stream wait on host memory exists; true: required (an error where it does not).
+    cpu_lane_trails: bool | str = field(default="auto", metadata=_check(_check_cpu_lane_trails))
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this
         process's; a tensor-parallel rank passes its share's)."""
         n = usable_cores() if cores is None else cores
         return max(1, n - 1) if self.cpu_workers == "auto" else self.cpu_workers
+
+    def trails(self, cuda: bool) -> bool:
+        """Whether CPU lanes may trail their steps on a machine with (`cuda`) or without CUDA
+        (`cpu_lane_trails`; "auto" assumes the driver's stream wait, which the runtime checks)."""
+        return self.cpu_lane_trails is True or (self.cpu_lane_trails == "auto" and cuda and
+                                                 self.placement in ("fluxion", "cpu_only"))
 
     def gpu_lane(self, cuda: bool) -> bool:
         """Whether the runtime has a GPU lane on a machine with (`cuda`) or without CUDA."""
@@ -357,7 +369,7 @@ IDLE_SCHEDULER_VALUES = {
     "step_timeout_s": (SchedulerConfig.step_timeout_s,),
     "gpu_share": (SchedulerConfig.gpu_share,),
     "spin_us": (SchedulerConfig.spin_us,),
-    "cpu_lane_trails": (SchedulerConfig.cpu_lane_trails,),
+    "cpu_lane_trails": ("auto", False),
 }
 
 
@@ -998,7 +1010,8 @@ def resolved(cfg: Config, cuda: bool) -> Config:
         cfg,
         kv_cache=dataclasses.replace(kv, device=device),
         scheduler=dataclasses.replace(sc, gpu_worker=lanes and sc.gpu_lane(cuda),
-                                      cpu_workers=sc.cpu_worker_count() if lanes else 0),
+                                      cpu_workers=sc.cpu_worker_count() if lanes else 0,
+                                      cpu_lane_trails=sc.trails(cuda) if lanes else False),
     )
 
 

@@ -370,14 +370,18 @@ class HybridRuntime:
         if self.cuda:
             self._ctrl_host = torch.zeros(native_pool.CTRL_SIZE, dtype=torch.int64, pin_memory=True)
             native["ctrl"] = self._ctrl_host.numpy()
-            if sc.cpu_lane_trails:
+            if sc.trails(cuda=True):
                 from gpu_kernels.host_count_wait import device_address, driver_wait_available, wait_for_count
 
                 missing = driver_wait_available()
-                if missing is not None:
+                if missing is not None and sc.cpu_lane_trails is True:
                     raise ConfigError(f"scheduler.cpu_lane_trails: true needs a driver stream wait on host memory, "
-                                      f"but {missing}; set it to false")
-                self._done_address = device_address(self._ctrl_host[native_pool.C_DONE :])
+                                      f"but {missing}; allowed: 'auto' (waits for the CPU lane where it is missing) "
+                                      "or false")
+                if missing is not None:
+                    log.info("CPU lanes wait for their steps (scheduler.cpu_lane_trails 'auto'): %s", missing)
+                else:
+                    self._done_address = device_address(self._ctrl_host[native_pool.C_DONE :])
                 self._wait_for_count = wait_for_count
                 # The trailing CPU part reaches the merge by one copy queued after the wait.
                 self._res_dev = torch.empty(self._res_host.shape, dtype=self._res_host.dtype, device=self.device)
@@ -395,7 +399,9 @@ class HybridRuntime:
         if share is not None:
             self.scheduler.cores.note = f"{tensor_parallel.describe()}: {share.note}; {self.scheduler.cores.note}"
         # Steps return before their CPU tasks end (the merge waits for them on the device): only
-        # on CUDA, where the native workers' done count is in pinned memory.
+        # on CUDA, where the native workers' done count is in pinned memory. The last layer waits:
+        # the model's head needs its output anyway, and a CPU task's error then surfaces within
+        # the model step it happened in.
         self._cpu_trails = bool(self._done_address is not None and self.scheduler.native is not None)
         try:
             clock = self._clock = CudaClock() if self.cuda else None
@@ -850,7 +856,7 @@ class HybridRuntime:
             # GPU lane's first claim (benchmarks/notes/gpu_lane.md).
             try:
                 self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False,
-                                   cpu_trails=self._cpu_trails)
+                                   cpu_trails=self._cpu_trails and layer != store.layers - 1)
             except BaseException:
                 if self.scheduler.start_failed:
                     # The CPU workers never started (what a failed construction was before start-up

@@ -235,6 +235,8 @@ def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(p
                 else:
                     q, k, v = inputs[i]
                 out = rt.decode(i % 3, [0, 1, 2], q, k, v)
+                if i % 3 == 2:
+                    assert rt.scheduler.cpu_inflight is None  # the last layer waits for its CPU tasks
                 got.append(out)
                 if trails:
                     q = torch.tanh(out @ mix) * 4  # the next layer's query depends on this output
@@ -254,3 +256,64 @@ def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(p
     # here); a merge that read CPU results before they were written was off by 0.3-0.7.
     tol = 1e-3 if placement == "cpu_only" else 2e-2
     torch.testing.assert_close(outs[True], outs[False], atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_by_default_steps_trail_but_the_last_layer_waits_and_raises_its_own_errors():
+    """`cpu_lane_trails` left at "auto": on CUDA a layer's `decode` returns while a CPU task is
+    still held; the last layer's `decode` waits for its tasks, so a failing one is raised by that
+    same call (within the model step), and the runtime stays exact afterwards."""
+    from hybrid_runtime.config import config_from_dict
+    from hybrid_runtime.runtime import HybridRuntime
+    from hybrid_runtime.reference import dense_attention
+    from tests.helpers import random_kv
+    from tests.test_faults import FAIL, FAULT, FAULTY_KERNEL, HOLD, NATIVE_STATUS, NONE, NativeFaultCpu
+
+    lengths, target = [300, 1000, 2500], 1
+    rt = HybridRuntime(config_from_dict({
+        "geometry": {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32},
+        "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192, "max_sequences": 4},
+        "selection": {"name": "full"},
+        "scheduler": {"placement": "cpu_only", "cpu_workers": 2, "step_timeout_s": 30.0, "gc_freeze": False},
+        "profiling": {"enabled": False},
+    }), cpu_executor=NativeFaultCpu, cpu_kernel=FAULTY_KERNEL)
+    ids = list(range(len(lengths)))
+    gen = torch.Generator().manual_seed(0)
+
+    def step(layer):
+        q, k, v = (torch.randn(len(ids), h, 32, generator=gen).cuda() for h in (8, 2, 2))
+        return q, rt.decode(layer, ids, q, k, v)
+
+    def exact(layer, q, out):
+        ref = torch.stack([dense_attention(q[b].float().cpu(), *rt.store.full_kv(s, layer))[0] for b, s in enumerate(ids)])
+        torch.testing.assert_close(out.cpu(), ref, atol=2e-3, rtol=2e-3)
+
+    try:
+        for s, n in enumerate(lengths):
+            for layer in range(2):
+                rt.prefill(s, layer, *(x.cuda() for x in random_kv(n, 2, 32, seed=10 * s + layer)))
+        target_len = rt.store.cpu_len(target, 0)
+        FAULT[1], FAULT[2] = target_len, 0
+        FAULT[0] = HOLD  # the target's task does not end until released
+        q0, out0 = step(0)
+        assert rt.scheduler.cpu_inflight is not None  # returned with the held task still running
+        FAULT[0] = NONE
+        q1, out1 = step(1)  # settles layer 0 first, then waits for its own tasks: the last layer
+        assert rt.scheduler.cpu_inflight is None
+        exact(0, q0, out0)
+        exact(1, q1, out1)
+        step(0)
+        rt.scheduler.settle_cpu()  # layer 0's tasks ended: the fault below is layer 1's only
+        FAULT[2] = 0
+        FAULT[0] = FAIL
+        with pytest.raises(RuntimeError, match=f"failure status {NATIVE_STATUS}") as info:
+            step(1)
+        assert FAULT[2] >= 1
+        assert not any("had returned before its CPU tasks ended" in n for n in getattr(info.value, "__notes__", []))
+        FAULT[0] = NONE
+        for layer in (0, 1):
+            exact(layer, *step(layer))
+        assert rt.stats()["cpu_trailed_steps"] >= 1
+    finally:
+        FAULT[:] = 0
+        rt.close()

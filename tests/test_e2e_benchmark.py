@@ -314,8 +314,8 @@ def test_options_and_points():
     assert e2e.parse_points("4x32768, 2x96K,4x128k") == [(4, 32768), (2, 98304), (4, 131072)]
     a = e2e.parse_args([])
     assert a.points == e2e.POINTS and a.models == ["llama-3.1-8b", "qwen2.5-7b"] and a.new_tokens == 24
-    assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor", "fluxion_trails",
-                          "cpu_only_trails"]
+    assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor", "fluxion_waits",
+                          "cpu_only_waits"]
     q = e2e.parse_args(["--quick"])
     assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants
     with pytest.raises(SystemExit):
