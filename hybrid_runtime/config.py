@@ -93,6 +93,10 @@ class KVCacheConfig:
     max_sequences: int = field(default=8, metadata=_range(1, None))
     # Where the GPU window lives: "auto" is cuda when available, else cpu.
     device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+    # On CUDA: a decode step's window part (append k, v; attend q over the window) is replayed
+    # from one CUDA graph per (layer, batch size) instead of launched kernel by kernel
+    # (hybrid_runtime/window_graphs.py); false launches it eagerly every step.
+    window_graphs: bool = True
     # A run's estimated peak host memory (arenas, buffers, prefill staging, workload; memory_plan.py)
     # may use at most this fraction of the memory psutil reports available when it starts.
     max_host_memory_fraction: float = field(default=0.8, metadata=_range(0.01, 1.0))

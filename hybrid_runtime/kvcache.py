@@ -617,6 +617,23 @@ class KVStore:
         if any(spills):  # top the reserve up in the background for the next spills
             self._schedule_commits(self._frontier[layer], after_layer=layer - 1)
 
+    def advance(self, layer: int, seq_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Count one decode token per sequence into the windows without writing it, for a caller
+        that writes the token itself (the runtime's window graphs, `window_graphs.py`): returns
+        each sequence's slot and its new token's window row. Only where no spill is due (the
+        caller checked `will_spill`); refused otherwise, before anything changes."""
+        self._check_layer(layer)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids {list(seq_ids)} repeat a sequence")
+        states = [self._layer_state(s, layer) for s in seq_ids]
+        limit = self.cfg.local + self.cfg.generated_cap
+        if any(st.recent_len + 1 > limit for st in states):
+            raise ValueError(f"layer {layer}: appending to {list(seq_ids)} spills window pages; use append()")
+        rows = [st.sink_len + st.recent_len for st in states]
+        for st in states:
+            st.recent_len += 1
+        return [self._slots[s] for s in seq_ids], rows
+
     # Pinned (slot, position) rows of recent appends: an async copy needs a pinned source (from
     # pageable memory, as `torch.tensor(..., device="cuda")` does, it waits for the stream), and
     # a row is rewritten only after its copy finished. Made on the first append on CUDA.

@@ -325,6 +325,7 @@ class HybridRuntime:
         self._gout = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
         self._glse = torch.full((s, hq), float("-inf"), dtype=torch.float32, device=dev)
 
+        self._window_graphs = None
         if self.cuda:
             from gpu_kernels.lse_merge import OUT_DTYPES as merge_out_dtypes
             from gpu_kernels.lse_merge import merge_attention as merge_gpu
@@ -340,6 +341,13 @@ class HybridRuntime:
             # The CPU lane's results as the merge kernel reads them (through UVA, no copy op).
             self._res_uva = uva_view(self._res_host, self.device.index)
             self._win_turn = 0
+            # The step's scaled queries: a buffer that stays put, which the window graphs read.
+            self._qs_buf = torch.empty((s, hq, d), dtype=torch.float32, device=self.device)
+            if cfg.kv_cache.window_graphs:
+                from hybrid_runtime.window_graphs import WindowGraphs
+
+                # A few batch sizes per layer; the least recently used graph goes first.
+                self._window_graphs = WindowGraphs(store, hq, self.device, max_graphs=4 * store.layers)
             warm_jobs = step_kernel_jobs(store, geometry, self.device, window_gpu, merge_gpu) + warm_jobs
         else:
             # The window part on the host (cpu_kernels.window_attention): its result buffers, the
@@ -453,6 +461,7 @@ class HybridRuntime:
             self._warm_up.join()  # it reads the store's arena: joined (not its error) before it is freed
             # Only once no worker can read them: the pinned arenas go back to the system.
             self.store.close()
+            self._window_graphs = None  # their buffers, and kernels that read the store's windows
         finally:
             if first and self._froze_gc:
                 thaw_collector()
@@ -765,7 +774,12 @@ class HybridRuntime:
 
         b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
         n = b * hq * d
-        qs = (q.to(device=self.device, dtype=torch.float32) * self.scale).contiguous()
+        if cuda:
+            qs = self._qs_buf[:b]
+            qs.copy_(q)
+            qs.mul_(self.scale)
+        else:
+            qs = (q.to(device=self.device, dtype=torch.float32) * self.scale).contiguous()
         cpu_q = self._q_host[:n].view(b, hq, d)
         res = self._res_host[: b * hq * (d + 1)]
         cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
@@ -806,16 +820,24 @@ class HybridRuntime:
             # On a high-priority side stream, so that it runs ahead of anything else queued.
             side = self._side_stream
             side.wait_stream(caller)
+            graphs = self._window_graphs if not append_first and sparda is None else None
             with use_stream(side, caller):
-                if not append_first:
-                    store.append(layer, seq_ids, k, v)
-                window["ev0"] = self._event(side) if prof else None
-                out, lse = self._window(layer, seq_ids, qs)
-                window["ev1"] = self._event(side) if prof else None
+                if graphs is not None:
+                    # Append and window replayed from the (layer, batch) graph: its own out, lse.
+                    window["ev0"] = self._event(side) if prof else None
+                    out, lse = graphs.run(layer, seq_ids, qs, k, v, side)
+                    window["ev1"] = self._event(side) if prof else None
+                else:
+                    if not append_first:
+                        store.append(layer, seq_ids, k, v)
+                    window["ev0"] = self._event(side) if prof else None
+                    out, lse = self._window(layer, seq_ids, qs)
+                    window["ev1"] = self._event(side) if prof else None
             caller.wait_stream(side)  # the merges below run on the caller's stream
-            out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's
-            lse.record_stream(caller)
-            window["out"], window["lse"] = out, lse
+            if graphs is None:
+                out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's
+                lse.record_stream(caller)
+            window["out"], window["lse"], window["graph"] = out, lse, graphs is not None
 
         if sparda is not None:
             tasks = []  # the CPU segment is read by the SparDA executor alone
@@ -913,8 +935,9 @@ class HybridRuntime:
                 merged(layer, seq_ids, lse_w)  # each head's final lse (EvoSparse's heat, on the device)
         ev_end = self._event(caller) if cuda and prof else None
         if out is None:
-            # On the host the window's result lives in the runtime's own buffer: the caller gets a copy.
-            out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda)
+            # On the host, or from a window graph, the window's result lives in a buffer the next
+            # step rewrites: the caller gets a copy.
+            out = out_w.to(device=q.device, dtype=q.dtype, copy=not cuda or window.get("graph", False))
         if job is not None and not job.cpu_trailing:
             self.scheduler.collect(job)  # bookkeeping, after the merge is queued (a trailing job: at the next step)
         if prof:
@@ -1027,6 +1050,9 @@ class HybridRuntime:
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
+            # Window parts replayed from a CUDA graph, and the graphs captured (kv_cache.window_graphs).
+            "window_graph_replays": self._window_graphs.replays if self._window_graphs is not None else 0,
+            "window_graph_captures": self._window_graphs.captures if self._window_graphs is not None else 0,
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
             "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }

@@ -1,0 +1,162 @@
+"""The GPU window part of a decode layer-step -- append the step's k, v, attend q over the window --
+replayed from one CUDA graph per (layer, batch size).
+
+Eagerly that part is two Triton launches with their Python around them (the index rows, the
+split grid, events): ~0.1-0.2 ms of host time a layer-step on the launcher thread, which under
+the CPU workers' memory traffic is on the step's critical path (benchmarks/notes/gpu_lane.md,
+sections 12-13). A replay is one driver call. What a graph needs fixed, it gets:
+
+* the step's k and v are copied into the graph's own buffers (one copy each, which also converts
+  them to the window's dtype), q is read from the runtime's fp32 buffer of scaled queries;
+* the append's (slot, row) and the window's (slot, length) live in pinned rows of each graph's
+  own that the kernels read through UVA; the host rewrites it only after the graph's previous replay ended
+  (an event; in a model it ended a whole model step earlier);
+* the window's split grid is sized for the window's full width (the kernel clamps each row to its
+  length, so shorter windows only leave programs idle), and its partials live in a workspace of
+  the graph's own, grown before the capture.
+
+The first step of a (layer, batch size) runs the two kernels eagerly on the graph's buffers --
+compiling any variant that is still missing -- and then captures them (capture records, runs
+nothing); later steps replay. Only steps without a spill take this path (a spill moves window
+pages into the CPU segment the tasks read, so it comes first and eagerly, `KVStore.append`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from gpu_kernels.uva import uva_view
+from gpu_kernels.window_append import append_window
+from gpu_kernels.window_attention import WindowWorkspace, window_attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    row: int  # its rows in the pinned pools
+    # Pinned, read by the kernels through UVA views (the dtypes the warm-up compiled for):
+    append_rows: torch.Tensor  # [2, B] int64: slots, the new tokens' window rows
+    window_rows: torch.Tensor  # [2, B] int32: slots, window lengths
+    append_rows_dev: torch.Tensor
+    window_rows_dev: torch.Tensor
+    k: torch.Tensor  # [B, Hkv, D] in the window's dtype
+    v: torch.Tensor
+    out: torch.Tensor  # [B, Hq, D] fp32
+    lse: torch.Tensor  # [B, Hq] fp32
+    workspace: WindowWorkspace
+    done: torch.cuda.Event  # recorded after each replay: the rows are rewritten only after it
+
+
+class WindowGraphs:
+    """CUDA graphs of the window part, per (layer, batch size); the least recently used dropped
+    past `max_graphs`."""
+
+    def __init__(self, store, q_heads: int, device: torch.device, max_graphs: int):
+        self.store = store
+        self.q_heads = q_heads
+        self.device = device
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        # The graphs' index rows, pinned once here (decode allocates no pinned memory), in the
+        # dtypes the warm-up compiled the kernels for.
+        s = store.cfg.max_sequences
+        self._append_rows = torch.zeros((max_graphs, 2 * s), dtype=torch.int64, pin_memory=True)
+        self._window_rows = torch.zeros((max_graphs, 2 * s), dtype=torch.int32, pin_memory=True)
+        self._append_rows_dev = uva_view(self._append_rows, device.index)
+        self._window_rows_dev = uva_view(self._window_rows, device.index)
+        self._free_rows = list(range(max_graphs))
+        self._capture_stream = torch.cuda.Stream(device)
+        self.captures = 0
+        self.replays = 0
+        self.capture_error: str | None = None  # after a failed capture, every graph launches eagerly
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, layer: int, seq_ids: list[int], qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `k, v` (`[B, Hkv, D]`) to the windows of `seq_ids` at `layer` and attend `qs`
+        (`[B, Hq, D]` fp32, pre-scaled, a buffer that stays put between steps) over them, on
+        `stream` (the current stream). Returns the graph's own `(out, lse)`, valid until its next
+        replay (one step of the same layer and batch size later). No spill may be due."""
+        b = len(seq_ids)
+        key = (layer, b)
+        gr = self._graphs.get(key)
+        if gr is not None:
+            self._graphs.move_to_end(key)
+            gr.done.synchronize()  # long done in practice (a step of this layer ago)
+        slots, rows = self.store.advance(layer, seq_ids)
+        fresh = gr is None
+        if fresh:
+            if not self._free_rows:
+                _, old = self._graphs.popitem(last=False)  # the least recently used
+                old.done.synchronize()  # its last replay read its rows
+                self._free_rows.append(old.row)
+            gr = self._make(b, self._free_rows.pop())
+        gr.append_rows.view(-1).numpy()[:] = slots + rows
+        gr.window_rows.view(-1).numpy()[:] = slots + [r + 1 for r in rows]
+        gr.k.copy_(k)
+        gr.v.copy_(v)
+        if fresh:
+            self._kernels(layer, gr, qs)  # this step, eagerly: compiles what is missing, sizes the workspace
+            if self.capture_error is None:
+                self._capture(layer, gr, qs)
+            self._graphs[key] = gr
+        elif gr.graph is None:
+            self._kernels(layer, gr, qs)  # capture failed once: launched kernel by kernel
+        else:
+            gr.graph.replay()
+            self.replays += 1
+        gr.done.record(stream)
+        return gr.out, gr.lse
+
+    def _make(self, b: int, row: int) -> _Graph:
+        win_k, _ = self.store.window(0)
+        _, hkv, _, d = win_k.shape
+        dev = self.device
+        return _Graph(
+            graph=None,
+            row=row,
+            # [2, B] contiguous: the append kernel reads a sequence's row at `b` past its slot.
+            append_rows=self._append_rows[row, : 2 * b].view(2, b),
+            window_rows=self._window_rows[row, : 2 * b].view(2, b),
+            append_rows_dev=self._append_rows_dev[row, : 2 * b].view(2, b),
+            window_rows_dev=self._window_rows_dev[row, : 2 * b].view(2, b),
+            k=torch.empty((b, hkv, d), dtype=win_k.dtype, device=dev),
+            v=torch.empty((b, hkv, d), dtype=win_k.dtype, device=dev),
+            out=torch.empty((b, self.q_heads, d), dtype=torch.float32, device=dev),
+            lse=torch.empty((b, self.q_heads), dtype=torch.float32, device=dev),
+            workspace=WindowWorkspace(str(dev)),
+            done=torch.cuda.Event(),
+        )
+
+    def _kernels(self, layer: int, gr: _Graph, qs: torch.Tensor) -> None:
+        win_k, win_v = self.store.window(layer)
+        append_window(win_k, win_v, gr.k, gr.v, gr.append_rows_dev, validate=False)
+        # The full width sizes the split grid: the same grid whatever the lengths at a replay.
+        rows = gr.window_rows_dev
+        window_attention(qs, win_k, win_v, rows[0], rows[1], gr.out, gr.lse, max_len=win_k.shape[2],
+                         workspace=gr.workspace, validate=False)
+
+    def _capture(self, layer: int, gr: _Graph, qs: torch.Tensor) -> None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # Thread-local capture: the store's committer thread may register pinned memory meanwhile.
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._kernels(layer, gr, qs)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:  # the same kernels, launched eagerly, stay correct
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            log.warning("window graphs: capture failed (%s); the window part launches kernel by kernel", exc)
+            return
+        gr.graph = graph
+        self.captures += 1
