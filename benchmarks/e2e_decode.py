@@ -23,6 +23,9 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     cpu_only_waits      `decode` waits for its CPU tasks. By default (and in fluxion, cpu_only) a layer
                         returns once its work is queued and the merge waits for the tasks on the device,
                         so the model's next layer is issued while the workers run (the last layer waits).
+    fluxion_eager_window, fluxion and cpu_only with `kv_cache.window_graphs: false`: the window part
+    cpu_only_eager_window (append, attention over the GPU window) launched kernel by kernel each step
+                        instead of replayed from a CUDA graph per (layer, batch size).
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -180,6 +183,7 @@ class Variant:
     placement: str | None = None  # scheduler placement of a hybrid variant
     selection: str | None = None  # a hybrid variant's `selection.name` when not the config's (fixed)
     scheduler: dict = field(default_factory=dict)  # a hybrid variant's own scheduler keys
+    kv_cache: dict = field(default_factory=dict)  # ... and kv_cache keys
     needs_cuda: bool = False
 
     def unavailable(self) -> str | None:
@@ -202,6 +206,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Every layer waits for its CPU tasks (the default lets them trail: the merge waits on the device).
     Variant("fluxion_waits", "hybrid", placement="fluxion", scheduler={"cpu_lane_trails": False}),
     Variant("cpu_only_waits", "hybrid", placement="cpu_only", scheduler={"cpu_lane_trails": False}),
+    # The window part launched kernel by kernel (the default replays it from CUDA graphs).
+    Variant("fluxion_eager_window", "hybrid", placement="fluxion", kv_cache={"window_graphs": False}),
+    Variant("cpu_only_eager_window", "hybrid", placement="cpu_only", kv_cache={"window_graphs": False}),
 )}
 
 
@@ -299,7 +306,7 @@ def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, c
     """The runtime's config for a hybrid variant: bf16 store sized for the point, fixed (16, 0.05)."""
     data = {
         "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
-                     "cpu_capacity_tokens": batch * (context + new_tokens), "max_sequences": batch},
+                     "cpu_capacity_tokens": batch * (context + new_tokens), "max_sequences": batch, **variant.kv_cache},
         "selection": {"name": "fixed", "block_size": 16, "budget": 0.05},
         "scheduler": {"placement": variant.placement, "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
                       "step_timeout_s": 60.0, **variant.scheduler},
