@@ -15,9 +15,10 @@ torch ops replayed from CUDA graphs; `eager`: the same torch ops one by one):
   over `--steps` x layers calls;
 * `gpu`: CUDA-event time from before the staging to the plan in host memory;
 * host parts: `stage` (the step's inputs where the device part reads them), `wait` (from the
-  launches / replay to the plan on the host), and `task_build` (building the step's tasks from a new plan: with
-  predicted plans the runtime's task cache rarely hits, a cost fixed plans do not pay; outside
-  the fraction below);
+  launches / replay to the plan on the host), of it `launch` (the host's replay / launch calls
+  alone), `plan` (the plan's arrays from the output in host memory, after the wait), and
+  `task_build` (building the step's tasks from a new plan: with predicted plans the runtime's
+  task cache rarely hits, a cost fixed plans do not pay; outside the fraction below);
 
 and the decode step's layer time in the same run (the runtime's timeline, entry to return):
 
@@ -39,6 +40,19 @@ prefill time of the statistics are reported beside them.
     python benchmarks/predictor_overhead.py                      # the device run, about a minute
     python benchmarks/predictor_overhead.py --quick --out-dir D  # tiny shapes, CPU (eager only): a smoke run
     python benchmarks/predictor_overhead.py --fused-parts 4,16   # also the fused kernels split 4 and 16 ways
+    python benchmarks/predictor_overhead.py --fused-variant static:queries=static \
+        --fused-variant g4:predict_groups=4 --fused-variant bn16:predict_block_n=16
+
+`--fused-variant NAME:KEY=VALUE[,KEY=VALUE...]` (repeatable) also measures the fused path built
+with those settings, as row `fused_NAME`, beside the runtime's own (defaults): `queries=static`
+(`PredictedHeadPlanner(fused_queries=...)`: the step copies its queries into the graphs' static
+fp32 buffer, the way before the queries went by reference; `reference` is the default),
+`capture=0` (plain launches), and any `FusedHeadPredictor` launch choice (`parts`, `block_w`,
+`features_warps`, `features_stages`, `predict_warps`, `predict_groups`, `predict_block_n`,
+`predict_stages`, `dot_precision`). Each variant has its own statistics and graphs (its own
+capture). Old against new in one run: `--fused-variant static:queries=static` is the fused path
+as it staged its queries before (copy into the static buffer, padding rows run), the row `fused`
+the default.
 
 Writes `benchmarks/results/predictor_overhead-<device>.json` (results contract in
 docs/architecture.md) and a markdown table beside it.
@@ -72,9 +86,43 @@ MODES = ("fused", "fused_launch", "graph", "graph_compiled", "eager")  # the pla
 
 
 def modes_of(row: dict) -> list[str]:
-    """The paths a point measured, in table order; `fused_pP` (fused with P parts, `--fused-parts`) last."""
-    return [m for m in MODES if m in row] + sorted((k for k in row if re.fullmatch(r"fused_p\d+", k)),
-                                                   key=lambda k: int(k[len("fused_p"):]))
+    """The paths a point measured, in table order; `fused_pP` (fused with P parts, `--fused-parts`),
+    then `fused_NAME` (`--fused-variant`) last."""
+    return ([m for m in MODES if m in row] + sorted((k for k in row if re.fullmatch(r"fused_p\d+", k)),
+                                                    key=lambda k: int(k[len("fused_p"):]))
+            + [f"fused_{name}" for name in row.get("fused_variants", {}) if f"fused_{name}" in row])
+
+
+PLANNER_KEYS = {"queries": "fused_queries", "capture": "capture"}  # --fused-variant keys of the planner itself
+FUSED_OPTION_KEYS = ("parts", "block_w", "features_warps", "features_stages", "predict_warps", "predict_groups",
+                     "predict_block_n", "predict_stages", "dot_precision")  # and of FusedHeadPredictor
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """`NAME:KEY=VALUE[,KEY=VALUE...]` -> (NAME, {key: value}); integers as int, others as str."""
+    name, sep, body = spec.partition(":")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9]+", name) or not body:
+        raise ValueError(f"--fused-variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] with an alphanumeric NAME")
+    if name == "launch" or re.fullmatch(r"p\d+", name):
+        raise ValueError(f"--fused-variant {spec!r}: the name {name!r} would be the row of fused_launch or --fused-parts")
+    settings = {}
+    for item in body.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--fused-variant {spec!r}: {item!r} is not KEY=VALUE")
+        key = key.strip()
+        if key not in PLANNER_KEYS and key not in FUSED_OPTION_KEYS:
+            raise ValueError(f"--fused-variant {spec!r}: unknown key {key!r}; allowed: "
+                             f"{sorted(PLANNER_KEYS) + list(FUSED_OPTION_KEYS)}")
+        settings[key] = int(value) if re.fullmatch(r"-?\d+", value.strip()) else value.strip()
+    return name, settings
+
+
+def variant_planner(cfg, rt: HybridRuntime, settings: dict) -> PredictedHeadPlanner:
+    """A fused planner over the runtime's store with a variant's settings (`--fused-variant`)."""
+    planner_kw = {PLANNER_KEYS[k]: (bool(v) if k == "capture" else v) for k, v in settings.items() if k in PLANNER_KEYS}
+    options = {k: v for k, v in settings.items() if k not in PLANNER_KEYS}
+    return PredictedHeadPlanner(cfg.selection, rt.geometry, rt.store, path="fused", fused_options=options, **planner_kw)
 QUICK_GEOMETRY = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 
 
@@ -136,6 +184,10 @@ def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, dict[st
     for parts in (args.fused_parts if cuda else ()):  # the fused path at other part counts, own statistics each
         others[f"fused_p{parts}"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="fused",
                                                          fused_options={"parts": parts})
+    if args.fused_variants and rt.planner._fused is not None:  # under --quick on the CPU: no fused path
+        info["fused_variants"] = {name: settings for name, settings in args.fused_variants}
+        for name, settings in args.fused_variants:
+            others[f"fused_{name}"] = variant_planner(cfg, rt, settings)
     if args.compile and cuda:
         others["graph_compiled"] = PredictedHeadPlanner(cfg.selection, g, rt.store, path="graph_compiled", capture=False)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
@@ -174,7 +226,7 @@ def planner_timings(rt: HybridRuntime, planner, batch: int, steps: int, warmup: 
     g, store, dev = rt.geometry, rt.store, rt.device
     cuda = dev.type == "cuda"
     ids = list(range(batch))
-    wall, gpu, stage, wait, task_build = [], [], [], [], []
+    wall, gpu, stage, wait, launch, plan_s, task_build = [], [], [], [], [], [], []
     for i in range(warmup + steps):
         for layer in range(g.layers):
             q = torch.randn((batch, g.q_heads, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -190,23 +242,29 @@ def planner_timings(rt: HybridRuntime, planner, batch: int, steps: int, warmup: 
             if cuda:
                 ev0.record()
             t2 = time.perf_counter()
-            bucket, _ = planner._stage(layer, ids, store, q)
+            bucket, cpu_len = planner._stage(layer, ids, store, q)
             t3 = time.perf_counter()
             planner._launch(layer, bucket)
+            t3b = time.perf_counter()
             if cuda:
                 ev1.record()
                 ev1.synchronize()
             t4 = time.perf_counter()
+            planner._plan(layer, ids, bucket, cpu_len)
+            t4b = time.perf_counter()
             build_tasks(store, layer, ids, plan)
             t5 = time.perf_counter()
             if i >= warmup:
                 wall.append(t1 - t0)
                 stage.append(t3 - t2)
                 wait.append(t4 - t3)
+                launch.append(t3b - t3)
+                plan_s.append(t4b - t4)
                 gpu.append(ev0.elapsed_time(ev1) * 1e-3 if cuda else t4 - t3)
-                task_build.append(t5 - t4)
+                task_build.append(t5 - t4b)
     return {"wall": timing_stats(wall), "gpu": timing_stats(gpu), "stage": timing_stats(stage),
-            "wait": timing_stats(wait), "task_build": timing_stats(task_build)}
+            "wait": timing_stats(wait), "launch": timing_stats(launch), "plan": timing_stats(plan_s),
+            "task_build": timing_stats(task_build)}
 
 
 def kernel_times(rt: HybridRuntime, planner, batch: int, calls: int, gen: torch.Generator) -> dict:
@@ -273,13 +331,14 @@ def run_point(args, batch: int, context: int) -> dict:
             finally:
                 planner._graphs = graphs
             r = row[mode]
-            if rt.device.type == "cuda" and (mode in ("fused", "fused_launch") or re.fullmatch(r"fused_p\d+", mode)):
+            if rt.device.type == "cuda" and mode.startswith("fused"):
                 r["kernels_us"] = kernel_times(rt, planner, batch, 20, gen)
                 print(f"  planner {mode} kernels (device us per call): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()), flush=True)
             print(f"  planner {mode:5s}: wall med {r['wall']['median_us']:8.1f} mean {r['wall']['mean_us']:8.1f} "
                   f"p99 {r['wall']['p99_us']:8.1f} us; device {r['gpu']['median_us']:7.1f} us; stage "
-                  f"{r['stage']['median_us']:6.1f}, launch + wait {r['wait']['median_us']:6.1f}, task build "
+                  f"{r['stage']['median_us']:6.1f}, launch + wait {r['wait']['median_us']:6.1f} (launch "
+                  f"{r['launch']['median_us']:6.1f}), plan {r['plan']['median_us']:6.1f}, task build "
                   f"{r['task_build']['median_us']:6.1f} us", flush=True)
         fixed = ConfigHeadPlanner(SelectionConfig(name="fixed", block_size=16, budget=0.05), rt.geometry)
         row["decode_fixed"] = decode_layer_times(rt, fixed, batch, args.steps, args.warmup, gen)
@@ -322,6 +381,7 @@ def metrics_of(row: dict) -> dict:
         if mode != best:
             m[f"predictor_{mode}_wall_us_median_{tag}"] = row[mode]["wall"]["median_us"]
             m[f"predictor_{mode}_device_us_median_{tag}"] = row[mode]["gpu"]["median_us"]
+            m[f"predictor_{mode}_stage_us_median_{tag}"] = row[mode]["stage"]["median_us"]
             m[f"predictor_{mode}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]
     m[f"predictor_best_path_is_fused_{tag}"] = int(best == "fused")
     m[f"predictor_best_path_is_compiled_{tag}"] = int(best == "graph_compiled")
@@ -332,15 +392,16 @@ def markdown(result: dict) -> str:
     lines = [f"# predictor_overhead on {result['device']}", "",
              f"host: {result['host_cpu']}; commit {result['commit']}; {result['created']}", "",
              "| batch | context | path | wall med us | wall mean us | wall p99 us | device med us | stage us | wait us "
-             "| task build us | decode layer (16, 0.05) us | planner / layer |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| launch us | plan us | task build us | decode layer (16, 0.05) us | planner / layer |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in result["points"]:
         base = p["decode_fixed"]["median_us"]
         for mode in modes_of(p):
             r = p[mode]
             lines.append(f"| {p['batch']} | {p['context']} | {mode} | {r['wall']['median_us']:.1f} | {r['wall']['mean_us']:.1f} "
                          f"| {r['wall']['p99_us']:.1f} | {r['gpu']['median_us']:.1f} | {r['stage']['median_us']:.1f} "
-                         f"| {r['wait']['median_us']:.1f} | {r['task_build']['median_us']:.1f} | {base:.1f} "
+                         f"| {r['wait']['median_us']:.1f} | {r['launch']['median_us']:.1f} | {r['plan']['median_us']:.1f} "
+                         f"| {r['task_build']['median_us']:.1f} | {base:.1f} "
                          f"| {r['wall']['median_us'] / base:.2%} |")
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
     return "\n".join(lines) + "\n"
@@ -359,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused-parts", default="",
                     help="comma list of part counts: also measure the fused path with each (as fused_pP); "
                          "the runtime's own fused planner keeps the default")
+    ap.add_argument("--fused-variant", dest="fused_variant", action="append", default=[],
+                    help="NAME:KEY=VALUE[,KEY=VALUE...]: also measure the fused path with these settings as fused_NAME "
+                         "(keys: queries, capture, or FusedHeadPredictor launch choices; module docstring); repeatable")
     ap.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
@@ -371,6 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"--fused-parts must be a comma list of integers, got {args.fused_parts!r}", file=sys.stderr)
         return 2
+    try:
+        args.fused_variants = [parse_variant(spec) for spec in args.fused_variant]
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    names = [name for name, _ in args.fused_variants]
+    if len(set(names)) != len(names):
+        print(f"--fused-variant names must differ, got {names}", file=sys.stderr)
+        return 2
     spec = args.points or ("2x2048" if args.quick else f"{POINT[0]}x{POINT[1]}")
     points = [tuple(int(x) for x in p.split("x")) for p in spec.split(",")]
     if not args.quick:
@@ -381,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.update(metrics_of(row))
     config = {"quick": args.quick, "compile": args.compile, "layers": QUICK_GEOMETRY["layers"] if args.quick else args.layers,
               "steps": args.steps, "warmup": args.warmup, "fused_parts": args.fused_parts,
+              "fused_variants": dict(args.fused_variants),
               "cpu_workers": args.cpu_workers, "seed": args.seed,
               "checkpoint": "predictor/checkpoints/smollm2.pt (per-head features; weights do not change the timing)",
               "torch": torch.__version__}

@@ -10,6 +10,10 @@ specialised, as in `run`).
 
     python benchmarks/predictor_registers.py [--parts 8] [--block-w 32] [--warps 4] [--precision tf32x3]
         [--predict-warps 4] [--predict-groups G] [--predict-block-n 32] [--predict-stages 3]
+        [--features-stages 1] [--q-by-ref]
+
+`--q-by-ref` compiles the kernels as the planner's graphs run them by default (the queries' address
+read from a reference the host writes; `FusedHeadPredictor.run(q_ref=...)`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ SMS = 132
 BATCH = 8
 
 # Runtime argument types (pointers by name; ints and floats by name); the rest are constexprs.
-POINTERS = {"q_ptr": "*bf16", "idx_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "count_ptr": "*i32"}
+POINTERS = {"q_ptr": "*bf16", "qref_ptr": "*i64", "idx_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "count_ptr": "*i32"}
 FLOATS = {"layer_frac", "head_denom", "scale", "tau", "t_mean0", "t_std0", "t_mean1", "t_std1", "threshold"}
 UNALIGNED = {"q_ptr"}  # do_not_specialize_on_alignment
 SPECIALISED_INTS = {"stride_ks", "stride_kh", "stride_kn", "stats_width", "stride_idx"}  # multiples of 16 here
@@ -66,6 +70,7 @@ def plan(args) -> hp.FusedHeadPredictor:
             linears=linears, feature_mean=torch.zeros(41), feature_std=torch.ones(41), target_mean=[0.0, 0.0],
             target_std=[1.0, 1.0], tau=0.1, block_sizes=(16, 32, 64, 128), streaming_threshold=0.5,
             skip_streaming=True, device="cpu", block_w=args.block_w, parts=args.parts, features_warps=args.warps,
+            features_stages=args.features_stages,
             predict_warps=args.predict_warps, predict_groups=args.predict_groups, predict_block_n=args.predict_block_n,
             predict_stages=args.predict_stages)
     finally:
@@ -116,10 +121,11 @@ def main() -> None:
     ap.add_argument("--predict-groups", type=int, default=None, help="KV groups per predict program (default: 4 rows)")
     ap.add_argument("--predict-block-n", type=int, default=32, help="hidden columns per step of a layer pair")
     ap.add_argument("--predict-stages", type=int, default=3, help="pipeline stages of the weight tiles")
+    ap.add_argument("--features-stages", type=int, default=1, help="pipeline stages of the features kernel's window tiles")
+    ap.add_argument("--q-by-ref", action="store_true", help="the queries by reference (the planner's graphs)")
     args = ap.parse_args()
     fused = plan(args)
-    feats = {**fused._features_constexprs, "DOT_PRECISION": args.precision}
-    pred = {**fused._predict_constexprs, "DOT_PRECISION": args.precision}
+    feats, pred = ({**c, "DOT_PRECISION": args.precision} for c in fused._launch_constexprs[args.q_by_ref])
     for name, fn, consts, options, programs in (
             ("features", hp._features_kernel, feats, fused._features_options, BATCH * fused.kv_heads * fused.parts),
             ("predict", hp._predict_kernel, pred, fused._predict_options, BATCH * fused._n_j)):

@@ -32,6 +32,10 @@ fused by torch.compile and replayed from a CUDA graph); here it is two:
 `out` and the index rows may be CUDA views of pinned host memory (`gpu_kernels.uva`): the host
 writes the step's slots and lengths straight where the kernels read them and reads the plan
 where they wrote it, with no copy launched on either side.
+The queries may come the same way (`run(q_ref=...)`): a pinned reference holding their address,
+row and head strides and row count, which both kernels read first (`_queries`); grid rows past
+that count return at once. A CUDA graph of the two launches then reads each step's queries where
+the caller has them, with no copy into a static buffer.
 
 Plan once, run many (FlashInfer style): `FusedHeadPredictor(...)` checks the geometry, the
 statistics layout and the network and packs the weights once; `run(...)` launches per step.
@@ -120,10 +124,22 @@ def _ndtri(p):
     return 1.4142135623730951 * tl.where(w < 5.0, c, t) * x
 
 
+@triton.jit
+def _queries(q_ptr, qref_ptr):
+    """The step's queries from a reference the host wrote (`FusedHeadPredictor.run(q_ref=...)`):
+    `qref [4]` int64 = (address, stride of a row, stride of a head, rows). The address becomes a
+    pointer of `q_ptr`'s element type (the launch's `q` only carries the dtype and the grid)."""
+    address = tl.load(qref_ptr)
+    stride_qb = tl.load(qref_ptr + 1)
+    stride_qh = tl.load(qref_ptr + 2)
+    n_rows = tl.load(qref_ptr + 3)
+    return address.to(tl.pointer_type(q_ptr.dtype.element_ty)), stride_qb, stride_qh, n_rows
+
+
 @triton.jit(do_not_specialize=["stride_qb", "stride_qh", "layer_frac"],
             do_not_specialize_on_alignment=["q_ptr"])
 def _features_kernel(
-    q_ptr, stride_qb, stride_qh,
+    q_ptr, stride_qb, stride_qh, qref_ptr,
     idx_ptr, stride_idx,
     stats_ptr, stats_width,
     prev_ptr,
@@ -136,12 +152,16 @@ def _features_kernel(
     OFF_AM: tl.constexpr, OFF_AE: tl.constexpr, OFF_AB: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GF: tl.constexpr, D: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr, N_FEAT: tl.constexpr,
-    BLOCK_F: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_F: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_BY_REF: tl.constexpr,
 ):
     pid = tl.program_id(0)  # sequence * HKV + KV head
     part = tl.program_id(1)  # which window tiles and covariance rows this program takes
     b = pid // HKV
     kvh = pid % HKV
+    if Q_BY_REF:  # the step's queries where the host's reference says (`_queries`); rows past them: nothing to do
+        q_ptr, stride_qb, stride_qh, n_rows = _queries(q_ptr, qref_ptr)
+        if b >= n_rows:
+            return
     HQ: tl.constexpr = HKV * G
     # A part's record: 7 statistics per query head (window max, sum, entropy sum, sink max, sink sum,
     # recent max, partial q S_k q), the window output [G, D] (relative to its max), the recent key sum [D].
@@ -503,7 +523,7 @@ def _network(x, w_ptr, b_ptr, N_LIN: tl.constexpr, P0: tl.constexpr, P1: tl.cons
 
 @triton.jit(do_not_specialize=["stride_qb", "stride_qh"], do_not_specialize_on_alignment=["q_ptr"])
 def _predict_kernel(
-    q_ptr, stride_qb, stride_qh,
+    q_ptr, stride_qb, stride_qh, qref_ptr,
     idx_ptr, stride_idx,
     prev_ptr,
     feat_ptr, aux_ptr,
@@ -519,11 +539,15 @@ def _predict_kernel(
     N_FEAT: tl.constexpr,
     N_BLK: tl.constexpr, BLK0: tl.constexpr, BLK1: tl.constexpr, BLK2: tl.constexpr, BLK3: tl.constexpr,
     LOG0: tl.constexpr, LOG1: tl.constexpr, LOG2: tl.constexpr, LOG3: tl.constexpr,
-    SKIP_STREAMING: tl.constexpr, OUT_ROWS_HQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SKIP_STREAMING: tl.constexpr, OUT_ROWS_HQ: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_BY_REF: tl.constexpr,
 ):
     pid = tl.program_id(0)  # sequence * N_J + block of GROUPS KV groups
     b = pid // N_J
     jb = pid % N_J
+    if Q_BY_REF:  # as in `_features_kernel`: rows past the step's have no features and write nothing
+        q_ptr, stride_qb, stride_qh, n_rows = _queries(q_ptr, qref_ptr)
+        if b >= n_rows:
+            return
     HQ: tl.constexpr = HKV * G
     BLOCK_F: tl.constexpr = P0
     lr = tl.arange(0, BLOCK_M)
@@ -626,7 +650,8 @@ class FusedHeadPredictor:
 
     Launch choices: `parts` (power of two, 1-64: programs per (sequence, KV head) of the features
     kernel; its scratch is `max_sequences * kv_heads * parts` records of `7 G + G D + D` floats),
-    `block_w` (window rows per tile), `features_warps` / `predict_warps`, `dot_precision`;
+    `block_w` (window rows per tile), `features_warps` / `predict_warps`, `features_stages`
+    (pipeline stages of a part's window tiles, 1-4; 1 by default), `dot_precision`;
     the predict kernel's `predict_groups` (KV groups per program; None: the fewest that make 4
     rows), `predict_block_n` (hidden columns per step of a layer pair, power of two >= 16, fewer
     where a pipeline stage of the pair's weight tiles would pass 48 KB of shared memory) and
@@ -645,8 +670,9 @@ class FusedHeadPredictor:
                  feature_std: torch.Tensor, target_mean: Sequence[float], target_std: Sequence[float], tau: float,
                  block_sizes: Sequence[int], streaming_threshold: float, skip_streaming: bool,
                  device: torch.device | str, scale: float | None = None, dot_precision: str = "tf32x3",
-                 block_w: int = 32, parts: int = 4, features_warps: int = 4, predict_warps: int = 4,
-                 predict_groups: int | None = None, predict_block_n: int = 32, predict_stages: int = 3):
+                 block_w: int = 32, parts: int = 4, features_warps: int = 4, features_stages: int = 1,
+                 predict_warps: int = 4, predict_groups: int | None = None, predict_block_n: int = 32,
+                 predict_stages: int = 3):
         for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
                         ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
             if not isinstance(x, (int, np.integer)) or x < 1:
@@ -711,6 +737,8 @@ class FusedHeadPredictor:
                 raise ValueError(f"{name} must be [{N_FEATURES}], got {tuple(t.shape)}")
         if not isinstance(predict_block_n, (int, np.integer)) or predict_block_n < 16 or predict_block_n & (predict_block_n - 1):
             raise ValueError(f"predict_block_n must be a power of two >= 16, got {predict_block_n!r}")
+        if not isinstance(features_stages, (int, np.integer)) or not 1 <= features_stages <= 4:
+            raise ValueError(f"features_stages must be 1 to 4 (pipeline stages of the window tiles), got {features_stages!r}")
         if not isinstance(predict_stages, (int, np.integer)) or not 1 <= predict_stages <= 4:
             raise ValueError(f"predict_stages must be 1 to 4 (pipeline stages of the weight tiles), got {predict_stages!r}")
         padded_dims = [max(16, next_pow2(x)) for x in dims]
@@ -792,7 +820,16 @@ class FusedHeadPredictor:
             LOG0=logs[0], LOG1=logs[1], LOG2=logs[2], LOG3=logs[3],
             SKIP_STREAMING=bool(skip_streaming), OUT_ROWS_HQ=m * hq, DOT_PRECISION=precision,
         )
-        self._features_options = {"num_warps": features_warps, "num_stages": 1}  # 1-4 tiles a part: nothing to pipeline
+        # Per way of passing the queries (by the launch's tensor, or by a reference `run(q_ref=...)`):
+        # the constexprs and the variant keys, built once.
+        self._launch_constexprs = {
+            by_ref: ({**self._features_constexprs, "Q_BY_REF": by_ref}, {**self._predict_constexprs, "Q_BY_REF": by_ref})
+            for by_ref in (False, True)}
+        self._launch_variants = {by_ref: (tuple(f.values()), tuple(p.values()))
+                                 for by_ref, (f, p) in self._launch_constexprs.items()}
+        # One stage by default (a part walks 1-4 tiles); `features_stages` 2 lets a part's next window
+        # tile load while the current one is in its dots.
+        self._features_options = {"num_warps": features_warps, "num_stages": int(features_stages)}
         self._predict_options = {"num_warps": predict_warps, "num_stages": int(predict_stages)}
 
     def check(self, q: torch.Tensor, idx: torch.Tensor, statistics: torch.Tensor, previous: torch.Tensor,
@@ -816,7 +853,7 @@ class FusedHeadPredictor:
 
     def run(self, q: torch.Tensor, idx: torch.Tensor, statistics: torch.Tensor, previous: torch.Tensor,
             window_k: torch.Tensor, window_v: torch.Tensor, layer_frac: float, out: torch.Tensor,
-            validate: bool = True) -> None:
+            validate: bool = True, q_ref: torch.Tensor | None = None) -> None:
         """One step at one layer for the `B = q.shape[0]` sequences of the step.
 
         `q [B, Hq, D]`: the step's queries (unscaled; fp32/bf16/fp16, unit last stride);
@@ -826,26 +863,39 @@ class FusedHeadPredictor:
         (read, then overwritten with `q` at the batch's rows); `window_k/v [S, Hkv, W, D]` the
         layer's window; `layer_frac` = layer / (layers - 1). `validate=False` skips the checks
         (a caller that passes its own, once-checked buffers).
+
+        `q_ref [4]` int64 (optional): the queries by reference, read by the kernels when they run:
+        (address of element [0, 0, 0], stride of a row, stride of a head, in elements; rows `n`).
+        `q` then only gives their dtype and the grid (`q.shape[0] >= n`; any tensor of that shape
+        and dtype, a zero-stride expand included) and grid rows `n..` do nothing. This is what lets
+        a CUDA graph of the two launches read each step's queries where the caller has them, with
+        no copy into a static buffer: the host writes `q_ref` (pinned, read through its CUDA view)
+        before the replay. The address must stay valid until the kernels have run.
         """
         if validate:
             self.check(q, idx, statistics, previous, window_k, window_v, out)
+            if q_ref is not None:
+                check_tensor("q_ref", q_ref, shape=(4,), dtypes=(torch.int64,), device=self.device, contiguous=True)
         b = q.shape[0]
         head_denom, scale = self._scalars
+        by_ref = q_ref is not None
+        f_constexprs, p_constexprs = self._launch_constexprs[by_ref]
+        f_variant, p_variant = self._launch_variants[by_ref]
+        ref = q_ref if by_ref else idx  # an unread pointer when the queries come as the tensor
         _features_launch(
             (b * self.kv_heads, self.parts),
-            (q, q.stride(0), q.stride(1), idx, idx.stride(0), statistics, statistics.stride(0), previous,
+            (q, q.stride(0), q.stride(1), ref, idx, idx.stride(0), statistics, statistics.stride(0), previous,
              window_k, window_v, window_k.stride(0), window_k.stride(1), window_k.stride(2),
              self.features, self._aux, self._parts_scratch, self._vk_q, self._arrivals, float(layer_frac), head_denom,
              scale, self.window_capacity),
-            self._features_constexprs, tuple(self._features_constexprs.values()) + (window_k.dtype, q.dtype),
-            self._features_options,
+            f_constexprs, f_variant + (window_k.dtype, q.dtype), self._features_options,
         )
         _predict_launch(
             (b * self._n_j,),
-            (q, q.stride(0), q.stride(1), idx, idx.stride(0), previous, self.features, self._aux,
+            (q, q.stride(0), q.stride(1), ref, idx, idx.stride(0), previous, self.features, self._aux,
              self._f_mean, self._f_std, self._w, self._b, out,
              *self._predict_scalars),
-            self._predict_constexprs, tuple(self._predict_constexprs.values()) + (q.dtype,), self._predict_options,
+            p_constexprs, p_variant + (q.dtype,), self._predict_options,
         )
 
 

@@ -23,12 +23,18 @@ How the device part runs (`path`):
   features, the network and the selector. The host writes the rows' window slots, statistics
   rows, window lengths and CPU lengths into a pinned buffer the kernels read through its CUDA
   view, and the plan lands in a pinned buffer the kernels write the same way. On CUDA the two
-  launches are captured once per (layer, batch bucket) into a CUDA graph (at warm-up, with
-  `capture`): a step copies its queries into the bucket's static buffer and replays the graph,
-  since two Triton launches cost the host about as much as the kernels take; a batch of `b`
-  sequences runs the smallest bucket holding it, its extra rows pointing at the scratch row.
-  Without graphs (`capture=False`, and under the interpreter) the host launches the two kernels on
-  the caller's queries. Either way: no per-step allocation, and the host's one wait.
+  launches are captured once per (layer, batch bucket, queries' dtype) into a CUDA graph (at
+  warm-up, with `capture`) and a step replays one, since two Triton launches cost the host about
+  as much as the kernels take; a batch of `b` sequences runs the smallest bucket holding it.
+  The step's queries reach the kernels by `fused_queries`:
+  `reference` (default): the host writes their address, strides and row count into a pinned
+  reference the kernels read (no copy; a graph per dtype of the store's and fp32, any other
+  dtype copied into the bucket's fp32 static buffer first), and the bucket's rows past the
+  batch do nothing; `static` (the previous way, kept to measure against): the step copies its
+  queries into the bucket's static fp32 buffer and the extra rows point at the scratch row.
+  Without graphs (`capture=False`, and under the interpreter) the host launches the two kernels,
+  on the reference (`reference`) or on the caller's queries (`static`). Either way: no per-step
+  allocation, and the host's one wait.
 * `graph` / `graph_compiled`: the torch ops (plain, or through `torch.compile`) in one CUDA graph
   per (layer, batch bucket), captured when the planner is built (warm-up) and replayed per step,
   followed by the copy of step 3: a batch of `b` sequences runs the graph of the smallest bucket
@@ -57,6 +63,8 @@ from predictor.features import FEATURE_NAMES, decode_features
 from predictor.model import Checkpoint, HeadPropertyNet, load_checkpoint
 
 PATHS = ("fused", "graph", "graph_compiled", "eager")
+# How the fused path's kernels get the step's queries (`fused_queries`, module docstring).
+FUSED_QUERIES = ("reference", "static")
 
 
 def batch_buckets(max_sequences: int) -> tuple[int, ...]:
@@ -88,7 +96,8 @@ class PredictedHeadPlanner:
     the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly) and keeps the
     fused path on plain launches (`capture_fused` graphs it later). `fused_options`:
     launch choices passed to `FusedHeadPredictor` (`parts`, `block_w`, `features_warps`,
-    `dot_precision`; benchmarks compare them), defaults otherwise. `on_selection`, when
+    `dot_precision`; benchmarks compare them), defaults otherwise. `fused_queries`: `reference` or
+    `static`, how the fused kernels get the step's queries (module docstring). `on_selection`, when
     set, is called with `(layer, seq_ids, selection)` after every step's selection (reports).
     """
 
@@ -97,12 +106,14 @@ class PredictedHeadPlanner:
 
     def __init__(self, policy: SelectionConfig, geometry: GeometryConfig, store: Any, *,
                  checkpoint: Checkpoint | None = None, path: str | None = None, capture: bool = True,
-                 fused_options: Mapping[str, Any] | None = None):
+                 fused_options: Mapping[str, Any] | None = None, fused_queries: str = "reference"):
         kv = store.cfg
         cuda = store.device.type == "cuda"
         path = ("fused" if cuda else "eager") if path is None else path
         if path not in PATHS:
             raise ValueError(f"path {path!r} is not one of {list(PATHS)}")
+        if fused_queries not in FUSED_QUERIES:
+            raise ValueError(f"fused_queries {fused_queries!r} is not one of {list(FUSED_QUERIES)}")
         if path.startswith("graph") and not cuda:
             raise ValueError(f"path {path!r} captures CUDA graphs; the store's window is on {store.device}")
         if path == "fused" and not cuda:
@@ -158,7 +169,12 @@ class PredictedHeadPlanner:
         self._step = torch.compile(self._device_step) if path == "graph_compiled" else self._device_step
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
+        # The smallest bucket holding a batch of b rows, by b.
+        self._bucket_of = [0] + [next(n for n in self.buckets if n >= b) for b in range(1, self.buckets[-1] + 1)]
+        # (layer, statistics rows) found ready: a step checks its rows once, until a prefill or release.
+        self._ready_rows: set[tuple[int, ...]] = set()
         self._fused = None
+        self.fused_queries = fused_queries
         if path == "fused":
             self._setup_fused(policy, dict(fused_options or {}), capture)
         if self.cuda:
@@ -172,6 +188,7 @@ class PredictedHeadPlanner:
         import time
 
         from gpu_kernels.head_predictor import INDEX_ROWS, FusedHeadPredictor
+        from gpu_kernels.uva import uva_view
 
         t0 = time.perf_counter()
         g, m = self.geometry, self.store.cfg.max_sequences
@@ -187,39 +204,64 @@ class PredictedHeadPlanner:
         self._fused_idx = torch.zeros(INDEX_ROWS, m, dtype=torch.int64, pin_memory=self.cuda)
         self._fused_out = torch.zeros(self._fused.out_size, pin_memory=self.cuda)
         if self.cuda:
-            from gpu_kernels.uva import uva_view
-
             self._fused_idx_dev = uva_view(self._fused_idx, self.device.index)
             self._fused_out_dev = uva_view(self._fused_out, self.device.index)
         else:
             self._fused_idx_dev, self._fused_out_dev = self._fused_idx, self._fused_out
         self._fused_idx_np = self._fused_idx.numpy()
         self._fused_out_np = self._fused_out.numpy()
-        self._fused_q: torch.Tensor | None = None
+        self._fused_q: torch.Tensor | None = None  # the staged step's queries, until its launch
         self._fused_q_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        self._fused_by_ref = self.fused_queries == "reference"
+        # `reference`: the queries' address, row and head strides and row count, written per step into
+        # pinned memory the kernels read through its CUDA view; the launch's q is a template that
+        # carries only the dtype and the bucket's grid (d elements of storage, expanded).
+        self._fused_ref = torch.zeros(4, dtype=torch.int64, pin_memory=self.cuda)
+        self._fused_ref_dev = uva_view(self._fused_ref, self.device.index) if self.cuda else self._fused_ref
+        self._fused_ref_np = self._fused_ref.numpy()
+        templates = {dtype: torch.zeros(1, 1, g.head_dim, dtype=dtype, device=self.device).expand(m, g.q_heads, g.head_dim)
+                     for dtype in self._fused_q_dtypes}
+        self._q_template = {(dtype, n): t[:n] for dtype, t in templates.items() for n in self.buckets}
+        self._q_static_rows = {b: self._q[self._bucket_of[b]][:b] for b in range(1, m + 1)}
+        # Graphs: per (layer, bucket, queries' dtype). `reference`: the store's dtype and fp32 (another
+        # dtype is copied into the bucket's fp32 static buffer and passed by reference to it);
+        # `static`: fp32 only, the static buffer every step copies its queries into.
+        self._graph_q_dtypes = tuple(dict.fromkeys((self.store.dtype, torch.float32))) if self._fused_by_ref \
+            else (torch.float32,)
+        # The plan's rows in the output (bucket max_sequences on the fused path), by batch size.
+        hq, hkv, n = g.q_heads, g.kv_heads, m * g.q_heads
+        self._fused_plan_views = {b: (self._fused_out_np[3 * n : 3 * n + b * hq].reshape(b, hq),
+                                      self._fused_out_np[4 * n : 4 * n + b * hkv].reshape(b, hkv)) for b in range(1, m + 1)}
         # Warm-up on the scratch row (what padding rows use): compiles the kernels for the
         # queries' usual dtypes, so no decode step stops to compile.
         scratch = self.statistics.scratch
         self._fused_idx_np[:, 0] = (0, scratch, 1, 0)
         win_k, win_v = self.store.window(0)
         for dtype in dict.fromkeys((self.store.dtype, torch.float32)):
-            q = torch.zeros(1, g.q_heads, g.head_dim, dtype=dtype, device=self.device)
+            zeros = torch.zeros(1, g.q_heads, g.head_dim, dtype=dtype, device=self.device)
+            q, q_ref = zeros, None
+            if self._fused_by_ref:  # the reference names the one query row
+                self._fused_ref_np[:] = (zeros.data_ptr(), zeros.stride(0), zeros.stride(1), 1)
+                q, q_ref = self._q_template[(dtype, 1)], self._fused_ref_dev
             self._fused.run(q, self._fused_idx_dev, self.statistics.layer_rows(0), self.statistics.previous_queries(0),
-                            win_k, win_v, 0.0, self._fused_out_dev)
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+                            win_k, win_v, 0.0, self._fused_out_dev, q_ref=q_ref)
+            if self.cuda:
+                torch.cuda.synchronize(self.device)  # q is freed next
         self.capture_seconds += time.perf_counter() - t0
-        self._fused_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._fused_graphs: dict[tuple[int, int, torch.dtype], torch.cuda.CUDAGraph] = {}
         self._fused_bucket = self.buckets[-1]  # the staged step's graph bucket
+        self._fused_dtype = torch.float32  # and its queries' dtype
         # A padding row: window slot 0, the statistics' scratch row, one window token, no CPU segment.
         self._fused_pad = np.array([0, scratch, 1, 0], dtype=np.int64)
         if self.cuda and capture:
             self.capture_fused()
 
     def capture_fused(self) -> None:
-        """Capture the fused kernels of every (layer, batch bucket) into CUDA graphs that read the
-        bucket's static queries (fp32) and the pinned index rows; idempotent. Each is run once
-        eagerly first (on padding rows), so capture never meets an uncompiled variant."""
+        """Capture the fused kernels of every (layer, batch bucket, queries' dtype) into CUDA graphs
+        that read the pinned index rows and, by `fused_queries`, the queries where the pinned
+        reference says (`reference`) or the bucket's static fp32 queries (`static`); idempotent.
+        Each is run once eagerly first (no rows, or padding rows), so capture never meets an
+        uncompiled variant."""
         import time
 
         t0 = time.perf_counter()
@@ -227,27 +269,32 @@ class PredictedHeadPlanner:
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         self._fused_idx_np[:] = self._fused_pad[:, None]
+        self._fused_ref_np[:] = (self._q[self.buckets[-1]].data_ptr(), 0, 0, 0)  # no rows: the kernels do nothing
         for layer in range(self.store.layers):
             for bucket in self.buckets:
-                if (layer, bucket) in self._fused_graphs:
-                    continue
-                with torch.cuda.stream(side):
-                    self._run_fused(layer, self._q[bucket])
-                side.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: the store's committer thread may register host memory meanwhile.
-                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                    self._run_fused(layer, self._q[bucket])
-                self._fused_graphs[(layer, bucket)] = graph
+                for dtype in self._graph_q_dtypes:
+                    key = (layer, bucket, dtype)
+                    if key in self._fused_graphs:
+                        continue
+                    q = self._q_template[(dtype, bucket)] if self._fused_by_ref else self._q[bucket]
+                    with torch.cuda.stream(side):
+                        self._run_fused(layer, q)
+                    side.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: the store's committer thread may register host memory meanwhile.
+                    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                        self._run_fused(layer, q)
+                    self._fused_graphs[key] = graph
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
 
     def _run_fused(self, layer: int, q: torch.Tensor) -> None:
-        """Launch the fused kernels of one layer for the rows of `q` (the index rows staged)."""
+        """Launch the fused kernels of one layer for the rows of `q` (the index rows staged; with
+        `fused_queries` `reference`, q is a template and the kernels read the staged reference)."""
         self._fused.run(q, self._fused_idx_dev, self.statistics.layer_rows(layer), self.statistics.previous_queries(layer),
                         *self.store.window(layer), layer / max(self.store.layers - 1, 1), self._fused_out_dev,
-                        validate=False)
+                        validate=False, q_ref=self._fused_ref_dev if self._fused_by_ref else None)
 
     # ------------------------------------------------------------------ prefill and release
     def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor,
@@ -258,10 +305,12 @@ class PredictedHeadPlanner:
         if extend:
             k, v = self.store.full_kv(seq_id, layer, device=k.device)
         self.statistics.store_prompt(layer, self.store.slot(seq_id), k, v, q_last)
+        self._ready_rows.clear()
 
     def release(self, seq_id: int) -> None:
         """Before the store frees the sequence's slot: its statistics are stale from now on."""
         self.statistics.forget(self.store.slot(seq_id))
+        self._ready_rows.clear()
 
     def absorb_spill(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The store's spill listener: window tokens `[Hkv, n, D]` of a slot move into its CPU segment."""
@@ -342,17 +391,23 @@ class PredictedHeadPlanner:
         (nothing changed yet)."""
         b = len(seq_ids)
         hq = self.geometry.q_heads
-        if tuple(q.shape) != (b, hq, self.geometry.head_dim):
+        if q.shape != (b, hq, self.geometry.head_dim):
             raise ValueError(f"q has shape {tuple(q.shape)}; expected [{b}, {hq}, {self.geometry.head_dim}]")
         if b == 0 or b > self.buckets[-1]:
             raise ValueError(f"{b} sequences in one step; allowed 1..kv_cache.max_sequences={self.buckets[-1]}")
         slots, window_len, cpu_len = store.step_rows(layer, seq_ids)
-        ready = self.statistics.ready(layer, slots)
-        if not ready.all():
-            missing = [s for s, r in zip(seq_ids, ready) if not r]
-            raise ValueError(
-                f"sequences {missing} have no prefill statistics at layer {layer}: the predicted policy needs the query of "
-                "the prompt's last token at prefill (HybridRuntime.prefill(..., q_last=q) for every layer)")
+        # Readiness changes only through this planner's prefill and release, which forget what was found.
+        key = (layer, *slots)
+        if key not in self._ready_rows:
+            ready = self.statistics.ready(layer, slots)
+            if not ready.all():
+                missing = [s for s, r in zip(seq_ids, ready) if not r]
+                raise ValueError(
+                    f"sequences {missing} have no prefill statistics at layer {layer}: the predicted policy needs the query "
+                    "of the prompt's last token at prefill (HybridRuntime.prefill(..., q_last=q) for every layer)")
+            if len(self._ready_rows) >= 4096:  # batches keep changing: start over rather than grow
+                self._ready_rows.clear()
+            self._ready_rows.add(key)
         return slots, window_len, cpu_len
 
     def _stage(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor,
@@ -361,8 +416,11 @@ class PredictedHeadPlanner:
         (the bucket; `max_sequences` on the fused path) and the rows' CPU lengths.
 
         Fused path: the slots and lengths into the pinned index buffer (the kernels read it
-        through its CUDA view; the previous call has been waited for), the queries by reference.
-        Torch paths (or `torch_path`): into the bucket's static buffers, padding rows pointing at
+        through its CUDA view; the previous call has been waited for). The queries: with
+        `fused_queries` `reference` their address and strides into the pinned reference (copied
+        into the bucket's fp32 static buffer first only for a dtype without graphs); with `static`
+        copied into that buffer when the graphs run (padding rows staged too), else launched as
+        they are. Torch paths (or `torch_path`): into the bucket's static buffers, padding rows pointing at
         the scratch row, one pinned host-to-device copy and one copy of the queries.
         """
         slots, window_len, cpu_len = self._check_step(layer, seq_ids, store, q)
@@ -373,11 +431,24 @@ class PredictedHeadPlanner:
                                  f"{q.dtype} on {q.device} with strides {q.stride()}")
             host = self._fused_idx_np
             host[:, :b] = (slots, slots, window_len, cpu_len)
-            if self._fused_graphs:
-                bucket = next(n for n in self.buckets if n >= b)
+            bucket = self._fused_bucket = self._bucket_of[b]
+            if self._fused_by_ref:
+                dtype = q.dtype
+                if self._fused_graphs and dtype not in self._graph_q_dtypes:  # not the store's dtype, not fp32
+                    static = self._q_static_rows[b]
+                    static.copy_(q)
+                    q, dtype = static, torch.float32
+                strides = q.stride()
+                ref = self._fused_ref_np
+                ref[0] = q.data_ptr()
+                ref[1] = strides[0]
+                ref[2] = strides[1]
+                ref[3] = b
+                self._fused_dtype = dtype
+                self._fused_q = q  # held until the launch (the kernels read it there)
+            elif self._fused_graphs:
                 host[:, b:bucket] = self._fused_pad[:, None]
-                self._q[bucket][:b].copy_(q)  # the graph's static queries (fp32)
-                self._fused_bucket = bucket
+                self._q_static_rows[b].copy_(q)  # the graph's static queries (fp32)
             else:
                 self._fused_q = q
             return self.buckets[-1], host[3, :b]  # the output's layout is max_sequences rows
@@ -399,10 +470,14 @@ class PredictedHeadPlanner:
         """The device part of a staged step, up to the plan in host memory once the stream gets there."""
         if self._fused is not None:
             if self._fused_graphs:
-                self._fused_graphs[(layer, self._fused_bucket)].replay()
+                self._fused_graphs[(layer, self._fused_bucket, self._fused_dtype)].replay()
+            elif self._fused_by_ref:
+                self._run_fused(layer, self._q_template[(self._fused_dtype, self._fused_bucket)])
             else:
                 self._run_fused(layer, self._fused_q)
-                self._fused_q = None  # the caller's tensor: not kept past the call
+            # The caller's tensor: not kept past the call (a later use of its memory is ordered after
+            # the kernels on the stream, as the allocator's reuse is).
+            self._fused_q = None
             return
         graph = self._graphs.get((layer, bucket))
         if graph is not None:
@@ -433,11 +508,20 @@ class PredictedHeadPlanner:
             # The one wait: the host builds the step's tasks from this plan (module docstring).
             self._done.record()
             self._done.synchronize()
+        return self._plan(layer, seq_ids, bucket, cpu_len)
+
+    def _plan(self, layer: int, seq_ids: Sequence[int], bucket: int, cpu_len: np.ndarray) -> HeadPlan:
+        """The plan of a step whose device part has finished, from the output in host memory."""
         b, hq = len(seq_ids), self.geometry.q_heads
         out = self._output(bucket)
         n = bucket * hq
-        budgets = out[3 * n : 3 * n + b * hq].reshape(b, hq).copy()
-        block_size = out[4 * n : 4 * n + b * self.geometry.kv_heads].reshape(b, -1).astype(np.int64)
+        if self._fused is not None:  # the plan's rows of the pinned output, as views made once
+            budgets, block_size = self._fused_plan_views[b]
+        else:
+            budgets = out[3 * n : 3 * n + b * hq].reshape(b, hq)
+            block_size = out[4 * n : 4 * n + b * self.geometry.kv_heads].reshape(b, -1)
+        budgets = budgets.copy()  # the buffers are the next call's
+        block_size = block_size.astype(np.int64)
         if self.on_selection is not None:  # the host selector on the same predictions, for reports
             pred = out[: 3 * n].reshape(3, bucket, hq)[:, :b]
             streaming = pred[2] if self.skip_streaming else self._no_streaming[self.buckets[-1]][:b]

@@ -294,16 +294,41 @@ def test_graph_replay_equals_eager():
 
 @pytest.mark.gpu
 def test_fused_graphs_equal_fused_launches():
-    """The fused path replayed from its CUDA graphs (static fp32 queries, padding rows for a batch
-    below its bucket) gives the plans of the same kernels launched on the caller's queries, step
+    """The fused path replayed from its CUDA graphs (queries by reference, a graph per layer, bucket
+    and the store's bf16 and fp32; rows past a batch below its bucket idle) gives the plans of the
+    same kernels launched by the host with the static queries' way (on the caller's tensor), step
     after step (the previous-query state included)."""
-    store, graphed, launched = cuda_planner_pair({"path": "fused"}, {"path": "fused", "capture": False})
-    assert len(graphed._fused_graphs) == 2 * len(graphed.buckets) and not launched._fused_graphs
+    store, graphed, launched = cuda_planner_pair({"path": "fused"},
+                                                 {"path": "fused", "capture": False, "fused_queries": "static"})
+    assert len(graphed._fused_graphs) == 2 * len(graphed.buckets) * 2 and not launched._fused_graphs
     for ids, a, b in cuda_planner_steps(store, graphed, launched, seed=43, q_dtype=torch.bfloat16):
         np.testing.assert_array_equal(a.block_size, b.block_size)
         np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-6)
         np.testing.assert_allclose(graphed.predictions(graphed.buckets[-1], len(ids)),
                                    launched.predictions(launched.buckets[-1], len(ids)), atol=1e-5, rtol=1e-5)
+    store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_fused_graphs_by_reference_equal_static_graphs(q_dtype):
+    """The graphs reading the queries by reference plan as the graphs reading the static buffer the
+    step copies them into (`fused_queries` `static`, the previous way): bf16 and fp32 queries by
+    reference, fp16 (no graph of its own) through the fp32 static buffer; the queries a strided view."""
+    store, by_ref, static = cuda_planner_pair({"path": "fused"}, {"path": "fused", "fused_queries": "static"})
+    assert len(static._fused_graphs) == 2 * len(static.buckets)
+    gen = torch.Generator().manual_seed(47)
+    m = by_ref.buckets[-1]
+    for step in range(3):
+        for ids in ([0, 1, 2], [2], [1, 0]):
+            for layer in (0, 1):
+                wide = torch.randn(len(ids), HQ, 2 * D, generator=gen).cuda().to(q_dtype)
+                q = wide[:, :, D:]  # rows and heads 2 D apart
+                store.append(layer, ids, *(torch.randn(len(ids), HKV, D, generator=gen).cuda() for _ in range(2)))
+                a, b = by_ref(layer, ids, store, q), static(layer, ids, store, q)
+                np.testing.assert_array_equal(a.block_size, b.block_size)
+                np.testing.assert_array_equal(a.budgets, b.budgets)
+                np.testing.assert_array_equal(by_ref.predictions(m, len(ids)), static.predictions(m, len(ids)))
     store.close()
 
 
@@ -385,6 +410,26 @@ def test_tiny_labels_train_a_predictor_that_plans(tmp_path, criterion):
 
 
 # ---------------------------------------------------------------------------- the overhead benchmark, tiny
+def test_overhead_benchmark_variants_are_fused_planners():
+    """`--fused-variant NAME:KEY=VALUE,...`: planner keys and launch choices, refused when unknown."""
+    from benchmarks import predictor_overhead as po
+
+    assert po.parse_variant("static:queries=static") == ("static", {"queries": "static"})
+    assert po.parse_variant("g4:predict_groups=4,predict_block_n=16") == ("g4", {"predict_groups": 4,
+                                                                               "predict_block_n": 16})
+    for bad, message in (("x", "expected NAME:KEY=VALUE"), ("x:parts", "is not KEY=VALUE"),
+                         ("x:warps=4", "unknown key 'warps'"), ("p4:parts=2", "would be the row")):
+        with pytest.raises(ValueError, match=message):
+            po.parse_variant(bad)
+    cfg = config()
+    with HybridRuntime(cfg) as rt:
+        from gpu_kernels._checks import interpreted
+
+        if rt.store.device.type == "cuda" or interpreted():
+            planner = po.variant_planner(cfg, rt, {"queries": "static", "parts": 2, "predict_block_n": 16})
+            assert planner.fused_queries == "static" and planner._fused.parts == 2
+
+
 def test_overhead_benchmark_runs_quick_on_the_cpu(tmp_path):
     import json
 

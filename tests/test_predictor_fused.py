@@ -84,14 +84,33 @@ def fused_for(case: Case, net: HeadPropertyNet, max_sequences: int, block_sizes=
         skip_streaming=skip_streaming, device=case.q.device)
 
 
+def queries_by_reference(q: torch.Tensor, grid_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`q`'s values in a strided view (rows and heads further apart than contiguous), a reference to
+    it and a template of `grid_rows` rows (zero-stride, d elements): what `run(q_ref=...)` takes.
+    Returns (template, reference, the view, to keep alive)."""
+    b, hq, d = q.shape
+    wide = torch.full((b, hq + 1, 2 * d), float("nan"), dtype=q.dtype, device=q.device)  # NaN: any stray read shows
+    view = wide[:, 1:, d:]
+    view.copy_(q)
+    ref = torch.tensor([view.data_ptr(), view.stride(0), view.stride(1), b], dtype=torch.int64, device=q.device)
+    template = torch.zeros(1, 1, d, dtype=q.dtype, device=q.device).expand(grid_rows, hq, d)
+    return template, ref, view
+
+
 def check_against_reference(case: Case, net: HeadPropertyNet, fused: FusedHeadPredictor, layer: int, n_layers: int,
-                            tol: dict, block_sizes=(16, 32, 64, 128), skip_streaming: bool = True) -> None:
+                            tol: dict, block_sizes=(16, 32, 64, 128), skip_streaming: bool = True,
+                            by_reference: bool = False) -> None:
     m, hq, hkv = fused.max_sequences, case.hq, case.hkv
     b = len(case.slots)
     out = torch.full((fused.out_size,), -7.0, device=case.q.device)
     prev = case.cache.previous_queries(0)
-    fused.run(case.q, case.idx, case.cache.layer_rows(0), prev, case.window_k, case.window_v,
-              layer / (n_layers - 1), out)
+    if by_reference:  # the grid spans max_sequences rows; those past the batch must do nothing
+        template, ref, kept = queries_by_reference(case.q, m)
+        fused.run(template, case.idx, case.cache.layer_rows(0), prev, case.window_k, case.window_v,
+                  layer / (n_layers - 1), out, q_ref=ref)
+    else:
+        fused.run(case.q, case.idx, case.cache.layer_rows(0), prev, case.window_k, case.window_v,
+                  layer / (n_layers - 1), out)
     ref = case.reference(layer, n_layers)
     got = fused.features[: b * hq]
     for j, name in enumerate(FEATURE_NAMES):
@@ -127,6 +146,26 @@ def test_fused_kernels_match_the_reference(hkv, g, d):
     assert case.idx[3, :3].tolist() == [0, 40, 130]
     net = random_network((40, 24), seed=g)
     check_against_reference(case, net, fused_for(case, net, 4), layer=1, n_layers=3, tol=INTERP_TOL)
+
+
+@pytest.mark.parametrize("hkv, g, parts", [(2, 4, 4), (3, 1, 2)])
+def test_fused_kernels_read_the_queries_by_reference(hkv, g, parts):
+    # The queries through `q_ref` (a strided view, its address and strides read by the kernels) on a
+    # grid of max_sequences = 4 rows for a batch of 3: the same features, predictions and plan as the
+    # queries passed as the tensor; the fourth row's programs write nothing (output, previous
+    # queries, arrival counts).
+    case = Case(hkv, g, 32, DEV, window=40, prompts=[12, 150, 60, 90], window_lens=[7, 40, 25], slots=[0, 2, 1],
+                max_sequences=4, seed=hkv * 10 + g + 5)
+    net = random_network((40, 24), seed=g + 1)
+    fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 4, "parts": parts,
+                                  "target_mean": net.target_mean.tolist(), "target_std": net.target_std.tolist(),
+                                  "block_sizes": (16, 32, 64, 128)})
+    check_against_reference(case, net, fused, layer=1, n_layers=3, tol=INTERP_TOL, by_reference=True)
+    assert (fused._arrivals == 0).all()
+    with pytest.raises(ValueError, match=r"q_ref has shape \(3,\)"):
+        fused.run(case.q, case.idx, case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k,
+                  case.window_v, 0.5, torch.zeros(fused.out_size, device=DEV),
+                  q_ref=torch.zeros(3, dtype=torch.int64, device=DEV))
 
 
 @pytest.mark.parametrize("parts", [1, 2, 4])
@@ -282,6 +321,41 @@ def run_planners(store, fused, other, device: torch.device | str, budget_tol: fl
                 np.testing.assert_allclose(fused.predictions(fused.buckets[-1], len(ids)),
                                            other.predictions(next(n for n in other.buckets if n >= len(ids)), len(ids)),
                                            atol=budget_tol, rtol=budget_tol)
+
+
+def test_fused_planner_queries_by_reference_equal_static_queries():
+    """The fused planner's two ways of handing the kernels the queries (`fused_queries`) plan alike,
+    step after step (previous queries included), with bf16 and fp32 queries and batches below their
+    bucket; neither keeps the caller's tensor past the call."""
+    cfg, store, by_ref, _ = planner_pair("fp32", (16, 16), "eager")
+    ckpt = Checkpoint(by_ref.model, list(FEATURE_NAMES), tau=0.1)
+    static = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="fused",
+                                  fused_queries="static")
+    try:
+        assert by_ref.fused_queries == "reference" and static.fused_queries == "static"
+        for s, n in ((0, 300), (1, 20), (2, 120)):
+            for layer in (0, 1):
+                k, v = (x.to(DEV) for x in random_kv(n, 2, 32, seed=60 + s + layer))
+                q_last = torch.randn(8, 32, generator=torch.Generator().manual_seed(s)).to(DEV)
+                store.prefill(s, layer, k, v)
+                by_ref.prefill(s, layer, k, v, q_last)
+                static.prefill(s, layer, k, v, q_last)
+        gen = torch.Generator().manual_seed(61)
+        m = by_ref.buckets[-1]
+        for step in range(2):
+            for ids in ([0, 1, 2], [2], [1, 0]):
+                for layer in (0, 1):
+                    q = torch.randn(len(ids), 8, 32, generator=gen).to(DEV, torch.bfloat16 if step else torch.float32)
+                    store.append(layer, ids, *(torch.randn(len(ids), 2, 32, generator=gen).to(DEV) for _ in range(2)))
+                    a, b = by_ref(layer, ids, store, q), static(layer, ids, store, q)
+                    assert by_ref._fused_q is None and static._fused_q is None
+                    np.testing.assert_array_equal(a.block_size, b.block_size)
+                    np.testing.assert_array_equal(a.budgets, b.budgets)
+                    np.testing.assert_array_equal(by_ref.predictions(m, len(ids)), static.predictions(m, len(ids)))
+        with pytest.raises(ValueError, match="fused_queries 'copy' is not one of"):
+            PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="fused", fused_queries="copy")
+    finally:
+        store.close()
 
 
 def test_fused_planner_equals_the_eager_planner():
