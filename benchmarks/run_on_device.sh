@@ -24,7 +24,8 @@ for step in $steps; do
         gpu_tests) timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests ;;
         kernel_tests) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
             tests/test_gpu_claims.py tests/test_launch.py tests/test_window_append.py tests/test_sparda.py \
-            tests/test_nosa.py tests/test_asynctls.py tests/test_predictor_fused.py tests/test_predictor_model.py ;;
+            tests/test_nosa.py tests/test_asynctls.py tests/test_predictor_fused.py tests/test_predictor_model.py \
+            tests/test_predicted_plans.py ;;
         gpu_attention) timeout 150 python benchmarks/gpu_attention.py --rounds 7 --out-dir "$out" ;;
         cpu_attention) timeout 150 python benchmarks/cpu_attention.py --out "$out" ;;
         layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-h100.json" ;;

@@ -842,7 +842,8 @@ class HybridRuntime:
         if sparda is not None:
             tasks = []  # the CPU segment is read by the SparDA executor alone
         elif getattr(self.planner, "uses_queries", False):
-            plan = self.planner(layer, seq_ids, store, q)
+            # Queries where the planner's device part reads them (a caller may pass host tensors).
+            plan = self.planner(layer, seq_ids, store, q if q.device == self.device else q.to(self.device))
             tasks = self._tasks(layer, seq_ids, plan)
         else:
             plan = self.planner(layer, seq_ids, store)

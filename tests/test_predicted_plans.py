@@ -85,10 +85,11 @@ def test_plans_are_the_selector_of_the_predictions_and_streaming_heads_get_no_ta
         for step in range(3):
             for layer in (0, 1):
                 q, k, v = step_inputs(2, gen)
+                q = q.to(rt.store.device)  # the planner reads queries where the store's window is
                 rt.store.append(layer, [0, 1], k, v)  # what decode does first for this planner
                 features = planner.step_features(layer, [0, 1], q)
                 plan = planner(layer, [0, 1], rt.store, q)
-                bgt0, kk, p = (x.numpy().reshape(2, HQ) for x in planner.model.predict(features))
+                bgt0, kk, p = (x.cpu().numpy().reshape(2, HQ) for x in planner.model.predict(features))
                 expected = planner.selector(bgt0, kk, p, np.array([rt.store.cpu_len(s, layer) for s in (0, 1)]))
                 np.testing.assert_array_equal(plan.block_size, expected.plan.block_size)
                 np.testing.assert_allclose(plan.budgets, expected.plan.budgets)
@@ -171,8 +172,8 @@ def test_decode_features_match_a_reference_from_the_full_kv_after_spills():
                     win_k, win_v = kf[keep].transpose(0, 1)[None], vf[keep].transpose(0, 1)[None]
                     ref = decode_features(ref_stats, q[:1], last_q[layer][:1], win_k, win_v,
                                           torch.tensor([keep.numel()]), layer, 2)
-                    torch.testing.assert_close(got[:HQ], ref, atol=2e-4, rtol=2e-4)
-                    planner(layer, [0, 3], store, q)  # the plan (and the previous query) of this step
+                    torch.testing.assert_close(got[:HQ].cpu(), ref, atol=2e-4, rtol=2e-4)
+                    planner(layer, [0, 3], store, q.to(store.device))  # the plan (and the previous query) of this step
                 else:
                     rt.decode(layer, [0, 3], q, k, v)
                 last_q[layer] = q
@@ -190,10 +191,10 @@ def test_chunked_prefill_statistics_equal_the_whole_prompt():
     store.prefill(0, 0, k[200:], v[200:], extend=True)
     planner.prefill(0, 0, k[200:], v[200:], q_last, extend=True)
     whole = compute_prefill_statistics(k, v, q_last, sink=KV["sink"], local=KV["local"], tau=planner.tau)
-    got = planner.statistics.gather(0, torch.tensor([store.slot(0)]))
+    got = planner.statistics.gather(0, torch.tensor([store.slot(0)], device=store.device))
     for f in dataclasses.fields(whole):
         if f.name != "tau":
-            torch.testing.assert_close(getattr(got, f.name), getattr(whole, f.name).float(), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(getattr(got, f.name).cpu(), getattr(whole, f.name).float(), atol=1e-5, rtol=1e-5)
 
 
 def test_buckets_and_released_slots():
@@ -328,7 +329,9 @@ def test_fused_graphs_by_reference_equal_static_graphs(q_dtype):
                 a, b = by_ref(layer, ids, store, q), static(layer, ids, store, q)
                 np.testing.assert_array_equal(a.block_size, b.block_size)
                 np.testing.assert_array_equal(a.budgets, b.budgets)
-                np.testing.assert_array_equal(by_ref.predictions(m, len(ids)), static.predictions(m, len(ids)))
+                # The same arithmetic on queries loaded two ways: compiled, a last-bit difference is possible.
+                np.testing.assert_allclose(by_ref.predictions(m, len(ids)), static.predictions(m, len(ids)),
+                                           rtol=1e-5, atol=1e-6)
     store.close()
 
 
