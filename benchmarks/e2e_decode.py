@@ -26,6 +26,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_eager_window, fluxion and cpu_only with `kv_cache.window_graphs: false`: the window part
     cpu_only_eager_window (append, attention over the GPU window) launched kernel by kernel each step
                         instead of replayed from a CUDA graph per (layer, batch size).
+    fluxion_ungated     fluxion with `scheduler.gate_trailing_claims: false`: a trailing step's GPU claim
+                        sized by the lane rates even where its CPU lane ends within the launcher's time.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -209,6 +211,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The window part launched kernel by kernel (the default replays it from CUDA graphs).
     Variant("fluxion_eager_window", "hybrid", placement="fluxion", kv_cache={"window_graphs": False}),
     Variant("cpu_only_eager_window", "hybrid", placement="cpu_only", kv_cache={"window_graphs": False}),
+    # Trailing steps claim GPU work as the lane rates size it, even where the CPU lane ends within the
+    # launcher's own time (the default reserves none there).
+    Variant("fluxion_ungated", "hybrid", placement="fluxion", scheduler={"gate_trailing_claims": False}),
 )}
 
 

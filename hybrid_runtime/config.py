@@ -338,6 +338,11 @@ class SchedulerConfig:
     # layer always waits, so they surface within the same model step). "auto": on where the
     # driver's stream wait on host memory exists; true: required (an error where it does not).
     cpu_lane_trails: bool | str = field(default="auto", metadata=_check(_check_cpu_lane_trails))
+    # Placement fluxion, a step that trails its CPU lane: the launcher thread is then the step's
+    # critical path, and a GPU claim adds host work to it. True: reserve no claim when the CPU lane
+    # alone ends within the launcher's measured time before the next step; false: claim as the
+    # lane rates size it.
+    gate_trailing_claims: bool = True
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this
@@ -374,6 +379,7 @@ IDLE_SCHEDULER_VALUES = {
     "gpu_share": (SchedulerConfig.gpu_share,),
     "spin_us": (SchedulerConfig.spin_us,),
     "cpu_lane_trails": ("auto", False),
+    "gate_trailing_claims": (SchedulerConfig.gate_trailing_claims,),
 }
 
 

@@ -158,11 +158,27 @@ class GpuLane:
         (`GpuUvaExecutor.retire_later`); any other executor is waited for inside its step."""
         return bool(getattr(self.executor, "retire_later", False))
 
-    def reserve_first(self, job: StepJob) -> None:
+    # A trailing step's CPU lane must end this long before the launcher needs its result: the
+    # device then still waits for the workers' count, copies their results and merges, and the
+    # model's next layer computes q (measured end to end: 0.1-0.3 ms, `q_wait` in e2e_decode).
+    TRAILING_CHAIN_S = 200e-6
+
+    def reserve_first(self, job: StepJob, launcher_slack_s: float | None = None) -> None:
         """The GPU's first claim of a shared step, taken from the queue's head before the CPU
         workers are woken: sized from the lanes' rates so both finish together, it cannot be
-        eaten by workers that start popping the moment the step is published."""
+        eaten by workers that start popping the moment the step is published.
+
+        `launcher_slack_s` (a step whose CPU lane will trail it, `Scheduler.launcher_slack`): the
+        launcher thread's time from releasing the workers to needing their result, which is then
+        the step's critical path. A claim adds its host work to that path, so none is reserved
+        when the CPU lane alone ends within it (measured: benchmarks/notes/e2e_overlap.md s. 6)."""
         gq = job.gpu_queue
+        if launcher_slack_s is not None:
+            rates = self.rates
+            cpu_s = rates.cpu_start.seconds + gq.total_bytes / rates.cpu_lane.bytes_per_s
+            if cpu_s + self.TRAILING_CHAIN_S <= launcher_slack_s:
+                job.gpu_gated = True
+                return
         want = self.claim_bytes(job, gq, 0.0, idle_stream=True, bias=self.rates.balance * gq.total_bytes)
         if want <= 0 and self.skipped >= self.EXPLORE_AFTER:
             want = 1.0  # one task: re-measure the GPU lane
@@ -177,7 +193,8 @@ class GpuLane:
         one with `SIDE_WORK_FIRST`). `cpu_trails`: return once the reserved first claim (the
         lane's only one then) and the side work are issued, without waiting for the CPU tasks
         (the caller waits for them on the device); a step that failed by then still waits."""
-        gq = job.gpu_queue if job.gpu_used else None
+        # A trailing step without a reserved claim launches nothing: no plan to build either.
+        gq = job.gpu_queue if job.gpu_used and not (cpu_trails and job.gpu_first is None) else None
         ex = self.executor
         plan, rows = None, None
         if gq is not None:

@@ -737,6 +737,7 @@ class HybridRuntime:
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
+        self.scheduler.note_entry(t_entry)
         if self.scheduler.cpu_inflight is not None:
             # The previous step's CPU tasks (`cpu_lane_trails`) end before this one changes anything;
             # its q reaching the host would wait for them anyway (its model layer needed their output).
@@ -1051,6 +1052,10 @@ class HybridRuntime:
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
+            # Trailing steps that reserved no GPU claim because their CPU lane ended within the
+            # launcher's time (scheduler.gate_trailing_claims), and that time (None until measured).
+            "trailing_claims_gated": sch.trailing_claims_gated,
+            "launcher_slack_us": sch.launcher_slack.seconds * 1e6 if sch.launcher_slack is not None else None,
             # Window parts replayed from a CUDA graph, and the graphs captured (kv_cache.window_graphs).
             "window_graph_replays": self._window_graphs.replays if self._window_graphs is not None else 0,
             "window_graph_captures": self._window_graphs.captures if self._window_graphs is not None else 0,

@@ -29,7 +29,7 @@ from hybrid_runtime.config import PLACEMENT_NAMES, ConfigError, SchedulerConfig
 from hybrid_runtime.executors.base import CpuTaskExecutor, Executor, GpuLaunchExecutor, native_kernel_of
 from hybrid_runtime.gpu_lane import GpuLane, as_launch_executor
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
-from hybrid_runtime.lane_rates import LaneRates, LaunchModel
+from hybrid_runtime.lane_rates import Delay, LaneRates, LaunchModel
 from hybrid_runtime.pinning import CorePlan, plan_cores
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU
 from hybrid_runtime.queues import NativeQueue
@@ -122,6 +122,12 @@ class Scheduler:
         # errors raised, before anything that needs it (`settle`).
         self.cpu_inflight: StepJob | None = None
         self.cpu_trailed_steps = 0  # steps that returned before their CPU tasks ended
+        # The launcher thread's time from releasing a trailing step's CPU workers to the next
+        # step's entry (the model's work between layers included): what a trailing step's CPU
+        # lane may take before it delays anything (`GpuLane.reserve_first`). None until measured.
+        self.launcher_slack: Delay | None = None
+        self._slack_from: float | None = None
+        self.trailing_claims_gated = 0  # trailing steps that reserved no GPU claim for that
         self._closed = False
         self._start_failed = False  # a CPU worker's start error was raised (or logged): closed
         # Not waited for here: the workers pin themselves and compile (or load) their loop while the
@@ -295,24 +301,30 @@ class Scheduler:
             waited = time.monotonic()
             self.await_workers()
             deadline += time.monotonic() - waited
+        cpu_trails = cpu_trails and job.cpu_used and self.native is not None and self.placement in ("fluxion", "cpu_only")
         if job.shared:
             # Before any CPU worker can pop: the reserved head is the GPU's whatever the order below.
-            self.lane.reserve_first(job)
+            slack = self.launcher_slack.seconds if cpu_trails and self.cfg.gate_trailing_claims and \
+                self.launcher_slack is not None else None
+            self.lane.reserve_first(job, launcher_slack_s=slack)
+            self.trailing_claims_gated += job.gpu_gated
         self.workers.job = job
         if job.cpu_used:
             if before_cpu is not None:
                 before_cpu()
             job.t_release = time.perf_counter()
             self.workers.wake()
-        if before_gpu is not None and job.gpu_used:
+        # A trailing step launches no GPU claim but its reserved one: without it, no GPU-lane buffers.
+        if before_gpu is not None and job.gpu_used and not (cpu_trails and job.gpu_first is None):
             try:
                 before_gpu()
             except BaseException as exc:
                 job.fail(exc)
-        cpu_trails = cpu_trails and job.cpu_used and self.native is not None and self.placement in ("fluxion", "cpu_only")
         self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails)
         if job.error is not None:
             raise job.error
+        if cpu_trails:
+            self._slack_from = job.t_release  # measured at the next step's entry (`note_entry`)
         if cpu_trails and not job.done():
             job.cpu_trailing, job.deadline = True, deadline
             self.cpu_inflight = job
@@ -320,6 +332,17 @@ class Scheduler:
             return
         if collect:
             self.collect(job)
+
+    def note_entry(self, t_entry: float) -> None:
+        """The caller entered its next step at host time `t_entry` (perf_counter): one sample of
+        `launcher_slack` when the previous step trailed."""
+        if self._slack_from is None:
+            return
+        sample, self._slack_from = t_entry - self._slack_from, None
+        if self.launcher_slack is None:
+            self.launcher_slack = Delay(sample)
+        else:
+            self.launcher_slack.update(sample)
 
     @staticmethod
     def cpu_lane_target(job: StepJob) -> int:

@@ -49,6 +49,8 @@ class StepJob:
     shared: bool = False
     gpu_first: tuple | None = None  # queue positions the GPU lane reserved before the CPU workers woke
     gpu_first_t: float = 0.0  # host time of that reservation
+    # A trailing step whose CPU lane ends within the launcher's own time: no GPU claim (`GpuLane.reserve_first`).
+    gpu_gated: bool = False
     error: BaseException | None = None
     gpu_batches: list = field(default_factory=list)  # [(start, end, task rows)] of every GPU launch
     columns: dict | None = None

@@ -177,6 +177,49 @@ def test_fluxion_trailing_step_keeps_the_gpu_to_its_reserved_claim():
         s.close()
 
 
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_trailing_step_whose_cpu_lane_ends_within_the_launchers_time_claims_nothing(gate):
+    """`gate_trailing_claims`: the launcher's measured time from a trailing step's release to the
+    next step's entry (`launcher_slack`) bounds what its CPU lane may take; a CPU lane modeled to
+    end within it leaves the GPU out (its claim would only add host work to the critical path)."""
+    import dataclasses
+
+    gpu = CountingGpu()
+    s, hits = scheduler("fluxion", gpu=gpu)
+    s.cfg = dataclasses.replace(s.cfg, gate_trailing_claims=gate)
+    s.tp_cpu_worker = 1e9
+    s.rates.cpu_lane.bytes_per_s = 2e9
+    s.rates.cpu_start.seconds = 0.0
+    s.gpu_model.lat, s.gpu_model.bw = 0.0, 2e9
+    try:
+        first = StepJob(0, id_tasks(N), batch=1)
+        s.run(first, cpu_trails=True)
+        assert s.launcher_slack is None and first.cpu_queue.reserved > 0  # nothing measured yet: claims as sized
+        time.sleep(0.05)
+        s.note_entry(time.perf_counter())  # the caller's next step: 50 ms after the release
+        assert s.launcher_slack.seconds >= 0.05
+        open_gate(hits)
+        await_count(s, first)
+        hits[-1] = 0  # hold the next step's tasks again
+        s.settle()
+        launches = len(gpu.batches)
+        s.rates.balance = 0.0  # (the first step taught the lanes a correction: back to the plain split)
+        job = StepJob(0, id_tasks(N, seed=1), batch=1)
+        s.run(job, cpu_trails=True)  # its CPU lane (modeled: microseconds) ends well within 50 ms
+        assert job.cpu_trailing and job.gpu_gated == gate
+        if gate:
+            assert job.cpu_queue.reserved == 0 and len(gpu.batches) == launches and s.trailing_claims_gated == 1
+            assert s.cpu_lane_target(job) == N
+        else:
+            assert job.cpu_queue.reserved > 0 and len(gpu.batches) == launches + 1 and s.trailing_claims_gated == 0
+        open_gate(hits)
+        await_count(s, job)
+        s.settle()
+    finally:
+        hits[-1] = 1
+        s.close()
+
+
 @pytest.mark.parametrize("placement", ["uniform", "length"])
 def test_static_placements_wait_for_their_cpu_tasks(placement):
     s, hits = scheduler(placement, gpu=CountingGpu())
