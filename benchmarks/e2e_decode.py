@@ -471,7 +471,9 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         # ... and, before that, for the kernel warm-up, which took `kernel_warmup_s` from construction on.
         row["kernel_warmup_wait_s"], row["kernel_warmup_s"] = st["warmup_wait_s"], st["warmup_s"]
         row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
-                                                   "tp_cpu_worker_GBps", "tp_gpu_GBps") if k in st}
+                                                   "tp_cpu_worker_GBps", "tp_gpu_GBps", "cpu_trailed_steps",
+                                                   "trailing_claims_gated", "launcher_slack_us", "window_graph_replays",
+                                                   "window_graph_captures") if k in st}
         return row
     finally:
         disable_hybrid_attention(model)  # closes the runtime it made
