@@ -256,6 +256,26 @@ def test_metrics_are_computed_from_the_points():
     })
 
 
+def test_repeated_variants_all_count_and_their_spread_is_reported():
+    """A variant listed twice runs twice: each run is annotated, the metrics hold every run to the
+    target (the worse one decides a max), and the markdown reports the runs' spread."""
+    pts = synthetic_points()
+    again = dict(pts[3], tpot_ms_median=80.0, tpot_ms_mean=84.0)  # fluxion at 4x32K once more, slower
+    pts.insert(4, again)
+    floors = {("m", 4): {"noattn_step_ms": 20.0, "dense_ctx16_step_ms": 21.0}}
+    e2e.annotate_points(pts, floors, ceiling_GBps=100.0)
+    assert pts[3]["tpot_over_floor"] == pytest.approx(1.5) and again["tpot_over_floor"] == pytest.approx(2.0)
+    m = e2e.assemble_metrics(pts)
+    assert m["fluxion_tpot_over_floor_max"] == pytest.approx(2.0)
+    assert m["offloaded_over_fluxion_tpot_min"] == pytest.approx(min(400 / 80, 3000 / 200))
+    (r,) = e2e.repeat_spread(pts)
+    assert (r["variant"], r["batch"], r["tpot_ms_medians"]) == ("fluxion", 4, [60.0, 80.0])
+    assert r["median_ms"] == pytest.approx(70.0) and r["spread"] == pytest.approx(80 / 60)
+    md = e2e.markdown({"device": "d", "host_cpu": "h", "commit": "c", "created": "t", "complete": True,
+                       "points": pts, "metrics": m})
+    assert "| m | 4 | 32K | fluxion | 2 | 60.0, 80.0 | 70.0 | 1.33 |" in md
+
+
 def test_metrics_with_missing_inputs_are_left_out():
     pts = [p for p in synthetic_points() if p["variant"] not in ("dense", "offloaded")]
     e2e.annotate_points(pts, {}, ceiling_GBps=None)  # no floors, no ceiling
