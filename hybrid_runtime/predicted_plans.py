@@ -141,7 +141,7 @@ class PredictedHeadPlanner:
         self.cuda = cuda
         self.path = path
         self.tau = checkpoint.tau
-        self.model = checkpoint.model.to(self.device).eval()
+        self._model = checkpoint.model.to(self.device).eval()
         self.statistics = PrefillStatisticsCache(geometry, kv, store.layers, self.device, checkpoint.tau)
         element_size = torch.tensor([], dtype=store.dtype).element_size()
         self.selector = GranularitySelector(geometry.group_size, geometry.head_dim, element_size,
@@ -255,6 +255,20 @@ class PredictedHeadPlanner:
         self._fused_pad = np.array([0, scratch, 1, 0], dtype=np.int64)
         if self.cuda and capture:
             self.capture_fused()
+
+    @property
+    def model(self) -> HeadPropertyNet:
+        """The head-property network the planner runs."""
+        return self._model
+
+    @model.setter
+    def model(self, net: HeadPropertyNet) -> None:
+        # Only the eager path reads the network at each step: the fused kernels took its weights
+        # when the planner was built, and the graph paths captured it.
+        if self.path != "eager":
+            raise ValueError(f"the {self.path!r} path took its network when the planner was built; a network set "
+                             "later would not run. Build the planner with checkpoint=... (or path='eager')")
+        self._model = net
 
     def capture_fused(self) -> None:
         """Capture the fused kernels of every (layer, batch bucket, queries' dtype) into CUDA graphs

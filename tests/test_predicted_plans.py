@@ -105,7 +105,7 @@ def test_plans_are_the_selector_of_the_predictions_and_streaming_heads_get_no_ta
 
 
 def test_runtime_output_matches_the_sparse_reference_of_its_plan():
-    with HybridRuntime(config()) as rt:
+    with HybridRuntime(config(device="cpu")) as rt:  # a swapped network: the eager path
         rt.planner.model = constant_checkpoint(0.04, 0.02, 0.0, head_split=True).model
         prefill(rt, rt.store, 0, 900, seed=4)
         prefill(rt, rt.store, 1, 500, seed=5)
@@ -197,6 +197,23 @@ def test_chunked_prefill_statistics_equal_the_whole_prompt():
     for f in dataclasses.fields(whole):
         if f.name != "tau":
             torch.testing.assert_close(getattr(got, f.name).cpu(), getattr(whole, f.name).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_network_swapped_after_construction_is_refused_where_it_would_not_run():
+    store = KVStore(config(device="cpu").kv_cache, config().geometry)
+    try:
+        eager = PredictedHeadPlanner(config().selection, config().geometry, store, path="eager")
+        eager.model = constant_checkpoint(0.05, 0.01, 0.0).model  # read at every step: allowed
+        if torch.cuda.is_available():
+            cuda_store = KVStore(config(device="cuda").kv_cache, config().geometry)
+            try:
+                fused = PredictedHeadPlanner(config().selection, config().geometry, cuda_store, capture=False)
+                with pytest.raises(ValueError, match="took its network when the planner was built"):
+                    fused.model = constant_checkpoint(0.05, 0.01, 0.0).model
+            finally:
+                cuda_store.close()
+    finally:
+        store.close()
 
 
 def test_buckets_and_released_slots():
