@@ -77,6 +77,37 @@ def test_labelled_text_reads_present_files_and_recomputes_absent_ones(tmp_path, 
     assert "--tau 0.02" in sources[1]["ranges_from"] and "--criterion score95" in sources[2]["ranges_from"]
 
 
+def test_labelled_text_recomputes_the_shipped_labels_when_absent(tmp_path, monkeypatch):
+    """Without the shipped checkpoint's labels file (a validation run needs only its texts), the ranges
+    are those its labels command reads; any other absent labels file is refused by name."""
+    from predictor.labels import LabelSettings, text_ranges
+    from predictor.model import load_checkpoint
+
+    from hybrid_runtime.config import resolve_checkpoint
+
+    monkeypatch.chdir(tmp_path)  # no runs/predictor/ here
+    shipped = load_checkpoint(resolve_checkpoint(pe.DEFAULT_CHECKPOINT)).data["file"]
+    labelled = np.random.default_rng(0).integers(0, 50_000, size=12 * 8192)
+    settings = pe.EvalSettings(policies=("fixed16_005", "predicted_thr06", "predicted_thr07"), labels=shipped)
+    ranges, sources = pe.labelled_text(settings, labelled)
+    assert ranges == sorted(text_ranges(torch.as_tensor(labelled), LabelSettings(texts=11, positions=16)))
+    assert len(ranges) == 11 and len(sources) == 1  # the thresholds' checkpoint is the shipped one
+    assert sources[0]["ranges_from"].startswith(f"python -m predictor.labels --out {shipped} ")
+    assert "--positions 16 --texts 11" in sources[0]["ranges_from"]
+    with pytest.raises(FileNotFoundError, match="elsewhere.npz"):
+        pe.labelled_text(pe.EvalSettings(policies=("fixed16_005",), labels="runs/elsewhere.npz"), labelled)
+
+
+def test_threshold_policies_and_threads_option():
+    for slug, threshold in (("predicted_thr06", 0.6), ("predicted_thr07", 0.7), ("predicted_thr08", 0.8)):
+        cfg = pe.runtime_config(pe.EvalSettings(policies=(slug,)), slug, 8192)
+        assert cfg.selection.streaming_threshold == threshold
+        assert cfg.selection.checkpoint == pe.DEFAULT_CHECKPOINT
+    with pytest.raises(ValueError, match="threads must be >= 0"):
+        pe.EvalSettings(policies=("predicted",), threads=-1)
+    assert pe.main(["--out", "unused", "--threads", "-1", "--policies", "predicted"]) == 2  # before the model loads
+
+
 def test_plan_tally_metrics_and_markdown():
     tally = pe.PlanTally()
     plan = HeadPlan(np.array([[16, 64]]), np.array([[0.1, 0.0, 0.0, 0.0, 0.0, 0.0]], dtype=np.float32))

@@ -110,6 +110,11 @@ POLICIES: dict[str, tuple[dict, str]] = {
     # 0.8: the threshold at which the previous default's held-out streaming precision reached 0.98 (0.948 at 0.5).
     "predicted_thr08": ({"name": "predicted", "streaming_threshold": 0.8},
                         "predicted, streaming only at p_streaming >= 0.8"),
+    # Between the default 0.5 and 0.8: validation candidates for the shipped checkpoint's threshold.
+    "predicted_thr06": ({"name": "predicted", "streaming_threshold": 0.6},
+                        "predicted, streaming only at p_streaming >= 0.6"),
+    "predicted_thr07": ({"name": "predicted", "streaming_threshold": 0.7},
+                        "predicted, streaming only at p_streaming >= 0.7"),
     "predicted_no_head_contribution": (
         {"name": "predicted", "checkpoint": "predictor/checkpoints/smollm2_output_no_head_contribution.pt"},
         "predicted, criterion: Eq. 2 without the head-contribution term"),
@@ -164,17 +169,23 @@ GROUPS = {
                                                            "predicted_tau015", "predicted_tau020"),
     "granularity": ("predicted", "predicted_blk16", "predicted_blk32"),
     "predictor vs exact labels": ("predicted_t8p8", "oracle_tau010", "predicted_tau015", "oracle_tau015"),
-    "streaming heads": ("predicted", "predicted_thr08", "predicted_no_streaming"),
+    "streaming heads": ("predicted", "predicted_thr06", "predicted_thr07", "predicted_thr08", "predicted_no_streaming"),
     "operating points": ("predicted_tau015_thr08", "predicted_tau020_thr08", "predicted_t11p16_thr08"),
     "budget criterion": ("predicted_t8p8", "predicted_no_head_contribution", "predicted_score95"),
 }
 
 
-def label_arguments(slug: str) -> dict[str, str]:
-    """The `python -m predictor.labels` flags of the labels a sweep or ablation checkpoint was trained on."""
+#: The `predictor.labels` flags (beyond the defaults) of the shipped checkpoint's labels file; its texts
+#: and positions, which do not depend on tau, are what the text check needs when that file is absent.
+SHIPPED_LABEL_FLAGS = "--texts 11 --positions 16 --tau 0.1"
+
+
+def label_arguments(slug: str, flags: str | None = None) -> dict[str, str]:
+    """The `python -m predictor.labels` flags of the labels a sweep or ablation checkpoint was trained
+    on (`flags`, when given, instead of `LABEL_FLAGS[slug]`)."""
     args = {"--lengths": "2048,4096,8192", "--positions": "8", "--texts": "8", "--tau": "0.1"}
-    flags = LABEL_FLAGS[slug].split()
-    args.update(zip(flags[::2], flags[1::2]))
+    given = (LABEL_FLAGS[slug] if flags is None else flags).split()
+    args.update(zip(given[::2], given[1::2]))
     return args
 
 
@@ -190,11 +201,11 @@ def checkpoint_commands(slug: str) -> list[str]:
             f"python -m predictor.train --data {data} --out {ckpt} --refit --threads 1 --hidden 256,256,128{extra}"]
 
 
-def label_settings(slug: str) -> Any:
-    """`predictor.labels.LabelSettings` of the labels command of `slug`'s checkpoint."""
+def label_settings(slug: str, flags: str | None = None) -> Any:
+    """`predictor.labels.LabelSettings` of the labels command of `slug`'s checkpoint (or of `flags`)."""
     from predictor.labels import LabelSettings
 
-    args = label_arguments(slug)
+    args = label_arguments(slug, flags)
     return LabelSettings(lengths=tuple(int(x) for x in args["--lengths"].split(",")), positions=int(args["--positions"]),
                          texts=int(args["--texts"]), tau=float(args["--tau"]),
                          criterion=args.get("--criterion", LabelSettings.criterion))
@@ -227,6 +238,8 @@ class EvalSettings:
             raise ValueError(f"predictor_eval.policies: {list(self.policies)} names a policy twice")
         if not self.lengths or self.positions < 1 or any(n <= self.positions + 1 for n in self.lengths):
             raise ValueError(f"predictor_eval.lengths {list(self.lengths)} must each exceed positions + 1 = {self.positions + 1}")
+        if self.threads < 0:
+            raise ValueError(f"predictor_eval.threads must be >= 0 (0: torch's default), got {self.threads}")
         if self.overlap_ngram < 4:
             raise ValueError(f"predictor_eval.overlap_ngram must be >= 4, got {self.overlap_ngram}")
         if self.validation_offset is not None:
@@ -333,15 +346,27 @@ def training_overlap(window: np.ndarray, labelled: np.ndarray, ranges: list[tupl
 def labelled_text(settings: EvalSettings, labelled: np.ndarray) -> tuple[list[tuple[int, int]], list[dict]]:
     """The corpus ranges every checkpoint of the evaluation was trained on, and where each came from.
 
-    The shipped checkpoint's labels file is required (its held-out metrics are reported). A sweep or
-    ablation checkpoint's labels file is read when present; when absent its ranges are recomputed
-    from the labels command that made it (`predictor.labels.text_ranges`: texts and positions do
-    not depend on tau or the criterion), so the evaluation does not need 18 CPU-minutes per file."""
+    Every labels file is read when present; when absent its ranges are recomputed from the labels
+    command that made it (`predictor.labels.text_ranges`: texts and positions do not depend on tau
+    or the criterion), so the evaluation does not need 18-35 CPU-minutes per file: a sweep or
+    ablation checkpoint's from `LABEL_FLAGS`, the shipped checkpoint's (`settings.labels`, when it
+    is the file that checkpoint names) from `SHIPPED_LABEL_FLAGS`. A scored run still reads the
+    shipped checkpoint's file for the held-out metrics (`heldout_metrics`)."""
     from predictor.labels import text_ranges
     from predictor.model import load_checkpoint
 
-    ranges: set = set(labelled_ranges(settings.labels))
-    sources = [{"labels": settings.labels, "ranges_from": "file"}]
+    if Path(settings.labels).is_file():
+        ranges: set = set(labelled_ranges(settings.labels))
+        sources = [{"labels": settings.labels, "ranges_from": "file"}]
+    elif settings.labels == load_checkpoint(resolve_checkpoint(DEFAULT_CHECKPOINT)).data.get("file"):
+        shipped = label_settings("predicted", SHIPPED_LABEL_FLAGS)
+        ranges = set(text_ranges(torch.as_tensor(labelled), shipped))
+        args = " ".join(f"{k} {v}" for k, v in label_arguments("predicted", SHIPPED_LABEL_FLAGS).items())
+        sources = [{"labels": settings.labels, "ranges_from": f"python -m predictor.labels --out {settings.labels} {args}"}]
+    else:
+        raise FileNotFoundError(f"predictor_eval.labels: no labels file at {settings.labels}, and it is not the file "
+                                f"the shipped checkpoint names, whose texts could be recomputed; allowed: an existing "
+                                f"labels file or the shipped checkpoint's")
     seen = {settings.labels}
     for slug in settings.policies:
         section = POLICIES.get(slug, ({}, ""))[0]
@@ -622,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int)
     parser.add_argument("--text-offset", type=int)
     parser.add_argument("--policies", nargs="+", choices=[*POLICIES, *ORACLES])
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--validation-offset", type=int,
                         help="a validation run on the window at this corpus offset (disjoint from the scored one): "
                              "for choosing settings; no held-out metrics, no --results-dir")
@@ -629,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(args.config, {"lengths": args.lengths, "positions": args.positions,
                                                "text_offset": args.text_offset, "policies": args.policies,
-                                               "validation_offset": args.validation_offset})
+                                               "validation_offset": args.validation_offset, "threads": args.threads})
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
