@@ -379,7 +379,7 @@ IDLE_SCHEDULER_VALUES = {
     "gpu_share": (SchedulerConfig.gpu_share,),
     "spin_us": (SchedulerConfig.spin_us,),
     "cpu_lane_trails": ("auto", False),
-    "gate_trailing_claims": (SchedulerConfig.gate_trailing_claims,),
+    "gate_trailing_claims": (SchedulerConfig.gate_trailing_claims, False),
 }
 
 
@@ -1016,12 +1016,14 @@ def resolved(cfg: Config, cuda: bool) -> Config:
     kv, sc = cfg.kv_cache, cfg.scheduler
     device = ("cuda" if cuda else "cpu") if kv.device == "auto" else kv.device
     lanes = starts_lanes(cfg.selection)
+    trails = lanes and sc.trails(cuda)
     return dataclasses.replace(
         cfg,
-        kv_cache=dataclasses.replace(kv, device=device),
+        # The CUDA-only switches as what they do here: nothing without CUDA (or trailing steps).
+        kv_cache=dataclasses.replace(kv, device=device, window_graphs=kv.window_graphs and device == "cuda"),
         scheduler=dataclasses.replace(sc, gpu_worker=lanes and sc.gpu_lane(cuda),
                                       cpu_workers=sc.cpu_worker_count() if lanes else 0,
-                                      cpu_lane_trails=sc.trails(cuda) if lanes else False),
+                                      cpu_lane_trails=trails, gate_trailing_claims=trails and sc.gate_trailing_claims),
     )
 
 

@@ -41,6 +41,13 @@ def test_gpu_worker_auto_means_a_gpu_lane_only_with_cuda():
     ran = resolved(config_from_dict({}), cuda=False)
     assert (ran.scheduler.gpu_worker, ran.kv_cache.device) == (False, "cpu")
     assert resolved(config_from_dict({}), cuda=True).scheduler.gpu_worker is True
+    # The CUDA-only switches resolve to what they do: nothing on the host.
+    sc, kv = ran.scheduler, ran.kv_cache
+    assert (sc.cpu_lane_trails, sc.gate_trailing_claims, kv.window_graphs) == (False, False, False)
+    on_cuda = resolved(config_from_dict({}), cuda=True)
+    assert (on_cuda.scheduler.cpu_lane_trails, on_cuda.scheduler.gate_trailing_claims, on_cuda.kv_cache.window_graphs) \
+        == (True, True, True)
+    assert config_from_dict(ran.to_dict()) == ran and config_from_dict(on_cuda.to_dict()) == on_cuda
 
 
 def test_shipped_configs_load():
