@@ -281,11 +281,7 @@ def sparda_cache_blocks(sparda: SpardaConfig, kv: "KVCacheConfig") -> int:
     return sparda.cache_blocks or 2 * sparda.top_k + spill_blocks(kv, sparda.block_size)
 
 
-def _check_gpu_worker(value: bool | str) -> str | None:
-    return None if isinstance(value, bool) or value == "auto" else "'auto', true or false"
-
-
-def _check_cpu_lane_trails(value: bool | str) -> str | None:
+def _check_auto_bool(value: bool | str) -> str | None:
     return None if isinstance(value, bool) or value == "auto" else "'auto', true or false"
 
 
@@ -319,7 +315,7 @@ class SchedulerConfig:
     cpu_workers: int | str = field(default="auto", metadata=_check(_check_cpu_workers))
     # The GPU lane: "auto" runs one where CUDA is; true without CUDA runs it with the torch
     # reference executor on the host (tests of the GPU-lane placements on CPU-only machines).
-    gpu_worker: bool | str = field(default="auto", metadata=_check(_check_gpu_worker))
+    gpu_worker: bool | str = field(default="auto", metadata=_check(_check_auto_bool))
     pin_cores: bool = True
     # Longest wait for one decode step's tasks, in seconds; a task still running then cannot be
     # interrupted (docs/architecture.md, "A task that does not return"). Also bounds close()'s joins.
@@ -337,7 +333,7 @@ class SchedulerConfig:
     # layer while the workers run. Errors of those tasks are raised by the next `decode` (the last
     # layer always waits, so they surface within the same model step). "auto": on where the
     # driver's stream wait on host memory exists; true: required (an error where it does not).
-    cpu_lane_trails: bool | str = field(default="auto", metadata=_check(_check_cpu_lane_trails))
+    cpu_lane_trails: bool | str = field(default="auto", metadata=_check(_check_auto_bool))
     # Placement fluxion, a step that trails its CPU lane: the launcher thread is then the step's
     # critical path, and a GPU claim adds host work to it. True: reserve no claim when the CPU lane
     # alone ends within the launcher's measured time before the next step; false: claim as the

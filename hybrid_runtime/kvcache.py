@@ -625,10 +625,9 @@ class KVStore:
         self._check_layer(layer)
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids {list(seq_ids)} repeat a sequence")
-        states = [self._layer_state(s, layer) for s in seq_ids]
-        limit = self.cfg.local + self.cfg.generated_cap
-        if any(st.recent_len + 1 > limit for st in states):
+        if self.will_spill(layer, seq_ids):
             raise ValueError(f"layer {layer}: appending to {list(seq_ids)} spills window pages; use append()")
+        states = [self._layer_state(s, layer) for s in seq_ids]
         rows = [st.sink_len + st.recent_len for st in states]
         for st in states:
             st.recent_len += 1

@@ -823,17 +823,13 @@ class HybridRuntime:
             side.wait_stream(caller)
             graphs = self._window_graphs if not append_first and sparda is None else None
             with use_stream(side, caller):
-                if graphs is not None:
-                    # Append and window replayed from the (layer, batch) graph: its own out, lse.
-                    window["ev0"] = self._event(side) if prof else None
-                    out, lse = graphs.run(layer, seq_ids, qs, k, v, side)
-                    window["ev1"] = self._event(side) if prof else None
-                else:
-                    if not append_first:
-                        store.append(layer, seq_ids, k, v)
-                    window["ev0"] = self._event(side) if prof else None
-                    out, lse = self._window(layer, seq_ids, qs)
-                    window["ev1"] = self._event(side) if prof else None
+                if graphs is None and not append_first:
+                    store.append(layer, seq_ids, k, v)
+                window["ev0"] = self._event(side) if prof else None
+                # From a graph, append and window are replayed together into the graph's own out, lse.
+                out, lse = graphs.run(layer, seq_ids, qs, k, v, side) if graphs is not None else \
+                    self._window(layer, seq_ids, qs)
+                window["ev1"] = self._event(side) if prof else None
             caller.wait_stream(side)  # the merges below run on the caller's stream
             if graphs is None:
                 out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's

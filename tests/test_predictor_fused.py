@@ -301,14 +301,19 @@ def planner_pair(kv_dtype: str, hidden: tuple[int, ...], other_path: str):
     return cfg, store, fused, other
 
 
-def run_planners(store, fused, other, device: torch.device | str, budget_tol: float) -> None:
-    for s, n in ((0, 300), (1, 20), (2, 120)):  # sequence 1: no CPU segment
+def prefill_planners(store, planners, device: torch.device | str, seed: int) -> None:
+    """Three sequences at layers 0 and 1 into the store and every planner (sequence 1: no CPU segment)."""
+    for s, n in ((0, 300), (1, 20), (2, 120)):
         for layer in (0, 1):
-            k, v = (x.to(device) for x in random_kv(n, 2, 32, seed=40 + s + layer))
+            k, v = (x.to(device) for x in random_kv(n, 2, 32, seed=seed + s + layer))
             q_last = torch.randn(8, 32, generator=torch.Generator().manual_seed(s)).to(device)
             store.prefill(s, layer, k, v)
-            fused.prefill(s, layer, k, v, q_last)
-            other.prefill(s, layer, k, v, q_last)
+            for planner in planners:
+                planner.prefill(s, layer, k, v, q_last)
+
+
+def run_planners(store, fused, other, device: torch.device | str, budget_tol: float) -> None:
+    prefill_planners(store, (fused, other), device, seed=40)
     gen = torch.Generator().manual_seed(41)
     for step in range(3):
         for ids in ([0, 1, 2], [2], [1, 0]):
@@ -333,13 +338,7 @@ def test_fused_planner_queries_by_reference_equal_static_queries():
                                   fused_queries="static")
     try:
         assert by_ref.fused_queries == "reference" and static.fused_queries == "static"
-        for s, n in ((0, 300), (1, 20), (2, 120)):
-            for layer in (0, 1):
-                k, v = (x.to(DEV) for x in random_kv(n, 2, 32, seed=60 + s + layer))
-                q_last = torch.randn(8, 32, generator=torch.Generator().manual_seed(s)).to(DEV)
-                store.prefill(s, layer, k, v)
-                by_ref.prefill(s, layer, k, v, q_last)
-                static.prefill(s, layer, k, v, q_last)
+        prefill_planners(store, (by_ref, static), DEV, seed=60)
         gen = torch.Generator().manual_seed(61)
         m = by_ref.buckets[-1]
         for step in range(2):
