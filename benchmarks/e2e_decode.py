@@ -28,6 +28,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         instead of replayed from a CUDA graph per (layer, batch size).
     fluxion_ungated     fluxion with `scheduler.gate_trailing_claims: false`: a trailing step's GPU claim
                         sized by the lane rates even where its CPU lane ends within the launcher's time.
+    fluxion_direct_claims fluxion with `scheduler.claim_graphs: false`: each GPU claim launches its two
+                        kernels directly instead of replaying them from a CUDA graph.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -214,6 +216,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Trailing steps claim GPU work as the lane rates size it, even where the CPU lane ends within the
     # launcher's own time (the default reserves none there).
     Variant("fluxion_ungated", "hybrid", placement="fluxion", scheduler={"gate_trailing_claims": False}),
+    # The GPU lane's claims launched kernel by kernel (the default replays them from CUDA graphs).
+    Variant("fluxion_direct_claims", "hybrid", placement="fluxion", scheduler={"claim_graphs": False}),
 )}
 
 
@@ -473,7 +477,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps", "cpu_trailed_steps",
                                                    "trailing_claims_gated", "launcher_slack_us", "window_graph_replays",
-                                                   "window_graph_captures") if k in st}
+                                                   "window_graph_captures", "claim_graph_replays",
+                                                   "claim_graph_captures") if k in st}
         return row
     finally:
         disable_hybrid_attention(model)  # closes the runtime it made

@@ -102,8 +102,26 @@ def _score_select_kernel(
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    _score_select_item(
+        tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+        q_ptr, stride_qb, stride_qh, arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
+        scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr, row0, NB_CAP,
+        N_COLS, G, BLOCK_G, D, BLOCK_B, SEL_CHUNK, CHUNK_ROWS, META_ROW,
+    )
+
+
+@triton.jit
+def _score_select_item(
+    t, pid_b, n_parts,
+    q_ptr, stride_qb, stride_qh,
+    arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
+    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
+    row0, NB_CAP,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
+):
+    """Part `pid_b` of `n_parts` of claim task `t` (table row `row0 + t`): its blocks' scores, and
+    the task's selection if it is the last part to finish (a program per part, or a looping one)."""
     r = row0 + t
     row = table_ptr + r.to(tl.int64) * N_COLS
     bi = tl.load(row + 0)
@@ -133,7 +151,7 @@ def _score_select_kernel(
     # ---- the last program of the task selects
     tl.debug_barrier()  # every thread's score stores are issued before the release below
     ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
-    if ticket == tl.num_programs(1) - 1:
+    if ticket == n_parts - 1:
         tl.store(ticket_ptr + t, 0)
         g = tl.arange(0, BLOCK_G)
         gmask = g < G

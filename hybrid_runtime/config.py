@@ -339,6 +339,10 @@ class SchedulerConfig:
     # alone ends within the launcher's measured time before the next step; false: claim as the
     # lane rates size it.
     gate_trailing_claims: bool = True
+    # CUDA GPU lane: each claim's two kernels read the claim from a pinned descriptor and are
+    # replayed from a CUDA graph (one replay per claim: less host time on the launcher thread);
+    # false launches them directly with the claim's arguments.
+    claim_graphs: bool = True
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this
@@ -376,6 +380,7 @@ IDLE_SCHEDULER_VALUES = {
     "spin_us": (SchedulerConfig.spin_us,),
     "cpu_lane_trails": ("auto", False),
     "gate_trailing_claims": (SchedulerConfig.gate_trailing_claims, False),
+    "claim_graphs": (SchedulerConfig.claim_graphs, False),
 }
 
 
@@ -1019,7 +1024,8 @@ def resolved(cfg: Config, cuda: bool) -> Config:
         kv_cache=dataclasses.replace(kv, device=device, window_graphs=kv.window_graphs and device == "cuda"),
         scheduler=dataclasses.replace(sc, gpu_worker=lanes and sc.gpu_lane(cuda),
                                       cpu_workers=sc.cpu_worker_count() if lanes else 0,
-                                      cpu_lane_trails=trails, gate_trailing_claims=trails and sc.gate_trailing_claims),
+                                      cpu_lane_trails=trails, gate_trailing_claims=trails and sc.gate_trailing_claims,
+                                      claim_graphs=lanes and cuda and sc.gpu_lane(cuda) and sc.claim_graphs),
     )
 
 

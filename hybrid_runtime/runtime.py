@@ -271,7 +271,7 @@ class HybridRuntime:
             elif torch.cuda.is_available():
                 from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 
-                gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream())
+                gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream(), claim_graphs=sc.claim_graphs)
                 # The link is measured now (the scheduler reads it); the claim kernels compile on
                 # the background warm-up thread, before the first decode step (warmup.py).
                 gpu_executor.measure_link()
@@ -1055,6 +1055,9 @@ class HybridRuntime:
             # Window parts replayed from a CUDA graph, and the graphs captured (kv_cache.window_graphs).
             "window_graph_replays": self._window_graphs.replays if self._window_graphs is not None else 0,
             "window_graph_captures": self._window_graphs.captures if self._window_graphs is not None else 0,
+            # GPU-lane claims replayed from a CUDA graph, and the graphs captured (scheduler.claim_graphs).
+            "claim_graph_replays": getattr(self.gpu_executor, "graph_replays", 0),
+            "claim_graph_captures": getattr(self.gpu_executor, "graph_captures", 0),
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
             "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }

@@ -43,10 +43,13 @@ def test_gpu_worker_auto_means_a_gpu_lane_only_with_cuda():
     assert resolved(config_from_dict({}), cuda=True).scheduler.gpu_worker is True
     # The CUDA-only switches resolve to what they do: nothing on the host.
     sc, kv = ran.scheduler, ran.kv_cache
-    assert (sc.cpu_lane_trails, sc.gate_trailing_claims, kv.window_graphs) == (False, False, False)
+    assert (sc.cpu_lane_trails, sc.gate_trailing_claims, sc.claim_graphs, kv.window_graphs) == (False,) * 4
     on_cuda = resolved(config_from_dict({}), cuda=True)
-    assert (on_cuda.scheduler.cpu_lane_trails, on_cuda.scheduler.gate_trailing_claims, on_cuda.kv_cache.window_graphs) \
-        == (True, True, True)
+    assert (on_cuda.scheduler.cpu_lane_trails, on_cuda.scheduler.gate_trailing_claims, on_cuda.scheduler.claim_graphs,
+            on_cuda.kv_cache.window_graphs) == (True,) * 4
+    # Claim graphs are the CUDA GPU lane's: without the lane they do nothing.
+    no_lane = resolved(config_from_dict({"scheduler": {"gpu_worker": False}}), cuda=True)
+    assert no_lane.scheduler.claim_graphs is False
     assert config_from_dict(ran.to_dict()) == ran and config_from_dict(on_cuda.to_dict()) == on_cuda
 
 

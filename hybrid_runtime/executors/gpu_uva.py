@@ -10,6 +10,13 @@ Python, no allocation: scratch buffers grow only at `upload`, when a step needs 
 step before it. Every kernel variant is compiled by `warm_up` (or `compile_kernels`), before the first
 decode step.
 
+With `claim_graphs` (the default) the two launches read the claim -- its rows, grids, table,
+step buffers and landing slot -- from a pinned descriptor row (`gpu_kernels/claim_descriptor.py`)
+and are captured once per landing slot into a CUDA graph: a claim is then one row write and one
+replay, not two launches with their argument handling (~0.2-0.3 ms of host time on the launcher
+thread during a step, benchmarks/notes/gpu_lane.md). Without CUDA the descriptor kernels launch
+directly (tests), and if a capture fails they do so on CUDA too.
+
 `run(tasks, step)` is the synchronous form of the same path for callers holding `Task` objects.
 Without CUDA the kernels run under Triton's interpreter on the host arena (tests only; slow).
 """
@@ -19,17 +26,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import logging
+
 import numpy as np
 import torch
 
 from cpu_kernels import layout
-from gpu_kernels.score_select import score_select
-from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, sparse_attention_claim
+from gpu_kernels._checks import cdiv
+from gpu_kernels.claim_descriptor import DESC_WORDS, claim_programs, launch_claim_descriptor
+from gpu_kernels.score_select import BLOCK_B, score_select
+from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, claim_splits, sparse_attention_claim
+from gpu_kernels.streams import use_stream
 from gpu_kernels.uva import uva_view
 from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table, step_table_views
 from hybrid_runtime import native_pool
 from hybrid_runtime.task_building import native_table
 from hybrid_runtime.tasks import Step, Task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,13 +84,14 @@ class GpuUvaExecutor:
     # the GPU lane may return from a step before the claim ended and retire it later (`GpuLane.trails`).
     retire_later = True
 
-    def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None):
+    def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None,
+                 claim_graphs: bool = True):
         self.store = store
         self.cuda = torch.cuda.is_available()
         self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
         self.stream = stream if stream is not None or not self.cuda else torch.cuda.Stream()
         self._stream_handle = self.stream.cuda_stream if self.cuda else None
-        self.config = config or SparseConfig()
+        self._config = config or SparseConfig()
         self.bytes_read = 0
         self.launches = 0
         self.link_bytes_per_s: float | None = None  # measured by warm_up (CUDA only)
@@ -85,9 +100,41 @@ class GpuUvaExecutor:
         self.esize = torch.tensor([], dtype=store.dtype).element_size()
         self._tables = StepTableBuffer(self.dev)
         self._resident: dict[int, tuple] = {}
+        self.claim_graphs = bool(claim_graphs)
+        self._graphs: list = [None] * self.RING  # per landing slot, captured by `_capture`
+        self.graph_replays = 0
+        self.graph_captures = 0
+        self.capture_error: str | None = None  # after a failed capture the descriptor kernels launch directly
+        # One descriptor row per landing slot (made whatever `claim_graphs`, which may be switched):
+        # a claim's row is rewritten only after the claim that last used the slot was retired
+        # (the ring's rule), so never while a kernel reads it.
+        self._desc = torch.zeros((self.RING, DESC_WORDS), dtype=torch.int64, pin_memory=self.cuda)
+        self._desc_np = self._desc.numpy()
+        self._desc_dev = uva_view(self._desc) if self.cuda else self._desc
+        # Only their dtypes matter (the kernels take the addresses from the descriptor).
+        self._carriers = (torch.empty(1, dtype=torch.float32, device=self.dev),
+                          torch.empty(1, dtype=store.dtype, device=self.dev),
+                          torch.empty(1, dtype=torch.int32, device=self.dev))
+        self._programs = claim_programs(self.dev, self._config)
+        self._capture_stream = torch.cuda.Stream() if self.cuda else None
         self._tasks_cap = 0
         self._blocks_cap = 0
         self._grow(max(1, store.cfg.max_sequences * store.kv_heads), 256)
+
+    @property
+    def config(self) -> SparseConfig:
+        """The claim kernels' launch shape; a new one drops the claim graphs (captured with the old)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: SparseConfig) -> None:
+        if config == self._config:
+            return
+        if self.cuda and any(gr is not None for gr in self._graphs):
+            self.stream.synchronize()  # a graph being replayed is not dropped under it
+        self._graphs = [None] * self.RING
+        self._config = config
+        self._programs = claim_programs(self.dev, config)
 
     # ------------------------------------------------------------------ buffers
     # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
@@ -103,6 +150,9 @@ class GpuUvaExecutor:
             return
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stream)  # old scratch may still be read
+            if any(gr is not None for gr in self._graphs):
+                self.stream.synchronize()  # the graphs read the old scratch: dropped only once idle
+        self._graphs = [None] * self.RING  # recaptured on their next use
         g, d, dev = self.group_size, self.head_dim, self.dev
         self._scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
         self._ublocks = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
@@ -207,6 +257,22 @@ class GpuUvaExecutor:
 
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
                  slot: int) -> None:
+        if self.claim_graphs:
+            self._write_descriptor(table, start, n, nb_max, pages_max, step, arena, slot)
+            graph = self._graphs[slot]
+            if graph is not None:
+                with use_stream(self.stream):
+                    graph.replay()
+                self.graph_replays += 1
+                return
+            if self.cuda:
+                with use_stream(self.stream):
+                    self._descriptor_kernels(slot)  # compiles a missing variant
+                if self.capture_error is None:
+                    self._capture(slot)
+            else:
+                self._descriptor_kernels(slot)
+            return
         stream = self._stream_handle
         score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, arena,
                      self._scores, self._tickets[0], self._ublocks, self._uheads, self._counts, self._ring_dev[slot],
@@ -214,6 +280,39 @@ class GpuUvaExecutor:
         sparse_attention_claim(table.table, table.chunks, start, n, pages_max, step.q, arena, self._ublocks,
                                self._uheads, self._counts, self._part_out, self._part_lse, self._tickets[1],
                                step.out, step.lse, self.config, stream)
+
+    def _write_descriptor(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step,
+                          arena, slot: int) -> None:
+        n_splits, pps = claim_splits(pages_max, self.config)
+        q = step.q
+        self._desc_np[slot] = (
+            table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), start, n,
+            cdiv(max(1, nb_max), BLOCK_B), n_splits, pps, arena.data_ptr(), self._ring_dev[slot].data_ptr(),
+            q.data_ptr(), q.stride(0), q.stride(1), step.out.data_ptr(), step.lse.data_ptr(), q.shape[1],
+        )
+
+    def _descriptor_kernels(self, slot: int) -> None:
+        """The claim of descriptor row `slot`, on the current stream."""
+        launch_claim_descriptor(self._desc_dev[slot], *self._carriers, self._scores, self._tickets, self._ublocks,
+                                self._uheads, self._counts, self._part_out, self._part_lse, self._programs, self.config)
+
+    def _capture(self, slot: int) -> None:
+        """Capture slot `slot`'s two launches (their kernels compiled already) into a CUDA graph."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # Thread-local: other threads (the store's committer, the warm-up) may call CUDA meanwhile.
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._descriptor_kernels(slot)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:  # the same kernels, launched directly, stay correct
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            log.warning("GPU lane: claim graph capture failed (%s); claims launch their kernels directly", exc)
+            return
+        self._graphs[slot] = graph
+        self.graph_captures += 1
 
     def run(self, tasks: Sequence[Task], step: Step) -> None:
         """Run `tasks` (any mix of sequences, KV heads and block sizes of `step.layer`) and wait."""
@@ -259,6 +358,10 @@ class GpuUvaExecutor:
             self.stream.wait_stream(torch.cuda.current_stream())
         # One variant per arena dtype and geometry; every layer's arena shares it.
         self.launch(self.upload(packed), 0, 1, step).wait()
+        if self.claim_graphs and self.cuda:
+            for slot in range(self.RING):  # now, not on a step's critical path
+                if self._graphs[slot] is None and self.capture_error is None:
+                    self._capture(slot)
         self.bytes_read = 0
         self.launches = 0
 
