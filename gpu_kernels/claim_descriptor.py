@@ -4,9 +4,17 @@
 as launch arguments: each claim is two launches with their Python around them, 0.2-0.3 ms of
 host time on the launcher thread during a step (benchmarks/notes/gpu_lane.md, sections 12-14),
 which is the step's critical path once the CPU lane trails it. Here the same work reads its
-inputs from one int64 row (`DESC_*` below) that the host writes before the launch, and the
-programs loop over the claim's work items, so the grids and every argument are fixed: the two
-launches can be captured once into a CUDA graph and a claim is one replay.
+inputs from one int64 row (`DESC_*` below) that the host writes before the launch, and a fixed
+number of programs pull the claim's work items from a counter, so the grids and every argument
+are fixed: the two launches can be captured once into a CUDA graph and a claim is one replay.
+
+Why pulled from a counter, not dealt round-robin (item p, p + P, ...): items differ in length --
+the program that takes a task's last score ticket runs its whole selection, ~0.1 ms, and unions
+differ in pages -- so a fixed deal left programs waiting behind long items. Measured on an H100
+at d83af28 (`benchmarks/layer_attention.py --direct-claims`, 8 x 32K): the dealt version moved
+42 GB/s against the direct launches' 51, and fluxion's layer-step took 2.14 ms against 1.78. A
+counter hands out items as programs free up, which is what the hardware does for a grid of one
+program per item. The last program to leave resets the counter for the next claim.
 
 The row is pinned host memory read by the kernels through a UVA view, like the window graphs'
 index rows; the host rewrites a row only after the claim that last read it ended (the GPU
@@ -54,16 +62,26 @@ def _addr(desc_ptr, word: tl.constexpr, carrier):
     return tl.load(desc_ptr + word).to(tl.pointer_type(carrier.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["N_PROGRAMS"], do_not_specialize_on_alignment=["desc_ptr"])
+@triton.jit
+def _leave(work_ptr, N_PROGRAMS):
+    """A program found no more work: the last of the grid to leave resets the counter (the
+    claim's next launch on the stream starts after this one ended, so it sees zeros)."""
+    left = tl.atomic_add(work_ptr + 1, 1)
+    if left == N_PROGRAMS - 1:
+        tl.store(work_ptr, 0)
+        tl.store(work_ptr + 1, 0)
+
+
+@triton.jit(do_not_specialize=["N_PROGRAMS"], do_not_specialize_on_alignment=["desc_ptr", "work_ptr"])
 def _score_select_desc_kernel(
     desc_ptr, q_carrier, arena_carrier, table_carrier,
-    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr,
+    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, work_ptr,
     NB_CAP, N_PROGRAMS,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
 ):
-    """`_score_select_kernel` over the claim the descriptor names; program p takes work items
-    (task, part) p, p + N_PROGRAMS, ... in task-major order."""
+    """`_score_select_kernel` over the claim the descriptor names; each program pulls work items
+    (task, part), task-major, from the counter `work_ptr[0]` until none is left."""
     table_ptr = _addr(desc_ptr, 0, table_carrier)
     nsel_ptr = _addr(desc_ptr, 1, table_carrier)
     chunks_ptr = _addr(desc_ptr, 2, table_carrier)
@@ -75,26 +93,31 @@ def _score_select_desc_kernel(
     q_ptr = _addr(desc_ptr, 10, q_carrier)
     stride_qb = tl.load(desc_ptr + 11)
     stride_qh = tl.load(desc_ptr + 12)
-    for item in tl.range(tl.program_id(0), n_tasks * n_parts, N_PROGRAMS, num_stages=1):
+    n_items = n_tasks * n_parts
+    item = tl.atomic_add(work_ptr, 1)
+    while item < n_items:
         _score_select_item(
             item // n_parts, item % n_parts, n_parts,
             q_ptr, stride_qb, stride_qh, arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
             scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr, row0, NB_CAP,
             N_COLS, G, BLOCK_G, D, BLOCK_B, SEL_CHUNK, CHUNK_ROWS, META_ROW,
         )
+        item = tl.atomic_add(work_ptr, 1)
+    _leave(work_ptr, N_PROGRAMS)
 
 
-@triton.jit(do_not_specialize=["N_PROGRAMS"], do_not_specialize_on_alignment=["desc_ptr"])
+@triton.jit(do_not_specialize=["N_PROGRAMS"], do_not_specialize_on_alignment=["desc_ptr", "work_ptr"])
 def _claim_desc_kernel(
     desc_ptr, q_carrier, arena_carrier, table_carrier,
-    ublocks_ptr, uheads_ptr, counts_ptr, part_out_ptr, part_lse_ptr, ticket_ptr,
+    ublocks_ptr, uheads_ptr, counts_ptr, part_out_ptr, part_lse_ptr, ticket_ptr, work_ptr,
     NB_CAP, N_PROGRAMS,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, V_ROW: tl.constexpr,
     CHUNK_TOKENS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GC: tl.constexpr, MAX_S: tl.constexpr, SB: tl.constexpr,
 ):
-    """`_sparse_attn_combine_kernel` over the claim the descriptor names (a looping grid)."""
+    """`_sparse_attn_combine_kernel` over the claim the descriptor names; each program pulls
+    (task, split) items from the counter `work_ptr[0]`."""
     table_ptr = _addr(desc_ptr, 0, table_carrier)
     chunks_ptr = _addr(desc_ptr, 2, table_carrier)
     row0 = tl.load(desc_ptr + 3).to(tl.int32)
@@ -108,7 +131,9 @@ def _claim_desc_kernel(
     out_ptr = _addr(desc_ptr, 13, q_carrier)
     lse_ptr = _addr(desc_ptr, 14, q_carrier)
     hq = tl.load(desc_ptr + 15).to(tl.int32)
-    for item in tl.range(tl.program_id(0), n_tasks * n_splits, N_PROGRAMS, num_stages=1):
+    n_items = n_tasks * n_splits
+    item = tl.atomic_add(work_ptr, 1)
+    while item < n_items:
         _claim_item(
             item // n_splits, item % n_splits,
             q_ptr, stride_qb, stride_qh, arena_ptr, table_ptr, chunks_ptr, ublocks_ptr, uheads_ptr, counts_ptr,
@@ -116,28 +141,32 @@ def _claim_desc_kernel(
             N_COLS, G, BLOCK_G, D, BLOCK_N, CHUNK_ROWS, V_ROW, CHUNK_TOKENS, PAGE, NUM_STAGES, DOT_PRECISION,
             GC, MAX_S, SB,
         )
+        item = tl.atomic_add(work_ptr, 1)
+    _leave(work_ptr, N_PROGRAMS)
 
 
 def claim_programs(device: torch.device, config: SparseConfig) -> tuple[int, int]:
-    """(score programs, attention programs) of the descriptor launches: enough resident programs
-    to keep the link busy (the claim is link-bound: its time hardly depends on its program count,
-    benchmarks/notes/gpu_lane.md section 11), few enough that the loops, not the grid, carry the
-    work. `config.claim_programs` overrides the attention launch's."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return 2 * sms, config.claim_programs if config.claim_programs > 0 else 3 * sms
+    """(score programs, attention programs) of the descriptor launches: at least as many as the
+    GPU holds at once (the attention kernel fits 3 programs an SM by registers, section 11 of
+    benchmarks/notes/gpu_lane.md), so that the counter, not the grid, bounds the work in flight;
+    programs beyond that start late, find no item and leave. `config.claim_programs` overrides
+    the attention launch's."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return 4 * sms, config.claim_programs if config.claim_programs > 0 else 4 * sms
 
 
 def launch_claim_descriptor(
     desc: torch.Tensor, q_carrier: torch.Tensor, arena_carrier: torch.Tensor, table_carrier: torch.Tensor,
     scores: torch.Tensor, tickets: torch.Tensor, ublocks: torch.Tensor, uheads: torch.Tensor, counts: torch.Tensor,
-    part_out: torch.Tensor, part_lse: torch.Tensor, programs: tuple[int, int], config: SparseConfig,
+    part_out: torch.Tensor, part_lse: torch.Tensor, work: torch.Tensor, programs: tuple[int, int],
+    config: SparseConfig,
 ) -> None:
     """Queue both launches of the claim `desc` (`[DESC_WORDS]` int64, device-readable) names, on
     the current stream. Everything else is fixed between claims (capturable): the scratch of
     `GpuUvaExecutor` (scores `[T, G, NB_CAP]` fp32, tickets `[2, T]` int32 zero, ublocks/uheads
     `[T, NB_CAP]`, counts `[T]` int32, part_out `[T, MAX_SPLITS, G, D]`, part_lse
-    `[T, MAX_SPLITS, G]`), the carriers' dtypes (q fp32, the arena's, the table's int32) and
-    the program counts."""
+    `[T, MAX_SPLITS, G]`, work `[4]` int32 zero: the two launches' item counters), the carriers'
+    dtypes (q fp32, the arena's, the table's int32) and the program counts."""
     g, d = part_out.shape[2], part_out.shape[3]
     block_g = max(2, next_pow2(g))
     nb_cap = scores.shape[2]
@@ -145,7 +174,7 @@ def launch_claim_descriptor(
     sel = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=d, BLOCK_B=BLOCK_B, SEL_CHUNK=SEL_ELEMS // block_g,
                CHUNK_ROWS=layout.CHUNK_ROWS, META_ROW=layout.META_ROW)
     _select_launch((n_score,), (desc, q_carrier, arena_carrier, table_carrier, scores, tickets[0], ublocks, uheads,
-                                counts, nb_cap, n_score),
+                                counts, work[0:2], nb_cap, n_score),
                    sel, tuple(sel.values()), {"num_warps": NUM_WARPS})
     att = dict(
         N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
@@ -154,7 +183,7 @@ def launch_claim_descriptor(
         DOT_PRECISION=dot_precision(arena_carrier.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
     )
     _attend_launch((n_attend,), (desc, q_carrier, arena_carrier, table_carrier, ublocks, uheads, counts, part_out,
-                                 part_lse, tickets[1], nb_cap, n_attend),
+                                 part_lse, tickets[1], work[2:4], nb_cap, n_attend),
                    att, tuple(att.values()), {"num_warps": config.num_warps})
 
 

@@ -341,5 +341,6 @@ def test_descriptor_claims_equal_direct_launches(bounds):
     assert torch.equal(out_g, out_d) and torch.equal(lse_g, lse_d)
     assert np.array_equal(bytes_g, bytes_d)
     assert torch.isfinite(lse_d).all()  # every head attended something
+    assert not ex._work.any()  # the launches' item counters are back at zero for the next claim
     if CUDA:
         assert ex.capture_error is None and ex.graph_captures >= ex.RING and ex.graph_replays == len(bounds)

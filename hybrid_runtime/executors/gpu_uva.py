@@ -116,6 +116,7 @@ class GpuUvaExecutor:
                           torch.empty(1, dtype=store.dtype, device=self.dev),
                           torch.empty(1, dtype=torch.int32, device=self.dev))
         self._programs = claim_programs(self.dev, self._config)
+        self._work = torch.zeros(4, dtype=torch.int32, device=self.dev)  # the descriptor launches' item counters
         self._capture_stream = torch.cuda.Stream() if self.cuda else None
         self._tasks_cap = 0
         self._blocks_cap = 0
@@ -294,7 +295,8 @@ class GpuUvaExecutor:
     def _descriptor_kernels(self, slot: int) -> None:
         """The claim of descriptor row `slot`, on the current stream."""
         launch_claim_descriptor(self._desc_dev[slot], *self._carriers, self._scores, self._tickets, self._ublocks,
-                                self._uheads, self._counts, self._part_out, self._part_lse, self._programs, self.config)
+                                self._uheads, self._counts, self._part_out, self._part_lse, self._work, self._programs,
+                                self.config)
 
     def _capture(self, slot: int) -> None:
         """Capture slot `slot`'s two launches (their kernels compiled already) into a CUDA graph."""
