@@ -28,8 +28,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         instead of replayed from a CUDA graph per (layer, batch size).
     fluxion_ungated     fluxion with `scheduler.gate_trailing_claims: false`: a trailing step's GPU claim
                         sized by the lane rates even where its CPU lane ends within the launcher's time.
-    fluxion_direct_claims fluxion with `scheduler.claim_graphs: false`: each GPU claim launches its two
-                        kernels directly instead of replaying them from a CUDA graph.
+    fluxion_claim_graphs fluxion with `scheduler.claim_graphs: true`: each GPU claim replays its two
+                        kernels from a CUDA graph instead of launching them directly.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -216,8 +216,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Trailing steps claim GPU work as the lane rates size it, even where the CPU lane ends within the
     # launcher's own time (the default reserves none there).
     Variant("fluxion_ungated", "hybrid", placement="fluxion", scheduler={"gate_trailing_claims": False}),
-    # The GPU lane's claims launched kernel by kernel (the default replays them from CUDA graphs).
-    Variant("fluxion_direct_claims", "hybrid", placement="fluxion", scheduler={"claim_graphs": False}),
+    # The GPU lane's claims replayed from CUDA graphs (the default launches their two kernels directly).
+    Variant("fluxion_claim_graphs", "hybrid", placement="fluxion", scheduler={"claim_graphs": True}),
 )}
 
 

@@ -221,20 +221,21 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         for v in args.claim_programs[1:]:
             runs[f"fluxion_cp{v}"] = ("fluxion", "mix")
             claim_cfg[f"fluxion_cp{v}"] = dataclasses.replace(gpu_ex.config, claim_programs=v)
-        # --direct-claims: a fluxion run whose claims launch their two kernels directly (the
-        # default replays them from CUDA graphs, scheduler.claim_graphs).
+        # --other-claims: a fluxion run whose claims take the other path of scheduler.claim_graphs
+        # (replayed from CUDA graphs, or launched directly), named after it.
         graphs_default = gpu_ex.claim_graphs
-        if args.direct_claims:
-            runs["fluxion_direct"] = ("fluxion", "mix")
-            claim_cfg["fluxion_direct"] = claim_cfg["fluxion"]
+        other = "fluxion_direct" if graphs_default else "fluxion_claim_graphs"
+        if args.other_claims:
+            runs[other] = ("fluxion", "mix")
+            claim_cfg[other] = claim_cfg["fluxion"]
 
         def one_step(name: str) -> None:
             placement, plan = runs[name]
-            # The placement's own lane-rate estimates; a claim-programs or direct-claims variant has its own.
-            own = name.startswith("fluxion_cp") or name == "fluxion_direct"
+            # The placement's own lane-rate estimates; a claim-programs or --other-claims variant has its own.
+            own = name.startswith("fluxion_cp") or name == other
             rt.scheduler.set_placement(placement, estimates=name if own else None)
             gpu_ex.config = claim_cfg[name]
-            gpu_ex.claim_graphs = graphs_default and name != "fluxion_direct"
+            gpu_ex.claim_graphs = graphs_default != (name == other)
             rt.planner = mix if plan == "mix" else fixed
             for layer in range(geo.layers):
                 q = torch.randn((batch, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -285,11 +286,11 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         gpu_ex.config = claim_cfg["fluxion"]
         gpu_ex.claim_graphs = graphs_default
         probe = probe_gpu_lane(rt, mix, batch, context) if args.gpu_probe else None
-        if probe is not None and args.direct_claims and graphs_default:
-            gpu_ex.claim_graphs = False
-            direct = probe_gpu_lane(rt, mix, batch, context)
+        if probe is not None and args.other_claims:
+            gpu_ex.claim_graphs = not graphs_default
+            again = probe_gpu_lane(rt, mix, batch, context)
             gpu_ex.claim_graphs = graphs_default
-            probe["direct"] = {k: direct[k] for k in ("claims", "fit_wall", "fit_gpu")}
+            probe[other.removeprefix("fluxion_")] = {k: again[k] for k in ("claims", "fit_wall", "fit_gpu")}
         return rows, probe
     finally:
         rt.close()
@@ -454,9 +455,10 @@ def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> di
             m[f"gpu_lane_fixed_cost{suffix}_us"] = probe[fit]["intercept_us"]
             if probe[fit]["GBps"] is not None:
                 m[f"gpu_lane_fit{suffix}_GBps"] = probe[fit]["GBps"]
-        direct = probe.get("direct") if probe else None
-        if direct and direct[fit]:  # --direct-claims: the same probe with the claims launched directly
-            m[f"gpu_lane_fixed_cost{suffix}_direct_us"] = direct[fit]["intercept_us"]
+        for path in ("direct", "claim_graphs"):  # --other-claims: the same probe on the other claim path
+            again = probe.get(path) if probe else None
+            if again and again[fit]:
+                m[f"gpu_lane_fixed_cost{suffix}_{path}_us"] = again[fit]["intercept_us"]
     return {k: v if isinstance(v, int) else float(v) for k, v in m.items()}
 
 
@@ -520,9 +522,10 @@ def main() -> None:
     ap.add_argument("--claim-programs", type=lambda x: [int(v) for v in x.split(",")], default=[0],
                     help="programs of a GPU claim's attention launch (0: one per task split); the first value "
                          "for every policy, each further one adds a fluxion run with it (e.g. 0,132,66)")
-    ap.add_argument("--direct-claims", action="store_true",
-                    help="also run fluxion with its claims' kernels launched directly (fluxion_direct) and probe "
-                         "the GPU lane that way too (gpu_lane_fixed_cost*_direct_us); the default replays claim graphs")
+    ap.add_argument("--other-claims", action="store_true",
+                    help="also run fluxion with its claims on the other path of scheduler.claim_graphs (the default "
+                         "launches their kernels directly: fluxion_claim_graphs replays them from CUDA graphs) and "
+                         "probe the GPU lane that way too (gpu_lane_fixed_cost*_claim_graphs_us)")
     ap.add_argument("--trace-dir", default=None, help="write the (8, 32K) Chrome trace (all policies) here")
     ap.add_argument("--no-gpu-probe", dest="gpu_probe", action="store_false",
                     help="skip probing the GPU lane alone at every point (no gpu_lane_* metrics)")
@@ -546,7 +549,7 @@ def main() -> None:
     annotate_points(points_out, limits["concurrent_ceiling_GBps"])
     metrics = assemble_metrics(points_out, limits, probes)
     config = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers,
-              "claim_programs": args.claim_programs, "direct_claims": args.direct_claims,
+              "claim_programs": args.claim_programs, "other_claims": args.other_claims,
               "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
               "seed": args.seed, "torch": torch.__version__, "pinning": cores.note}
     path = write(metrics, points_out, {"config": config, "machine_limits": measured, "gpu_lane_probes": probes}, args.out)

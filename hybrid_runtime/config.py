@@ -339,10 +339,12 @@ class SchedulerConfig:
     # alone ends within the launcher's measured time before the next step; false: claim as the
     # lane rates size it.
     gate_trailing_claims: bool = True
-    # CUDA GPU lane: each claim's two kernels read the claim from a pinned descriptor and are
-    # replayed from a CUDA graph (one replay per claim: less host time on the launcher thread);
-    # false launches them directly with the claim's arguments.
-    claim_graphs: bool = True
+    # CUDA GPU lane: true replays each claim's two kernels from a CUDA graph (they read the claim
+    # from a descriptor row and pull work items from a counter): one replay a claim instead of two
+    # launches on the launcher thread. Off by default: on the H100 the replayed claims cost
+    # 50-100 us more GPU time a claim than the direct launches and no layer-step got faster
+    # (benchmarks/notes/gpu_lane.md section 15).
+    claim_graphs: bool = False
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this

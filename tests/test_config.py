@@ -45,11 +45,14 @@ def test_gpu_worker_auto_means_a_gpu_lane_only_with_cuda():
     sc, kv = ran.scheduler, ran.kv_cache
     assert (sc.cpu_lane_trails, sc.gate_trailing_claims, sc.claim_graphs, kv.window_graphs) == (False,) * 4
     on_cuda = resolved(config_from_dict({}), cuda=True)
-    assert (on_cuda.scheduler.cpu_lane_trails, on_cuda.scheduler.gate_trailing_claims, on_cuda.scheduler.claim_graphs,
-            on_cuda.kv_cache.window_graphs) == (True,) * 4
+    assert (on_cuda.scheduler.cpu_lane_trails, on_cuda.scheduler.gate_trailing_claims,
+            on_cuda.kv_cache.window_graphs) == (True,) * 3
+    assert on_cuda.scheduler.claim_graphs is False  # off by default
     # Claim graphs are the CUDA GPU lane's: without the lane they do nothing.
-    no_lane = resolved(config_from_dict({"scheduler": {"gpu_worker": False}}), cuda=True)
-    assert no_lane.scheduler.claim_graphs is False
+    graphs = {"scheduler": {"claim_graphs": True}}
+    assert resolved(config_from_dict(graphs), cuda=True).scheduler.claim_graphs is True
+    no_lane = resolved(config_from_dict({"scheduler": {"gpu_worker": False, "claim_graphs": True}}), cuda=True)
+    assert no_lane.scheduler.claim_graphs is False and resolved(config_from_dict(graphs), cuda=False).scheduler.claim_graphs is False
     assert config_from_dict(ran.to_dict()) == ran and config_from_dict(on_cuda.to_dict()) == on_cuda
 
 

@@ -10,7 +10,8 @@ Python, no allocation: scratch buffers grow only at `upload`, when a step needs 
 step before it. Every kernel variant is compiled by `warm_up` (or `compile_kernels`), before the first
 decode step.
 
-With `claim_graphs` (the default) the two launches read the claim -- its rows, grids, table,
+With `claim_graphs` (`scheduler.claim_graphs`, off by default: measured slower on the GPU, see
+benchmarks/notes/gpu_lane.md section 15) the two launches read the claim -- its rows, grids, table,
 step buffers and landing slot -- from a pinned descriptor row (`gpu_kernels/claim_descriptor.py`)
 and are captured once per landing slot into a CUDA graph: a claim is then one row write and one
 replay, not two launches with their argument handling (~0.2-0.3 ms of host time on the launcher
@@ -85,7 +86,7 @@ class GpuUvaExecutor:
     retire_later = True
 
     def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None,
-                 claim_graphs: bool = True):
+                 claim_graphs: bool = False):
         self.store = store
         self.cuda = torch.cuda.is_available()
         self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
