@@ -22,16 +22,26 @@ the main stream (`--layer-compute`, default on): the GEMMs of one Llama-3.1-8B d
 in a real model.
 
 Per point and mode: time per layer (median over steps of the CUDA-event time of layers
-1..L-1, divided by L-1), blocks fetched and bytes moved per layer step, cache hit rate; in
-prefetch mode also the side stream's selection time (scores, top-k, cache assignment) and
-transfer time per layer (CUDA events around each). Metrics: `speedup_vs_sync_<point>` = sync /
-prefetch, `exposed_transfer_fraction_<point>` = (prefetch - hits) / (sync - hits) -- the share of
-the transfer still on the critical path -- and `hit_rate_<point>`.
+1..L-1, divided by L-1), blocks fetched and bytes moved per layer step, cache hit rate; the
+side stream's "selection" and "transfer" times per layer (CUDA events the executor records on the
+stream that selects: before the scores, after the cache plan, after the gather); and the host's
+time inside `SpardaExecutor.prefetch` per call (`prefetch_host_ms`). The two event intervals are
+wall time on that stream, not GPU work: they start once the caller's stream reached the prefetch
+(the executor's stream waits for it), and they also count the stream waiting for the host to issue
+the next launch when the GPU runs ahead of it, and SMs shared with the layer's own work on the
+main stream. Metrics: `speedup_vs_sync_<point>` = sync / prefetch,
+`exposed_transfer_fraction_<point>` = (prefetch - hits) / (sync - hits) -- the share of the
+transfer still on the critical path -- and `hit_rate_<point>`.
 
 After the modes, one more selection of layer 1 (fetch included) is counted twice: `selection_ops`,
 the torch operators it dispatches (views and other metadata-only ops left out) plus its Triton
 launches, on any device; and on CUDA `selection_launches`, the kernels, copies and memsets the
-torch profiler sees on the GPU (a torch operator may launch several kernels, e.g. a topk).
+torch profiler sees on the GPU (a torch operator may launch several kernels, e.g. a topk). Then,
+on CUDA, the selection alone: `selection_gpu_ms`, the GPU time of one selection of layer 1 (all
+hits after the first: scores, top-k, cache plan, a gather that copies nothing), from events
+around 10 of them queued behind a sleep kernel, so the host has issued all of them before the GPU
+starts (the events then time the device only); and `selection_host_ms`, the host's time to issue
+one (`SpardaExecutor._stage`, median of those 10).
 
     python benchmarks/sparda.py                            # (16, 32K) and (4, 128K), 8 layers
     python benchmarks/sparda.py --points 16x32768 --steps 10
@@ -132,6 +142,15 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
         print(f"  prefill {batch}x{context} x {geo.layers} layers: {time.perf_counter() - t0:.1f} s", flush=True)
         ex = rt.sparda
         ex.timing = cuda
+        prefetch_host_s: list[float] = []
+        untimed_prefetch = ex.prefetch
+
+        def timed_prefetch(*a, **k):
+            t = time.perf_counter()
+            untimed_prefetch(*a, **k)
+            prefetch_host_s.append(time.perf_counter() - t)
+
+        ex.prefetch = timed_prefetch  # the runtime's decode calls it through the executor
         compute = LayerCompute(batch, args.gemms, dev, dtype) if args.layer_compute else None
         seq_ids = list(range(batch))
         hkv, hq, d, n_layers = geo.kv_heads, geo.q_heads, geo.head_dim, geo.layers
@@ -154,6 +173,7 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
                     if cuda:
                         torch.cuda.synchronize()
                     sel0, fet0 = ex.cache.counts()
+                    prefetch_host_s.clear()
                 marks, events = [], []
                 marks.append(clock.mark())
                 for layer in range(n_layers):
@@ -183,7 +203,8 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
                    "step_ms_median": float(np.median([clock.ms(m[0], m[2]) for m in times])),
                    "hit_rate": 1.0 - (fet1 - fet0) / max(1, sel1 - sel0),
                    "blocks_selected_per_layer_step": (sel1 - sel0) / (args.steps * n_layers),
-                   "bytes_moved_per_layer_step": (fet1 - fet0) * ex.bytes_per_block / (args.steps * n_layers)}
+                   "bytes_moved_per_layer_step": (fet1 - fet0) * ex.bytes_per_block / (args.steps * n_layers),
+                   "prefetch_host_ms_median": float(np.median(prefetch_host_s)) * 1e3}
             if cuda:
                 sel = [e[0].elapsed_time(e[1]) for evs in sel_ms for e in evs[1:] if e is not None]
                 xf = [e[1].elapsed_time(e[2]) for evs in sel_ms for e in evs[1:] if e is not None]
@@ -193,13 +214,18 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
                     row["transfer_GBps"] = row["bytes_moved_per_layer_step"] / (float(np.mean(xf)) * 1e-3) / 1e9
             if mode == MODES[-1]:
                 ops, launches = count_selection(ex, seq_ids, looks[1], cuda)
+                alone = selection_alone(ex, seq_ids, looks[1]) if cuda else {}
                 for r in rows[-len(MODES) + 1:] + [row]:
                     r["selection_ops"], r["selection_launches"] = ops, launches
+                    r.update(alone)
                 print(f"  one selection: {ops} torch ops + Triton launches"
-                      + (f", {launches} GPU kernels/copies" if launches is not None else ""), flush=True)
+                      + (f", {launches} GPU kernels/copies" if launches is not None else "")
+                      + (f"; alone {alone['selection_gpu_ms']:.3f} ms GPU, {alone['selection_host_ms']:.3f} ms host"
+                         if alone else ""), flush=True)
             rows.append(row)
             print(f"  {mode:8s} layer {row['layer_ms_median']:.3f} ms (p90 {row['layer_ms_p90']:.3f}), hit rate "
-                  f"{row['hit_rate']:.3f}, {row['bytes_moved_per_layer_step'] / 2**20:.1f} MiB moved / layer step"
+                  f"{row['hit_rate']:.3f}, {row['bytes_moved_per_layer_step'] / 2**20:.1f} MiB moved / layer step, "
+                  f"prefetch host {row['prefetch_host_ms_median']:.3f} ms"
                   + (f", selection {row['selection_ms_median']:.3f} ms, transfer {row['transfer_ms_median']:.3f} ms"
                      if row.get("selection_ms_median") is not None else ""), flush=True)
     finally:
@@ -264,6 +290,29 @@ def count_selection(ex, seq_ids: list[int], queries: torch.Tensor, cuda: bool) -
     return Ops.n, len(gpu) or None
 
 
+def selection_alone(ex, seq_ids: list[int], queries: torch.Tensor, reps: int = 10) -> dict:
+    """GPU time of one selection of layer 1 with the host out of the way, and the host's time to
+    issue one: `reps` selections queued behind a sleep kernel long enough for the host to issue
+    them all, CUDA events around them (CUDA only)."""
+    timing, ex.timing = ex.timing, False
+    try:
+        ex._stage(1, tuple(seq_ids), queries)  # the blocks are cached from here on
+        torch.cuda.synchronize()
+        host = []
+        torch.cuda._sleep(200_000_000)  # ~0.1 s at ~2 GHz: far longer than issuing `reps` selections
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            t = time.perf_counter()
+            ex._stage(1, tuple(seq_ids), queries)
+            host.append(time.perf_counter() - t)
+        end.record()
+        torch.cuda.synchronize()
+    finally:
+        ex.timing = timing
+    return {"selection_gpu_ms": start.elapsed_time(end) / reps, "selection_host_ms": float(np.median(host)) * 1e3}
+
+
 def metrics_of(rows: list[dict]) -> dict:
     out: dict = {}
     points = sorted({(r["batch"], r["context"]) for r in rows})
@@ -277,7 +326,8 @@ def metrics_of(rows: list[dict]) -> dict:
         for m in MODES:
             out[f"layer_ms_{m}_{t}"] = by[m]["layer_ms_median"]
         out[f"bytes_moved_per_layer_step_{t}"] = by["prefetch"]["bytes_moved_per_layer_step"]
-        for key in ("selection_ms_median", "transfer_ms_median", "transfer_GBps", "selection_ops", "selection_launches"):
+        for key in ("selection_ms_median", "transfer_ms_median", "transfer_GBps", "selection_ops", "selection_launches",
+                    "prefetch_host_ms_median", "selection_gpu_ms", "selection_host_ms"):
             if by["prefetch"].get(key) is not None:
                 out[f"{key.replace('_median', '')}_{t}"] = by["prefetch"][key]
     return {k: v for k, v in out.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
@@ -290,20 +340,30 @@ def markdown(record: dict) -> str:
              f"{cfg['top_k']} blocks of {cfg['block_size']} tokens per KV group, query drift {cfg['query_drift']}, "
              f"layer compute {'on' if cfg['layer_compute'] else 'off'}; time per layer: median over {cfg['steps']} steps "
              "of layers 1..L-1.", "",
-             "| point | mode | ms / layer | p90 | hit rate | MiB moved / layer | selection ms | transfer ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| point | mode | ms / layer | p90 | hit rate | MiB moved / layer | selection ms | transfer ms | "
+             "prefetch host ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in record["points"]:
         sel = r.get("selection_ms_median")
         xf = r.get("transfer_ms_median")
+        host = r.get("prefetch_host_ms_median")
         lines.append(f"| {tag(r['batch'], r['context'])} | {r['mode']} | {r['layer_ms_median']:.3f} | {r['layer_ms_p90']:.3f} | "
                      f"{r['hit_rate']:.3f} | {r['bytes_moved_per_layer_step'] / 2**20:.1f} | "
-                     f"{'-' if sel is None else f'{sel:.3f}'} | {'-' if xf is None else f'{xf:.3f}'} |")
+                     f"{'-' if sel is None else f'{sel:.3f}'} | {'-' if xf is None else f'{xf:.3f}'} | "
+                     f"{'-' if host is None else f'{host:.3f}'} |")
+    lines += ["", "selection / transfer ms: wall time on the selecting stream (events before the scores, after the "
+              "cache plan, after the gather), waits for the host's launches included; prefetch host ms: the host's "
+              "time inside `SpardaExecutor.prefetch` per call."]
     m = record["metrics"]
     lines += ["", ", ".join(f"`{k}` {v:.3f}" for k, v in m.items() if k.startswith(("speedup", "exposed", "hit_rate")))]
     counts = [f"`{k}` {v:.0f}" for k, v in m.items() if k.startswith(("selection_ops", "selection_launches"))]
     if counts:
         lines += ["", "One selection of layer 1 with its fetch: " + ", ".join(counts) + " (torch ops dispatched + "
                   "Triton launches; GPU kernels, copies and memsets seen by the torch profiler)."]
+    alone = [f"`{k}` {v:.3f}" for k, v in m.items() if k.startswith(("selection_gpu_ms", "selection_host_ms"))]
+    if alone:
+        lines += ["", "One selection of layer 1 alone (all hits): " + ", ".join(alone) + " (GPU time with every "
+                  "launch queued before the GPU reached it; the host's time to issue it)."]
     return "\n".join(lines) + "\n"
 
 

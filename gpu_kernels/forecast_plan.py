@@ -1,4 +1,4 @@
-"""SparDA's block-cache assignment and fetch list on the device, in two launches around one topk.
+"""SparDA's block-cache plan on the device in one launch: lookup, eviction order, assignment, fetch list.
 
 One step's selection at one layer has `M = B * Hkv * E` entries: per (sequence, KV group) the
 `K` blocks of `torch.topk` over the sort keys (`gpu_kernels.forecast_scores`; a key of a
@@ -6,24 +6,34 @@ nonexistent block makes an entry without a block), then, after a spill, `E - K` 
 `extra_first[b]` on (valid while inside the segment). The cache's state is the
 `hybrid_runtime.forecast_block_cache.BlockCache` of that layer: `slot_of [keys + 1]` int32 (-1: not
 cached), `owner [slots + 1]` int64, `stamp [slots + 1]` int64 -- when each slot was last used,
-`step * P + slot` with `P = slots + 1` (distinct, so sorting them needs no tie rule), `slot - P`
-for a free slot, a huge value for the spare slot at the end.
+`step * P + slot` with `P = slots + 1` (distinct), `slot - P` for a free slot, a huge value for
+the spare slot at the end -- and `lru [slots]` int32, the slots in ascending stamp order (the
+eviction order: free slots, then least recently used, lower slots first among equals).
 
-1. **lookup** (one program per tile of entries): each entry's block and cache key, the slot
-   caching it (`slot_of`), and for a hit its stamp set to this step, which puts every slot this
-   step keeps behind all others;
-2. `torch.topk(stamp, M, largest=False)`: the slots in eviction order -- free ones, then least
-   recently used (the caller's launch);
-3. **assign** (one program, walking the entries in tiles with a running count): a miss takes the
-   next slot of that order (the r-th miss the r-th slot), evicting its previous block; every
-   block's `slot_of`, `owner` and stamp are written, and the entry's cache slot, valid tokens,
-   arena chunk, first row and fetch flag -- what `forecast_gather` and `slot_attention` read --
-   plus the layer's selected and fetched totals.
+One program walks four phases (a barrier between each; every phase is a loop over tiles):
+
+1. **lookup**: each entry's block and cache key, the slot caching it (`slot_of`); a hit's stamp is
+   set to this step (`now + slot`), which puts every slot this step keeps behind all others;
+2. **eviction order**: `lru_in` without the kept slots, in order (a running count over tiles):
+   its first `misses` slots are the victims (the r-th miss takes the r-th), the rest start
+   `lru_out` -- the slots this step leaves alone keep their order;
+3. **assign**: a miss takes its victim, evicting the victim's previous block; every block's
+   `slot_of`, `owner` and stamp are written, and the entry's cache slot, valid tokens, arena
+   chunk, first row and fetch flag -- what `forecast_gather` and `slot_attention` read -- plus the
+   layer's selected and fetched totals;
+4. **new order**: the slots used this step (stamp `now + slot`: hits and misses) in slot order
+   close `lru_out`.
+
+So `lru_out` is again the slots in ascending stamp order, and the victims are exactly the first
+`misses` slots of `torch.topk(stamp, M, largest=False)` after the lookup -- what the torch path
+(`BlockCache.assign`) takes -- without sorting the cache's stamps each step (a single-slice
+`torch.topk` of every slot's 64-bit stamp: one thread block, 32 two-bit radix passes, and a
+sort of its M results; at 16 x 32K that is 17665 stamps, M = 8192).
 
 At most `M` misses need slots and at least that many slots are not kept (`M <= slots`), so a
 miss never takes a kept slot. A victim's previous block was not selected this step (a selected
-cached block keeps its slot), so evictions never clear a key this step writes. The torch path
-(`BlockCache.place` without Triton) does the same operations in the same order.
+cached block keeps its slot), so evictions never clear a key this step writes; keys are
+distinct, so phase 3 reads the same `slot_of` as phase 1.
 """
 
 from __future__ import annotations
@@ -35,17 +45,15 @@ import triton.language as tl
 from gpu_kernels.forecast_scores import ORDER_NEG_INF
 from gpu_kernels.launch import CachedLaunch
 
-LOOKUP_TILE = 256
-ASSIGN_TILE = 1024
+ENTRY_TILE = 1024  # entries per step of phases 1 and 3
+SLOT_TILE = 2048  # slots per step of phases 2 and 4
 
 
-@triton.jit(do_not_specialize=["n_entries", "n_top", "n_extra", "stamp_base"],
-            do_not_specialize_on_alignment=["extra_first_ptr", "seq_slots_ptr"])
-def _lookup_kernel(top_keys_ptr, top_blocks_ptr, extra_first_ptr, seq_slots_ptr, lengths_ptr, slot_of_ptr, stamp_ptr,
-                   sel_key_ptr, sel_cur_ptr, sel_block_ptr, n_entries, n_top, n_extra, stamp_base,
-                   HKV: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLK: tl.constexpr, NEG_INF_ORDER: tl.constexpr,
-                   HAS_EXTRA: tl.constexpr, TILE: tl.constexpr):
-    e = tl.program_id(0) * TILE + tl.arange(0, TILE)
+@triton.jit
+def _entry(e, n_entries, n_top, n_extra, top_keys_ptr, top_blocks_ptr, extra_first_ptr, seq_slots_ptr, lengths_ptr,
+           HKV: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLK: tl.constexpr, NEG_INF_ORDER: tl.constexpr,
+           HAS_EXTRA: tl.constexpr):
+    """Entries `e`: (in range, valid, block, cache key or -1, batch row, KV head, sequence slot)."""
     m = e < n_entries
     n_entry = n_top + n_extra
     i = e % n_entry
@@ -65,45 +73,65 @@ def _lookup_kernel(top_keys_ptr, top_blocks_ptr, extra_first_ptr, seq_slots_ptr,
         valid = tl.where(is_top, valid, extra < n_blocks)
     valid = valid & m
     key = tl.where(valid, (slot * HKV + h) * MAX_BLOCKS + block, -1)
-    cur = tl.load(slot_of_ptr + key, mask=valid, other=-1)
-    tl.store(sel_key_ptr + e, key, mask=m)
-    tl.store(sel_cur_ptr + e, cur, mask=m)
-    tl.store(sel_block_ptr + e, block.to(tl.int32), mask=m)
-    hit = valid & (cur >= 0)
-    tl.store(stamp_ptr + cur, stamp_base + cur, mask=hit)
+    return m, valid, block, key, h, slot
 
 
-@triton.jit(do_not_specialize=["n_entries", "n_entry", "stamp_base", "layer"],
-            do_not_specialize_on_alignment=["seq_slots_ptr"])
-def _assign_kernel(sel_key_ptr, sel_cur_ptr, sel_block_ptr, victims_ptr, seq_slots_ptr, lengths_ptr, table_ptr,
-                   stride_ts, stride_th, slot_of_ptr, owner_ptr, stamp_ptr, selected_ptr, fetched_ptr,
-                   slots_out_ptr, ntok_out_ptr, chunk_out_ptr, row0_out_ptr, fetch_out_ptr,
-                   n_entries, n_entry, stamp_base, layer,
-                   HKV: tl.constexpr, SPARE: tl.constexpr, BLK: tl.constexpr, PER_CHUNK: tl.constexpr,
-                   MAX_CHUNKS: tl.constexpr, TILE: tl.constexpr):
-    misses = tl.zeros([], tl.int32)
+@triton.jit(do_not_specialize=["n_entries", "n_top", "n_extra", "stamp_base", "layer"],
+            do_not_specialize_on_alignment=["extra_first_ptr", "seq_slots_ptr"])
+def _plan_kernel(top_keys_ptr, top_blocks_ptr, extra_first_ptr, seq_slots_ptr, lengths_ptr, table_ptr,
+                 stride_ts, stride_th, slot_of_ptr, owner_ptr, stamp_ptr, lru_in_ptr, lru_out_ptr, victims_ptr,
+                 selected_ptr, fetched_ptr, slots_out_ptr, ntok_out_ptr, chunk_out_ptr, row0_out_ptr, fetch_out_ptr,
+                 n_entries, n_top, n_extra, stamp_base, layer,
+                 N_SLOTS: tl.constexpr, HKV: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLK: tl.constexpr,
+                 PER_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, NEG_INF_ORDER: tl.constexpr,
+                 HAS_EXTRA: tl.constexpr, ENTRIES: tl.constexpr, SLOTS: tl.constexpr):
+    # 1. lookup: hits keep their slot, stamped with this step.
     n_valid = tl.zeros([], tl.int32)
-    for start in range(0, n_entries, TILE):
-        e = start + tl.arange(0, TILE)
-        m = e < n_entries
-        key = tl.load(sel_key_ptr + e, mask=m, other=-1)
-        cur = tl.load(sel_cur_ptr + e, mask=m, other=-1).to(tl.int64)
-        block = tl.load(sel_block_ptr + e, mask=m, other=0)
-        valid = key >= 0
+    n_hit = tl.zeros([], tl.int32)
+    for start in range(0, n_entries, ENTRIES):
+        e = start + tl.arange(0, ENTRIES)
+        m, valid, block, key, h, slot = _entry(e, n_entries, n_top, n_extra, top_keys_ptr, top_blocks_ptr,
+                                               extra_first_ptr, seq_slots_ptr, lengths_ptr, HKV, MAX_BLOCKS, BLK,
+                                               NEG_INF_ORDER, HAS_EXTRA)
+        cur = tl.load(slot_of_ptr + key, mask=valid, other=-1).to(tl.int64)
+        hit = valid & (cur >= 0)
+        tl.store(stamp_ptr + cur, stamp_base + cur, mask=hit)
+        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+        n_hit += tl.sum(hit.to(tl.int32), axis=0)
+    misses = n_valid - n_hit
+    tl.debug_barrier()
+    # 2. the eviction order without the kept slots: the first `misses` are the victims, the rest
+    # open the new order.
+    left = tl.zeros([], tl.int32)
+    for start in range(0, N_SLOTS, SLOTS):
+        i = start + tl.arange(0, SLOTS)
+        m = i < N_SLOTS
+        s = tl.load(lru_in_ptr + i, mask=m, other=0)
+        free = m & (tl.load(stamp_ptr + s.to(tl.int64), mask=m, other=0) < stamp_base)
+        pos = left + tl.cumsum(free.to(tl.int32), axis=0) - 1
+        tl.store(victims_ptr + pos, s, mask=free & (pos < misses))
+        tl.store(lru_out_ptr + (pos - misses), s, mask=free & (pos >= misses))
+        left += tl.sum(free.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    # 3. assign: the r-th miss takes the r-th victim.
+    taken = tl.zeros([], tl.int32)
+    for start in range(0, n_entries, ENTRIES):
+        e = start + tl.arange(0, ENTRIES)
+        m, valid, block, key, h, slot = _entry(e, n_entries, n_top, n_extra, top_keys_ptr, top_blocks_ptr,
+                                               extra_first_ptr, seq_slots_ptr, lengths_ptr, HKV, MAX_BLOCKS, BLK,
+                                               NEG_INF_ORDER, HAS_EXTRA)
+        cur = tl.load(slot_of_ptr + key, mask=valid, other=-1).to(tl.int64)
         take = valid & (cur < 0)
         take_i = take.to(tl.int32)
-        rank = misses + tl.cumsum(take_i, axis=0) - 1
-        victim = tl.load(victims_ptr + rank, mask=take, other=SPARE)
+        rank = taken + tl.cumsum(take_i, axis=0) - 1
+        victim = tl.load(victims_ptr + rank, mask=take, other=N_SLOTS).to(tl.int64)
         prev = tl.load(owner_ptr + victim, mask=take, other=-1)
         tl.store(slot_of_ptr + prev, -1, mask=take & (prev >= 0))  # evicted
-        dst = tl.where(valid & (cur >= 0), cur, tl.where(take, victim, SPARE))
+        dst = tl.where(valid & (cur >= 0), cur, tl.where(take, victim, N_SLOTS))
         tl.store(slot_of_ptr + key, dst.to(tl.int32), mask=valid)
         tl.store(owner_ptr + dst, key, mask=valid)
         tl.store(stamp_ptr + dst, stamp_base + dst, mask=valid)
         # The fetch list: where the block lies in the arena, and its valid tokens.
-        row = e // n_entry
-        h = row % HKV
-        slot = tl.load(seq_slots_ptr + row // HKV, mask=m, other=0).to(tl.int64)
         n = tl.load(lengths_ptr + slot, mask=m, other=0)
         ntok = tl.where(valid, tl.minimum(tl.maximum(n - block * BLK, 0), BLK), 0)
         pos = tl.minimum(block // PER_CHUNK, MAX_CHUNKS - 1)
@@ -113,51 +141,46 @@ def _assign_kernel(sel_key_ptr, sel_cur_ptr, sel_block_ptr, victims_ptr, seq_slo
         tl.store(chunk_out_ptr + e, chunk, mask=m)
         tl.store(row0_out_ptr + e, (block % PER_CHUNK) * BLK, mask=m)
         tl.store(fetch_out_ptr + e, take_i.to(tl.uint8), mask=m)
-        misses += tl.sum(take_i, axis=0)
-        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+        taken += tl.sum(take_i, axis=0)
     tl.store(selected_ptr + layer, tl.load(selected_ptr + layer) + n_valid)
     tl.store(fetched_ptr + layer, tl.load(fetched_ptr + layer) + misses)
+    tl.debug_barrier()
+    # 4. the slots used this step, in slot order (their stamps' order), close the new order.
+    used = tl.zeros([], tl.int32)
+    for start in range(0, N_SLOTS, SLOTS):
+        s = start + tl.arange(0, SLOTS)
+        m = s < N_SLOTS
+        mine = m & (tl.load(stamp_ptr + s, mask=m, other=0) >= stamp_base)
+        pos = N_SLOTS - n_valid + used + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        tl.store(lru_out_ptr + pos, s, mask=mine)
+        used += tl.sum(mine.to(tl.int32), axis=0)
 
 
-_lookup = CachedLaunch(_lookup_kernel)
-_assign = CachedLaunch(_assign_kernel)
+_plan = CachedLaunch(_plan_kernel)
 
 
-def lookup_blocks(top_keys: torch.Tensor, top_blocks: torch.Tensor, extra_first: torch.Tensor | None, n_extra: int,
-                  seq_slots: torch.Tensor, lengths: torch.Tensor, slot_of: torch.Tensor, stamp: torch.Tensor,
-                  stamp_base: int, sel_key: torch.Tensor, sel_cur: torch.Tensor, sel_block: torch.Tensor,
-                  max_blocks: int, block_size: int, stream: int | None = None) -> None:
-    """Launch 1: `top_keys, top_blocks [B, Hkv, K]` int64 (topk of the sort keys) and, with
-    `extra_first [B]` int32, `n_extra` more blocks per row -> `sel_key [M]` int64 (cache key, -1:
-    no block), `sel_cur [M]` int32 (its cache slot, -1: a miss), `sel_block [M]` int32; the
-    stamps of hit slots set to `stamp_base + slot`."""
+def plan_blocks(top_keys: torch.Tensor, top_blocks: torch.Tensor, extra_first: torch.Tensor | None, n_extra: int,
+                seq_slots: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, slot_of: torch.Tensor,
+                owner: torch.Tensor, stamp: torch.Tensor, lru_in: torch.Tensor, lru_out: torch.Tensor,
+                victims: torch.Tensor, stamp_base: int, selected: torch.Tensor, fetched: torch.Tensor, layer: int,
+                slots_out: torch.Tensor, ntok_out: torch.Tensor, chunk_out: torch.Tensor, row0_out: torch.Tensor,
+                fetch_out: torch.Tensor, max_blocks: int, block_size: int, chunk_tokens: int,
+                stream: int | None = None) -> None:
+    """One launch (one program): `top_keys, top_blocks [B, Hkv, K]` int64 (topk of the sort keys)
+    and, with `extra_first [B]` int32, `n_extra` more blocks per row -> cache slots for the `M`
+    entries. Reads `lru_in [slots]` int32 (the eviction order) and writes the next one to
+    `lru_out`; `victims [>= M]` int32 scratch; writes the cache state (`slot_of`, `owner`,
+    `stamp`), `slots_out [M]` int64, `ntok_out, chunk_out, row0_out [M]` int32, `fetch_out [M]`
+    uint8, and adds to `selected/fetched[layer]`. Shapes are the caller's contract (the cache's own buffers)."""
     b, hkv, k = top_keys.shape
     m = b * hkv * (k + n_extra)
-    args = (top_keys, top_blocks, top_keys if extra_first is None else extra_first, seq_slots, lengths, slot_of, stamp,
-            sel_key, sel_cur, sel_block, m, k, n_extra, stamp_base)
-    constexprs = {"HKV": hkv, "MAX_BLOCKS": max_blocks, "BLK": block_size, "NEG_INF_ORDER": ORDER_NEG_INF,
-                  "HAS_EXTRA": extra_first is not None, "TILE": LOOKUP_TILE}
-    _lookup((triton.cdiv(m, LOOKUP_TILE),), args, constexprs, (hkv, max_blocks, block_size, extra_first is not None),
-            {"num_warps": 4}, stream=stream)
+    args = (top_keys, top_blocks, top_keys if extra_first is None else extra_first, seq_slots, lengths, table,
+            table.stride(0), table.stride(1), slot_of, owner, stamp, lru_in, lru_out, victims, selected, fetched,
+            slots_out, ntok_out, chunk_out, row0_out, fetch_out, m, k, n_extra, stamp_base, layer)
+    constexprs = {"N_SLOTS": lru_in.numel(), "HKV": hkv, "MAX_BLOCKS": max_blocks, "BLK": block_size,
+                  "PER_CHUNK": chunk_tokens // block_size, "MAX_CHUNKS": table.shape[2], "NEG_INF_ORDER": ORDER_NEG_INF,
+                  "HAS_EXTRA": extra_first is not None, "ENTRIES": ENTRY_TILE, "SLOTS": SLOT_TILE}
+    _plan((1,), args, constexprs, tuple(constexprs.values()), {"num_warps": 16}, stream=stream)
 
 
-def assign_blocks(sel_key: torch.Tensor, sel_cur: torch.Tensor, sel_block: torch.Tensor, victims: torch.Tensor,
-                  n_entry: int, seq_slots: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor,
-                  slot_of: torch.Tensor, owner: torch.Tensor, stamp: torch.Tensor, stamp_base: int,
-                  selected: torch.Tensor, fetched: torch.Tensor, layer: int, slots_out: torch.Tensor,
-                  ntok_out: torch.Tensor, chunk_out: torch.Tensor, row0_out: torch.Tensor, fetch_out: torch.Tensor,
-                  block_size: int, chunk_tokens: int, stream: int | None = None) -> None:
-    """Launch 3 (one program): cache slots for launch 1's entries, `victims [>= M]` int64 the
-    slots in eviction order; writes the cache state, `slots_out [M]` int64, `ntok_out [M]` int32,
-    `chunk_out, row0_out [M]` int32, `fetch_out [M]` uint8, and adds to `selected/fetched[layer]`."""
-    m = sel_key.numel()
-    hkv = table.shape[1]
-    args = (sel_key, sel_cur, sel_block, victims, seq_slots, lengths, table, table.stride(0), table.stride(1), slot_of,
-            owner, stamp, selected, fetched, slots_out, ntok_out, chunk_out, row0_out, fetch_out,
-            m, n_entry, stamp_base, layer)
-    constexprs = {"HKV": hkv, "SPARE": owner.numel() - 1, "BLK": block_size, "PER_CHUNK": chunk_tokens // block_size,
-                  "MAX_CHUNKS": table.shape[2], "TILE": ASSIGN_TILE}
-    _assign((1,), args, constexprs, tuple(constexprs.values()), {"num_warps": 8}, stream=stream)
-
-
-__all__ = ["assign_blocks", "lookup_blocks"]
+__all__ = ["plan_blocks"]

@@ -12,11 +12,14 @@ synchronisation, no data-dependent sizes), where each block lives: a block alrea
 its slot (a hit); every other one gets a slot not selected this step -- free ones first, then the
 least recently used, lower slots first among equals -- whose previous block is evicted; only those
 are fetched. It also writes the fetch list (arena chunk and first row of each block) and each
-entry's valid tokens. On CUDA that is two Triton launches around one `torch.topk`
-(`gpu_kernels/forecast_plan.py`); on the host the same steps in torch (`assign` is its cache part,
-on explicit keys). Entries without a block write to a spare slot and key at the end of each
-array. A block whose tokens change (the partly filled last block of a segment that a spill
-extends) must be forgotten first (`invalidate`).
+entry's valid tokens. On CUDA that is one Triton launch (`gpu_kernels/forecast_plan.py`), which
+keeps the eviction order as a list (`lru`: the slots in ascending stamp order, two buffers per
+layer, read one and write the other) instead of sorting every slot's stamp each step; on the host
+the same steps in torch (`assign` is its cache part, on explicit keys: a `torch.topk` of the
+stamps). Entries without a block write to a spare slot and key at the end of each array. A block
+whose tokens change (the partly filled last block of a segment that a spill extends) must be
+forgotten first (`invalidate`); that and the torch path leave the order list stale, and the next
+launch rebuilds it from the stamps first (one sort, off the steady state).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_kernels.forecast_plan import assign_blocks, lookup_blocks
+from gpu_kernels.forecast_plan import plan_blocks
 from gpu_kernels.forecast_scores import is_valid_key
 
 SPARE_STAMP = 1 << 62  # the spare slot is never a victim
@@ -58,6 +61,12 @@ class BlockCache:
         self.owner = [torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device) for _ in range(layers)]
         self.stamp = [self._free_stamps(device) for _ in range(layers)]
         self.steps = [0] * layers
+        # The eviction order (slots in ascending stamp order) for the Triton plan: two buffers per
+        # layer, `lru_current[layer]` names the one that holds it; stale until rebuilt from the stamps.
+        self.lru = [torch.arange(n_slots, dtype=torch.int32, device=device).repeat(2, 1) for _ in range(layers)]
+        self.lru_current = [0] * layers
+        self.lru_stale = [False] * layers
+        self.victims = [torch.empty(n_slots, dtype=torch.int32, device=device) for _ in range(layers)]
         # Totals since creation, on the device (read by `counts`, never on the hot path).
         self.selected = torch.zeros(layers, dtype=torch.int64, device=device)
         self.fetched = torch.zeros(layers, dtype=torch.int64, device=device)
@@ -72,7 +81,7 @@ class BlockCache:
                max_blocks: int) -> int:
         """Bytes of one layer's cache (for the memory plan)."""
         return 2 * (n_slots + 1) * block_size * head_dim * esize + (max_sequences * kv_heads * max_blocks + 1) * 4 + \
-            2 * (n_slots + 1) * 8
+            2 * (n_slots + 1) * 8 + 3 * n_slots * 4
 
     def key(self, seq_slot: torch.Tensor, kv_head: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         return (seq_slot.long() * self.kv_heads + kv_head) * self.max_blocks + block
@@ -89,6 +98,7 @@ class BlockCache:
         self._check_room(layer, m)
         smap, owner, stamp = self.slot_of[layer], self.owner[layer], self.stamp[layer]
         self.steps[layer] += 1
+        self.lru_stale[layer] = True  # the stamps move without the order list
         now = self.steps[layer] * self.period
         valid = keys >= 0
         kidx = torch.where(valid, keys, self.spare_key)
@@ -144,21 +154,17 @@ class BlockCache:
             return
         self.steps[layer] += 1
         now = self.steps[layer] * self.period
-        dev = top_keys.device
-        # Per-call scratch from the caching allocator: safe on whichever stream this step runs.
-        # Parts start at multiples of 4 entries (16 bytes), the alignment the kernels were compiled for.
-        ma = -(-m // 4) * 4
-        scratch = torch.empty(3 * ma, dtype=torch.int64, device=dev)
-        sel_key, victim_stamps, victims = scratch[:m], scratch[ma : ma + m], scratch[2 * ma : 2 * ma + m]
-        sel_idx = torch.empty(2 * ma, dtype=torch.int32, device=dev)
-        sel_cur, sel_block = sel_idx[:m], sel_idx[ma : ma + m]
-        lookup_blocks(top_keys, top_blocks, extra_first, n_extra, seq_slots, lengths, self.slot_of[layer],
-                      self.stamp[layer], now, sel_key, sel_cur, sel_block, self.max_blocks, self.block_size, stream)
-        torch.topk(self.stamp[layer], m, largest=False, out=(victim_stamps, victims))
-        assign_blocks(sel_key, sel_cur, sel_block, victims, k + n_extra, seq_slots, lengths, chunk_table,
-                      self.slot_of[layer], self.owner[layer], self.stamp[layer], now, self.selected, self.fetched,
-                      layer, out.slots, out.ntok, out.chunk, out.row0, out.fetch.view(torch.uint8), self.block_size,
-                      chunk_tokens, stream)
+        lru = self.lru[layer]
+        if self.lru_stale[layer]:
+            # After an invalidation or a torch-path step: stamps are distinct, so the order is unique.
+            lru[self.lru_current[layer]].copy_(torch.sort(self.stamp[layer][: self.n_slots]).indices)
+            self.lru_stale[layer] = False
+        cur = self.lru_current[layer]
+        self.lru_current[layer] = 1 - cur
+        plan_blocks(top_keys, top_blocks, extra_first, n_extra, seq_slots, lengths, chunk_table, self.slot_of[layer],
+                    self.owner[layer], self.stamp[layer], lru[cur], lru[1 - cur], self.victims[layer], now,
+                    self.selected, self.fetched, layer, out.slots, out.ntok, out.chunk, out.row0,
+                    out.fetch.view(torch.uint8), self.max_blocks, self.block_size, chunk_tokens, stream)
 
     def invalidate(self, layer: int, seq_slot: int, first_block: int = 0) -> None:
         """Forget a sequence slot's blocks `first_block` and later at a layer (their tokens changed,
@@ -169,6 +175,7 @@ class BlockCache:
         own.masked_fill_(mine, -1)
         stamp = self.stamp[layer]
         torch.where(mine, self._free_stamps(stamp.device), stamp, out=stamp)
+        self.lru_stale[layer] = True
         self.slot_of[layer][seq_slot * per_seq : (seq_slot + 1) * per_seq].view(self.kv_heads, -1)[:, first_block:] = -1
 
     def counts(self) -> tuple[int, int]:

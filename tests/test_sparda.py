@@ -265,6 +265,24 @@ def test_block_sort_keys_kernel_equals_the_torch_scores(heads, limited, grid_ord
             assert torch.equal(torch.topk(got, 6).indices, torch.topk(want, 6).indices)
 
 
+@pytest.mark.parametrize("width,k", [(40, 8), (300, 64), (5, 5)])
+def test_row_top_k_kernel_equals_torch_topk(width, k):
+    """The Triton top-k of sort keys (tiles merged into the best k so far) gives torch.topk's
+    values and indices exactly: ties in score broken to the lower block, nonexistent blocks last."""
+    from gpu_kernels.forecast_scores import sort_keys
+    from gpu_kernels.forecast_topk import row_top_k
+
+    scores = torch.randn(3, 2, width, generator=torch.Generator().manual_seed(width)).round(decimals=1)
+    scores[..., width // 2 :] = float("-inf")  # half the row past the segment
+    keys = sort_keys(scores, width).to(KERNEL_DEV)
+    top_keys = torch.empty(3, 2, k, dtype=torch.int64, device=KERNEL_DEV)
+    top_blocks = torch.empty_like(top_keys)
+    for _ in range(2):  # on CUDA: through the JIT, then the cached launcher
+        row_top_k(keys, k, top_keys, top_blocks)
+        want = torch.topk(keys, k)
+        assert torch.equal(top_keys, want.values) and torch.equal(top_blocks, want.indices)
+
+
 def test_sort_keys_order_like_a_stable_descending_sort():
     from gpu_kernels.forecast_scores import is_valid_key, sort_keys
 
@@ -275,13 +293,20 @@ def test_sort_keys_order_like_a_stable_descending_sort():
     assert is_valid_key(keys).tolist() == [[True, True, True, True, False, True, True, True, False, False]]
 
 
+@pytest.mark.parametrize("tiles", ["default", "small"])
 @pytest.mark.parametrize("grid_order", GRID_ORDERS)
-def test_cache_placement_kernels_equal_the_torch_path(grid_order):
+def test_cache_placement_kernels_equal_the_torch_path(grid_order, tiles, monkeypatch):
     """BlockCache.place: lookup, eviction order and assignment in Triton against the torch ops,
     over steps with hits, evictions, entries without a block, spill extras and an invalidation;
-    the lookup's programs in any order."""
+    the kept eviction order equals the stamps' sort after every step. `small` tiles make the
+    plan's running counts carry across many tiles (entries 4, slots 8 per step)."""
+    import gpu_kernels.forecast_plan as plan
     from gpu_kernels.forecast_scores import sort_keys
     from hybrid_runtime.forecast_block_cache import BlockCache, Placement
+
+    if tiles == "small":
+        monkeypatch.setattr(plan, "ENTRY_TILE", 4)
+        monkeypatch.setattr(plan, "SLOT_TILE", 8)
 
     s, hkv, max_blocks, blk, dev = 3, 2, 40, 32, DEV
     caches = [BlockCache(1, 80, blk, 8, torch.float32, dev, s, hkv, max_blocks) for _ in range(2)]
@@ -316,6 +341,10 @@ def test_cache_placement_kernels_equal_the_torch_path(grid_order):
             assert torch.equal(getattr(outs[0], field), getattr(outs[1], field)), (step, field)
         for field in ("slot_of", "owner", "stamp"):
             assert torch.equal(getattr(caches[0], field)[0], getattr(caches[1], field)[0]), (step, field)
+        c = caches[1]
+        assert not c.lru_stale[0]
+        lru = c.lru[0][c.lru_current[0]].long()
+        assert torch.equal(lru, torch.sort(c.stamp[0][: c.n_slots]).indices), step  # the kept order is the stamps'
         assert caches[0].counts() == caches[1].counts()
         fetched.append(int(outs[0].fetch.sum()))
     assert caches[0].counts()[1] > 80 and min(fetched) < max(fetched)  # evictions happened, and hits

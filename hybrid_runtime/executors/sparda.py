@@ -23,14 +23,15 @@ then re-selects with the same queries (the old blocks now hit) and also fetches 
 spill touched, so `local` stays attended. Without CUDA all of it runs synchronously on the host
 with the same logic and buffers. No step synchronises with the host.
 
-One selection on CUDA is five Triton launches and two `torch.topk`: the block scores read the
-cells through the chunk tables (`gpu_kernels.forecast_scores`, two launches: window scores, then
-blocks as sort keys), `torch.topk` of the keys, the cache lookup, `torch.topk` of the slots'
-stamps (the eviction order), the assignment with the fetch list (`gpu_kernels.forecast_plan`),
-and the copy of the misses (`gpu_kernels.forecast_gather`). The host reads only its own copy of the segments'
-lengths (the grid's width) and allocates nothing but per-call scratch from the caching allocator;
-a staged selection's slots and valid tokens live in per-layer buffers. Without CUDA, the same
-steps run as torch ops (the cells gathered and scored by `forecast.grid.group_block_scores`).
+One selection on CUDA is five Triton launches and no other op on the device: the block scores
+read the cells through the chunk tables (`gpu_kernels.forecast_scores`, two launches: window
+scores, then blocks as sort keys), each group's top-k keys (`gpu_kernels.forecast_topk`), the cache
+plan -- lookup, eviction order, assignment, fetch list -- in one program
+(`gpu_kernels.forecast_plan`), and the copy of the misses (`gpu_kernels.forecast_gather`). The host
+reads only its own copy of the segments' lengths (the grid's width) and allocates nothing but
+per-call scratch from the caching allocator; a staged selection's slots and valid tokens live in
+per-layer buffers, viewed once per batch size. Without CUDA, the same steps run as torch ops (the
+cells gathered and scored by `forecast.grid.group_block_scores`, `torch.topk` for the top-k).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from cpu_kernels import layout
 from forecast.grid import CELL, cell_counts, group_block_scores
 from gpu_kernels.forecast_gather import gather_blocks
 from gpu_kernels.forecast_scores import block_sort_keys, sort_keys
+from gpu_kernels.forecast_topk import row_top_k
 from gpu_kernels.slot_attention import slot_attention, slot_attention_torch
+from gpu_kernels.streams import current_stream, current_stream_handle, use_stream
 from hybrid_runtime.forecast_block_cache import BlockCache, Placement
 from hybrid_runtime.config import KVCacheConfig, SpardaConfig, sparda_cache_blocks, spill_blocks
 from hybrid_runtime.kvcache import KVStore
@@ -116,6 +119,7 @@ class SpardaExecutor:
                                   torch.zeros(entries, dtype=torch.int32, device=dev),
                                   torch.zeros(entries, dtype=torch.int32, device=dev),
                                   torch.zeros(entries, dtype=torch.bool, device=dev)) for _ in range(store.layers)]
+        self._placements: dict[tuple[int, int, int], tuple[Placement, torch.Tensor, torch.Tensor]] = {}
         self._ready = [torch.cuda.Event() for _ in range(store.layers)] if self.cuda else None
         if self.use_triton and self.cuda:
             self.warm_up()
@@ -144,12 +148,10 @@ class SpardaExecutor:
                 keys = torch.empty((1, store.kv_heads, width), dtype=torch.int64, device=dev)
                 block_sort_keys(queries, idx.cells[0], idx.tables[0], lengths, slots, CELLS_PER_CHUNK, self.block_size,
                                 keys, limit if spill else None)
-                top = torch.topk(keys, self.top_k, dim=-1)
+                top_keys, top_blocks = self._top_k(keys, None)
                 n_extra = self.spill_blocks if spill else 0
-                m = store.kv_heads * (self.top_k + n_extra)
-                placed = self._placed[0]
-                out = Placement(*(t[:m] for t in (placed.slots, placed.ntok, placed.chunk, placed.row0, placed.fetch)))
-                self.cache.place(0, top.values, top.indices, limit if spill else None, n_extra, slots, lengths,
+                out = self._placement(0, 1, self.top_k + n_extra)[0]
+                self.cache.place(0, top_keys, top_blocks, limit if spill else None, n_extra, slots, lengths,
                                  idx.tables[0], layout.CHUNK_TOKENS, out, True)
                 gather_blocks(arena, self.cache.k[0], self.cache.v[0], out.chunk, out.row0, out.slots, out.fetch,
                               use_triton=True)
@@ -165,7 +167,7 @@ class SpardaExecutor:
     def _wait_side(self) -> None:
         """Order the caller's stream after the prefetch stream (GPU-side; the host does not wait)."""
         if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)
+            current_stream().wait_stream(self.stream)
 
     def prefill(self, seq_id: int, layer: int) -> None:
         """A sequence's segment at `layer` was (re)written: recompute its index, forget its blocks."""
@@ -222,7 +224,7 @@ class SpardaExecutor:
         n_chunks = max(1, -(-int(lens.max()) // layout.CHUNK_TOKENS))
         n_cells = n_chunks * CELLS_PER_CHUNK
         width = max(n_cells * CELL // blk, self.top_k)  # blocks of the grid, at least top_k columns
-        stream = torch.cuda.current_stream().cuda_stream if self.cuda else None
+        stream = current_stream_handle() if self.cuda else None
         first_new, n_extra = None, 0
         if spilled_from is not None:  # a spill between prefetch and attention: rare, may copy
             first_new = torch.from_numpy((spilled_from // blk).astype(np.int32)).to(self.store.device)
@@ -234,11 +236,10 @@ class SpardaExecutor:
                             first_new, stream=stream)
         else:
             keys = self._sort_keys_torch(layer, batch.slots, queries, n_chunks, width, first_new)
-        top = torch.topk(keys, self.top_k, dim=-1)
+        top_keys, top_blocks = self._top_k(keys, stream)
         e = self.top_k + n_extra
-        placed = self._placed[layer]
-        out = Placement(*(t[: b * hkv * e] for t in (placed.slots, placed.ntok, placed.chunk, placed.row0, placed.fetch)))
-        self.cache.place(layer, top.values, top.indices, first_new, n_extra, batch.slots, lengths, idx.tables[layer],
+        out, slots, ntok = self._placement(layer, b, e)
+        self.cache.place(layer, top_keys, top_blocks, first_new, n_extra, batch.slots, lengths, idx.tables[layer],
                          layout.CHUNK_TOKENS, out, self.use_triton, stream)
         if ev is not None:
             ev[1].record()
@@ -252,7 +253,29 @@ class SpardaExecutor:
         if ev is not None:
             ev[2].record()
             self.last_events[layer] = ev
-        return StagedSelection(seq_ids, lens, queries, out.slots.view(b, hkv, e), out.ntok.view(b, hkv, e), ready, ev)
+        return StagedSelection(seq_ids, lens, queries, slots, ntok, ready, ev)
+
+    def _placement(self, layer: int, b: int, e: int) -> tuple[Placement, torch.Tensor, torch.Tensor]:
+        """The first `b * Hkv * e` entries of `layer`'s staged buffers, and its slots and valid
+        tokens as `[b, Hkv, e]` (views made once per shape: each view op costs host time on the
+        selection's path)."""
+        views = self._placements.get((layer, b, e))
+        if views is None:
+            placed, hkv = self._placed[layer], self.store.kv_heads
+            m = b * hkv * e
+            out = Placement(*(t[:m] for t in (placed.slots, placed.ntok, placed.chunk, placed.row0, placed.fetch)))
+            views = self._placements[(layer, b, e)] = (out, out.slots.view(b, hkv, e), out.ntok.view(b, hkv, e))
+        return views
+
+    def _top_k(self, keys: torch.Tensor, stream: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `top_k` largest sort keys, descending, and their blocks (`torch.topk`'s values
+        and indices): one Triton launch with `use_triton`, else `torch.topk`."""
+        if not self.use_triton:
+            top = torch.topk(keys, self.top_k, dim=-1)
+            return top.values, top.indices
+        top = torch.empty((2,) + keys.shape[:-1] + (self.top_k,), dtype=torch.int64, device=keys.device)
+        row_top_k(keys, self.top_k, top[0], top[1], stream=stream)
+        return top[0], top[1]
 
     def _sort_keys_torch(self, layer: int, seq_slots: torch.Tensor, queries: torch.Tensor, n_chunks: int, width: int,
                          first_new: torch.Tensor | None) -> torch.Tensor:
@@ -275,8 +298,9 @@ class SpardaExecutor:
         seq_ids = tuple(seq_ids)
         queries = queries.to(device=self.store.device, dtype=torch.float32)  # one dtype: one compiled variant
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
+            caller = current_stream()
+            self.stream.wait_stream(caller)
+            with use_stream(self.stream, caller):
                 st = self._stage(layer, seq_ids, queries)
             queries.record_stream(self.stream)
         else:
@@ -292,7 +316,7 @@ class SpardaExecutor:
         st, self.staged[layer] = self.staged[layer], None
         if st is not None and st.seq_ids == seq_ids:
             if st.ready is not None:
-                torch.cuda.current_stream().wait_event(st.ready)
+                current_stream().wait_event(st.ready)
             now = self.index.host_lengths[layer, self._batch(seq_ids).rows]
             if not np.array_equal(now, st.cpu_lens):
                 st = self._stage(layer, seq_ids, st.queries, spilled_from=st.cpu_lens)
