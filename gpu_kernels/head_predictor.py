@@ -39,9 +39,12 @@ the caller has them, with no copy into a static buffer.
 
 Plan once, run many (FlashInfer style): `FusedHeadPredictor(...)` checks the geometry, the
 statistics layout and the network and packs the weights once; `run(...)` launches per step.
-Numerics: fp32 throughout; the dots use `tf32x3` on the GPU (three tensor-core passes, fp32
-accuracy; a single `tf32` pass would round q and the softmax weights to a 10-bit mantissa, 2^-11
-relative, coarser than the GPU tests' 2e-4) and plain fp32 under the interpreter. Whichever part
+Numerics: fp32 throughout; the dots are fp32-accurate on tensor cores (a single `tf32` pass would
+round q and the softmax weights to a 10-bit mantissa, 2^-11 relative, coarser than the GPU tests'
+2e-4): by default "split" (`_dot`: each fp32 operand masked into two exact tf32 parts, three tf32
+MMAs, two where an operand is exact in tf32 already, as bf16 / fp16 window rows are; within
+2^-19 of the fp32 product), or Triton's `tf32x3` (`dot_precision`); under the interpreter "split"
+runs its own path and the others plain fp32. Whichever part
 arrives last, the merge sums the records in part order, so results do not vary from run to run.
 The torch code stays the reference (and the CPU path); tests compare both.
 """
@@ -83,6 +86,8 @@ MAX_BLOCK_SIZES = 4
 INDEX_ROWS = 4  # window slot, statistics row, window length, CPU length
 MAX_LINEARS = 8  # the predict kernel's network: up to 8 Linear layers (pairs of them, unrolled)
 MAX_WIDTH = 512  # and hidden widths up to 512 (a layer's activations stay in registers)
+# fp32-accurate dots: Triton's tf32x3, plain FMA, or three (two) tf32 MMAs on bit-masked operands (`_dot`).
+DOT_PRECISIONS = ("tf32x3", "ieee", "split")
 _PAIR_STAGE_BYTES = 48 * 1024  # shared memory of one pipeline stage of a pair's weight tiles
 
 _CLIP = tl.constexpr(30.0)  # logit and gap clipping of the torch definition
@@ -125,6 +130,53 @@ def _ndtri(p):
 
 
 @triton.jit
+def _max_pair(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
+def _sum_triple(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def _tf32_split(x):
+    """`x` fp32 -> `(hi, lo)`, both exact tf32 values (low 13 mantissa bits clear), `x - hi - lo`
+    within 2^-20 |x|: the mantissa masked, not rounded (two bit operations and a subtraction per
+    element, against `cvt.rna.tf32.f32` and a NaN select in Triton's tf32x3), so the tensor cores'
+    tf32 MMAs read both exactly whatever they do with low bits."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    lo = ((x - hi).to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, lo
+
+
+@triton.jit
+def _dot(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`acc + a @ b`, fp32-accurate. `DOT_PRECISION` "tf32x3" / "ieee": `tl.dot` as it is. "split":
+    three tf32 MMAs on operands split by `_tf32_split` (lo x hi, hi x lo, then hi x hi: the small
+    terms first), two where one operand is exact in tf32 (`A_EXACT` / `B_EXACT`: bf16 and fp16
+    values widened to fp32 are; then that operand is neither split nor multiplied twice)."""
+    if DOT_PRECISION == "split":
+        if A_EXACT:
+            b_hi, b_lo = _tf32_split(b)
+            acc = tl.dot(a, b_lo, acc, input_precision="tf32")
+            acc = tl.dot(a, b_hi, acc, input_precision="tf32")
+        elif B_EXACT:
+            a_hi, a_lo = _tf32_split(a)
+            acc = tl.dot(a_lo, b, acc, input_precision="tf32")
+            acc = tl.dot(a_hi, b, acc, input_precision="tf32")
+        else:
+            a_hi, a_lo = _tf32_split(a)
+            b_hi, b_lo = _tf32_split(b)
+            acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+            acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _queries(q_ptr, qref_ptr):
     """The step's queries from a reference the host wrote (`FusedHeadPredictor.run(q_ref=...)`):
     `qref [4]` int64 = (address, stride of a row, stride of a head, rows). The address becomes a
@@ -152,7 +204,7 @@ def _features_kernel(
     OFF_AM: tl.constexpr, OFF_AE: tl.constexpr, OFF_AB: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GF: tl.constexpr, D: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr, N_FEAT: tl.constexpr,
-    BLOCK_F: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_BY_REF: tl.constexpr,
+    BLOCK_F: tl.constexpr, DOT_PRECISION: tl.constexpr, LEAN_TILES: tl.constexpr, Q_BY_REF: tl.constexpr,
 ):
     pid = tl.program_id(0)  # sequence * HKV + KV head
     part = tl.program_id(1)  # which window tiles and covariance rows this program takes
@@ -184,6 +236,8 @@ def _features_kernel(
 
     # ---- this part's window tiles (part, part + PARTS, ...): online softmax over the valid rows
     # and over the sink rows, relative to the part's own maxima (merged by the last part, below).
+    # bf16 / fp16 window rows widened to fp32 are exact in tf32: under "split" the tiles are one MMA operand as they are.
+    KV_EXACT: tl.constexpr = k_ptr.dtype.element_ty != tl.float32
     k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
     m = gz - float("inf")  # running max over the window
@@ -194,6 +248,7 @@ def _features_kernel(
     ls = gz
     mr = gz - float("inf")  # recent rows: max
     rsum = tl.zeros([D], tl.float32)  # recent rows: key sum
+    rsum_rows = tl.zeros([BLOCK_W, D], tl.float32)  # (LEAN_TILES: per tile row, summed after the loop)
     w = tl.arange(0, BLOCK_W)
     for n0 in range(part * BLOCK_W, length, PARTS * BLOCK_W):
         pos = n0 + w
@@ -202,25 +257,48 @@ def _features_kernel(
         is_recent = valid & (pos.to(tl.float32) >= sink_len)
         kt = tl.load(k_base + pos[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         vt = tl.load(v_base + pos[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(qs, tl.trans(kt), input_precision=DOT_PRECISION)
+        s = _dot(qs, tl.trans(kt), tl.zeros([BLOCK_G, BLOCK_W], tl.float32), False, KV_EXACT, DOT_PRECISION)
         sv = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sv, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        e = tl.exp(sv - m_safe[:, None])
-        # Old terms move from m to m_new: e (s - m) -> alpha e (s - m + m - m_new).
-        u = alpha * (u + l * (tl.where(l > 0.0, m, m_safe) - m_safe))
-        u += tl.sum(tl.where(valid[None, :], e * (s - m_safe[:, None]), 0.0), axis=1)
-        l = l * alpha + tl.sum(e, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(e, vt, input_precision=DOT_PRECISION)
+        if LEAN_TILES:  # the tile's reductions over its rows merged: 2 cross-warp reductions instead of 6
+            ss = tl.where(is_sink[None, :], s, float("-inf"))
+            sr = tl.where(is_recent[None, :], s, float("-inf"))
+            ms_tile, mr_tile = tl.reduce((ss, sr), 1, _max_pair)
+            m_new = tl.maximum(m, tl.maximum(ms_tile, mr_tile))  # valid rows = sink rows + recent rows
+            ms_new = tl.maximum(ms, ms_tile)
+            mr = tl.maximum(mr, mr_tile)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            ms_safe = tl.where(ms_new == float("-inf"), 0.0, ms_new)
+            alpha = tl.exp(m - m_safe)
+            e = tl.exp(sv - m_safe[:, None])
+            e_sum, eu_sum, es_sum = tl.reduce(
+                (e, tl.where(valid[None, :], e * (s - m_safe[:, None]), 0.0), tl.exp(ss - ms_safe[:, None])), 1,
+                _sum_triple)
+            u = alpha * (u + l * (tl.where(l > 0.0, m, m_safe) - m_safe)) + eu_sum
+            l = l * alpha + e_sum
+            ls = ls * tl.exp(ms - ms_safe) + es_sum
+            ms = ms_new
+            # recent keys summed over the tile's rows after the loop, not per tile
+            rsum_rows += tl.where(is_recent[:, None], kt, 0.0)
+        else:
+            m_new = tl.maximum(m, tl.max(sv, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            e = tl.exp(sv - m_safe[:, None])
+            # Old terms move from m to m_new: e (s - m) -> alpha e (s - m + m - m_new).
+            u = alpha * (u + l * (tl.where(l > 0.0, m, m_safe) - m_safe))
+            u += tl.sum(tl.where(valid[None, :], e * (s - m_safe[:, None]), 0.0), axis=1)
+            l = l * alpha + tl.sum(e, axis=1)
+            ss = tl.where(is_sink[None, :], s, float("-inf"))
+            ms_new = tl.maximum(ms, tl.max(ss, axis=1))
+            ms_safe = tl.where(ms_new == float("-inf"), 0.0, ms_new)
+            ls = ls * tl.exp(ms - ms_safe) + tl.sum(tl.exp(ss - ms_safe[:, None]), axis=1)
+            ms = ms_new
+            mr = tl.maximum(mr, tl.max(tl.where(is_recent[None, :], s, float("-inf")), axis=1))
+            rsum += tl.sum(tl.where(is_recent[:, None], kt, 0.0), axis=0)
+        acc = acc * alpha[:, None] + _dot(e, vt, tl.zeros([BLOCK_G, D], tl.float32), False, KV_EXACT, DOT_PRECISION)
         m = m_new
-        ss = tl.where(is_sink[None, :], s, float("-inf"))
-        ms_new = tl.maximum(ms, tl.max(ss, axis=1))
-        ms_safe = tl.where(ms_new == float("-inf"), 0.0, ms_new)
-        ls = ls * tl.exp(ms - ms_safe) + tl.sum(tl.exp(ss - ms_safe[:, None]), axis=1)
-        ms = ms_new
-        mr = tl.maximum(mr, tl.max(tl.where(is_recent[None, :], s, float("-inf")), axis=1))
-        rsum += tl.sum(tl.where(is_recent[:, None], kt, 0.0), axis=0)
+    if LEAN_TILES:
+        rsum = tl.sum(rsum_rows, axis=0)
     rec = part_ptr + (pid * PARTS + part).to(tl.int64) * REC
     tl.store(rec + g, m, mask=gm)
     tl.store(rec + G + g, l, mask=gm)
@@ -238,11 +316,11 @@ def _features_kernel(
     kc_base = st + OFF_KC + kvh * D * D
     vkc_base = st + OFF_VKC + kvh * D * D
     s_k = tl.load(kc_base + r[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)  # [r, e] = Cov(k_r, k_e)
-    sk_q = tl.dot(qs, tl.trans(s_k), input_precision=DOT_PRECISION)  # [g, r]
+    sk_q = _dot(qs, tl.trans(s_k), tl.zeros([BLOCK_G, BLOCK_C], tl.float32), False, False, DOT_PRECISION)  # [g, r]
     q_r = tl.load(q_rows + r[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(tl.float32) * scale
     tl.store(rec + 6 * G + g, tl.sum(sk_q * q_r, axis=1), mask=gm)
     s_vk = tl.load(vkc_base + r[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)  # [r, c] = Cov(v_r, k_c)
-    svk_q = tl.dot(qs, tl.trans(s_vk), input_precision=DOT_PRECISION)  # [g, r]
+    svk_q = _dot(qs, tl.trans(s_vk), tl.zeros([BLOCK_G, BLOCK_C], tl.float32), False, False, DOT_PRECISION)  # [g, r]
     tl.store(vkq_ptr + pid * (G * D) + g[:, None] * D + r[None, :], svk_q, mask=gm[:, None] & rm[None, :])
 
     # ---- the last part of (sequence, KV head) to arrive merges the parts and writes the features.
@@ -420,7 +498,8 @@ def _chunk_dot(x, w_ptr, PH: tl.constexpr, n0, BN: tl.constexpr, DOT_PRECISION: 
     """`x [M, K] @ W[:K, n0 : n0 + BN]` (W row-major, PH columns) for K <= 64: one dot."""
     k = tl.arange(0, x.shape[1])
     nb = tl.arange(0, BN)
-    return tl.dot(x, tl.load(w_ptr + k[:, None] * PH + (n0 + nb)[None, :]), input_precision=DOT_PRECISION)
+    return _dot(x, tl.load(w_ptr + k[:, None] * PH + (n0 + nb)[None, :]), tl.zeros([x.shape[0], BN], tl.float32),
+                False, False, DOT_PRECISION)
 
 
 @triton.jit
@@ -477,7 +556,7 @@ def _linear_pair(x, wa_ptr, ba_ptr, wb_ptr, bb_ptr, PA: tl.constexpr, PH: tl.con
         hid += tl.load(ba_ptr + n0 + nb)[None, :]
         hid = hid / (1.0 + tl.exp(-hid))  # SiLU
         wb = tl.load(wb_ptr + (n0 + nb)[:, None] * PB + kb[None, :])
-        acc = tl.dot(hid, wb, acc, input_precision=DOT_PRECISION)
+        acc = _dot(hid, wb, acc, False, False, DOT_PRECISION)
     y = acc + tl.load(bb_ptr + kb)[None, :]
     if SILU_OUT:
         y = y / (1.0 + tl.exp(-y))
@@ -488,11 +567,11 @@ def _linear_pair(x, wa_ptr, ba_ptr, wb_ptr, bb_ptr, PA: tl.constexpr, PH: tl.con
 def _network(x, w_ptr, b_ptr, N_LIN: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
              P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr, P6: tl.constexpr, P7: tl.constexpr,
              P8: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
+             P_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The network on `x [M, P0]` (standardised features, zero padding columns): `N_LIN` <= 8
     Linear layers of padded widths P0 -> P1 -> ... (SiLU after all but the last) as pairs
     (`_linear_pair`, hidden block BN_i), the last layer alone when `N_LIN` is odd. Returns
-    `[M, P_N_LIN]` (the 3 outputs, padded to 16 columns)."""
+    `[M, P_OUT]` (the 3 outputs, padded to P_OUT = P_N_LIN columns)."""
     wo = 0  # the packed weights' and biases' running offsets
     bo = 0
     if N_LIN >= 2:
@@ -512,12 +591,12 @@ def _network(x, w_ptr, b_ptr, N_LIN: tl.constexpr, P0: tl.constexpr, P1: tl.cons
     if N_LIN >= 8:
         x = _linear_pair(x, w_ptr + wo, b_ptr + bo, w_ptr + wo + P6 * P7, b_ptr + bo + P7, P6, P7, P8, BN3,
                          False, DOT_PRECISION)
-    if N_LIN % 2 == 1:  # the output layer alone: [P_in, 16] in one tile
+    if N_LIN % 2 == 1:  # the output layer alone: [P_in, P_OUT] in one tile
         P_IN: tl.constexpr = P0 if N_LIN == 1 else (P2 if N_LIN == 3 else (P4 if N_LIN == 5 else P6))
         k = tl.arange(0, P_IN)
-        o = tl.arange(0, 16)
-        w = tl.load(w_ptr + wo + k[:, None] * 16 + o[None, :])
-        x = tl.dot(x, w, input_precision=DOT_PRECISION) + tl.load(b_ptr + bo + o)[None, :]
+        o = tl.arange(0, P_OUT)
+        w = tl.load(w_ptr + wo + k[:, None] * P_OUT + o[None, :])
+        x = _dot(x, w, tl.zeros([x.shape[0], P_OUT], tl.float32), False, False, DOT_PRECISION) + tl.load(b_ptr + bo + o)[None, :]
     return x
 
 
@@ -533,7 +612,7 @@ def _predict_kernel(
     tau, t_mean0, t_std0, t_mean1, t_std1, threshold,
     N_LIN: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
     P4: tl.constexpr, P5: tl.constexpr, P6: tl.constexpr, P7: tl.constexpr, P8: tl.constexpr,
-    BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
+    BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr, P_OUT: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GROUPS: tl.constexpr, N_J: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_GR: tl.constexpr, BLOCK_Q: tl.constexpr,
     N_FEAT: tl.constexpr,
@@ -586,8 +665,9 @@ def _predict_kernel(
     mean = tl.load(f_mean_ptr + f, mask=f < N_FEAT, other=0.0)
     std = tl.load(f_std_ptr + f, mask=f < N_FEAT, other=1.0)
     x = tl.where(fmask, (tile - mean[None, :]) / std[None, :], 0.0)
-    res = _network(x, w_ptr, b_ptr, N_LIN, P0, P1, P2, P3, P4, P5, P6, P7, P8, BN0, BN1, BN2, BN3, DOT_PRECISION)
-    o = tl.arange(0, 16)  # the three outputs, padded
+    res = _network(x, w_ptr, b_ptr, N_LIN, P0, P1, P2, P3, P4, P5, P6, P7, P8, BN0, BN1, BN2, BN3, P_OUT,
+                   DOT_PRECISION)
+    o = tl.arange(0, P_OUT)  # the three outputs, padded
     bgt0 = tl.sum(tl.where(o[None, :] == 0, res, 0.0), axis=1) * t_std0 + t_mean0
     slope = tl.sum(tl.where(o[None, :] == 1, res, 0.0), axis=1) * t_std1 + t_mean1
     p_stream = tl.sigmoid(tl.sum(tl.where(o[None, :] == 2, res, 0.0), axis=1))
@@ -651,11 +731,16 @@ class FusedHeadPredictor:
     Launch choices: `parts` (power of two, 1-64: programs per (sequence, KV head) of the features
     kernel; its scratch is `max_sequences * kv_heads * parts` records of `7 G + G D + D` floats),
     `block_w` (window rows per tile), `features_warps` / `predict_warps`, `features_stages`
-    (pipeline stages of a part's window tiles, 1-4; 1 by default), `dot_precision`;
+    (pipeline stages of a part's window tiles, 1-4; 1 by default), `features_lean` (a window
+    tile's six row reductions as two multi-operand reductions and the recent key sum reduced once
+    after the tiles; False: one reduction each, as before), `dot_precision` (`DOT_PRECISIONS`, all
+    fp32-accurate: "split" by default, `_dot`; "tf32x3" Triton's; "ieee" FMA);
     the predict kernel's `predict_groups` (KV groups per program; None: the fewest that make 4
     rows), `predict_block_n` (hidden columns per step of a layer pair, power of two >= 16, fewer
     where a pipeline stage of the pair's weight tiles would pass 48 KB of shared memory) and
-    `predict_stages` (pipeline stages of those tiles, 1-4).
+    `predict_stages` (pipeline stages of those tiles, 1-4) and `predict_out_width` (the 3 outputs
+    padded to 32 columns, default, or 16 as before: at 16 the last pair's second dot is [16, 16] and
+    Triton gives every warp all of it).
 
     `run` writes `out [out_size]` float32: bgt0, k, p_streaming and the budget of every head, each
     `max_sequences * Hq` long (row `b * Hq + h`), then the block size of every group
@@ -669,10 +754,10 @@ class FusedHeadPredictor:
                  linears: Sequence[tuple[torch.Tensor, torch.Tensor]], feature_mean: torch.Tensor,
                  feature_std: torch.Tensor, target_mean: Sequence[float], target_std: Sequence[float], tau: float,
                  block_sizes: Sequence[int], streaming_threshold: float, skip_streaming: bool,
-                 device: torch.device | str, scale: float | None = None, dot_precision: str = "tf32x3",
+                 device: torch.device | str, scale: float | None = None, dot_precision: str = "split",
                  block_w: int = 32, parts: int = 4, features_warps: int = 4, features_stages: int = 1,
                  predict_warps: int = 4, predict_groups: int | None = None, predict_block_n: int = 32,
-                 predict_stages: int = 3):
+                 predict_stages: int = 3, predict_out_width: int = 32, features_lean: bool = True):
         for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
                         ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
             if not isinstance(x, (int, np.integer)) or x < 1:
@@ -702,8 +787,8 @@ class FusedHeadPredictor:
             raise ValueError(f"tau must be a positive finite number, got {tau}")
         if not 0.0 < streaming_threshold < 1.0:
             raise ValueError(f"streaming_threshold must lie in (0, 1), got {streaming_threshold}")
-        if dot_precision not in ("tf32x3", "ieee"):
-            raise ValueError(f"dot_precision must be 'tf32x3' or 'ieee' (fp32-accurate dots), got {dot_precision!r}")
+        if dot_precision not in DOT_PRECISIONS:
+            raise ValueError(f"dot_precision must be one of {list(DOT_PRECISIONS)} (fp32-accurate dots), got {dot_precision!r}")
         if block_w < 16 or block_w & (block_w - 1):
             raise ValueError(f"block_w must be a power of two >= 16, got {block_w}")
         if not isinstance(parts, (int, np.integer)) or not 1 <= parts <= 64 or parts & (parts - 1):
@@ -735,13 +820,20 @@ class FusedHeadPredictor:
         for name, t in (("feature_mean", feature_mean), ("feature_std", feature_std)):
             if t.shape != (N_FEATURES,):
                 raise ValueError(f"{name} must be [{N_FEATURES}], got {tuple(t.shape)}")
+        if not isinstance(features_lean, (bool, int, np.integer)) or int(features_lean) not in (0, 1):
+            raise ValueError(f"features_lean must be a bool (or 0 / 1), got {features_lean!r}")
         if not isinstance(predict_block_n, (int, np.integer)) or predict_block_n < 16 or predict_block_n & (predict_block_n - 1):
             raise ValueError(f"predict_block_n must be a power of two >= 16, got {predict_block_n!r}")
         if not isinstance(features_stages, (int, np.integer)) or not 1 <= features_stages <= 4:
             raise ValueError(f"features_stages must be 1 to 4 (pipeline stages of the window tiles), got {features_stages!r}")
         if not isinstance(predict_stages, (int, np.integer)) or not 1 <= predict_stages <= 4:
             raise ValueError(f"predict_stages must be 1 to 4 (pipeline stages of the weight tiles), got {predict_stages!r}")
-        padded_dims = [max(16, next_pow2(x)) for x in dims]
+        # The 3 outputs padded to `predict_out_width` columns: at 32 (default) the last pair's second dot is
+        # [rows, 32] and Triton spreads its warps over the columns; at 16 ([16, 16], a chained dot) it puts
+        # all warps on the 16 rows, each warp repeating the whole pair (4x the MMAs at 4 warps).
+        if predict_out_width not in (16, 32):
+            raise ValueError(f"predict_out_width must be 16 or 32 (padded columns of the 3 outputs), got {predict_out_width!r}")
+        padded_dims = [max(16, next_pow2(x)) for x in dims[:-1]] + [int(predict_out_width)]
         w_parts, b_parts = [], []
         for i, (wt, bias) in enumerate(linears):
             w_pad = torch.zeros(padded_dims[i], padded_dims[i + 1])
@@ -796,7 +888,8 @@ class FusedHeadPredictor:
         scale = d ** -0.5 if scale is None else float(scale)
         self._scalars = (float(max(hq - 1, 1)), scale)
         off = {k: int(statistics_offsets[k]) for k in STATISTICS_FIELDS}
-        precision = "ieee" if interpreted() else dot_precision
+        # Under the interpreter `tl.dot` is fp32 whatever its precision; "split" keeps its own code path there.
+        precision = "ieee" if interpreted() and dot_precision != "split" else dot_precision
         self._features_constexprs = dict(
             OFF_N=off["n_cpu"], OFF_SINK=off["sink_len"], OFF_WIN=off["window_len"], OFF_KM=off["key_mean"],
             OFF_KC=off["key_cov"], OFF_VM=off["value_mean"], OFF_VKC=off["value_key_cov"],
@@ -805,7 +898,7 @@ class FusedHeadPredictor:
             OFF_AE=off["anchor_stream_err"], OFF_AB=off["anchor_budget"],
             HKV=hkv, G=g, BLOCK_G=max(16, next_pow2(g)), BLOCK_GF=next_pow2(g), D=d, BLOCK_W=block_w,
             BLOCK_C=max(16, d // self.parts), PARTS=self.parts, N_FEAT=N_FEATURES, BLOCK_F=next_pow2(N_FEATURES),
-            DOT_PRECISION=precision,
+            DOT_PRECISION=precision, LEAN_TILES=bool(features_lean),
         )
         padded = bs + [bs[-1]] * (MAX_BLOCK_SIZES - len(bs))
         logs = [float(np.log2(np.float32(x))) for x in padded]  # the host selector's float32 log2
@@ -813,7 +906,7 @@ class FusedHeadPredictor:
                                  float(target_std[1]), float(streaming_threshold))
         self._predict_constexprs = dict(
             N_LIN=self.n_linear, **{f"P{i}": p for i, p in enumerate(padded_dims)},
-            **{f"BN{i}": bn for i, bn in enumerate(pair_blocks)},
+            **{f"BN{i}": bn for i, bn in enumerate(pair_blocks)}, P_OUT=padded_dims[self.n_linear],
             HKV=hkv, G=g, D=d, GROUPS=groups, N_J=self._n_j,
             BLOCK_M=block_m, BLOCK_GR=next_pow2(groups), BLOCK_Q=next_pow2(hq), N_FEAT=N_FEATURES,
             N_BLK=len(bs), BLK0=padded[0], BLK1=padded[1], BLK2=padded[2], BLK3=padded[3],

@@ -8,8 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import gpu_kernels  # noqa: F401  (sets TRITON_INTERPRET without CUDA, before the kernel module)
+from gpu_kernels import head_predictor
 from gpu_kernels.head_predictor import FEATURE_COLUMNS, INDEX_ROWS, FusedHeadPredictor
 from hybrid_runtime.config import config_from_dict
 from hybrid_runtime.kvcache import KVStore
@@ -166,6 +169,62 @@ def test_fused_kernels_read_the_queries_by_reference(hkv, g, parts):
         fused.run(case.q, case.idx, case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k,
                   case.window_v, 0.5, torch.zeros(fused.out_size, device=DEV),
                   q_ref=torch.zeros(3, dtype=torch.int64, device=DEV))
+
+
+# The launch choices of the two kernels, old and new (`dot_precision`, `features_lean`,
+# `predict_out_width`): each matches the reference. Under the interpreter "tf32x3" runs as fp32 dots
+# while "split" runs its own path (the operands split by bit masks, two or three dots).
+LAUNCH_VARIANTS = {
+    "default": {},
+    "previous": {"dot_precision": "tf32x3", "features_lean": False, "predict_out_width": 16},
+    "split_unmerged": {"dot_precision": "split", "features_lean": False},
+    "lean_tf32x3_out16": {"dot_precision": "tf32x3", "features_lean": True, "predict_out_width": 16},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(LAUNCH_VARIANTS))
+@pytest.mark.parametrize("kv_dtype, hidden", [(torch.float32, (24,)), (torch.bfloat16, (24, 20))])
+def test_fused_launch_variants_match_the_reference(variant, kv_dtype, hidden):
+    # bf16 window rows are exact in tf32: under "split" they enter the window dots unsplit (two dots, not
+    # three); fp32 rows take the three-dot path. One and two hidden layers: the output layer in a pair and
+    # alone, at 16 and 32 padded output columns. 16-row tiles, 2 parts: several tiles per part, the sink
+    # rows over two tiles.
+    case = Case(2, 4, 32, DEV, window=64, prompts=[300, 40, 20], window_lens=[60, 7, 33], slots=[0, 2, 1],
+                max_sequences=3, sink=20, local=32, kv_dtype=kv_dtype, seed=21)
+    net = random_network(hidden, seed=22)
+    fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 3, "block_w": 16, "parts": 2,
+                                  "target_mean": net.target_mean.tolist(), "target_std": net.target_std.tolist(),
+                                  "block_sizes": (16, 32, 64, 128), **LAUNCH_VARIANTS[variant]})
+    check_against_reference(case, net, fused, layer=1, n_layers=3, tol=INTERP_TOL)
+
+
+@triton.jit
+def _split_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    hi, lo = head_predictor._tf32_split(tl.load(x_ptr + i))
+    tl.store(hi_ptr + i, hi)
+    tl.store(lo_ptr + i, lo)
+
+
+def test_tf32_split_gives_two_exact_tf32_parts():
+    # `_tf32_split` (the "split" dots' operands): both parts have their 13 low mantissa bits clear (exact
+    # tf32: a tensor core reads them as they are), x - hi - lo within 2^-20 |x|, and the three products
+    # the dots sum (lo hi + hi lo + hi hi) give a dot product within 2^-19 of its float64 value.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(500, generator=gen) * 10.0 ** torch.randint(-6, 6, (500,), generator=gen),
+                   torch.tensor([0.0, -0.0, 1.0, -3.0, 1e-30, 3e30] + [0.0] * 6)])
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    _split_kernel[(1,)](x, hi, lo, N=x.numel())
+    for part in (hi, lo):
+        assert (part.view(torch.int32) & 0x1FFF == 0).all()
+    err = (x.double() - hi.double() - lo.double()).abs()
+    assert (err <= 2.0 ** -20 * x.double().abs()).all()
+    a, b = x[:256].view(16, 16), x[256:512].view(16, 16)
+    a_hi, a_lo, b_hi, b_lo = hi[:256].view(16, 16), lo[:256].view(16, 16), hi[256:512].view(16, 16), lo[256:512].view(16, 16)
+    three = (a_lo.double() @ b_hi.double() + a_hi.double() @ b_lo.double() + a_hi.double() @ b_hi.double())
+    exact = a.double() @ b.double()
+    scale = a.double().abs() @ b.double().abs()
+    assert ((three - exact).abs() <= 2.0 ** -19 * scale).all()
 
 
 @pytest.mark.parametrize("parts", [1, 2, 4])
