@@ -89,7 +89,9 @@ def int4_token_scores(q_channels: torch.Tensor, codes: torch.Tensor, qparams: to
         raise ValueError(f"out has shape {tuple(out.shape)}, dtype {out.dtype}; expected contiguous float32 [{r}, {g}, {n}]")
     if r == 0 or n == 0:
         return out
-    tile = min(tile, next_pow2(n))
+    if tile != next_pow2(tile):
+        raise ValueError(f"tile {tile}: allowed a power of two")
+    # One tile whatever the candidates' count: the warm-up's launch compiles the variant decode runs.
     _token_scores_kernel[(r, triton.cdiv(n, tile))](
         q_channels, codes, qparams, blocks, chunks, cpu_len, out, n, s, chunks.shape[1],
         G=g, HALF=d_c // 2, BLK=block_size, CT=layout.CHUNK_TOKENS, TILE=tile, num_warps=4)
