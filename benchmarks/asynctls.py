@@ -12,23 +12,41 @@ the times, to be read against the epsilon the SmolLM2 quality experiment measure
 
 Each decode step runs every layer as a model would: the layer's projections and MLP (bf16 GEMMs of
 Llama-3.1-8B's shapes at the batch, weights per layer; `--no-model-work` leaves them out), then the
-runtime's attention. The two modes alternate step by step on one runtime (the executor's `lagged`
-switched between steps; the cache holds `M_{t-1}` after every step in both), so drifts of the
-machine hit both alike:
+runtime's attention. Three modes alternate step by step on one runtime (switched between steps), so
+drifts of the machine hit all alike:
 
-    lagged  the token level reads the blocks resident since the previous step; the missing blocks
-            of this step are copied on the executor's side stream after its attention, overlapping
-            the later layers' work, and the next step at the layer waits for them
-    sync    the missing blocks are copied on the executor's stream before the token level
+    lagged          AsyncTLS: the token level reads the blocks resident since the previous step; the
+                    missing blocks of this step are copied on the executor's side stream after its
+                    attention, overlapping the later layers' work, and the next step at the layer
+                    waits for them
+    sync_selection  the issue's baseline, "the same selection fetched synchronously" as a synchronous
+                    sparse offload does it: the same two-level selection (token level over this
+                    step's blocks M_t, on the device index), then the K and V of the k_t chosen
+                    tokens read from the CPU store over the link (UVA) before the attention, every
+                    step; no resident cache (`AsyncTlsExecutor.offload_selection`)
+    sync_misses     AsyncTLS unlagged: the missing blocks M_t \\ C_t copied into the resident cache on
+                    the executor's stream before the token level (the row called `sync` up to
+                    b8b6c1a); it isolates what the lag alone hides
+
+`lagged` and `sync_misses` each drift the queries and keep the cache at `M_{t-1}` for the next;
+`sync_selection` reuses the queries of the step before it and leaves the cache alone, so the two
+cached modes see the same temporal locality as before it was added.
 
 Attention time per layer = (step time - the same step's model work alone) / layers, medians over
-`--steps` measured steps per mode. The transfer time is the GPU time of the copies (CUDA events on
-the copy kernels of the lagged mode; both modes copy the same blocks); hidden fraction =
-(sync - lagged) / transfer, in [0, 1]. The executor replays each claim as a CUDA graph from its
-second step on (`--no-graphs`: every claim eagerly, as torch ops); the host time inside `decode`
-is reported, since a step whose host work exceeds its GPU work cannot show a hidden transfer.
-Writes `benchmarks/results/asynctls-<device>.json` (results contract, docs/architecture.md) and a
-markdown table beside it.
+`--steps` measured steps per mode. `lagged_over_sync_time` is lagged over sync_selection;
+`lagged_over_sync_misses_time` lagged over sync_misses. The transfer time is the GPU time of the
+lagged mode's copies (CUDA events on the copy kernels; sync_misses copies the same blocks);
+hidden fraction = (sync_misses - lagged) / transfer, in [0, 1]. `claim_ms_per_layer` is the GPU
+time of the executor's claim (its start and end events: block level, token level, attention,
+cache update; graphed), so attention minus claim is what the runtime's step costs around it
+(window part, merge, checks, host work while the GPU waits). The executor replays each claim as a
+CUDA graph from its second step on (`--no-graphs`: every claim eagerly, as torch ops).
+`--breakdown N` then runs N eager steps per mode with CUDA events between the claim's stages
+(block level, token scores, token top-k, attention, cache update, fetch, outputs) and reports each
+stage's median time per layer (eager: a stage's time includes the host's launch gaps when the host
+is slower than the GPU); `--profile DIR` writes torch.profiler tables (GPU time and host time by op)
+of 3 graphed steps per mode. Writes `benchmarks/results/asynctls-<device>.json` (results contract,
+docs/architecture.md) and a markdown table beside it.
 
     python benchmarks/asynctls.py                                # both points, a few minutes on an H100 host
     python benchmarks/asynctls.py --smoke --out runs/asynctls-smoke.json   # CPU, tiny shape: checks the script
@@ -78,6 +96,66 @@ class ModelWork:
             torch.mm(x, w)
 
 
+MODES = ("lagged", "sync_misses", "sync_selection")
+
+
+def set_mode(ex: AsyncTlsExecutor, mode: str) -> None:
+    """Switch the executor between the benchmark's modes (module doc) between steps."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: allowed {', '.join(MODES)}")
+    ex.lagged = mode == "lagged"
+    ex.offload_selection = mode == "sync_selection"
+
+
+def breakdown(ex: AsyncTlsExecutor, step, steps: int) -> dict:
+    """Median time per layer of each stage of the eager claims of `steps` steps per mode (ms): the time
+    from the previous stage's mark to the stage's own, and `claim` from the first mark to the last."""
+    cuda = ex.cuda
+    out = {}
+    for mode in MODES:
+        set_mode(ex, mode)
+        per_stage: dict = {}
+        for _ in range(steps):
+            ex.marks = []
+            step(True, drift=False)
+            marks, ex.marks = ex.marks, None
+            # One claim per layer: each begins at its "start" mark.
+            claims, cur = [], None
+            for name, at in marks:
+                if name == "start":
+                    cur = [(name, at)]
+                    claims.append(cur)
+                elif cur is not None:
+                    cur.append((name, at))
+            for claim in claims:
+                for (_, a), (name, b) in zip(claim, claim[1:]):
+                    per_stage.setdefault(name, []).append(a.elapsed_time(b) if cuda else (b - a) * 1e3)
+                (_, a), (_, b) = claim[0], claim[-1]
+                per_stage.setdefault("claim", []).append(a.elapsed_time(b) if cuda else (b - a) * 1e3)
+        out[mode] = {name: float(np.median(v)) for name, v in per_stage.items()}
+    ex.marks = None
+    return out
+
+
+def profile_steps(ex: AsyncTlsExecutor, step, path: Path, cuda: bool) -> None:
+    """torch.profiler tables of 3 steps per mode (as timed: graphed claims) to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for mode in MODES:
+        set_mode(ex, mode)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                step(True, drift=False)
+        table = prof.key_averages()
+        for sort in (("self_cuda_time_total",) if cuda else ()) + ("cpu_time_total",):
+            parts.append(f"## {mode}: 3 steps, sorted by {sort}\n\n{table.table(sort_by=sort, row_limit=40)}\n")
+    path.write_text("\n".join(parts))
+    print(f"  profile: {path}", flush=True)
+
+
 def run_point(args, batch: int, context: int) -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -118,10 +196,10 @@ def run_point(args, batch: int, context: int) -> dict:
         seq_ids = list(range(batch))
         zeros = torch.zeros((batch, g.kv_heads, g.head_dim), device=dev, dtype=torch.bfloat16)
 
-        def step(attention: bool) -> tuple[float, float]:
+        def step(attention: bool, drift: bool = True) -> tuple[float, float]:
             """One decode step over every layer: its wall time (the device synchronised at both ends) and
             the host time inside `decode` calls."""
-            if attention:
+            if attention and drift:
                 q.add_(args.drift * torch.randn(q.shape, generator=gen, device=dev))
             if cuda:
                 torch.cuda.synchronize()
@@ -137,24 +215,43 @@ def run_point(args, batch: int, context: int) -> dict:
                 torch.cuda.synchronize()
             return time.perf_counter() - t, host
 
-        samples: dict = {mode: {"step_s": [], "work_s": [], "host_s": [], "transfer_s": [], "missed": 0, "selected": 0,
-                                "bytes": 0} for mode in ("lagged", "sync")}
+        claims: list = []  # the executor's launches of the current step (their start and end events)
+        launch = ex.launch
+
+        def launch_and_keep(*a, **kw):
+            handle = launch(*a, **kw)
+            claims.append(handle)
+            return handle
+
+        ex.launch = launch_and_keep
+
+        def claim_seconds() -> float:
+            """GPU time of the step's claims (after the step synchronised), and forget them."""
+            total = sum((h.start.elapsed_time(h.end) * 1e-3) if cuda else (h.end - h.start) for h in claims)
+            claims.clear()
+            return total
+
+        samples: dict = {mode: {"step_s": [], "work_s": [], "host_s": [], "transfer_s": [], "claim_s": [], "missed": 0,
+                                "selected": 0, "bytes": 0} for mode in MODES}
         for i in range(args.warmup + args.steps):
-            for mode in ("lagged", "sync"):
-                ex.lagged = mode == "lagged"
+            for mode in MODES:
+                set_mode(ex, mode)
                 miss0, sel0, bytes0 = ex.blocks_missed, ex.blocks_selected, ex.bytes_read
                 ex.transfer_seconds()  # forget copies of earlier steps
-                step_s, host_s = step(True)
-                transfer_s = ex.transfer_seconds()
+                claims.clear()
+                step_s, host_s = step(True, drift=mode != "sync_selection")
+                transfer_s, claim_s = ex.transfer_seconds(), claim_seconds()
                 if i >= args.warmup:
                     smp = samples[mode]
                     smp["step_s"].append(step_s)
                     smp["host_s"].append(host_s)
                     smp["work_s"].append(step(False)[0])
                     smp["transfer_s"].append(transfer_s)
+                    smp["claim_s"].append(claim_s)
                     smp["missed"] += ex.blocks_missed - miss0
                     smp["selected"] += ex.blocks_selected - sel0
                     smp["bytes"] += ex.bytes_read - bytes0
+        # Epsilon of the cached modes' layer steps (sync_selection logs no blocks: `epsilon_per_step` skips it).
         eps = ex.epsilon_per_step()[-(args.steps * 2 * g.layers):]
         row = {"batch": batch, "context": context, "layers": g.layers, "prefill_s": prefill_s,
                "index_bytes": ex.index.nbytes, "cache_bytes": ex.cache.nbytes,
@@ -168,21 +265,33 @@ def run_point(args, batch: int, context: int) -> dict:
                          "model_work_ms": float(np.median(smp["work_s"])) * 1e3,
                          # Host time in `decode` per layer: when it exceeds the GPU's work, the step is host-bound.
                          "host_ms_per_layer": float(np.median(smp["host_s"])) * 1e3 / g.layers,
+                         "claim_ms_per_layer": float(np.median(smp["claim_s"])) * 1e3 / g.layers,
                          "transfer_ms_per_layer": float(np.median(smp["transfer_s"])) * 1e3 / g.layers,
                          "epsilon": smp["missed"] / max(1, smp["selected"]),
                          "bytes_per_layer_step": smp["bytes"] / args.steps / g.layers,
                          "samples_step_s": smp["step_s"], "samples_work_s": smp["work_s"]}
-        lag, sync = row["lagged"], row["sync"]
+        lag, sync, misses = row["lagged"], row["sync_selection"], row["sync_misses"]
         row["lagged_over_sync_time"] = lag["attention_ms_per_layer"] / sync["attention_ms_per_layer"]
+        row["lagged_over_sync_misses_time"] = lag["attention_ms_per_layer"] / misses["attention_ms_per_layer"]
         # The copies' GPU time, timed on the lagged mode's side stream (a synchronous copy inside a
-        # replayed CUDA graph has no events of its own); both modes move the same blocks.
+        # replayed CUDA graph has no events of its own); sync_misses moves the same blocks.
         row["transfer_ms_per_layer"] = lag["transfer_ms_per_layer"]
         if row["transfer_ms_per_layer"] > 0:
-            saved = sync["attention_ms_per_layer"] - lag["attention_ms_per_layer"]
+            saved = misses["attention_ms_per_layer"] - lag["attention_ms_per_layer"]
             row["hidden_fraction"] = float(min(1.0, max(0.0, saved / row["transfer_ms_per_layer"])))
-        print(f"  attention per layer: lagged {lag['attention_ms_per_layer']:.3f} ms, sync {sync['attention_ms_per_layer']:.3f} ms "
-              f"({row['lagged_over_sync_time']:.2f}x); transfer {row['transfer_ms_per_layer']:.3f} ms per layer, hidden "
-              f"{row.get('hidden_fraction', float('nan')):.2f}; epsilon median {row['epsilon_median']:.3f}", flush=True)
+        print(f"  attention per layer: lagged {lag['attention_ms_per_layer']:.3f} ms (claim {lag['claim_ms_per_layer']:.3f}), "
+              f"sync_selection {sync['attention_ms_per_layer']:.3f} ms (claim {sync['claim_ms_per_layer']:.3f}; "
+              f"{row['lagged_over_sync_time']:.2f}x), sync_misses {misses['attention_ms_per_layer']:.3f} ms "
+              f"({row['lagged_over_sync_misses_time']:.2f}x); transfer {row['transfer_ms_per_layer']:.3f} ms per layer, "
+              f"hidden {row.get('hidden_fraction', float('nan')):.2f}; epsilon median {row['epsilon_median']:.3f}",
+              flush=True)
+        if args.breakdown:
+            row["breakdown"] = breakdown(ex, step, args.breakdown)
+            for mode, stages in row["breakdown"].items():
+                print(f"  {mode} eager stages, ms per layer: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()),
+                      flush=True)
+        if args.profile:
+            profile_steps(ex, step, Path(args.profile) / f"asynctls-profile-{batch}x{context // 1024}k.txt", cuda)
         return row
     finally:
         rt.close()
@@ -193,13 +302,15 @@ def metrics_of(rows: list[dict]) -> dict:
     for r in rows:
         tag = METRIC_POINTS.get((r["batch"], r["context"]), f"{r['batch']}x{r['context'] // 1024}k")
         out[f"lagged_over_sync_time_{tag}"] = r["lagged_over_sync_time"]
+        out[f"lagged_over_sync_misses_time_{tag}"] = r["lagged_over_sync_misses_time"]
         if "hidden_fraction" in r:
             out[f"hidden_fraction_{tag}"] = r["hidden_fraction"]
-        for mode in ("lagged", "sync"):
+        for mode in MODES:
             out[f"attention_ms_per_layer_{mode}_{tag}"] = r[mode]["attention_ms_per_layer"]
+            out[f"claim_ms_per_layer_{mode}_{tag}"] = r[mode]["claim_ms_per_layer"]
+            out[f"bytes_per_layer_step_{mode}_{tag}"] = r[mode]["bytes_per_layer_step"]
         out[f"transfer_ms_per_layer_{tag}"] = r["transfer_ms_per_layer"]
         out[f"host_ms_per_layer_lagged_{tag}"] = r["lagged"]["host_ms_per_layer"]
-        out[f"bytes_per_layer_step_{tag}"] = r["sync"]["bytes_per_layer_step"]
         out[f"epsilon_median_{tag}"] = r["epsilon_median"]
         out[f"cache_mib_per_layer_sequence_{tag}"] = r["cache_mib_per_layer_sequence"]
     return out
@@ -207,21 +318,37 @@ def metrics_of(rows: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     c = result["config"]
-    lines = [f"# AsyncTLS: lagged prefetch vs synchronous fetch ({result['device']})", "",
+    lines = [f"# AsyncTLS: lagged prefetch vs the same selection fetched synchronously ({result['device']})", "",
              f"commit {result['commit']}; `{result['command']}`", "",
              f"Llama-3.1-8B geometry, {c['layers']} layers, blocks of 64, k_b {c['blocks']}, k_t {c['tokens']}, "
              f"d_c {c['channels']}, query drift {c['drift']}, model work {'on' if c['model_work'] else 'off'}, "
              f"CUDA graphs {'on' if c['graphs'] else 'off'}, "
-             f"{c['steps']} measured steps per mode.", "",
-             "| batch | context | attention ms/layer lagged | sync | lagged/sync | transfer ms/layer | hidden | host ms/layer in decode (lagged / sync) | epsilon median / p90 | MB moved per layer step | cache MiB per layer and sequence |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{c['steps']} measured steps per mode. Modes (benchmarks/asynctls.py): `lagged` AsyncTLS; "
+             "`sync_selection` the same selection, its k_t tokens' K and V read from the CPU store before the "
+             "attention, no resident cache (the issue's baseline); `sync_misses` AsyncTLS unlagged, the missing blocks "
+             "copied into the resident cache before the token level (the row called `sync` up to b8b6c1a). Claim: "
+             "GPU time of the executor's claim; the rest of the attention time is the runtime's step around it.", "",
+             "| batch | context | mode | attention ms/layer | claim ms/layer | host ms/layer in decode | MB moved per layer step | lagged / mode |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["points"]:
-        lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {r['lagged']['attention_ms_per_layer']:.3f} | "
-                     f"{r['sync']['attention_ms_per_layer']:.3f} | {r['lagged_over_sync_time']:.2f} | "
-                     f"{r['transfer_ms_per_layer']:.3f} | {r.get('hidden_fraction', float('nan')):.2f} | "
-                     f"{r['lagged']['host_ms_per_layer']:.3f} / {r['sync']['host_ms_per_layer']:.3f} | "
-                     f"{r['epsilon_median']:.3f} / {r['epsilon_p90']:.3f} | {r['sync']['bytes_per_layer_step'] / 1e6:.2f} | "
+        for mode in MODES:
+            m = r[mode]
+            ratio = r["lagged"]["attention_ms_per_layer"] / m["attention_ms_per_layer"]
+            lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {mode} | {m['attention_ms_per_layer']:.3f} | "
+                         f"{m['claim_ms_per_layer']:.3f} | {m['host_ms_per_layer']:.3f} | "
+                         f"{m['bytes_per_layer_step'] / 1e6:.2f} | {ratio:.2f} |")
+    lines += ["", "| batch | context | transfer ms/layer (lagged copies) | hidden (vs sync_misses) | epsilon median / p90 | "
+              "cache MiB per layer and sequence |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in result["points"]:
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {r['transfer_ms_per_layer']:.3f} | "
+                     f"{r.get('hidden_fraction', float('nan')):.2f} | {r['epsilon_median']:.3f} / {r['epsilon_p90']:.3f} | "
                      f"{r['cache_mib_per_layer_sequence']:.1f} |")
+    if any("breakdown" in r for r in result["points"]):
+        lines += ["", "Eager claims' stages, median ms per layer (CUDA events between stage marks; `--breakdown`):", ""]
+        for r in result["points"]:
+            for mode, stages in r.get("breakdown", {}).items():
+                lines.append(f"- {r['batch']} x {r['context'] // 1024}K {mode}: "
+                             + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +364,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--drift", type=float, default=0.1, help="query change per step, relative to a unit-variance query")
     ap.add_argument("--no-model-work", dest="model_work", action="store_false", help="attention alone, no GEMMs between layers")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="run every claim eagerly (no CUDA graphs)")
+    ap.add_argument("--breakdown", type=int, default=5, metavar="N",
+                    help="eager steps per mode with the claim's stages timed (0: none)")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="write torch.profiler tables of 3 steps per mode here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="on the CPU at a tiny shape (2 x 4K, 2 layers, 3 steps): checks the script")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/asynctls-<device slug>.json); "
@@ -244,6 +374,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = ap.parse_args(argv)
     if args.smoke:
         args.points, args.layers, args.steps, args.warmup, args.blocks, args.tokens = "2x4096", 2, 3, 1, 8, 128
+        args.breakdown = min(args.breakdown, 1)
         if args.out is None:
             sys.exit("--smoke writes only where --out says (it must not replace a device result)")
     elif not torch.cuda.is_available():
@@ -255,7 +386,7 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"point batch={b} context={c}", flush=True)
         rows.append(run_point(args, b, c))
     config = {k: getattr(args, k) for k in ("layers", "steps", "warmup", "blocks", "tokens", "channels", "drift",
-                                            "model_work", "graphs", "seed", "smoke")}
+                                            "model_work", "graphs", "breakdown", "seed", "smoke")}
     config["torch"] = torch.__version__
     extra = {"config": config}
     path = write_results("asynctls", metrics_of(rows), rows, extra=extra, out_path=args.out)

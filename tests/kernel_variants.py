@@ -256,6 +256,23 @@ def asynctls(geometry: GeometryConfig, dtype: str) -> None:
     zero = torch.zeros(1, dtype=torch.int64)
     fetch_blocks(store.arena(0), torch.zeros((1, 1), dtype=torch.int64), zero, zero, torch.zeros_like(none), none,
                  cache.k[0], cache.v[0], validate=False)
+    # The token level's fused scores (the warm-up's launch; d_c 16 is SmolLM2's, 32 the benchmark's at
+    # head dim 128) and the benchmark baseline's token gather.
+    from gpu_kernels.asynctls_token_gather import gather_tokens
+    from gpu_kernels.asynctls_token_scores import int4_token_scores
+    from hybrid_runtime.token_index import TokenIndex
+
+    # Block sizes: the config's default and AsyncTLS's 64 (the benchmark's and the quality experiment's).
+    for d_c in sorted({selection.index_channels, 2 * selection.index_channels}):
+        if d_c > store.head_dim:
+            continue
+        channels = torch.arange(d_c).expand(1, store.kv_heads, d_c)
+        for blk in sorted({selection.block_size, 64}):
+            index = TokenIndex(1, 1, store.head_dim, channels, blk, store.dtype, torch.device("cpu"))
+            q_c = torch.zeros((1, geometry.group_size, d_c), dtype=torch.float32)
+            int4_token_scores(q_c, index.codes[0], index.qparams[0], none, torch.zeros_like(none), zero, blk)
+    gather_tokens(store.arena(0), torch.zeros((1, 1), dtype=torch.int64), torch.zeros((1, 1), dtype=torch.int64),
+                  torch.zeros((1, 1), dtype=torch.bool))
     store.close()
 
 

@@ -457,6 +457,120 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
 
 
+def test_fused_int4_token_scores_match_the_dequantized_index():
+    from gpu_kernels.asynctls_token_scores import int4_token_scores
+
+    gen = torch.Generator().manual_seed(21)
+    n_chunks, d_c, g, blk = 5, 8, 3, 16
+    keys = torch.randn(n_chunks, layout.CHUNK_TOKENS, d_c, generator=gen)
+    codes, params = quantize_int4(keys)
+    q_c = torch.randn(2, g, d_c, generator=gen)
+    chunks = torch.tensor([[3, 0, 4], [1, 2, 0]])
+    blocks = torch.tensor([[0, 9, -1, 17, 5], [23, -1, 2, 11, 16]])  # -1: empty slots
+    cpu_len = torch.tensor([300, 270])  # row 1: block 16 is cut at 270, block 23 lies past it
+    got = int4_token_scores(*(x.to(DEV) for x in (q_c, codes, params, blocks, chunks, cpu_len)), blk).cpu()
+    pos = blocks[:, :, None] * blk + torch.arange(blk)
+    valid = ((blocks[:, :, None] >= 0) & (pos < cpu_len[:, None, None])).view(2, -1)
+    pos = pos.clamp(min=0).view(2, -1)
+    cid = chunks.gather(1, (pos // layout.CHUNK_TOKENS).clamp(max=2))
+    x = dequantize_int4(codes[cid, pos % layout.CHUNK_TOKENS], params[cid, pos % layout.CHUNK_TOKENS])
+    want = torch.bmm(q_c, x.transpose(1, 2)).masked_fill(~valid[:, None, :], float("-inf"))
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and int(valid.sum()) == 4 * 16 + 2 * 16 + 14
+    assert torch.allclose(got[~torch.isinf(got)], want[~torch.isinf(want)], atol=1e-4)
+    with pytest.raises(ValueError, match="d_c / 2 a power of two"):
+        int4_token_scores(torch.zeros(2, g, 12), torch.zeros(5, 128, 6, dtype=torch.uint8), params, blocks, chunks,
+                          cpu_len, blk)
+
+
+@pytest.mark.parametrize("lagged", [True, False])
+def test_fused_token_level_chooses_what_the_torch_form_chooses(lagged):
+    cfg = asynctls_config(blocks=6, tokens=24, lagged=lagged)
+    g = cfg.geometry
+    outs = []
+    for fused in (False, True):
+        with runtime(cfg) as rt:
+            rt.gpu_executor.fused_token_scores = fused
+            prefill_random(rt, 0, 800, seed=22)
+            gen = torch.Generator().manual_seed(23)
+            res = []
+            for _ in range(6):
+                for layer in range(g.layers):
+                    q = torch.randn(1, g.q_heads, g.head_dim, generator=gen)
+                    k, v = torch.randn(2, 1, g.kv_heads, g.head_dim, generator=gen)
+                    res.append(rt.decode(layer, [0], q, k, v))
+            outs.append(torch.stack(res))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_token_gather_kernel_reads_the_chosen_rows():
+    from gpu_kernels.asynctls_token_gather import gather_tokens
+
+    gen = torch.Generator().manual_seed(27)
+    arena = torch.randn(6, layout.CHUNK_ROWS, 16, generator=gen)
+    chunks = torch.tensor([[4, 1, 0], [2, 5, 3]])
+    pos = torch.tensor([[0, 130, 300, 5, 129], [383, 7, 256, 128, 1]])
+    valid = torch.tensor([[True, True, True, False, True], [True, True, True, True, False]])
+    k, v = gather_tokens(*(x.to(DEV) for x in (arena, chunks, pos, valid)))
+    cid = chunks.gather(1, pos // 128)
+    want_k = arena[cid, layout.K_ROW + pos % 128] * valid[..., None]
+    want_v = arena[cid, layout.V_ROW + pos % 128] * valid[..., None]
+    assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
+
+
+@pytest.mark.parametrize("triton_gather", [False, True])
+def test_offload_selection_attends_the_unlagged_selection_read_from_the_store(triton_gather):
+    # The benchmark's synchronous baseline: the same two-level selection as unlagged AsyncTLS, the
+    # chosen tokens' K and V read from the CPU store; the resident cache stays as the prefill left it.
+    cfg = asynctls_config(blocks=5, tokens=40, lagged=False)
+    g = cfg.geometry
+    outs, counters = [], []
+    for offload in (False, True):
+        with runtime(cfg) as rt:
+            ex = rt.gpu_executor
+            ex.offload_selection = offload
+            ex.triton_gather = triton_gather
+            prefill_random(rt, 0, 900, seed=24)
+            tables = [t.clone() for t in ex.cache.table]
+            gen = torch.Generator().manual_seed(25)
+            res = []
+            for _ in range(8):
+                for layer in range(g.layers):
+                    q = torch.randn(1, g.q_heads, g.head_dim, generator=gen)
+                    k, v = torch.randn(2, 1, g.kv_heads, g.head_dim, generator=gen)
+                    res.append(rt.decode(layer, [0], q, k, v))
+            outs.append(torch.stack(res))
+            counters.append((ex.bytes_read, ex.blocks_selected, ex.blocks_missed))
+            if offload:
+                assert all(torch.equal(a, b) for a, b in zip(tables, ex.cache.table))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    steps = 8 * g.layers * g.kv_heads  # task-steps; every one reads its 40 chosen tokens' K and V
+    assert counters[1] == (steps * 40 * 2 * g.head_dim * 4, 0, 0)
+    assert counters[0][1] > 0 and counters[0][0] != counters[1][0]
+
+
+def test_stage_marks_of_an_eager_claim():
+    cfg = asynctls_config(blocks=5, tokens=40)
+    g = cfg.geometry
+    with runtime(cfg) as rt:
+        prefill_random(rt, 0, 900, seed=26)
+        ex = rt.gpu_executor
+        q = torch.randn(1, g.q_heads, g.head_dim)
+        k = v = torch.zeros(1, g.kv_heads, g.head_dim)
+        stages = {}
+        for mode in ("lagged", "unlagged", "offload"):
+            ex.lagged, ex.offload_selection = mode == "lagged", mode == "offload"
+            ex.marks = []
+            rt.decode(0, [0], q, k, v)
+            stages[mode] = [name for name, _ in ex.marks]
+            assert all(b >= a for (_, a), (_, b) in zip(ex.marks, ex.marks[1:]))
+        ex.marks = None
+    assert stages["lagged"] == ["start", "block level", "token scores", "token top-k", "attention", "cache update",
+                                "outputs"]
+    assert stages["unlagged"] == ["start", "block level", "cache update", "fetch", "token scores", "token top-k",
+                                  "attention", "outputs"]
+    assert stages["offload"] == ["start", "block level", "token scores", "token top-k", "attention", "outputs"]
+
+
 # ---------------------------------------------------------------------------- the quality experiment's pieces
 def test_quality_experiment_settings_selections_and_metrics(tmp_path):
     from hybrid_runtime.experiments import asynctls_quality as aq
@@ -518,7 +632,15 @@ def test_device_benchmark_smoke_run_writes_the_results_contract(tmp_path, monkey
     (row,) = r["points"]
     assert (row["batch"], row["context"], row["layers"]) == (2, 4096, 2)
     m = r["metrics"]
+    # The issue's baseline is the selection read from the store every step; the old `sync` row is sync_misses.
     assert m["lagged_over_sync_time_2x4k"] == pytest.approx(row["lagged"]["attention_ms_per_layer"]
-                                                             / row["sync"]["attention_ms_per_layer"])
-    assert 0.0 <= m["epsilon_median_2x4k"] <= 1.0 and m["bytes_per_layer_step_2x4k"] >= 0
-    assert len(row["lagged"]["samples_step_s"]) == 3 and path.with_suffix(".md").exists()
+                                                             / row["sync_selection"]["attention_ms_per_layer"])
+    assert m["lagged_over_sync_misses_time_2x4k"] == pytest.approx(row["lagged"]["attention_ms_per_layer"]
+                                                                    / row["sync_misses"]["attention_ms_per_layer"])
+    assert 0.0 <= m["epsilon_median_2x4k"] <= 1.0
+    # Per layer step 2 sequences x 8 KV heads read their 128 chosen tokens' K and V (D 128, bf16) from the store.
+    assert m["bytes_per_layer_step_sync_selection_2x4k"] == 2 * 8 * 128 * 2 * 128 * 2
+    for mode in ("lagged", "sync_misses", "sync_selection"):
+        assert len(row[mode]["samples_step_s"]) == 3 and row[mode]["claim_ms_per_layer"] > 0
+        assert row["breakdown"][mode]["claim"] > 0 and "token top-k" in row["breakdown"][mode]
+    assert path.with_suffix(".md").exists()

@@ -30,6 +30,11 @@ segment. Prefill builds the index of the prompt's CPU segment and warms the cach
 the prompt's last query chooses (`prefill`); a spill that grows the CPU segment updates the index
 and refreshes resident blocks that gained tokens before the step's claims (`upload`).
 
+On CUDA the token level's approximate scores come from one Triton launch over the INT4 codes
+(`gpu_kernels/asynctls_token_scores.py`). `offload_selection` (not AsyncTLS: the benchmark's
+synchronous baseline) reads the chosen tokens' K and V from the CPU store every step instead of the
+cache, and `marks` times an eager claim's stages (`benchmarks/asynctls.py --breakdown`).
+
 Counters: `bytes_read` (K and V of the missing blocks' tokens, decode and refreshes),
 `blocks_selected` and `blocks_missed` (epsilon = missed / selected), `prefill_bytes`, and
 `fetch_log`, per claim `(step, layer, selected, missed)`: `epsilon_per_step`.
@@ -197,6 +202,24 @@ class AsyncTlsExecutor:
         self.graphs = self.cuda
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._graph_bufs: dict[int, tuple] = {}
+        # The token level's scores straight from the INT4 codes in one Triton launch
+        # (`gpu_kernels/asynctls_token_scores.py`); the torch form expands every candidate's codes
+        # to d_c float32 values first (~40x the bytes). Off on the host unless a test turns it on
+        # (it runs there under TRITON_INTERPRET=1); the kernel needs d_c / 2 a power of two.
+        half = self.index.d_c // 2
+        self.fused_token_scores = self.cuda and half & (half - 1) == 0
+        # The benchmark's synchronous sparse-offload baseline (`benchmarks/asynctls.py`,
+        # `sync_selection`), not AsyncTLS: the same two-level selection, its token level over this
+        # step's blocks `M_t` on the index, and the K and V of the chosen tokens read from the CPU
+        # store over the link (UVA) before the attention, every step; the resident cache is neither
+        # read nor changed, and a claim reports the bytes of the tokens it read.
+        self.offload_selection = False
+        # ... its tokens read by a Triton gather of whole K/V rows (`gpu_kernels/asynctls_token_gather.py`);
+        # torch indexing of the UVA view reads element-sized pieces. Host: torch unless a test turns it on.
+        self.triton_gather = self.cuda
+        # Stage marks of eager claims (`benchmarks/asynctls.py --breakdown`): (stage, CUDA event or
+        # host seconds) appended as each stage is queued; None: off. Claims are not graphed while on.
+        self.marks: list | None = None
 
     @property
     def nbytes(self) -> int:
@@ -224,21 +247,62 @@ class AsyncTlsExecutor:
 
     def _select_tokens(self, layer: int, q: torch.Tensor, active: torch.Tensor, cached: torch.Tensor,
                        kv_head: torch.Tensor, chunks: torch.Tensor, cpu_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cache positions `[R, k_t]` into the rows' `slots * blk` cached tokens, whether each is a real token)."""
+        """(candidate positions `[R, k_t]` into the rows' `S * blk` candidates -- token `p % blk` of block
+        `cached[r, p // blk]` --, whether each is a real token). `cached [R, S]`: the candidate blocks (-1: none)."""
         r, s = cached.shape
         blk = self.block_size
-        pos = cached[:, :, None] * blk + torch.arange(blk, device=q.device)  # [R, S, blk] token positions
-        valid = (cached[:, :, None] >= 0) & (pos < cpu_len[:, None, None])
         n = s * blk
-        pos, valid = pos.clamp(min=0).view(r, n), valid.view(r, n)
         if self.tokens == "all" or int(self.tokens) >= n:
+            pos = cached[:, :, None] * blk + torch.arange(blk, device=q.device)  # [R, S, blk] token positions
+            valid = ((cached[:, :, None] >= 0) & (pos < cpu_len[:, None, None])).view(r, n)
             return torch.arange(n, device=q.device).expand(r, n), valid
-        cid = chunks.gather(1, (pos // layout.CHUNK_TOKENS).clamp(max=chunks.shape[1] - 1)).long()
-        approx = token_scores(self.index.keys(layer, cid, pos % layout.CHUNK_TOKENS),
-                              q.gather(2, self.index.channels[layer, kv_head][:, None, :].expand(-1, q.shape[1], -1)),
-                              valid, active)
+        q_c = q.gather(2, self.index.channels[layer, kv_head][:, None, :].expand(-1, q.shape[1], -1))  # [R, G, d_c]
+        if self.fused_token_scores:
+            from gpu_kernels.asynctls_token_scores import int4_token_scores
+
+            raw = int4_token_scores(q_c.contiguous(), self.index.codes[layer], self.index.qparams[layer],
+                                    cached.contiguous(), chunks, cpu_len, blk)
+            valid = raw[:, 0] > float("-inf")
+        else:
+            pos = cached[:, :, None] * blk + torch.arange(blk, device=q.device)
+            valid = (cached[:, :, None] >= 0) & (pos < cpu_len[:, None, None])
+            pos, valid = pos.clamp(min=0).view(r, n), valid.view(r, n)
+            cid = chunks.gather(1, (pos // layout.CHUNK_TOKENS).clamp(max=chunks.shape[1] - 1)).long()
+            keys = self.index.keys(layer, cid, pos % layout.CHUNK_TOKENS)
+            raw = torch.bmm(q_c, keys.transpose(1, 2))  # [R, G, N]
+        self._mark("token scores")
+        approx = group_token_scores(raw, valid, active)
         sel = torch.topk(approx, int(self.tokens), dim=1, sorted=False).indices
+        self._mark("token top-k")
         return sel, valid.gather(1, sel)
+
+    def _mark(self, stage: str) -> None:
+        """Record the end of a claim's stage (`marks`)."""
+        if self.marks is None:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+            self.marks.append((stage, ev))
+        else:
+            self.marks.append((stage, time.perf_counter()))
+
+    def _attend_from_store(self, arena: torch.Tensor, q: torch.Tensor, active: torch.Tensor, chosen: torch.Tensor,
+                           chunks: torch.Tensor, sel: torch.Tensor, sel_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`offload_selection`: exact attention over the selected tokens of `chosen [R, k]`, their K and V
+        read from the CPU store (the arena's UVA view on CUDA)."""
+        blk, ct = self.block_size, layout.CHUNK_TOKENS
+        pos = chosen.gather(1, sel // blk).clamp(min=0) * blk + sel % blk  # [R, k_t] CPU-segment positions
+        if self.triton_gather:
+            from gpu_kernels.asynctls_token_gather import gather_tokens
+
+            kk, vv = gather_tokens(arena, chunks, pos, sel_valid.contiguous())
+            return exact_attention(q, kk.float(), vv.float(), sel_valid, active)
+        cid = chunks.gather(1, (pos // ct).clamp(max=chunks.shape[1] - 1)).long()
+        row = pos % ct
+        kk = arena[cid, layout.K_ROW + row].float()
+        vv = arena[cid, layout.V_ROW + row].float()
+        return exact_attention(q, kk, vv, sel_valid, active)
 
     def _attend(self, layer: int, q: torch.Tensor, active: torch.Tensor, seq_slot: torch.Tensor,
                 kv_head: torch.Tensor, sel: torch.Tensor, sel_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,7 +425,7 @@ class AsyncTlsExecutor:
         if self.cuda and plan.fetched is not None:
             self.stream.wait_event(plan.fetched)  # the previous step's copies at this layer
         arena = self._arena(layer)
-        graph = self._graph(plan, start, stop, step, d, arena) if self.cuda and self.graphs else None
+        graph = self._graph(plan, start, stop, step, d, arena) if self.cuda and self.graphs and self.marks is None else None
         if graph is not None:
             graph[0].replay()
             chosen, dest, counts = graph[1]
@@ -373,7 +437,7 @@ class AsyncTlsExecutor:
         counts_host.copy_(counts, non_blocking=self.cuda)
         if end is not None:
             end.record(self.stream)
-        if self.lagged:
+        if self.lagged and not self.offload_selection:
             self._fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest, fetch_events, side=True)
 
     def _claim_ops(self, layer: int, d: dict, step: Step, arena: torch.Tensor,
@@ -385,24 +449,43 @@ class AsyncTlsExecutor:
         bsz, hq, dim = step.q.shape
         g = self.group_size
         q = step.q.view(bsz, self.kv_heads, g, dim)[b, h]  # [R, G, D], pre-scaled fp32
+        self._mark("start")
         chosen = self._select_blocks(layer, q, active, chunks, cpu_len)
+        self._mark("block level")
+        token_bytes = 2 * self.head_dim * self.esize
+        if self.offload_selection:  # the synchronous baseline: no cache, the chosen tokens read from the store
+            sel, sel_valid = self._select_tokens(layer, q, active, chosen, h, chunks, cpu_len)
+            out, lse = self._attend_from_store(arena, q, active, chosen, chunks, sel, sel_valid)
+            self._mark("attention")
+            step.out.view(bsz, self.kv_heads, g, dim)[b, h] = out
+            step.lse.view(bsz, self.kv_heads, g)[b, h] = lse
+            none = torch.zeros_like(cpu_len)
+            counts = torch.stack([sel_valid.sum(1) * token_bytes, none, none])  # no cache: no epsilon
+            self._mark("outputs")
+            return chosen, torch.full_like(chosen, -1), counts
         table = self.cache.table[layer]
         cached = table[slot, h]
         if self.lagged:
             sel, sel_valid = self._select_tokens(layer, q, active, cached, h, chunks, cpu_len)
             out, lse = self._attend(layer, q, active, slot, h, sel, sel_valid)
+            self._mark("attention")
             new, miss, dest = plan_update(cached, chosen)
             table[slot, h] = new
+            self._mark("cache update")
         else:
             new, miss, dest = plan_update(cached, chosen)
             table[slot, h] = new
+            self._mark("cache update")
             self._fetch(layer, arena, chunks, slot, h, chosen, dest, fetch_events, side=False)
+            self._mark("fetch")
             sel, sel_valid = self._select_tokens(layer, q, active, new, h, chunks, cpu_len)
             out, lse = self._attend(layer, q, active, slot, h, sel, sel_valid)
+            self._mark("attention")
         step.out.view(bsz, self.kv_heads, g, dim)[b, h] = out
         step.lse.view(bsz, self.kv_heads, g)[b, h] = lse
         moved = torch.where(miss, block_tokens(chosen, cpu_len, self.block_size), 0).sum(1)
-        counts = torch.stack([moved * (2 * self.head_dim * self.esize), (chosen >= 0).sum(1), miss.sum(1)])
+        counts = torch.stack([moved * token_bytes, (chosen >= 0).sum(1), miss.sum(1)])
+        self._mark("outputs")
         return chosen, dest, counts
 
     def _graph(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step, d: dict, arena: torch.Tensor):
@@ -416,7 +499,8 @@ class AsyncTlsExecutor:
         (they replay one after another on the executor's stream). A capture that fails turns
         graphs off for the executor, with a warning.
         """
-        key = (plan.layer, start, stop, self.lagged, step.q.data_ptr(), step.out.data_ptr(), step.lse.data_ptr())
+        key = (plan.layer, start, stop, self.lagged, self.offload_selection, self.fused_token_scores, step.q.data_ptr(),
+               step.out.data_ptr(), step.lse.data_ptr())
         graphs = plan.plan.graphs
         entry = graphs.get(key)
         if entry is None:
@@ -540,13 +624,20 @@ class AsyncTlsExecutor:
 
     # ------------------------------------------------------------------ lifecycle and reports
     def warm_up(self) -> None:
-        """Compile the copy kernel now (a launch that copies nothing), not in the first decode step."""
+        """Compile the copy kernel and the token scores' now (launches that read no token), not in the
+        first decode step."""
         if not self.cuda:
             return
         none = torch.full((1, 1), -1, dtype=torch.int64, device=self.dev)
         zero = torch.zeros(1, dtype=torch.int64, device=self.dev)
         self.cache.fetch(0, self._arena(0), torch.zeros((1, 1), dtype=torch.int64, device=self.dev), zero, zero,
                          torch.zeros_like(none), none, stream=torch.cuda.current_stream().cuda_stream)
+        if self.fused_token_scores:
+            from gpu_kernels.asynctls_token_scores import int4_token_scores
+
+            q_c = torch.zeros((1, self.group_size, self.index.d_c), dtype=torch.float32, device=self.dev)
+            int4_token_scores(q_c, self.index.codes[0], self.index.qparams[0], none, torch.zeros_like(none), zero,
+                              self.block_size)
         torch.cuda.synchronize()
 
     def epsilon_per_step(self) -> np.ndarray:
@@ -617,7 +708,12 @@ def token_scores(keys: torch.Tensor, q: torch.Tensor, valid: torch.Tensor, activ
     """Double Sparsity's group score of each candidate: the heads' softmaxes over their
     approximate scores `q_c . k_c` (`keys [R, N, d_c]`, `q [R, G, d_c]`), averaged over the active
     heads; -1 for candidates that are not tokens (never chosen before a real one)."""
-    s = torch.bmm(q, keys.transpose(1, 2))  # [R, G, N]
+    return group_token_scores(torch.bmm(q, keys.transpose(1, 2)), valid, active)
+
+
+def group_token_scores(s: torch.Tensor, valid: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """`token_scores` from the heads' approximate scores `s [R, G, N]` (overwritten): softmax per head
+    over the `valid [R, N]` candidates, averaged over the `active [R, G]` heads; -1 where not valid."""
     s.masked_fill_(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row without candidates has no distribution
     w = active.to(p.dtype)
@@ -640,4 +736,4 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
 
 
 __all__ = ["AsyncTlsExecutor", "AsyncTlsLaunch", "AsyncTlsPlan", "asynctls_executor", "block_scores", "cache_slots",
-           "exact_attention", "memory_bytes", "token_scores"]
+           "exact_attention", "group_token_scores", "memory_bytes", "token_scores"]
