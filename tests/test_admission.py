@@ -81,8 +81,10 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(*args: str, timeout: float = 600) -> tuple[dict, subprocess.CompletedProcess]:
+def run_child(*args: str, timeout: float = 600, numba_cache: str | None = None) -> tuple[dict, subprocess.CompletedProcess]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if numba_cache is not None:
+        env["NUMBA_CACHE_DIR"] = numba_cache
     proc = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.stdout.strip(), proc.stderr[-3000:]
@@ -173,15 +175,17 @@ def test_spilled_tokens_follow_the_store():
 
 # ---------------------------------------------------------------------------- the estimate is honest
 @pytest.mark.slow
-def test_estimate_bounds_the_measured_peak_of_a_real_run():
+def test_estimate_bounds_the_measured_peak_of_a_real_run(tmp_path):
     """The quickstart's experiment, smaller (4 layers of Llama-3.1-8B, 2 x 8K-token prompts filling
     a 16K-token store, native CPU workers): measured peak RSS growth must lie in
     [0.75, 1.0] x the estimate. Upper bound: the estimate must not miss what the run holds (over
     nine configs measured 0.84-0.96 of it, so a missing part shows). Lower bound: it must not be
     padded by more than a quarter (its measured allowances -- compiled code, the C allocator's
-    retained heap, 312 MiB together -- are the slack of a small run; a large run's parts dwarf it)."""
+    retained heap, 312 MiB together -- are the slack of a small run; a large run's parts dwarf it).
+    The CPU kernels compile into an empty cache, as on a fresh checkout: loaded from a warm on-disk
+    cache they hold less (0.71-0.73 of the estimate measured that way on a 2-core host)."""
     report, proc = run_child("run", str(QUICKSTART), "workload.context=8192", "kv_cache.cpu_capacity_tokens=16384",
-                             "workload.decode_steps=2")
+                             "workload.decode_steps=2", numba_cache=str(tmp_path / "numba"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratio = report["peak_growth"] / report["estimate"]
     assert 0.75 <= ratio <= 1.0, (report, ratio)
