@@ -48,14 +48,15 @@ with those settings, as row `fused_NAME`, beside the runtime's own (defaults): `
 (`PredictedHeadPlanner(fused_queries=...)`: the step copies its queries into the graphs' static
 fp32 buffer, the way before the queries went by reference; `reference` is the default),
 `capture=0` (plain launches), and any `FusedHeadPredictor` launch choice (`parts`, `block_w`,
-`features_warps`, `features_stages`, `features_lean`, `predict_warps`, `predict_groups`,
+`features_warps`, `features_stages`, `features_lean`, `features_pack`, `predict_warps`, `predict_groups`,
 `predict_block_n`, `predict_stages`, `predict_out_width`, `dot_precision`). Each variant has its
 own statistics and graphs (its own capture). Old against new in one run: `--fused-variant
 static:queries=static` is the fused path as it staged its queries before (copy into the static
 buffer, padding rows run); `--fused-variant
 old:dot_precision=tf32x3,features_lean=0,predict_out_width=16` the kernels as they were before the
-"split" dots, the merged tile reductions and the 32 padded output columns; the row `fused` the
-default.
+"split" dots, the merged tile reductions and the 32 padded output columns; `--fused-variant
+pack:features_pack=1` the features kernel with the queries' and weights' tf32 halves packed into
+one MMA operand's 16 rows; the row `fused` the default.
 
 Writes `benchmarks/results/predictor_overhead-<device>.json` (results contract in
 docs/architecture.md) and a markdown table beside it.
@@ -97,7 +98,8 @@ def modes_of(row: dict) -> list[str]:
 
 
 PLANNER_KEYS = {"queries": "fused_queries", "capture": "capture"}  # --fused-variant keys of the planner itself
-FUSED_OPTION_KEYS = ("parts", "block_w", "features_warps", "features_stages", "features_lean", "predict_warps",
+FUSED_OPTION_KEYS = ("parts", "block_w", "features_warps", "features_stages", "features_lean", "features_pack",
+                     "predict_warps",
                      "predict_groups", "predict_block_n", "predict_stages", "predict_out_width",
                      "dot_precision")  # and of FusedHeadPredictor
 

@@ -8,9 +8,14 @@ the bytes spilled, the shared memory, the warps and, for the features kernel, it
 alignment is declared as the runtime's buffers have it (16 bytes; the queries' pointer is not
 specialised, as in `run`).
 
-    python benchmarks/predictor_registers.py [--parts 8] [--block-w 32] [--warps 4] [--precision tf32x3]
+    python benchmarks/predictor_registers.py [--parts 4] [--block-w 32] [--warps 4] [--precision split]
         [--predict-warps 4] [--predict-groups G] [--predict-block-n 32] [--predict-stages 3]
-        [--features-stages 1] [--q-by-ref]
+        [--features-stages 1] [--features-lean 1] [--features-pack 0] [--predict-out-width 32] [--q-by-ref]
+
+Besides the resource usage it counts the SASS instructions (`cuobjdump -sass`): all of them, and
+in the body of each loop (the code between a backward branch's target and the branch), with the
+HMMA (tensor core) and BAR (barrier) instructions among them: the features kernel's first loop is
+its window tile, the predict kernel's loops its layer pairs.
 
 `--q-by-ref` compiles the kernels as the planner's graphs run them by default (the queries' address
 read from a reference the host writes; `FusedHeadPredictor.run(q_ref=...)`).
@@ -72,7 +77,8 @@ def plan(args) -> hp.FusedHeadPredictor:
             skip_streaming=True, device="cpu", block_w=args.block_w, parts=args.parts, features_warps=args.warps,
             features_stages=args.features_stages,
             predict_warps=args.predict_warps, predict_groups=args.predict_groups, predict_block_n=args.predict_block_n,
-            predict_stages=args.predict_stages)
+            predict_stages=args.predict_stages, dot_precision=args.precision, features_lean=bool(args.features_lean),
+            features_pack=bool(args.features_pack), predict_out_width=args.predict_out_width)
     finally:
         hp.interpreted = interpreted
 
@@ -111,12 +117,39 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(regs.group(1)), int(stack.group(1)) if stack else 0
 
 
+def sass_counts(cubin: bytes) -> tuple[int, list[tuple[int, int, int]]]:
+    """(instructions, [(instructions, HMMA, BAR) per loop body]) of the kernel's SASS; a loop body is
+    the span from a backward branch's target to the branch (innermost spans as they appear)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    instrs = []  # (address, opcode line)
+    for line in text.splitlines():
+        hit = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if hit:
+            instrs.append((int(hit.group(1), 16), hit.group(2)))
+    loops = []
+    for addr, op in instrs:
+        branch = re.fullmatch(r"(?:@!?U?P\w+\s+)?BRA\S*\s+(?:\S+\s+)*?0x([0-9a-f]+)", op.strip())
+        if branch and int(branch.group(1), 16) <= addr:  # a backward branch: the loop's body ends here
+            body = [o for a, o in instrs if int(branch.group(1), 16) <= a <= addr]
+            loops.append((len(body), sum("HMMA" in o for o in body),
+                          sum(re.search(r"\bBAR\b", o) is not None for o in body)))
+    return len(instrs), loops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", type=int, default=8)
+    ap.add_argument("--parts", type=int, default=4)
     ap.add_argument("--block-w", type=int, default=32)
     ap.add_argument("--warps", type=int, default=4, help="warps of the features kernel")
-    ap.add_argument("--precision", default="tf32x3", choices=("tf32x3", "ieee"))
+    ap.add_argument("--precision", default="split", choices=hp.DOT_PRECISIONS)
+    ap.add_argument("--features-lean", type=int, default=1, help="the tile's reductions merged (1) or one each (0)")
+    ap.add_argument("--features-pack", type=int, default=0,
+                    help="the queries' / weights' tf32 high and low parts packed into a dot's 16 rows (1)")
+    ap.add_argument("--predict-out-width", type=int, default=32, help="padded columns of the network's 3 outputs")
     ap.add_argument("--predict-warps", type=int, default=4, help="warps of the predict kernel")
     ap.add_argument("--predict-groups", type=int, default=None, help="KV groups per predict program (default: 4 rows)")
     ap.add_argument("--predict-block-n", type=int, default=32, help="hidden columns per step of a layer pair")
@@ -134,8 +167,11 @@ def main() -> None:
         regs, spills = resource_usage(k.asm["cubin"])
         shared = k.metadata.shared
         per_sm = REGISTERS_PER_SM // (regs * 32 * warps)
+        n_sass, loops = sass_counts(k.asm["cubin"])
         print(f"{name:8s}: {regs} registers/thread, {spills} bytes stack (spills), {shared} bytes shared, {warps} warps; "
-              f"{programs} programs at B={BATCH}, <= {per_sm} per SM by registers ({per_sm * SMS} resident)")
+              f"{programs} programs at B={BATCH}, <= {per_sm} per SM by registers ({per_sm * SMS} resident); "
+              f"{n_sass} SASS instructions, loop bodies (instructions / HMMA / BAR): "
+              + ", ".join(f"{n} / {mma} / {bar}" for n, mma, bar in loops), flush=True)
     scratch = fused._parts_scratch.numel() * 4 + fused._vk_q.numel() * 4 + fused._arrivals.numel() * 4
     print(f"parts {fused.parts}, block_w {args.block_w}, precision {args.precision}: features scratch "
           f"{scratch} bytes at max_sequences={BATCH} (records {fused._part_record * 4} bytes per part)")

@@ -44,7 +44,9 @@ round q and the softmax weights to a 10-bit mantissa, 2^-11 relative, coarser th
 2e-4): by default "split" (`_dot`: each fp32 operand masked into two exact tf32 parts, three tf32
 MMAs, two where an operand is exact in tf32 already, as bf16 / fp16 window rows are; within
 2^-19 of the fp32 product), or Triton's `tf32x3` (`dot_precision`); under the interpreter "split"
-runs its own path and the others plain fp32. Whichever part
+runs its own path and the others plain fp32. `features_pack` (off by default) packs the queries'
+(and softmax weights') tf32 high and low parts into the 16 rows of one MMA operand for groups of
+<= 8 heads, one pass fewer per features dot (`_packed_halves`). Whichever part
 arrives last, the merge sums the records in part order, so results do not vary from run to run.
 The torch code stays the reference (and the CPU path); tests compare both.
 """
@@ -155,9 +157,12 @@ def _dot(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, DOT_PRECISION:
     """`acc + a @ b`, fp32-accurate. `DOT_PRECISION` "tf32x3" / "ieee": `tl.dot` as it is. "split":
     three tf32 MMAs on operands split by `_tf32_split` (lo x hi, hi x lo, then hi x hi: the small
     terms first), two where one operand is exact in tf32 (`A_EXACT` / `B_EXACT`: bf16 and fp16
-    values widened to fp32 are; then that operand is neither split nor multiplied twice)."""
+    values widened to fp32 are; then that operand is neither split nor multiplied twice), one where
+    both are (`_packed_halves`' operands against a bf16 / fp16 tile)."""
     if DOT_PRECISION == "split":
-        if A_EXACT:
+        if A_EXACT and B_EXACT:
+            acc = tl.dot(a, b, acc, input_precision="tf32")
+        elif A_EXACT:
             b_hi, b_lo = _tf32_split(b)
             acc = tl.dot(a, b_lo, acc, input_precision="tf32")
             acc = tl.dot(a, b_hi, acc, input_precision="tf32")
@@ -174,6 +179,21 @@ def _dot(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, DOT_PRECISION:
     else:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _packed_halves(x):
+    """`x [R, C]` fp32 -> `[2 R, C]`: rows 0..R-1 its tf32 high parts, rows R..2R-1 its low parts
+    (`_tf32_split`), one exact tf32 MMA operand: a dot of it against an exact operand gives the
+    high and the low products in one MMA pass, summed by `_sum_halves`."""
+    hi, lo = _tf32_split(x)
+    return tl.reshape(tl.permute(tl.join(hi, lo), [2, 0, 1]), [2 * x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def _sum_halves(x):
+    """`x [2 R, C]` -> `x[:R] + x[R:]` (a dot's products of `_packed_halves`' high and low rows)."""
+    return tl.sum(tl.reshape(x, [2, x.shape[0] // 2, x.shape[1]]), axis=0)
 
 
 @triton.jit
@@ -204,7 +224,8 @@ def _features_kernel(
     OFF_AM: tl.constexpr, OFF_AE: tl.constexpr, OFF_AB: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GF: tl.constexpr, D: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr, N_FEAT: tl.constexpr,
-    BLOCK_F: tl.constexpr, DOT_PRECISION: tl.constexpr, LEAN_TILES: tl.constexpr, Q_BY_REF: tl.constexpr,
+    BLOCK_F: tl.constexpr, DOT_PRECISION: tl.constexpr, LEAN_TILES: tl.constexpr, PACK_ROWS: tl.constexpr,
+    Q_BY_REF: tl.constexpr,
 ):
     pid = tl.program_id(0)  # sequence * HKV + KV head
     part = tl.program_id(1)  # which window tiles and covariance rows this program takes
@@ -226,13 +247,20 @@ def _features_kernel(
     st = stats_ptr + row * stats_width
     sink_len = tl.load(st + OFF_SINK)
 
-    g = tl.arange(0, BLOCK_G)  # the group's query heads, padded to the dots' 16 rows
+    # PACK_ROWS ("split" dots, G <= 8): the dots' 16 rows hold the group's queries' tf32 high parts in
+    # rows 0-7 and their low parts in rows 8-15 (`_packed_halves`), so one MMA pass against an exact
+    # (bf16 / fp16) tile gives both products, where the unpacked layout pads G heads to 16 rows and
+    # runs two passes; the softmax statistics then run on 8 rows, not 16.
+    BLOCK_S: tl.constexpr = BLOCK_G // 2 if PACK_ROWS else BLOCK_G  # rows of the scores and statistics
+    g = tl.arange(0, BLOCK_S)  # the group's query heads, padded to the dots' 16 rows (8 when packed)
     gm = g < G
     h = kvh * G + g
     d = tl.arange(0, D)
-    gz = tl.zeros([BLOCK_G], tl.float32)
+    gz = tl.zeros([BLOCK_S], tl.float32)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh
     qs = tl.load(q_rows + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32) * scale
+    if PACK_ROWS:
+        qs = _packed_halves(qs)  # [16, D]: exact in tf32
 
     # ---- this part's window tiles (part, part + PARTS, ...): online softmax over the valid rows
     # and over the sink rows, relative to the part's own maxima (merged by the last part, below).
@@ -243,7 +271,7 @@ def _features_kernel(
     m = gz - float("inf")  # running max over the window
     l = gz  # sum of exp(s - m)
     u = gz  # sum of exp(s - m) (s - m): the entropy without the cancellation of lse - E[s]
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)  # (PACK_ROWS: rows 0-7 from the weights' high parts, 8-15 the low)
     ms = gz - float("inf")  # sink rows: running max and sum
     ls = gz
     mr = gz - float("inf")  # recent rows: max
@@ -257,7 +285,9 @@ def _features_kernel(
         is_recent = valid & (pos.to(tl.float32) >= sink_len)
         kt = tl.load(k_base + pos[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         vt = tl.load(v_base + pos[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        s = _dot(qs, tl.trans(kt), tl.zeros([BLOCK_G, BLOCK_W], tl.float32), False, KV_EXACT, DOT_PRECISION)
+        s = _dot(qs, tl.trans(kt), tl.zeros([BLOCK_G, BLOCK_W], tl.float32), PACK_ROWS, KV_EXACT, DOT_PRECISION)
+        if PACK_ROWS:
+            s = _sum_halves(s)  # [8, BLOCK_W]: q_hi k + q_lo k
         sv = tl.where(valid[None, :], s, float("-inf"))
         if LEAN_TILES:  # the tile's reductions over its rows merged: 2 cross-warp reductions instead of 6
             ss = tl.where(is_sink[None, :], s, float("-inf"))
@@ -295,10 +325,18 @@ def _features_kernel(
             ms = ms_new
             mr = tl.maximum(mr, tl.max(tl.where(is_recent[None, :], s, float("-inf")), axis=1))
             rsum += tl.sum(tl.where(is_recent[:, None], kt, 0.0), axis=0)
-        acc = acc * alpha[:, None] + _dot(e, vt, tl.zeros([BLOCK_G, D], tl.float32), False, KV_EXACT, DOT_PRECISION)
+        if PACK_ROWS:  # e's high and low parts as the 16 rows of one operand; both halves rescaled by alpha
+            alpha2 = tl.reshape(tl.permute(tl.join(alpha, alpha), [1, 0]), [BLOCK_G])
+            acc = acc * alpha2[:, None] + _dot(_packed_halves(e), vt, tl.zeros([BLOCK_G, D], tl.float32), True,
+                                               KV_EXACT, DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + _dot(e, vt, tl.zeros([BLOCK_G, D], tl.float32), False, KV_EXACT,
+                                              DOT_PRECISION)
         m = m_new
     if LEAN_TILES:
         rsum = tl.sum(rsum_rows, axis=0)
+    if PACK_ROWS:
+        acc = _sum_halves(acc)  # [8, D]
     rec = part_ptr + (pid * PARTS + part).to(tl.int64) * REC
     tl.store(rec + g, m, mask=gm)
     tl.store(rec + G + g, l, mask=gm)
@@ -316,11 +354,15 @@ def _features_kernel(
     kc_base = st + OFF_KC + kvh * D * D
     vkc_base = st + OFF_VKC + kvh * D * D
     s_k = tl.load(kc_base + r[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)  # [r, e] = Cov(k_r, k_e)
-    sk_q = _dot(qs, tl.trans(s_k), tl.zeros([BLOCK_G, BLOCK_C], tl.float32), False, False, DOT_PRECISION)  # [g, r]
+    sk_q = _dot(qs, tl.trans(s_k), tl.zeros([BLOCK_G, BLOCK_C], tl.float32), PACK_ROWS, False, DOT_PRECISION)  # [g, r]
+    if PACK_ROWS:
+        sk_q = _sum_halves(sk_q)
     q_r = tl.load(q_rows + r[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(tl.float32) * scale
     tl.store(rec + 6 * G + g, tl.sum(sk_q * q_r, axis=1), mask=gm)
     s_vk = tl.load(vkc_base + r[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)  # [r, c] = Cov(v_r, k_c)
-    svk_q = _dot(qs, tl.trans(s_vk), tl.zeros([BLOCK_G, BLOCK_C], tl.float32), False, False, DOT_PRECISION)  # [g, r]
+    svk_q = _dot(qs, tl.trans(s_vk), tl.zeros([BLOCK_G, BLOCK_C], tl.float32), PACK_ROWS, False, DOT_PRECISION)  # [g, r]
+    if PACK_ROWS:
+        svk_q = _sum_halves(svk_q)
     tl.store(vkq_ptr + pid * (G * D) + g[:, None] * D + r[None, :], svk_q, mask=gm[:, None] & rm[None, :])
 
     # ---- the last part of (sequence, KV head) to arrive merges the parts and writes the features.
@@ -733,7 +775,10 @@ class FusedHeadPredictor:
     `block_w` (window rows per tile), `features_warps` / `predict_warps`, `features_stages`
     (pipeline stages of a part's window tiles, 1-4; 1 by default), `features_lean` (a window
     tile's six row reductions as two multi-operand reductions and the recent key sum reduced once
-    after the tiles; False: one reduction each, as before), `dot_precision` (`DOT_PRECISIONS`, all
+    after the tiles; False: one reduction each, as before), `features_pack` (under "split" dots and
+    groups of <= 8 heads: the queries' and the softmax weights' tf32 high and low parts as the 16
+    rows of one MMA operand, so each window and covariance dot is one pass fewer and the tile's
+    statistics run on 8 rows instead of 16; False by default), `dot_precision` (`DOT_PRECISIONS`, all
     fp32-accurate: "split" by default, `_dot`; "tf32x3" Triton's; "ieee" FMA);
     the predict kernel's `predict_groups` (KV groups per program; None: the fewest that make 4
     rows), `predict_block_n` (hidden columns per step of a layer pair, power of two >= 16, fewer
@@ -757,7 +802,8 @@ class FusedHeadPredictor:
                  device: torch.device | str, scale: float | None = None, dot_precision: str = "split",
                  block_w: int = 32, parts: int = 4, features_warps: int = 4, features_stages: int = 1,
                  predict_warps: int = 4, predict_groups: int | None = None, predict_block_n: int = 32,
-                 predict_stages: int = 3, predict_out_width: int = 32, features_lean: bool = True):
+                 predict_stages: int = 3, predict_out_width: int = 32, features_lean: bool = True,
+                 features_pack: bool = False):
         for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
                         ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
             if not isinstance(x, (int, np.integer)) or x < 1:
@@ -822,6 +868,12 @@ class FusedHeadPredictor:
                 raise ValueError(f"{name} must be [{N_FEATURES}], got {tuple(t.shape)}")
         if not isinstance(features_lean, (bool, int, np.integer)) or int(features_lean) not in (0, 1):
             raise ValueError(f"features_lean must be a bool (or 0 / 1), got {features_lean!r}")
+        if not isinstance(features_pack, (bool, int, np.integer)) or int(features_pack) not in (0, 1):
+            raise ValueError(f"features_pack must be a bool (or 0 / 1), got {features_pack!r}")
+        if features_pack and (dot_precision != "split" or q_heads // kv_heads > 8):
+            raise ValueError(f"features_pack packs the tf32 high and low parts of at most 8 query heads into a dot's "
+                             f"16 rows: it needs dot_precision 'split' and a group of <= 8 heads, got "
+                             f"{dot_precision!r} and {q_heads // kv_heads} heads")
         if not isinstance(predict_block_n, (int, np.integer)) or predict_block_n < 16 or predict_block_n & (predict_block_n - 1):
             raise ValueError(f"predict_block_n must be a power of two >= 16, got {predict_block_n!r}")
         if not isinstance(features_stages, (int, np.integer)) or not 1 <= features_stages <= 4:
@@ -898,7 +950,7 @@ class FusedHeadPredictor:
             OFF_AE=off["anchor_stream_err"], OFF_AB=off["anchor_budget"],
             HKV=hkv, G=g, BLOCK_G=max(16, next_pow2(g)), BLOCK_GF=next_pow2(g), D=d, BLOCK_W=block_w,
             BLOCK_C=max(16, d // self.parts), PARTS=self.parts, N_FEAT=N_FEATURES, BLOCK_F=next_pow2(N_FEATURES),
-            DOT_PRECISION=precision, LEAN_TILES=bool(features_lean),
+            DOT_PRECISION=precision, LEAN_TILES=bool(features_lean), PACK_ROWS=bool(features_pack),
         )
         padded = bs + [bs[-1]] * (MAX_BLOCK_SIZES - len(bs))
         logs = [float(np.log2(np.float32(x))) for x in padded]  # the host selector's float32 log2

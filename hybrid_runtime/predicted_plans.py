@@ -96,7 +96,7 @@ class PredictedHeadPlanner:
     the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly) and keeps the
     fused path on plain launches (`capture_fused` graphs it later). `fused_options`:
     launch choices passed to `FusedHeadPredictor` (`parts`, `block_w`, `features_warps`,
-    `dot_precision`; benchmarks compare them), defaults otherwise. `fused_queries`: `reference` or
+    `features_pack`, `dot_precision`, ...; benchmarks compare them), defaults otherwise. `fused_queries`: `reference` or
     `static`, how the fused kernels get the step's queries (module docstring). `on_selection`, when
     set, is called with `(layer, seq_ids, selection)` after every step's selection (reports).
     """

@@ -179,6 +179,8 @@ LAUNCH_VARIANTS = {
     "previous": {"dot_precision": "tf32x3", "features_lean": False, "predict_out_width": 16},
     "split_unmerged": {"dot_precision": "split", "features_lean": False},
     "lean_tf32x3_out16": {"dot_precision": "tf32x3", "features_lean": True, "predict_out_width": 16},
+    "packed": {"features_pack": True},
+    "packed_unmerged": {"features_pack": True, "features_lean": False},
 }
 
 
@@ -196,6 +198,23 @@ def test_fused_launch_variants_match_the_reference(variant, kv_dtype, hidden):
                                   "target_mean": net.target_mean.tolist(), "target_std": net.target_std.tolist(),
                                   "block_sizes": (16, 32, 64, 128), **LAUNCH_VARIANTS[variant]})
     check_against_reference(case, net, fused, layer=1, n_layers=3, tol=INTERP_TOL)
+
+
+@pytest.mark.parametrize("hkv, g, kv_dtype, by_reference", [(3, 1, torch.bfloat16, False), (1, 8, torch.float32, True),
+                                                             (2, 3, torch.bfloat16, True)])
+def test_fused_packed_rows_match_the_reference(hkv, g, kv_dtype, by_reference):
+    # `features_pack`: the queries' (and the softmax weights') tf32 high parts in rows 0-7 of the dots'
+    # operand and their low parts in rows 8-15, one MMA pass against a bf16 tile (two against fp32 rows,
+    # and for the covariances). A group of 1 (7 padding rows in each half), of 8 (no padding rows) and of
+    # 3; 16-row tiles over 2 parts, so a part walks several tiles and the halves' rescaling is exercised.
+    case = Case(hkv, g, 32, DEV, window=64, prompts=[300, 40, 20], window_lens=[60, 7, 33], slots=[0, 2, 1],
+                max_sequences=4, sink=20, local=32, kv_dtype=kv_dtype, seed=31 + g)
+    net = random_network((24,), seed=32)
+    fused = FusedHeadPredictor(**{**plan_kwargs(case, net), "max_sequences": 4, "block_w": 16, "parts": 2,
+                                  "target_mean": net.target_mean.tolist(), "target_std": net.target_std.tolist(),
+                                  "block_sizes": (16, 32, 64, 128), "features_pack": True})
+    check_against_reference(case, net, fused, layer=1, n_layers=3, tol=INTERP_TOL, by_reference=by_reference)
+    assert (fused._arrivals == 0).all()
 
 
 @triton.jit
@@ -325,6 +344,13 @@ def test_plan_refuses_what_it_cannot_run():
     for name, bad in (("predict_groups", 0), ("predict_block_n", 24), ("predict_stages", 0)):
         with pytest.raises(ValueError, match=name):
             FusedHeadPredictor(**{**plan_kwargs(case, net), name: bad})
+    with pytest.raises(ValueError, match="features_pack must be a bool"):
+        FusedHeadPredictor(**{**plan_kwargs(case, net), "features_pack": 2})
+    with pytest.raises(ValueError, match="it needs dot_precision 'split' and a group of <= 8 heads, got 'tf32x3'"):
+        FusedHeadPredictor(**{**plan_kwargs(case, net), "features_pack": True, "dot_precision": "tf32x3"})
+    wide_group = Case(1, 16, 16, DEV, window=16, prompts=[40], window_lens=[16], slots=[0], max_sequences=1)
+    with pytest.raises(ValueError, match="a group of <= 8 heads, got 'split' and 16 heads"):
+        FusedHeadPredictor(**{**plan_kwargs(wide_group, net), "features_pack": True})
     fused = fused_for(case, net, 1)
     out = torch.zeros(fused.out_size, device=DEV)
     args = (case.cache.layer_rows(0), case.cache.previous_queries(0), case.window_k, case.window_v)
@@ -412,6 +438,21 @@ def test_fused_planner_queries_by_reference_equal_static_queries():
                     np.testing.assert_array_equal(by_ref.predictions(m, len(ids)), static.predictions(m, len(ids)))
         with pytest.raises(ValueError, match="fused_queries 'copy' is not one of"):
             PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="fused", fused_queries="copy")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_fused_planner_with_packed_rows_equals_the_eager_planner(kv_dtype):
+    # The planner's `fused_options` reach the kernels: `features_pack` plans as the eager (torch) path
+    # does, over a bf16 window (one MMA pass per window dot) and an fp32 one (two).
+    cfg, store, _, eager = planner_pair(kv_dtype, (16, 16), "eager")
+    ckpt = Checkpoint(eager.model, list(FEATURE_NAMES), tau=0.1)
+    packed = PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=ckpt, path="fused",
+                                  fused_options={"features_pack": True})
+    try:
+        assert packed._fused._features_constexprs["PACK_ROWS"] is True
+        run_planners(store, packed, eager, DEV, 1e-5)
     finally:
         store.close()
 
