@@ -674,7 +674,7 @@ class HybridRuntime:
                     c_plan.budgets, plan.budgets
                 ):
                     return c_tasks
-        tasks = build_tasks(store, layer, seq_ids, plan)
+        tasks = build_tasks(store, layer, seq_ids, plan, cpu_len=cpu_lens)
         if len(self._task_cache) >= 4 * store.layers:
             self._task_cache.clear()  # batches changed: start over rather than track usage
         entries = self._task_cache.setdefault(key, [])

@@ -282,16 +282,48 @@ def test_executor_keeps_a_resident_table_per_task_set():
         return ex.pack(tab, np.ones((1, g), np.int32), np.zeros(1, np.int32))
 
     p1 = packed()
-    first = ex.upload(p1, resident=True)
+    staged = ex.upload(p1, resident=True)  # first use: through the staging buffer, no copy of its own
+    assert not ex._resident and staged.table.data_ptr() == ex._tables._dev.data_ptr()
+    first = ex.upload(p1, resident=True)  # second use: its own device copy, kept
+    assert first.table.data_ptr() != ex._tables._dev.data_ptr() and len(ex._resident) == 1
     assert ex.upload(p1, resident=True) is first  # the same task set: nothing copied again
-    assert ex.upload(packed(), resident=True) is not first  # another task set: its own copy
+    p2 = packed()
+    ex.upload(p2, resident=True)
+    assert len(ex._resident) == 1  # another task set, used once: staged only
+    assert ex.upload(p2, resident=True) is not first  # used again: its own copy
     ex.RESIDENT = 2
     p3, p4 = packed(), packed()
-    ex.upload(p3, resident=True)
-    ex.upload(p4, resident=True)
-    assert len(ex._resident) == 2 and ex.upload(p1, resident=True) is not first  # least recent dropped
+    for p in (p3, p3, p4, p4):
+        ex.upload(p, resident=True)
+    assert len(ex._resident) == 2
+    again = ex.upload(p1, resident=True)  # least recent dropped: staged again, then resident again
+    assert again is not first and ex.upload(p1, resident=True) is not first and len(ex._resident) == 2
     streamed = ex.upload(p1)  # not resident: through the staging buffer, every time
     assert torch.equal(streamed.table, first.table) and torch.equal(streamed.chunks, first.chunks)
+
+
+def test_fresh_task_sets_are_staged_not_made_resident():
+    """A new head plan every step gives a new task set every step: each is uploaded through the
+    pinned staging buffer (asynchronous), never copied into a resident table of its own."""
+    from hybrid_runtime import native_pool
+    from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
+    from tests.helpers import make_store
+
+    store = make_store()
+    ex = GpuUvaExecutor(store)
+    g = store.geometry.group_size
+    made = []
+    real = ex._resident_table
+    ex._resident_table = lambda packed: made.append(packed) or real(packed)
+    for n in range(1, 6):
+        tab = np.zeros((n, native_pool.T_COLS), dtype=np.int64)
+        tab[:, native_pool.T_BLOCK], tab[:, native_pool.T_CPULEN], tab[:, native_pool.T_N_CHUNKS] = 16, 128, 1
+        tab[:, native_pool.T_CHUNK_OFF] = np.arange(n)
+        packed = ex.pack(tab, np.ones((n, g), np.int32), np.zeros(n, np.int32))
+        table = ex.upload(packed, resident=True)
+        assert table.n_tasks == n and table.table.data_ptr() == ex._tables._dev.data_ptr()
+        assert torch.equal(table.table.cpu(), torch.from_numpy(packed[0][: n * 9]).view(n, 9))
+    assert made == [] and not ex._resident
 
 
 def _claims_through_executor(claim_graphs: bool, bounds, budget: float = 0.3):

@@ -101,6 +101,8 @@ class GpuUvaExecutor:
         self.esize = torch.tensor([], dtype=store.dtype).element_size()
         self._tables = StepTableBuffer(self.dev)
         self._resident: dict[int, tuple] = {}
+        # Packed tables passed as `resident` once so far (id -> table): a second use makes them resident.
+        self._seen_once: dict[int, np.ndarray] = {}
         self.claim_graphs = bool(claim_graphs)
         self._graphs: list = [None] * self.RING  # per landing slot, captured by `_capture`
         self.graph_replays = 0
@@ -190,21 +192,30 @@ class GpuUvaExecutor:
     def upload(self, packed: tuple, ordered: Sequence[Task] = (), resident: bool = False) -> StepTable:
         """The packed table as the step's plan on the device, ordered on the executor's stream.
 
-        `resident`: `packed` is reused across steps (cached with its task set): its device copy is
-        made once and kept, so a step that reuses the task set copies nothing. Otherwise one copy
+        `resident`: `packed` may be reused across steps (cached with its task set). Its first use
+        goes through the pinned staging buffer like any other (asynchronous); from its second use
+        on it has a device copy of its own, made then and kept, so a step that reuses the task set
+        copies nothing. A task set used once -- a new head plan every step -- so never pays the
+        resident copy, whose pageable source makes the host wait for it. Otherwise one copy
         through the pinned staging buffer.
         """
         data, n_blocks, union_pages, block_size = packed
         if n_blocks.shape[0]:
             self._grow(int(n_blocks.shape[0]), int(n_blocks.max()))
         if resident:
-            hit = self._resident.pop(id(data), None)
-            if hit is None or hit[0] is not data:
-                hit = (data, self._resident_table(packed))
+            key = id(data)
+            hit = self._resident.pop(key, None)
+            if hit is not None and hit[0] is data:
+                self._resident[key] = hit  # most recently used last
+                return hit[1]
+            if self._seen_once.pop(key, None) is data:  # its second use: worth a copy of its own
                 while len(self._resident) >= self.RESIDENT:
                     self._resident.pop(next(iter(self._resident)))
-            self._resident[id(data)] = hit  # most recently used last
-            return hit[1]
+                hit = self._resident[key] = (data, self._resident_table(packed))
+                return hit[1]
+            while len(self._seen_once) >= self.RESIDENT:
+                self._seen_once.pop(next(iter(self._seen_once)))
+            self._seen_once[key] = data  # held (bounded) so that its id is not reused meanwhile
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
