@@ -177,11 +177,13 @@ def decode_step(geometry: GeometryConfig, dtype: str) -> None:
 
 
 def gpu_lane(geometry: GeometryConfig, dtype: str) -> None:
-    """The GPU lane's claim launches (score+select, attention+combine): the executor's warm-up."""
+    """The GPU lane's claim launches (score+select, attention+combine): the executor's warm-up,
+    with the claims launched directly and from descriptors (`scheduler.claim_graphs`)."""
     from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 
     _, store = _store(geometry, dtype)
     GpuUvaExecutor(store).warm_up()
+    GpuUvaExecutor(store, claim_graphs=True).warm_up()
     store.close()
 
 
@@ -355,8 +357,9 @@ def capture_variants() -> tuple[list[Variant], list[str]]:
 
 
 def launched_kernels() -> list[str]:
-    """The `@triton.jit` functions of `gpu_kernels` that no other one calls: the kernels a host
-    launches (the others are device functions, compiled inside them). Module-qualified names."""
+    """The `@triton.jit` functions of `gpu_kernels` that no other one calls or passes on: the
+    kernels a host launches (the others are device functions, compiled inside them).
+    Module-qualified names."""
     import importlib
     import pkgutil
 
@@ -369,8 +372,9 @@ def launched_kernels() -> list[str]:
         for obj in vars(module).values():
             if isinstance(obj, JITFunction) and obj.fn.__module__ == module.__name__:
                 jit[f"{module.__name__}.{obj.fn.__qualname__}"] = obj
+    # Called, or passed to another (`tl.reduce(x, 1, combine_fn)`); a name in a docstring is neither.
     called = {name for name, f in jit.items()
-              if any(g is not f and re.search(rf"\b{f.fn.__name__}\s*\(", g.src) for g in jit.values())}
+              if any(g is not f and re.search(rf"\b{f.fn.__name__}\s*[(,)]", g.src) for g in jit.values())}
     return sorted(set(jit) - called)
 
 
