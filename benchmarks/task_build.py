@@ -141,21 +141,9 @@ def baseline_queue_order(tasks):
 
 
 def baseline_native_table(ordered, group_size):
-    """`native_table` as of d0388cf: per-task `np.fromiter` over the Task objects."""
-    t = len(ordered)
-    tab = np.empty((t, native_pool.T_COLS), dtype=np.int64)
-    lens = np.fromiter((len(x.chunks) for x in ordered), dtype=np.int64, count=t)
-    tab[:, 0] = np.fromiter((x.batch_index for x in ordered), dtype=np.int64, count=t)
-    tab[:, 1] = np.fromiter((x.kv_head for x in ordered), dtype=np.int64, count=t)
-    tab[:, 2] = np.fromiter((x.block_size for x in ordered), dtype=np.int64, count=t)
-    tab[:, 3] = np.fromiter((x.cpu_len for x in ordered), dtype=np.int64, count=t)
-    tab[:, 4] = np.concatenate([[0], np.cumsum(lens)[:-1]]) if t else lens
-    tab[:, 5] = lens
-    nsel = np.stack([np.asarray(x.n_select, dtype=np.int32) for x in ordered]) if t else np.zeros((0, group_size), np.int32)
-    chunks = np.concatenate([np.asarray(x.chunks, dtype=np.int32) for x in ordered]) if t else np.zeros(0, np.int32)
-    nbytes = np.fromiter((x.modeled_bytes for x in ordered), dtype=np.float64, count=t)
-    cum = np.concatenate([[0.0], np.cumsum(nbytes)])
-    return tab, nsel, chunks, cum
+    """`native_table` as of d0388cf: per-task `np.fromiter` over the Task objects -- the path
+    `native_table` still takes for a plain list of tasks."""
+    return native_table(list(ordered), group_size)
 
 
 def baseline_pack_step_table(

@@ -55,4 +55,20 @@ class use_stream:
             torch.cuda.set_stream(self.prev)
 
 
-__all__ = ["current_stream", "current_stream_handle", "use_stream"]
+def capture_graph(launches, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """`launches()` captured into a new CUDA graph on `stream` (their kernels compiled already).
+
+    Thread-local capture: other threads (the store's committer, the warm-up) may call CUDA
+    meanwhile. A capture that fails raises its RuntimeError; the caller falls back to launching
+    the same kernels directly."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            launches()
+        finally:
+            graph.capture_end()
+    return graph
+
+
+__all__ = ["capture_graph", "current_stream", "current_stream_handle", "use_stream"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_kernels.streams import capture_graph
 from gpu_kernels.uva import uva_view
 from gpu_kernels.window_append import append_window
 from gpu_kernels.window_attention import WindowWorkspace, window_attention
@@ -145,15 +146,8 @@ class WindowGraphs:
                          workspace=gr.workspace, validate=False)
 
     def _capture(self, layer: int, gr: _Graph, qs: torch.Tensor) -> None:
-        graph = torch.cuda.CUDAGraph()
         try:
-            # Thread-local capture: the store's committer thread may register pinned memory meanwhile.
-            with torch.cuda.stream(self._capture_stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._kernels(layer, gr, qs)
-                finally:
-                    graph.capture_end()
+            graph = capture_graph(lambda: self._kernels(layer, gr, qs), self._capture_stream)
         except RuntimeError as exc:  # the same kernels, launched eagerly, stay correct
             self.capture_error = f"{type(exc).__name__}: {exc}"
             log.warning("window graphs: capture failed (%s); the window part launches kernel by kernel", exc)

@@ -24,10 +24,9 @@ Without CUDA the kernels run under Triton's interpreter on the host arena (tests
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
-
-import logging
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ from gpu_kernels._checks import cdiv
 from gpu_kernels.claim_descriptor import DESC_WORDS, claim_programs, launch_claim_descriptor
 from gpu_kernels.score_select import BLOCK_B, score_select
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, claim_splits, sparse_attention_claim
-from gpu_kernels.streams import use_stream
+from gpu_kernels.streams import capture_graph, use_stream
 from gpu_kernels.uva import uva_view
 from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table, step_table_views
 from hybrid_runtime import native_pool
@@ -138,11 +137,15 @@ class GpuUvaExecutor:
     def config(self, config: SparseConfig) -> None:
         if config == self._config:
             return
-        if self.cuda and any(gr is not None for gr in self._graphs):
-            self.stream.synchronize()  # a graph being replayed is not dropped under it
-        self._graphs = [None] * self.RING
+        self._drop_graphs()
         self._config = config
         self._programs = claim_programs(self.dev, config)
+
+    def _drop_graphs(self) -> None:
+        """Forget the claim graphs (recaptured on their next use), once none is being replayed."""
+        if self.cuda and any(gr is not None for gr in self._graphs):
+            self.stream.synchronize()
+        self._graphs = [None] * self.RING
 
     # ------------------------------------------------------------------ buffers
     # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
@@ -158,9 +161,7 @@ class GpuUvaExecutor:
             return
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stream)  # old scratch may still be read
-            if any(gr is not None for gr in self._graphs):
-                self.stream.synchronize()  # the graphs read the old scratch: dropped only once idle
-        self._graphs = [None] * self.RING  # recaptured on their next use
+        self._drop_graphs()  # they read the old scratch
         g, d, dev = self.group_size, self.head_dim, self.dev
         self._scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
         self._ublocks = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
@@ -318,15 +319,8 @@ class GpuUvaExecutor:
 
     def _capture(self, slot: int) -> None:
         """Capture slot `slot`'s two launches (their kernels compiled already) into a CUDA graph."""
-        graph = torch.cuda.CUDAGraph()
         try:
-            # Thread-local: other threads (the store's committer, the warm-up) may call CUDA meanwhile.
-            with torch.cuda.stream(self._capture_stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._descriptor_kernels(slot)
-                finally:
-                    graph.capture_end()
+            graph = capture_graph(lambda: self._descriptor_kernels(slot), self._capture_stream)
         except RuntimeError as exc:  # the same kernels, launched directly, stay correct
             self.capture_error = f"{type(exc).__name__}: {exc}"
             log.warning("GPU lane: claim graph capture failed (%s); claims launch their kernels directly", exc)
