@@ -228,14 +228,24 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         if args.other_claims:
             runs[other] = ("fluxion", "mix")
             claim_cfg[other] = claim_cfg["fluxion"]
+        # --other-metadata: a fluxion run whose GPU lane scores blocks from the other metadata source
+        # (the store's GPU copy, kv_cache.gpu_metadata, or the pinned arena over the link).
+        meta_default = gpu_ex.use_gpu_metadata and rt.store.metadata_gpu(0) is not None
+        other_meta = "fluxion_host_metadata" if meta_default else "fluxion_gpu_metadata"
+        if args.other_metadata:
+            if not meta_default:
+                sys.exit("--other-metadata: the runtime keeps no GPU copy of the metadata (kv_cache.gpu_metadata)")
+            runs[other_meta] = ("fluxion", "mix")
+            claim_cfg[other_meta] = claim_cfg["fluxion"]
 
         def one_step(name: str) -> None:
             placement, plan = runs[name]
             # The placement's own lane-rate estimates; a claim-programs or --other-claims variant has its own.
-            own = name.startswith("fluxion_cp") or name == other
+            own = name.startswith("fluxion_cp") or name in (other, other_meta)
             rt.scheduler.set_placement(placement, estimates=name if own else None)
             gpu_ex.config = claim_cfg[name]
             gpu_ex.claim_graphs = graphs_default != (name == other)
+            gpu_ex.use_gpu_metadata = meta_default != (name == other_meta)
             rt.planner = mix if plan == "mix" else fixed
             for layer in range(geo.layers):
                 q = torch.randn((batch, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -285,12 +295,18 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         # After the measured steps: the probe's launches neither disturb nor teach the policies.
         gpu_ex.config = claim_cfg["fluxion"]
         gpu_ex.claim_graphs = graphs_default
+        gpu_ex.use_gpu_metadata = meta_default
         probe = probe_gpu_lane(rt, mix, batch, context) if args.gpu_probe else None
         if probe is not None and args.other_claims:
             gpu_ex.claim_graphs = not graphs_default
             again = probe_gpu_lane(rt, mix, batch, context)
             gpu_ex.claim_graphs = graphs_default
             probe[other.removeprefix("fluxion_")] = {k: again[k] for k in ("claims", "fit_wall", "fit_gpu")}
+        if probe is not None and args.other_metadata:
+            gpu_ex.use_gpu_metadata = not meta_default
+            again = probe_gpu_lane(rt, mix, batch, context)
+            gpu_ex.use_gpu_metadata = meta_default
+            probe[other_meta.removeprefix("fluxion_")] = {k: again[k] for k in ("claims", "fit_wall", "fit_gpu")}
         return rows, probe
     finally:
         rt.close()
@@ -432,6 +448,11 @@ def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> di
         v = [p[key] for p in flux if p.get(key) is not None]
         if v:
             m[name] = max(v)
+    # The fluxion variants (--other-claims, --other-metadata, --claim-programs) on the same scale.
+    for variant in sorted({p["policy"] for p in points if p["policy"].startswith("fluxion_")}):
+        v = [p["vs_cpu_only"] for p in points if p["policy"] == variant and p.get("vs_cpu_only") is not None]
+        if v:
+            m[f"{variant}_vs_cpu_only_time_ratio_max"] = max(v)
     f8, c8 = by.get((*METRIC_POINT, "fluxion")), by.get((*METRIC_POINT, "cpu_only"))
     if f8:
         m["fluxion_achieved_GBps_8x32k"] = f8["achieved_GBps"]
@@ -455,7 +476,8 @@ def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> di
             m[f"gpu_lane_fixed_cost{suffix}_us"] = probe[fit]["intercept_us"]
             if probe[fit]["GBps"] is not None:
                 m[f"gpu_lane_fit{suffix}_GBps"] = probe[fit]["GBps"]
-        for path in ("direct", "claim_graphs"):  # --other-claims: the same probe on the other claim path
+        # --other-claims, --other-metadata: the same probe on the other claim path or metadata source
+        for path in ("direct", "claim_graphs", "host_metadata", "gpu_metadata"):
             again = probe.get(path) if probe else None
             if again and again[fit]:
                 m[f"gpu_lane_fixed_cost{suffix}_{path}_us"] = again[fit]["intercept_us"]
@@ -526,6 +548,11 @@ def main() -> None:
                     help="also run fluxion with its claims on the other path of scheduler.claim_graphs (the default "
                          "launches their kernels directly: fluxion_claim_graphs replays them from CUDA graphs) and "
                          "probe the GPU lane that way too (gpu_lane_fixed_cost*_claim_graphs_us)")
+    ap.add_argument("--other-metadata", action="store_true",
+                    help="also run fluxion with its GPU lane scoring blocks from the pinned arena's metadata over the "
+                         "link (fluxion_host_metadata; the default scores from the store's GPU copy, "
+                         "kv_cache.gpu_metadata) and probe the GPU lane that way too "
+                         "(gpu_lane_fixed_cost*_host_metadata_us)")
     ap.add_argument("--trace-dir", default=None, help="write the (8, 32K) Chrome trace (all policies) here")
     ap.add_argument("--no-gpu-probe", dest="gpu_probe", action="store_false",
                     help="skip probing the GPU lane alone at every point (no gpu_lane_* metrics)")
@@ -550,6 +577,7 @@ def main() -> None:
     metrics = assemble_metrics(points_out, limits, probes)
     config = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers,
               "claim_programs": args.claim_programs, "other_claims": args.other_claims,
+              "other_metadata": args.other_metadata,
               "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
               "seed": args.seed, "torch": torch.__version__, "pinning": cores.note}
     path = write(metrics, points_out, {"config": config, "machine_limits": measured, "gpu_lane_probes": probes}, args.out)

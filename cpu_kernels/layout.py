@@ -24,7 +24,8 @@ K_ROW = 0
 V_ROW = CHUNK_TOKENS
 META_ROW = 2 * CHUNK_TOKENS
 META_ENTRIES = 15
-CHUNK_ROWS = META_ROW + 2 * META_ENTRIES
+META_ROWS = 2 * META_ENTRIES  # metadata rows of a chunk; a GPU copy of them alone is `[n_chunks, META_ROWS, D]`
+CHUNK_ROWS = META_ROW + META_ROWS
 BLOCK_SIZES = (16, 32, 64, 128)
 # First metadata entry of each granularity inside a chunk.
 META_ENTRY_OFFSET = {16: 0, 32: 8, 64: 12, 128: 14}

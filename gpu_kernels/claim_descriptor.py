@@ -54,7 +54,8 @@ DESC_Q_STRIDE_H = 12
 DESC_OUT = 13  # address of the step's out (fp32 [B, Hq, D], contiguous)
 DESC_LSE = 14  # address of the step's lse (fp32 [B, Hq], contiguous)
 DESC_HQ = 15  # query heads of the step
-DESC_WORDS = 16
+DESC_META = 16  # address the block metadata is scored from: the arena's view, or the store's GPU copy
+DESC_WORDS = 17
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def _score_select_desc_kernel(
     row0 = tl.load(desc_ptr + 3).to(tl.int32)
     n_tasks = tl.load(desc_ptr + 4).to(tl.int32)
     n_parts = tl.load(desc_ptr + 5).to(tl.int32)
-    arena_ptr = _addr(desc_ptr, 8, arena_carrier)
+    meta_ptr = _addr(desc_ptr, 16, arena_carrier)
     counts_host_ptr = _addr(desc_ptr, 9, table_carrier)
     q_ptr = _addr(desc_ptr, 10, q_carrier)
     stride_qb = tl.load(desc_ptr + 11)
@@ -99,7 +100,7 @@ def _score_select_desc_kernel(
     while item < n_items:
         _score_select_item(
             item // n_parts, item % n_parts, n_parts,
-            q_ptr, stride_qb, stride_qh, arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
+            q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
             scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr, row0, NB_CAP,
             N_COLS, G, BLOCK_G, D, BLOCK_B, SEL_CHUNK, CHUNK_ROWS, META_ROW,
         )
@@ -160,20 +161,21 @@ def launch_claim_descriptor(
     desc: torch.Tensor, q_carrier: torch.Tensor, arena_carrier: torch.Tensor, table_carrier: torch.Tensor,
     scores: torch.Tensor, tickets: torch.Tensor, ublocks: torch.Tensor, uheads: torch.Tensor, counts: torch.Tensor,
     part_out: torch.Tensor, part_lse: torch.Tensor, work: torch.Tensor, programs: tuple[int, int],
-    config: SparseConfig,
+    config: SparseConfig, meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW),
 ) -> None:
     """Queue both launches of the claim `desc` (`[DESC_WORDS]` int64, on the device) names, on
     the current stream. Everything else is fixed between claims (capturable): the scratch of
     `GpuUvaExecutor` (scores `[T, G, NB_CAP]` fp32, tickets `[2, T]` int32 zero, ublocks/uheads
     `[T, NB_CAP]`, counts `[T]` int32, part_out `[T, MAX_SPLITS, G, D]`, part_lse
     `[T, MAX_SPLITS, G]`, work `[4]` int32 zero: the two launches' item counters), the carriers'
-    dtypes (q fp32, the arena's, the table's int32) and the program counts."""
+    dtypes (q fp32, the arena's, the table's int32), the program counts and `meta_layout`, the
+    `(rows per chunk, first metadata row)` of what `DESC_META` points at (`score_select`'s)."""
     g, d = part_out.shape[2], part_out.shape[3]
     block_g = max(2, next_pow2(g))
     nb_cap = scores.shape[2]
     n_score, n_attend = programs
     sel = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=d, BLOCK_B=BLOCK_B, SEL_CHUNK=SEL_ELEMS // block_g,
-               CHUNK_ROWS=layout.CHUNK_ROWS, META_ROW=layout.META_ROW)
+               CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1])
     _select_launch((n_score,), (desc, q_carrier, arena_carrier, table_carrier, scores, tickets[0], ublocks, uheads,
                                 counts, work[0:2], nb_cap, n_score),
                    sel, tuple(sel.values()), {"num_warps": NUM_WARPS})

@@ -1,8 +1,9 @@
 """Block selection of a claim in one launch: Quest scores, exact per-head top-k, group union.
 
 Program (t, p) scores blocks `[p*BLOCK_B, (p+1)*BLOCK_B)` of claim task t for all G heads of its
-KV group (each block's (min, max) metadata rows read once, straight from the arena through the
-UVA view) and writes them to a scratch row. It then takes a ticket from the task's counter; the
+KV group (each block's (min, max) metadata rows read once: from the store's GPU copy of the
+metadata when it keeps one, else straight from the arena through the UVA view; `CHUNK_ROWS` and
+`META_ROW` give the layout of whichever is read) and writes them to a scratch row. It then takes a ticket from the task's counter; the
 program that takes the last ticket has every score of its task visible (release/acquire on the
 counter) and selects:
 
@@ -96,7 +97,7 @@ def _fix_digit(hist, krem, ans, SHIFT: tl.constexpr, BLOCK_G: tl.constexpr):
             do_not_specialize_on_alignment=["table_ptr", "nsel_ptr", "chunks_ptr", "ticket_ptr", "counts_host_ptr"])
 def _score_select_kernel(
     q_ptr, stride_qb, stride_qh,
-    arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
+    meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
     scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
     row0, NB_CAP,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
@@ -104,7 +105,7 @@ def _score_select_kernel(
 ):
     _score_select_item(
         tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-        q_ptr, stride_qb, stride_qh, arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
+        q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
         scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr, row0, NB_CAP,
         N_COLS, G, BLOCK_G, D, BLOCK_B, SEL_CHUNK, CHUNK_ROWS, META_ROW,
     )
@@ -114,7 +115,7 @@ def _score_select_kernel(
 def _score_select_item(
     t, pid_b, n_parts,
     q_ptr, stride_qb, stride_qh,
-    arena_ptr, table_ptr, nsel_ptr, chunks_ptr,
+    meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
     scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
     row0, NB_CAP,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
@@ -140,7 +141,7 @@ def _score_select_item(
     chunk = tl.load(chunks_ptr + coff + b // bpc, mask=valid, other=0)
     # int64: arenas of long contexts exceed 2**31 elements.
     min_row = chunk.to(tl.int64) * CHUNK_ROWS + META_ROW + 2 * (meta_off + b % bpc)
-    ptr = arena_ptr + min_row[:, None] * D + d[None, :]
+    ptr = meta_ptr + min_row[:, None] * D + d[None, :]
     kmin = tl.load(ptr, mask=valid[:, None], other=0.0).to(tl.float32)
     kmax = tl.load(ptr + D, mask=valid[:, None], other=0.0).to(tl.float32)
     for h in tl.static_range(G):
@@ -223,6 +224,7 @@ NUM_WARPS = 8
 def score_select(
     table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int,
     q, arena, scores, tickets, ublocks, uheads, counts, counts_host=None, stream: int | None = None,
+    meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW),
 ) -> None:
     """Queue the score+select launch for table rows `[row0, row0 + n_tasks)` on the current stream.
 
@@ -233,6 +235,9 @@ def score_select(
     `n_blocks_max <= NB_CAP`. Claim task t's union lands in row t of ublocks/uheads/counts, and
     its size also in `counts_host[t]` when given (a device view of pinned host memory).
     `stream`: the CUDA stream handle to launch on (default: the current stream).
+    `meta_layout`: `(rows per chunk, first metadata row)` of `arena`, the tensor the metadata is read
+    from: the arena's own layout by default; `(META_ROWS, 0)` for the store's GPU copy of the
+    metadata rows alone (`KVStore.metadata_gpu`), indexed by the same chunk ids.
     """
     g = nsel.shape[1]
     block_g = max(2, next_pow2(g))
@@ -240,7 +245,7 @@ def score_select(
     args = (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts,
             counts if counts_host is None else counts_host, row0, scores.shape[2])
     constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,
-                      SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=layout.CHUNK_ROWS, META_ROW=layout.META_ROW)
+                      SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1])
     _launch(grid, args, constexprs, tuple(constexprs.values()), {"num_warps": NUM_WARPS}, stream)
 
 

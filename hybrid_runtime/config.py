@@ -97,6 +97,13 @@ class KVCacheConfig:
     # from one CUDA graph per (layer, batch size) instead of launched kernel by kernel
     # (hybrid_runtime/window_graphs.py); false launches it eagerly every step.
     window_graphs: bool = True
+    # On CUDA, where the GPU lane reads the CPU store itself (GpuUvaExecutor: the fixed, full,
+    # streaming and predicted selections), a copy of every chunk's block metadata (the 30 key
+    # min/max rows of `cpu_kernels/layout.py`, ~10% of the arena) is kept in GPU memory and the
+    # lane scores blocks from it instead of reading the metadata over the PCIe link (about half
+    # of what a task reads at blk 16, budget 0.05). Written where the chunks are built (prefill,
+    # spill). false: the lane reads the metadata from the pinned arena (no GPU memory for it).
+    gpu_metadata: bool = True
     # A run's estimated peak host memory (arenas, buffers, prefill staging, workload; memory_plan.py)
     # may use at most this fraction of the memory psutil reports available when it starts.
     max_host_memory_fraction: float = field(default=0.8, metadata=_range(0.01, 1.0))
@@ -1013,6 +1020,20 @@ def _validate_cross(cfg: Config) -> None:
     _validate_experiment(cfg)
 
 
+# Selections whose tasks the GPU lane runs with the UVA claim kernels (`GpuUvaExecutor`); the others
+# bring executors of their own (nosa, asynctls, evosparse) or make no tasks (sparda).
+UVA_LANE_SELECTIONS = ("fixed", "full", "streaming", "predicted")
+
+
+def uses_gpu_metadata(cfg: Config, cuda: bool) -> bool:
+    """Whether a runtime of `cfg` keeps the block metadata in GPU memory (`kv_cache.gpu_metadata`)
+    on a machine with (`cuda`) or without CUDA: only where its GPU lane is the UVA executor."""
+    kv, sc = cfg.kv_cache, cfg.scheduler
+    window_cuda = kv.device == "cuda" or (kv.device == "auto" and cuda)
+    return (kv.gpu_metadata and cuda and window_cuda and starts_lanes(cfg.selection) and sc.gpu_lane(cuda)
+            and cfg.selection.name in UVA_LANE_SELECTIONS)
+
+
 def resolved(cfg: Config, cuda: bool) -> Config:
     """`cfg` with its "auto" settings replaced by what they mean on a machine with (`cuda`) or
     without CUDA: what a run records as having run."""
@@ -1023,7 +1044,8 @@ def resolved(cfg: Config, cuda: bool) -> Config:
     return dataclasses.replace(
         cfg,
         # The CUDA-only switches as what they do here: nothing without CUDA (or trailing steps).
-        kv_cache=dataclasses.replace(kv, device=device, window_graphs=kv.window_graphs and device == "cuda"),
+        kv_cache=dataclasses.replace(kv, device=device, window_graphs=kv.window_graphs and device == "cuda",
+                                     gpu_metadata=uses_gpu_metadata(cfg, cuda)),
         scheduler=dataclasses.replace(sc, gpu_worker=lanes and sc.gpu_lane(cuda),
                                       cpu_workers=sc.cpu_worker_count() if lanes else 0,
                                       cpu_lane_trails=trails, gate_trailing_claims=trails and sc.gate_trailing_claims,

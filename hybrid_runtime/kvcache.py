@@ -104,6 +104,14 @@ def arena_bytes(kv_cfg: KVCacheConfig, geometry: GeometryConfig, layers: int | N
     return n_chunks, per_layer * (geometry.layers if layers is None else layers)
 
 
+def gpu_metadata_bytes(kv_cfg: KVCacheConfig, geometry: GeometryConfig, layers: int | None = None) -> int:
+    """Device bytes of the GPU copy of every layer's block metadata (`kv_cache.gpu_metadata`):
+    the metadata rows of every chunk `arena_bytes` counts."""
+    n_chunks, _ = arena_bytes(kv_cfg, geometry, layers)
+    esize = torch.tensor([], dtype=_TORCH_DTYPES[kv_cfg.dtype]).element_size()
+    return n_chunks * layout.META_ROWS * geometry.head_dim * esize * (geometry.layers if layers is None else layers)
+
+
 def host_available_bytes() -> int:
     """Host memory available for a new pinned allocation: psutil's figure after handing torch's cached
     pinned blocks back to the system. Freed pinned tensors (a closed runtime's arena) stay in torch's
@@ -301,6 +309,9 @@ class KVStore:
         # Device-to-host copies of chunks still in flight, per layer (the newest; one stream).
         self._copy_stream: torch.cuda.Stream | None = None
         self._pending: list[torch.cuda.Event | None] = [None] * self.layers
+        # Per layer `[n_chunks, META_ROWS, D]` on the window's device: every chunk's metadata rows,
+        # written with the chunk (`enable_gpu_metadata`); None while the store keeps none.
+        self._meta_dev: list[torch.Tensor] | None = None
 
         w = kv_cfg.sink + kv_cfg.local + kv_cfg.generated_cap + layout.PAGE_SIZE
         self.window_capacity = w
@@ -351,6 +362,34 @@ class KVStore:
             self._host[layer].commit(1)
             view = self._arenas_cuda[layer] = uva_view(self._arenas[layer])
         return view
+
+    def enable_gpu_metadata(self) -> None:
+        """Keep a copy of every chunk's block metadata on the window's device from now on.
+
+        The GPU lane then scores blocks from device memory instead of reading the metadata rows of
+        the pinned arena over the link (`kv_cache.gpu_metadata`). Chunks written before this call
+        are copied now; later writes (prefill, spill) update the copy as they build the chunks, on
+        the caller's stream, so a kernel queued after them reads the new rows. Idempotent.
+        """
+        self._check_open()
+        if self._meta_dev is not None:
+            return
+        shape = (self.n_chunks, layout.META_ROWS, self.head_dim)
+        mirrors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        for layer, frontier in enumerate(self._frontier):
+            if frontier:
+                self.wait_for_writes(layer)
+                mirrors[layer][:frontier] = self._arenas[layer][:frontier, layout.META_ROW :].to(self.device)
+        self._meta_dev = mirrors
+
+    def metadata_gpu(self, layer: int) -> torch.Tensor | None:
+        """The layer's metadata copy `[n_chunks, META_ROWS, D]` (`enable_gpu_metadata`), or None.
+
+        Chunk `c`'s rows are `c`'s arena rows `[META_ROW, CHUNK_ROWS)`, valid for every chunk a
+        sequence holds once the caller's stream reaches the point where that chunk was written.
+        """
+        self._check_open()
+        return None if self._meta_dev is None else self._meta_dev[layer]
 
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GPU window K and V `[max_sequences, Hkv, W, D]`; a slot's first window_len rows are valid."""
@@ -428,6 +467,7 @@ class KVStore:
             "committed_bytes": committed,
             "pinned_bytes": committed if self.pinned else 0,
             "decode_commit_bytes": self.decode_commit_bytes,
+            "gpu_metadata_bytes": 0 if self._meta_dev is None else sum(m.nbytes for m in self._meta_dev),
         }
 
     def wait_for_writes(self, layer: int | None = None) -> None:
@@ -786,6 +826,7 @@ class KVStore:
         """Build the chunks `ids` from `[Hkv, T, D]` tokens and put them in the layer's arena."""
         arena = self._arenas[layer]
         runs = _runs(ids)
+        meta = None if self._meta_dev is None else self._meta_dev[layer]
         if k.device.type == "cpu":
             self.wait_for_writes(layer)  # an earlier copy into these chunks must not land after this write
             if len(runs) == 1:
@@ -793,8 +834,15 @@ class KVStore:
                 chunk_images(k, v, out=arena[lo:hi])  # built in place
             else:
                 arena.index_copy_(0, torch.from_numpy(ids).long(), chunk_images(k, v))
+            if meta is not None:  # not a decode path: a CPU-side prompt, copied synchronously
+                for lo, hi, _ in runs:
+                    meta[lo:hi] = arena[lo:hi, layout.META_ROW :].to(meta.device)
             return
         images = chunk_images(k, v)  # on the caller's stream, ordered after whatever produced k, v
+        if meta is not None:
+            # On the caller's stream too: the GPU lane's claims of later steps are queued after it.
+            for lo, hi, src in runs:
+                meta[lo:hi].copy_(images[src : src + hi - lo, layout.META_ROW :])
         caller = torch.cuda.current_stream(k.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=k.device)
@@ -862,6 +910,7 @@ class KVStore:
         if self.pinned:
             torch.cuda.synchronize()
         self._pending = [None] * self.layers
+        self._meta_dev = None
         self._unpin()
         # Per layer: the arena and the views the store made of it (a view keeps the memory too).
         held = [

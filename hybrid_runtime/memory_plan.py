@@ -27,8 +27,9 @@ import torch
 from cpu_kernels import layout
 from hybrid_runtime import native_pool
 from hybrid_runtime.forecast_block_cache import BlockCache
-from hybrid_runtime.config import Config, GeometryConfig, KVCacheConfig, sparda_cache_blocks, spill_blocks, starts_lanes
-from hybrid_runtime.kvcache import CapacityError, arena_bytes, host_available_bytes
+from hybrid_runtime.config import (Config, GeometryConfig, KVCacheConfig, sparda_cache_blocks, spill_blocks, starts_lanes,
+                                   uses_gpu_metadata)
+from hybrid_runtime.kvcache import CapacityError, arena_bytes, gpu_metadata_bytes, host_available_bytes
 from hybrid_runtime.prefill_statistics import statistics_bytes
 from hybrid_runtime.segment_index import CELLS_PER_CHUNK, SegmentIndex
 from hybrid_runtime.tasks import blocks_for_budget
@@ -491,6 +492,11 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         parts.append(MemoryPart("gpu_lane_scratch", GPU, RESIDENT, device, lane_keys, how))
         parts.append(MemoryPart("gpu_lane_pinned", HOST_PINNED, RESIDENT, pinned, ("kv_cache.max_sequences",),
                                 "union-size ring, step-table staging, link probe"))
+        if uses_gpu_metadata(cfg, cuda):
+            parts.append(MemoryPart(
+                "gpu_metadata", GPU, RESIDENT, layers * _on(GPU, gpu_metadata_bytes(kv, geometry, 1)),
+                ("kv_cache.cpu_capacity_tokens", "kv_cache.gpu_metadata", "kv_cache.max_sequences", "geometry.layers"),
+                f"{layers} layers x {n_chunks} chunks x {layout.META_ROWS} metadata rows x {d} x {es} B"))
     if window_on_gpu:
         parts.append(MemoryPart("window_workspace", GPU, RESIDENT, window_workspace_bytes(kv, geometry),
                                 ("kv_cache.max_sequences",), f"split-K partials of {s} sequences x {hq} heads"))

@@ -35,7 +35,7 @@ from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
 from gpu_kernels.streams import current_stream, use_stream
 from hybrid_runtime import native_pool
-from hybrid_runtime.config import Config, ConfigError, GeometryConfig, starts_lanes
+from hybrid_runtime.config import Config, ConfigError, GeometryConfig, starts_lanes, uses_gpu_metadata
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
@@ -271,6 +271,8 @@ class HybridRuntime:
             elif torch.cuda.is_available():
                 from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 
+                if uses_gpu_metadata(cfg, True):
+                    store.enable_gpu_metadata()  # before any prefill: the copy is written with the chunks
                 gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream(), claim_graphs=sc.claim_graphs)
                 # The link is measured now (the scheduler reads it); the claim kernels compile on
                 # the background warm-up thread, before the first decode step (warmup.py).

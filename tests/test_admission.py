@@ -149,6 +149,23 @@ def test_gpu_lane_sizes_are_those_of_its_buffers():
         store.close()
 
 
+def test_gpu_metadata_copy_is_planned_at_its_real_size():
+    """`kv_cache.gpu_metadata`'s device copy is in the plan of a CUDA machine, at the size the
+    store allocates (made here on the host: same shapes), and absent where it does nothing."""
+    cfg = small_cfg(cpu_capacity_tokens=5000, gpu_worker="auto")
+    assert "gpu_metadata" not in {p.name for p in mp.estimate_runtime(cfg, cuda=False).parts}
+    off = config_from_dict({**cfg.to_dict(), "kv_cache": {**cfg.to_dict()["kv_cache"], "gpu_metadata": False}})
+    assert "gpu_metadata" not in {p.name for p in mp.estimate_runtime(off, cuda=True).parts}
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    try:
+        store.enable_gpu_metadata()
+        want = store.memory_stats()["gpu_metadata_bytes"]
+        got = part(mp.estimate_runtime(cfg, cuda=True), "gpu_metadata")
+        assert got.where == mp.GPU and got.nbytes >= want and got.nbytes - want < store.layers * (2 << 20)
+    finally:
+        store.close()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA torch rounds pinned step buffers up to powers of two")
 def test_step_buffers_are_those_of_a_runtime():
     cfg = small_cfg(gpu_worker=True)

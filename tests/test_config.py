@@ -56,6 +56,21 @@ def test_gpu_worker_auto_means_a_gpu_lane_only_with_cuda():
     assert config_from_dict(ran.to_dict()) == ran and config_from_dict(on_cuda.to_dict()) == on_cuda
 
 
+def test_gpu_metadata_resolves_to_where_the_uva_lane_reads_it():
+    """`kv_cache.gpu_metadata` keeps the metadata copy only where the GPU lane is the UVA
+    executor on CUDA; everywhere else the resolved config records that it does nothing."""
+    assert config_from_dict({}).kv_cache.gpu_metadata is True
+    assert resolved(config_from_dict({}), cuda=True).kv_cache.gpu_metadata is True
+    assert resolved(config_from_dict({}), cuda=False).kv_cache.gpu_metadata is False
+    for other in ({"kv_cache": {"gpu_metadata": False}}, {"scheduler": {"gpu_worker": False}},
+                  {"kv_cache": {"device": "cpu"}}):
+        assert resolved(config_from_dict(other), cuda=True).kv_cache.gpu_metadata is False, other
+    asynctls = {"selection": {"name": "asynctls"}, "scheduler": {"placement": "gpu_only"}}
+    assert resolved(config_from_dict(asynctls), cuda=True).kv_cache.gpu_metadata is False  # its own executor
+    with pytest.raises(ConfigError, match="gpu_metadata"):
+        config_from_dict({"kv_cache": {"gpu_metadata": "auto"}})
+
+
 def test_shipped_configs_load():
     root = Path(__file__).resolve().parents[1] / "configs"
     quick = load_config(root / "quickstart.yaml")

@@ -326,9 +326,11 @@ def test_fresh_task_sets_are_staged_not_made_resident():
     assert made == [] and not ex._resident
 
 
-def _claims_through_executor(claim_graphs: bool, bounds, budget: float = 0.3):
+def _claims_through_executor(claim_graphs: bool, bounds, budget: float = 0.3, gpu_metadata: bool = False):
     """Claims of `bounds` over one step's tasks (two sequences, every KV head, block 16) through a
-    `GpuUvaExecutor`; returns (out, lse, bytes per task)."""
+    `GpuUvaExecutor`; returns (out, lse, bytes per task). `gpu_metadata`: the store keeps a copy
+    of the metadata on its device (`KVStore.enable_gpu_metadata`), made after the first prompt
+    and written with the second, which the claims score from."""
     from hybrid_runtime.config import GeometryConfig, KVCacheConfig
     from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
     from hybrid_runtime.kvcache import KVStore
@@ -342,7 +344,9 @@ def _claims_through_executor(claim_graphs: bool, bounds, budget: float = 0.3):
     store = KVStore(kv, geom)
     gen = torch.Generator().manual_seed(3)
     for i, n in enumerate(seqs):
-        store.prefill(i, 0, torch.randn((n, 2, 32), generator=gen), torch.randn((n, 2, 32), generator=gen))
+        if gpu_metadata and i == 1:
+            store.enable_gpu_metadata()
+        store.prefill(i, 0, torch.randn((n, 2, 32), generator=gen).to(DEV), torch.randn((n, 2, 32), generator=gen).to(DEV))
     q = (torch.randn((len(seqs), 4, 32), generator=gen) / 32 ** 0.5).to(DEV)
     g = geom.group_size
     tasks = []
@@ -376,3 +380,63 @@ def test_descriptor_claims_equal_direct_launches(bounds):
     assert not ex._work.any()  # the launches' item counters are back at zero for the next claim
     if CUDA:
         assert ex.capture_error is None and ex.graph_captures >= ex.RING and ex.graph_replays == len(bounds)
+
+
+@pytest.mark.parametrize("claim_graphs", [False, True])
+def test_claims_score_from_the_gpu_copy_of_the_metadata(claim_graphs):
+    """Scored from the store's GPU copy of the metadata (`kv_cache.gpu_metadata`), claims attend
+    exactly what they attend when scoring from the arena; only the metadata's bytes move from
+    the host count (`bytes_read`) to the device count (`device_bytes_read`)."""
+    bounds = [(0, 1), (1, 4)]
+    out_a, lse_a, bytes_a, ex_a = _claims_through_executor(claim_graphs, bounds)
+    out_m, lse_m, bytes_m, ex_m = _claims_through_executor(claim_graphs, bounds, gpu_metadata=True)
+    assert torch.equal(out_m, out_a) and torch.equal(lse_m, lse_a)
+    meta = np.array([-(-n // 16) * 2 * 32 * 2 for n in (700 - 48, 700 - 48, 420 - 48, 420 - 48)])  # blocks x (min, max) x D x bf16
+    assert np.array_equal(bytes_a - bytes_m, meta) and (bytes_m > 0).all()
+    assert ex_a.device_bytes_read == 0 and ex_m.device_bytes_read == meta.sum()
+    assert ex_m.bytes_read == bytes_m.sum() and ex_a.bytes_read == bytes_a.sum()
+    ex_m.use_gpu_metadata = False  # the arena again (benchmarks compare the two on one runtime)
+    assert ex_m._metadata_source(0, ex_m._arena(0))[2] is False
+
+
+@_gpu
+def test_runtime_decodes_the_same_with_and_without_the_gpu_metadata_copy():
+    """Through the runtime on CUDA (gpu_only: every task on the GPU lane, so the lanes' rounding
+    cannot differ): prompts, decode steps that spill window pages into the CPU segment, and a
+    released sequence's chunks reused -- the copy of the metadata gives the arena's selections."""
+    from hybrid_runtime.config import config_from_dict
+    from hybrid_runtime.runtime import HybridRuntime
+
+    def run(gpu_metadata: bool) -> tuple[list, dict]:
+        cfg = config_from_dict({
+            "geometry": {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 64},
+            "kv_cache": {"sink": 16, "local": 64, "generated_cap": 32, "cpu_capacity_tokens": 16384,
+                         "max_sequences": 3, "gpu_metadata": gpu_metadata},
+            "selection": {"block_size": 16, "budget": 0.1},
+            "scheduler": {"placement": "gpu_only", "cpu_workers": 0, "pin_cores": False},
+        })
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        outs = []
+        with HybridRuntime(cfg) as rt:
+            assert (rt.store.metadata_gpu(0) is not None) == gpu_metadata
+            for s, n in ((0, 3000), (1, 1700), (2, 900)):
+                for layer in range(2):
+                    k, v = torch.randn((2, n, 2, 64), generator=gen, device="cuda", dtype=torch.bfloat16)
+                    rt.prefill(s, layer, k, v)
+            rt.release(2)
+            for layer in range(2):
+                k, v = torch.randn((2, 2500, 2, 64), generator=gen, device="cuda", dtype=torch.bfloat16)
+                rt.prefill(2, layer, k, v)  # into the released chunks
+            for _ in range(40):  # 40 tokens past local + generated_cap: spills
+                for layer in range(2):
+                    q = torch.randn((3, 8, 64), generator=gen, device="cuda", dtype=torch.bfloat16)
+                    k, v = torch.randn((2, 3, 2, 64), generator=gen, device="cuda", dtype=torch.bfloat16)
+                    outs.append(rt.decode(layer, [0, 1, 2], q, k, v).float().cpu())
+            stats = {"host": rt.gpu_executor.bytes_read, "device": rt.gpu_executor.device_bytes_read}
+        return outs, stats
+
+    with_copy, bytes_copy = run(True)
+    without, bytes_arena = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_copy, without))
+    assert bytes_arena["device"] == 0 and bytes_copy["device"] > 0
+    assert bytes_copy["host"] + bytes_copy["device"] == bytes_arena["host"]

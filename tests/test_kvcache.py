@@ -1,3 +1,4 @@
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -141,3 +142,44 @@ def test_host_available_bytes_returns_torchs_cached_pinned_blocks_first(monkeypa
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("emptied"), raising=False)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 12345, "total": 99999})())
     assert host_available_bytes() == 12345 and calls == ["emptied"]
+
+
+def check_gpu_metadata(store: KVStore, layer: int = 0) -> int:
+    """The store's device copy of the metadata equals the arena's metadata rows for every chunk a
+    sequence holds; returns how many chunks were compared."""
+    meta = store.metadata_gpu(layer)
+    ids = [store.chunk_table(s, layer).reshape(-1) for s in store.sequences()]
+    ids = torch.from_numpy(np.concatenate(ids)).long() if ids else torch.zeros(0, dtype=torch.long)
+    want = store.arena(layer)[ids, layout.META_ROW :]
+    assert torch.equal(meta[ids.to(meta.device)].cpu(), want)
+    return ids.numel()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gpu_metadata_copy_follows_prefill_extend_spills_and_reuse(dtype):
+    """`enable_gpu_metadata` copies what the arena holds, and every later write (a prompt, a
+    prompt's next chunk, decode spills, chunks reused after a release) updates the copy."""
+    store = make_store(dtype=dtype)
+    assert store.metadata_gpu(0) is None and store.memory_stats()["gpu_metadata_bytes"] == 0
+    k, v = random_kv(300, 2, 32, seed=1)
+    store.prefill(0, 0, k, v)
+    store.enable_gpu_metadata()
+    assert check_gpu_metadata(store) > 0
+    meta = store.metadata_gpu(0)
+    assert meta.shape == (store.n_chunks, layout.META_ROWS, 32) and meta.dtype == store.dtype
+    assert store.memory_stats()["gpu_metadata_bytes"] == 2 * meta.nbytes  # two layers
+    k, v = random_kv(500, 2, 32, seed=2)
+    store.prefill(1, 0, k[:200], v[:200])
+    store.prefill(1, 0, k[200:], v[200:], extend=True)  # rebuilds a partly filled chunk
+    check_gpu_metadata(store)
+    for step in range(120):  # spills append to partly filled chunks, then new ones
+        k, v = random_kv(2, 2, 32, seed=100 + step)
+        store.append(0, [0, 1], k, v)
+    check_gpu_metadata(store)
+    store.release(0)
+    k, v = random_kv(700, 2, 32, seed=3)
+    store.prefill(2, 0, k, v)  # reuses the released chunks
+    assert check_gpu_metadata(store) == store.chunk_table(1, 0).size + store.chunk_table(2, 0).size
+    store.enable_gpu_metadata()  # idempotent: the copy stays
+    assert store.metadata_gpu(0) is meta
+    store.close()

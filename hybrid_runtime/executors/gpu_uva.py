@@ -18,6 +18,11 @@ replay, not two launches with their argument handling (~0.2-0.3 ms of host time 
 thread during a step, benchmarks/notes/gpu_lane.md). Without CUDA the descriptor kernels launch
 directly (tests), and if a capture fails they do so on CUDA too.
 
+Block metadata is scored from the store's GPU copy of it when the store keeps one
+(`kv_cache.gpu_metadata`, `KVStore.enable_gpu_metadata`): a task then reads only the K and V of
+its union over the link, about half of what it reads from the arena at blk 16 and budget 0.05.
+Its `bytes_read` counts host bytes; the metadata read from device memory is `device_bytes_read`.
+
 `run(tasks, step)` is the synchronous form of the same path for callers holding `Task` objects.
 Without CUDA the kernels run under Triton's interpreter on the host arena (tests only; slow).
 """
@@ -51,7 +56,8 @@ class GpuLaunch:
     """One queued claim: CUDA events around its launches and its byte accounting.
 
     `start`/`end` are CUDA events on CUDA (host floats under the interpreter). `wait` blocks until
-    the claim finished and returns the bytes each of its tasks read, in claim order.
+    the claim finished and returns the bytes each of its tasks read from host memory, in claim
+    order: K and V of its union, plus the metadata unless it was scored from the GPU copy.
     """
 
     executor: "GpuUvaExecutor"
@@ -61,6 +67,8 @@ class GpuLaunch:
     counts_host: torch.Tensor  # [n] union sizes, landing in pinned memory
     start: object
     end: object
+    # The metadata came from the store's GPU copy: not host bytes (counted in `device_bytes_read`).
+    meta_on_device: bool = False
     bytes_read: np.ndarray | None = None
 
     def query(self) -> bool:
@@ -71,7 +79,11 @@ class GpuLaunch:
             if not isinstance(self.end, float):
                 self.end.synchronize()
             counts = self.counts_host.numpy().astype(np.int64)
-            self.bytes_read = self.meta_bytes + counts * self.kv_bytes_per_block
+            self.bytes_read = counts * self.kv_bytes_per_block
+            if self.meta_on_device:
+                self.executor.device_bytes_read += int(self.meta_bytes.sum())
+            else:
+                self.bytes_read += self.meta_bytes
             self.executor.bytes_read += int(self.bytes_read.sum())
         return self.bytes_read
 
@@ -92,7 +104,9 @@ class GpuUvaExecutor:
         self.stream = stream if stream is not None or not self.cuda else torch.cuda.Stream()
         self._stream_handle = self.stream.cuda_stream if self.cuda else None
         self._config = config or SparseConfig()
-        self.bytes_read = 0
+        self.bytes_read = 0  # from host memory (the pinned arena), over the link
+        self.device_bytes_read = 0  # metadata scored from the store's GPU copy (`kv_cache.gpu_metadata`)
+        self._use_gpu_metadata = True
         self.launches = 0
         self.link_bytes_per_s: float | None = None  # measured by warm_up (CUDA only)
         self.group_size = store.geometry.group_size
@@ -140,6 +154,26 @@ class GpuUvaExecutor:
         self._drop_graphs()
         self._config = config
         self._programs = claim_programs(self.dev, config)
+
+    @property
+    def use_gpu_metadata(self) -> bool:
+        """Score blocks from the store's GPU copy of the metadata when it keeps one
+        (`KVStore.enable_gpu_metadata`); false reads it from the arena over the link (benchmarks
+        compare the two). A change drops the claim graphs (captured with the other source)."""
+        return self._use_gpu_metadata
+
+    @use_gpu_metadata.setter
+    def use_gpu_metadata(self, on: bool) -> None:
+        if bool(on) != self._use_gpu_metadata:
+            self._drop_graphs()
+            self._use_gpu_metadata = bool(on)
+
+    def _metadata_source(self, layer: int, arena: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], bool]:
+        """(tensor the claim scores blocks from, its (rows per chunk, first metadata row), on the device)."""
+        meta = self.store.metadata_gpu(layer) if self._use_gpu_metadata else None
+        if meta is None:
+            return arena, (layout.CHUNK_ROWS, layout.META_ROW), False
+        return meta, (layout.META_ROWS, 0), True
 
     def _drop_graphs(self) -> None:
         """Forget the claim graphs (recaptured on their next use), once none is being replayed."""
@@ -252,31 +286,34 @@ class GpuUvaExecutor:
             raise RuntimeError(f"more than {self.RING} launches in flight; wait for earlier launches first")
         nb_max, pages_max = table.claim_shape(start, stop)
         arena = self._arena(step.layer)
+        meta = self._metadata_source(step.layer, arena)
         counts_host = self._ring[slot, :n]
         if self.cuda:
             # Fresh events: the timeline resolves them after later launches have run. Everything is
             # issued on the lane's stream by handle: no stream switch, no copy to queue.
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record(self.stream)
-            self._kernels(table, start, n, nb_max, pages_max, step, arena, slot)
+            self._kernels(table, start, n, nb_max, pages_max, step, arena, meta, slot)
             ev1.record(self.stream)
         else:
             import time
 
             ev0 = time.perf_counter()
-            self._kernels(table, start, n, nb_max, pages_max, step, arena, slot)
+            self._kernels(table, start, n, nb_max, pages_max, step, arena, meta, slot)
             ev1 = time.perf_counter()
         blk = table.block_size[start:stop]
         row_bytes = 2 * self.head_dim * self.esize
-        handle = GpuLaunch(self, n, table.n_blocks[start:stop] * row_bytes, blk * row_bytes, counts_host, ev0, ev1)
+        handle = GpuLaunch(self, n, table.n_blocks[start:stop] * row_bytes, blk * row_bytes, counts_host, ev0, ev1,
+                           meta_on_device=meta[2])
         self._ring_users[slot] = handle
         self.launches += 1
         return handle
 
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
-                 slot: int) -> None:
+                 meta: tuple, slot: int) -> None:
+        meta_tensor, meta_layout, _ = meta
         if self.claim_graphs:
-            self._write_descriptor(table, start, n, nb_max, pages_max, step, arena, slot)
+            self._write_descriptor(table, start, n, nb_max, pages_max, step, arena, meta_tensor, slot)
             graph = self._graphs[slot]
             if graph is not None:
                 with use_stream(self.stream):
@@ -285,42 +322,43 @@ class GpuUvaExecutor:
                 return
             if self.cuda:
                 with use_stream(self.stream):
-                    self._descriptor_kernels(slot)  # compiles a missing variant
+                    self._descriptor_kernels(slot, meta_layout)  # compiles a missing variant
                 if self.capture_error is None:
-                    self._capture(slot)
+                    self._capture(slot, meta_layout)
             else:
-                self._descriptor_kernels(slot)
+                self._descriptor_kernels(slot, meta_layout)
             return
         stream = self._stream_handle
-        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, arena,
+        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta_tensor,
                      self._scores, self._tickets[0], self._ublocks, self._uheads, self._counts, self._ring_dev[slot],
-                     stream)
+                     stream, meta_layout=meta_layout)
         sparse_attention_claim(table.table, table.chunks, start, n, pages_max, step.q, arena, self._ublocks,
                                self._uheads, self._counts, self._part_out, self._part_lse, self._tickets[1],
                                step.out, step.lse, self.config, stream)
 
     def _write_descriptor(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step,
-                          arena, slot: int) -> None:
+                          arena, meta, slot: int) -> None:
         n_splits, pps = claim_splits(pages_max, self.config)
         q = step.q
         self._desc_np[slot] = (
             table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), start, n,
             cdiv(max(1, nb_max), BLOCK_B), n_splits, pps, arena.data_ptr(), self._ring_dev[slot].data_ptr(),
             q.data_ptr(), q.stride(0), q.stride(1), step.out.data_ptr(), step.lse.data_ptr(), q.shape[1],
+            meta.data_ptr(),
         )
 
-    def _descriptor_kernels(self, slot: int) -> None:
+    def _descriptor_kernels(self, slot: int, meta_layout: tuple[int, int]) -> None:
         """The claim of descriptor row `slot`, on the current stream."""
         if self.cuda:
             self._desc_dev[slot].copy_(self._desc[slot], non_blocking=True)
         launch_claim_descriptor(self._desc_dev[slot], *self._carriers, self._scores, self._tickets, self._ublocks,
                                 self._uheads, self._counts, self._part_out, self._part_lse, self._work, self._programs,
-                                self.config)
+                                self.config, meta_layout=meta_layout)
 
-    def _capture(self, slot: int) -> None:
+    def _capture(self, slot: int, meta_layout: tuple[int, int]) -> None:
         """Capture slot `slot`'s two launches (their kernels compiled already) into a CUDA graph."""
         try:
-            graph = capture_graph(lambda: self._descriptor_kernels(slot), self._capture_stream)
+            graph = capture_graph(lambda: self._descriptor_kernels(slot, meta_layout), self._capture_stream)
         except RuntimeError as exc:  # the same kernels, launched directly, stay correct
             self.capture_error = f"{type(exc).__name__}: {exc}"
             log.warning("GPU lane: claim graph capture failed (%s); claims launch their kernels directly", exc)
@@ -370,13 +408,16 @@ class GpuUvaExecutor:
         step = Step.empty(0, torch.zeros((1, hq, d), dtype=torch.float32, device=self.dev), g)
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
-        # One variant per arena dtype and geometry; every layer's arena shares it.
+        # One variant per arena dtype, geometry and metadata source (the arena, or the store's GPU
+        # copy of the metadata); every layer shares it.
         self.launch(self.upload(packed), 0, 1, step).wait()
         if self.claim_graphs and self.cuda:
+            meta_layout = self._metadata_source(0, self._arena(0))[1]
             for slot in range(self.RING):  # now, not on a step's critical path
                 if self._graphs[slot] is None and self.capture_error is None:
-                    self._capture(slot)
+                    self._capture(slot, meta_layout)
         self.bytes_read = 0
+        self.device_bytes_read = 0
         self.launches = 0
 
     def measure_link(self) -> None:
