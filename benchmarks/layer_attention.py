@@ -247,6 +247,10 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
             gpu_ex.claim_graphs = graphs_default != (name == other)
             gpu_ex.use_gpu_metadata = meta_default != (name == other_meta)
             rt.planner = mix if plan == "mix" else fixed
+            # Each policy's step starts on an idle GPU: GPU claims that trail the previous policy's
+            # last layer would otherwise run into this one's first (measured: a fluxion variant
+            # after a GPU-heavy one had its layer 0 0.6 ms slower than its layer 1 at 16 x 32K).
+            torch.cuda.synchronize()
             for layer in range(geo.layers):
                 q = torch.randn((batch, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
                 k = torch.randn((batch, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -372,7 +376,7 @@ def summarize_run(rt, recs, name, placement, plan, batch, context) -> dict:
     over = np.concatenate([r.overhead[(r.lane == LANE_CPU)] for r in recs])
     over = over[over > 0]
     # stats() then shows this run's own estimates
-    rt.scheduler.set_placement(placement, estimates=name if name.startswith("fluxion_cp") else None)
+    rt.scheduler.set_placement(placement, estimates=name if name.startswith("fluxion_") else None)
     sched = rt.stats()
 
     def lane_start(lane):  # from q available to the lane's first task start

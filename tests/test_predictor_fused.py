@@ -232,8 +232,9 @@ def test_tf32_split_gives_two_exact_tf32_parts():
     gen = torch.Generator().manual_seed(5)
     x = torch.cat([torch.randn(500, generator=gen) * 10.0 ** torch.randint(-6, 6, (500,), generator=gen),
                    torch.tensor([0.0, -0.0, 1.0, -3.0, 1e-30, 3e30] + [0.0] * 6)])
-    hi, lo = torch.empty_like(x), torch.empty_like(x)
-    _split_kernel[(1,)](x, hi, lo, N=x.numel())
+    hi, lo = torch.empty_like(x, device=DEV), torch.empty_like(x, device=DEV)
+    _split_kernel[(1,)](x.to(DEV), hi, lo, N=x.numel())  # compiled on CUDA, interpreted on the host
+    hi, lo = hi.cpu(), lo.cpu()
     for part in (hi, lo):
         assert (part.view(torch.int32) & 0x1FFF == 0).all()
     err = (x.double() - hi.double() - lo.double()).abs()
