@@ -248,8 +248,8 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
             gpu_ex.use_gpu_metadata = meta_default != (name == other_meta)
             rt.planner = mix if plan == "mix" else fixed
             # Each policy's step starts on an idle GPU: GPU claims that trail the previous policy's
-            # last layer would otherwise run into this one's first (measured: a fluxion variant
-            # after a GPU-heavy one had its layer 0 0.6 ms slower than its layer 1 at 16 x 32K).
+            # last layer would otherwise run into this one's first (seen at 16 x 32K: a fluxion variant
+            # that followed a GPU-heavy one had its layer 0 0.6 ms slower than its layer 1).
             torch.cuda.synchronize()
             for layer in range(geo.layers):
                 q = torch.randn((batch, geo.q_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
