@@ -196,3 +196,191 @@ def test_the_executors_that_trail_keep_enough_landing_slots(executor):
     the previous step's trailing ones (as many) -- fewer than the executor's ring of landing slots."""
     assert executor.retire_later
     assert 2 * GpuLane.PIPELINE_DEPTH < executor.RING
+
+
+# ---------------------------------------------------------------------------- the runtime's side (host)
+GEOM = {"layers": 3, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
+
+
+class GatedRefExecutor:
+    """The torch reference executor behind the claim interface, its claims retired later: the
+    results are written at launch, but each claim reports itself unfinished until its gate opens
+    (what a CUDA claim looks like to the host while it runs): `release` opens every gate so far,
+    and with `open` set new claims end at once."""
+
+    device = "gpu"
+    stream = None
+    link_bytes_per_s = None
+    retire_later = True
+    RING = 8
+
+    def __init__(self, store):
+        self.ref = TorchRefExecutor(store, device="cpu")
+        self.gates: list[threading.Event] = []
+        self.open = False
+        self.retired = 0
+        self.fail_wait = False
+        self.wait_s = 0.0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.ref.bytes_read
+
+    def release(self) -> None:
+        for gate in self.gates:
+            gate.set()
+
+    def pack(self, tab, nsel, chunks):
+        return None
+
+    def upload(self, packed, ordered, resident=False):
+        return ordered
+
+    def launch(self, plan, start, stop, step):
+        tasks = plan[start:stop]
+        t0 = time.perf_counter()
+        self.ref.run(tasks, step)
+        nbytes = np.fromiter((t.bytes_read for t in tasks), dtype=np.int64, count=len(tasks))
+        gate = threading.Event()
+        if self.open:
+            gate.set()
+        self.gates.append(gate)
+        return _GatedHandle(t0, time.perf_counter(), nbytes, gate, self)
+
+
+def gpu_only_runtime(executor=GatedRefExecutor, trails: bool = True, timeout: float = 30.0) -> HybridRuntime:
+    cfg = config_from_dict({
+        "geometry": GEOM,
+        "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 2048, "max_sequences": 2},
+        "selection": {"name": "fixed", "block_size": 16, "budget": 0.25},
+        "scheduler": {"placement": "gpu_only", "gpu_worker": True, "cpu_workers": 0, "pin_cores": False,
+                      "step_timeout_s": timeout},
+    })
+    rt = HybridRuntime(cfg, gpu_executor=executor)
+    rt.gpu_only_trails = trails  # on only with CUDA; forced here (the double's results exist at launch)
+    gen = torch.Generator().manual_seed(0)
+    for s in (0, 1):
+        for layer in range(GEOM["layers"]):
+            rt.prefill(s, layer, torch.randn(300, 2, 32, generator=gen), torch.randn(300, 2, 32, generator=gen))
+    return rt
+
+
+def step_inputs(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 8, 32, generator=gen), torch.randn(2, 2, 32, generator=gen), torch.randn(2, 2, 32, generator=gen)
+
+
+def test_runtime_gpu_only_steps_trail_below_the_last_layer_and_equal_the_waiting_path():
+    last = GEOM["layers"] - 1
+    outs = {}
+    for trails in (True, False):
+        rt = gpu_only_runtime(trails=trails)
+        ex = rt.gpu_executor
+        try:
+            res = []
+            for step in range(3):
+                for layer in range(GEOM["layers"]):
+                    ex.open = not trails or layer == last  # the last layer waits for its claim
+                    res.append(rt.decode(layer, [0, 1], *step_inputs(10 * step + layer)))
+                    trailing = rt.scheduler.lane.trailing
+                    if trails and layer < last:
+                        assert trailing is not None and trailing[0].layer == layer  # returned, its claim running
+                        assert ex.retired == len(ex.gates) - 1  # every earlier claim retired, this one not
+                        ex.release()  # it ends "on the device"; the next step retires it
+                    else:
+                        assert trailing is None and ex.retired == len(ex.gates)
+            outs[trails] = torch.stack(res)
+            st = rt.stats()
+            assert st["gpu_trailed_steps"] == (6 if trails else 0)
+            # Every claim retired once: its bytes counted, its timeline columns written.
+            assert ex.retired == len(ex.gates) == 9
+            assert st["gpu_bytes_read"] == ex.ref.bytes_read > 0
+            recs = rt.timeline.records
+            assert len(recs) == 9 and all((r.worker == rt.scheduler.gpu_worker_id).all() and (r.bytes_read > 0).all() for r in recs)
+        finally:
+            ex.release()
+            rt.close()
+    assert torch.equal(outs[True], outs[False])
+
+
+def test_runtime_a_trailing_claim_that_fails_is_raised_by_the_next_decode():
+    rt = gpu_only_runtime()
+    ex = rt.gpu_executor
+    try:
+        rt.decode(0, [0, 1], *step_inputs(0))
+        assert rt.scheduler.lane.trailing is not None
+        ex.fail_wait = True
+        ex.release()
+        with pytest.raises(RuntimeError, match="claim failed on the device") as info:
+            rt.decode(1, [0, 1], *step_inputs(1))
+        assert any("its step (layer 0) had returned" in n for n in info.value.__notes__)
+        ex.fail_wait, ex.open = False, True
+        assert torch.isfinite(rt.decode(1, [0, 1], *step_inputs(2))).all()  # the runtime stays usable
+    finally:
+        ex.release()
+        rt.close()
+
+
+def test_runtime_close_waits_for_a_trailing_claim():
+    rt = gpu_only_runtime()
+    ex = rt.gpu_executor
+    try:
+        rt.decode(0, [0, 1], *step_inputs(0))
+        assert rt.scheduler.lane.trailing is not None
+        threading.Timer(0.2, ex.release).start()
+        t0 = time.monotonic()
+        rt.close()  # the store's arenas are freed only after the claim that reads them was retired
+        assert time.monotonic() - t0 >= 0.19 and ex.retired == len(ex.gates) and rt.store.closed
+    finally:
+        ex.release()
+        rt.close()
+
+
+# ---------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lagged", [True, False])
+def test_on_cuda_asynctls_steps_trail_and_equal_the_waiting_path(lagged):
+    from tests.test_asynctls import asynctls_config, prefill_random
+    from tests.test_asynctls import runtime as asynctls_runtime
+
+    outs, counters = [], []
+    for trails in (True, False):
+        cfg = asynctls_config(blocks=5, tokens=40, lagged=lagged, kv={"device": "cuda"})
+        with asynctls_runtime(cfg, device="cuda") as rt:
+            rt.gpu_only_trails = trails
+            prefill_random(rt, 0, 900, seed=13)
+            gen = torch.Generator().manual_seed(14)
+            res = []
+            for _ in range(12):
+                for layer in range(rt.geometry.layers):
+                    q = torch.randn(1, rt.geometry.q_heads, rt.geometry.head_dim, generator=gen)
+                    k, v = torch.randn(2, 1, rt.geometry.kv_heads, rt.geometry.head_dim, generator=gen)
+                    res.append(rt.decode(layer, [0], q.cuda(), k.cuda(), v.cuda()))
+            outs.append(torch.stack(res).cpu())
+            st = rt.stats()  # settles: every claim counted
+            ex = rt.gpu_executor
+            counters.append((ex.bytes_read, ex.blocks_selected, ex.blocks_missed, ex.launches))
+            assert (st["gpu_trailed_steps"] == 12) == trails and st["deferred_input_checks"] == 24
+    assert torch.allclose(outs[0], outs[1], atol=1e-5) and counters[0] == counters[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_uva_gpu_only_steps_trail_and_equal_the_waiting_path():
+    from tests.test_deferred_input_check import inputs, make_runtime
+
+    outs, read = [], []
+    for trails in (True, False):
+        with make_runtime("auto", "gpu_only", device="cuda") as rt:
+            rt.gpu_only_trails = trails
+            res = [rt.decode(layer, [0, 1], *inputs(10 * step + layer, "cuda"))
+                   for step in range(6) for layer in range(rt.geometry.layers)]
+            outs.append(torch.stack(res).cpu())
+            st = rt.stats()
+            read.append(st["gpu_bytes_read"])
+            assert (st["gpu_trailed_steps"] == 6) == trails
+    # A trailing step is one claim, a waiting one several: a task's split count follows its claim's
+    # longest task, so the split-K sums may round differently.
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert read[0] == read[1] > 0
