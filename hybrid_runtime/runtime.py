@@ -894,7 +894,8 @@ class HybridRuntime:
             window_part()
         out_w, lse_w = window["out"], window["lse"]
         if sparda is not None:
-            sp_out, sp_lse = sparda.attend(layer, seq_ids, q.to(device=self.device, dtype=torch.float32), qs)
+            # q in its own dtype: `attend` converts it only for a selection made now (no prefetch).
+            sp_out, sp_lse = sparda.attend(layer, seq_ids, q if q.device == self.device else q.to(self.device), qs)
             res_s = self._merge(out_w, lse_w, sp_out.contiguous(), sp_lse.contiguous())
             if not cuda:
                 out_w, lse_w = res_s
