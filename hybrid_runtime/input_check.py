@@ -213,17 +213,17 @@ class DeferredInputCheck:
                 where = f"the decode step at layer {layer} for sequences {list(seq_ids)} (decode call {call})"
                 raise nonfinite_error({name: (int(counts[i]), numel[i]) for i, name in enumerate(names)}, after=where)
 
-    def warm_up(self, dtypes: Sequence[torch.dtype], d: int) -> None:
-        """Compile the kernel for inputs of these dtypes (q, k, v alike) and head dim `d`, on the
-        current stream, into scratch of its own (CUDA only)."""
+    def warm_up(self, variants: Sequence[tuple[torch.dtype, ...]], d: int) -> None:
+        """Compile the kernel for inputs of these dtypes (one tuple per variant: q, k, v and maybe
+        lookahead) and head dim `d`, on the current stream, into scratch of its own (CUDA only)."""
         if not self.cuda:
             return
         from gpu_kernels.nonfinite_counts import MAX_TENSORS, SPLITS
 
         out = torch.zeros((MAX_TENSORS, SPLITS), dtype=torch.int32, device=self.device)
-        for dtype in dict.fromkeys(dtypes):
-            x = torch.zeros((1, 1, d), dtype=dtype, device=self.device)
-            self._count((x, x, x), out, self._stream().cuda_stream)
+        for dtypes in dict.fromkeys(variants):
+            self._count(tuple(torch.zeros((1, 1, d), dtype=t, device=self.device) for t in dtypes), out,
+                        self._stream().cuda_stream)
 
 
 __all__ = ["DeferredInputCheck", "FINITE_CHECK_MODES", "check_finite", "check_finite_host", "count_nonfinite_now",

@@ -325,9 +325,13 @@ class HybridRuntime:
         # made whatever the mode (1 KiB), so that `finite_check` may be switched between calls.
         self._input_check = DeferredInputCheck(self.device)
         if self.cuda and self.finite_check != "sync":
-            # Inputs in the store's dtype or fp32 (another dtype compiles its variant at its first step).
+            # q, k, v in the store's dtype or fp32, SparDA's lookahead in either (another dtype
+            # compiles its variant at its first step).
+            checked_dtypes = [(t, t, t) for t in dict.fromkeys((store.dtype, torch.float32))]
+            if cfg.selection.name == "sparda":
+                checked_dtypes += [(*t, la) for t in checked_dtypes for la in (t[0], torch.float32)]
             warm_jobs.append(("count_nonfinite (the deferred input check)",
-                              lambda: self._input_check.warm_up((store.dtype, torch.float32), geometry.head_dim)))
+                              lambda: self._input_check.warm_up(checked_dtypes, geometry.head_dim)))
         native = {
             "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
             "q_flat": self._q_host.numpy(),
