@@ -119,6 +119,14 @@ def nonfinite_error(counts: dict[str, tuple[int, int]], after: str | None = None
     )
 
 
+def checked_dtypes(store_dtype: torch.dtype, lookahead: bool) -> list[tuple[torch.dtype, ...]]:
+    """The input dtypes the count kernel is compiled for before the first step (`DeferredInputCheck.warm_up`):
+    q, k, v in the store's dtype or fp32, and with `lookahead` (SparDA) a fourth tensor in either."""
+    three = [(t, t, t) for t in dict.fromkeys((store_dtype, torch.float32))]
+    four = [(*t, la) for t in three for la in dict.fromkeys((t[0], torch.float32))] if lookahead else []
+    return three + four
+
+
 class DeferredInputCheck:
     """Input checks queued on the device and read when they have run, for `finite_check: deferred`.
 
@@ -226,5 +234,6 @@ class DeferredInputCheck:
                         self._stream().cuda_stream)
 
 
-__all__ = ["DeferredInputCheck", "FINITE_CHECK_MODES", "check_finite", "check_finite_host", "count_nonfinite_now",
+__all__ = ["DeferredInputCheck", "FINITE_CHECK_MODES", "check_finite", "check_finite_host", "checked_dtypes",
+           "count_nonfinite_now",
            "defers", "finite_check_mode", "nonfinite_error", "nonfinite_mask"]

@@ -40,7 +40,7 @@ from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
-from hybrid_runtime.input_check import DeferredInputCheck, defers, finite_check_mode
+from hybrid_runtime.input_check import DeferredInputCheck, checked_dtypes, defers, finite_check_mode
 from hybrid_runtime.input_check import check_finite as _check_finite
 from hybrid_runtime.input_check import check_finite_host as _check_finite_host
 from hybrid_runtime.input_check import nonfinite_mask as _nonfinite_mask  # noqa: F401 - tests read it here
@@ -325,13 +325,10 @@ class HybridRuntime:
         # made whatever the mode (1 KiB), so that `finite_check` may be switched between calls.
         self._input_check = DeferredInputCheck(self.device)
         if self.cuda and self.finite_check != "sync":
-            # q, k, v in the store's dtype or fp32, SparDA's lookahead in either (another dtype
-            # compiles its variant at its first step).
-            checked_dtypes = [(t, t, t) for t in dict.fromkeys((store.dtype, torch.float32))]
-            if cfg.selection.name == "sparda":
-                checked_dtypes += [(*t, la) for t in checked_dtypes for la in (t[0], torch.float32)]
+            # Another dtype than these compiles its variant at its first step.
+            variants = checked_dtypes(store.dtype, lookahead=cfg.selection.name == "sparda")
             warm_jobs.append(("count_nonfinite (the deferred input check)",
-                              lambda: self._input_check.warm_up(checked_dtypes, geometry.head_dim)))
+                              lambda: self._input_check.warm_up(variants, geometry.head_dim)))
         native = {
             "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
             "q_flat": self._q_host.numpy(),
