@@ -146,10 +146,13 @@ class DeferredInputCheck:
     WAIT_AFTER_CALLS = 2
 
     def __init__(self, device: torch.device):
-        self.device = device
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # "cuda": the inputs' devices carry an index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.calls = 0  # decode calls seen (`issue` numbers the checks with it)
         self.deferred_checks = 0  # checks issued
+        self.device_checks = 0  # ... of them counted on the device (the others at once on the host)
         self._pending: deque = deque()  # (slot, names, numel, layer, seq_ids, call, event); oldest first
         self._busy = [False] * self.SLOTS
         self._turn = 0
@@ -160,7 +163,8 @@ class DeferredInputCheck:
 
             self._count, self._stream = count_nonfinite, current_stream
             self._ring = torch.zeros((self.SLOTS, MAX_TENSORS, SPLITS), dtype=torch.int32, pin_memory=True)
-            self._ring_dev = uva_view(self._ring, device.index)  # the kernel writes the pinned rows directly
+            ring_dev = uva_view(self._ring, device.index)  # the kernel writes the pinned rows directly
+            self._rows_dev = [ring_dev[i] for i in range(self.SLOTS)]  # views made once: each costs host time
             self._events = [torch.cuda.Event() for _ in range(self.SLOTS)]
         else:
             self._ring = torch.zeros((self.SLOTS, 4, 1), dtype=torch.int32)
@@ -187,9 +191,10 @@ class DeferredInputCheck:
         event = None
         if self.cuda and all(x.device == self.device for x in xs):
             stream = self._stream() if stream is None else stream
-            self._count(xs, self._ring_dev[slot], stream.cuda_stream)
+            self._count(xs, self._rows_dev[slot], stream.cuda_stream, validate=False)
             event = self._events[slot]
             event.record(stream)
+            self.device_checks += 1
         else:  # host tensors (or another device): counted now, reported as if deferred
             row[:] = 0
             for i, x in enumerate(xs):
@@ -216,8 +221,9 @@ class DeferredInputCheck:
                 event.synchronize()
             pending.popleft()
             self._busy[slot] = False
-            counts = self._ring_np[slot].sum(axis=1)
-            if counts[: len(names)].any():
+            row = self._ring_np[slot]
+            if row.any():  # unused rows of a check count 0: any count is a bad input
+                counts = row.sum(axis=1)
                 where = f"the decode step at layer {layer} for sequences {list(seq_ids)} (decode call {call})"
                 raise nonfinite_error({name: (int(counts[i]), numel[i]) for i, name in enumerate(names)}, after=where)
 

@@ -215,6 +215,7 @@ def test_on_cuda_a_gpu_only_step_defers_its_check_and_trails_and_equals_the_wait
             st = rt.stats()
             if trails:
                 assert st["deferred_input_checks"] == 8 and st["gpu_trailed_steps"] == 4  # layer 0 of 2 trails
+                assert rt._input_check.device_checks == 8  # counted by the kernel, not on the host
             else:
                 assert st["deferred_input_checks"] == 0 and st["gpu_trailed_steps"] == 0
         finally:

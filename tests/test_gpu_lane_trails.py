@@ -362,6 +362,7 @@ def test_on_cuda_asynctls_steps_trail_and_equal_the_waiting_path(lagged):
             ex = rt.gpu_executor
             counters.append((ex.bytes_read, ex.blocks_selected, ex.blocks_missed, ex.launches))
             assert (st["gpu_trailed_steps"] == 12) == trails and st["deferred_input_checks"] == 24
+            assert rt._input_check.device_checks == 24  # counted by the kernel, not on the host
     assert torch.allclose(outs[0], outs[1], atol=1e-5) and counters[0] == counters[1]
 
 
