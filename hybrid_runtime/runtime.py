@@ -722,8 +722,10 @@ class HybridRuntime:
         Inputs are validated before anything changes (ids, layer, shapes, dtypes, devices; see
         `_check_decode`), and so is NaN/inf in q, k, v unless the check is deferred
         (`scheduler.finite_check`, input_check.py: by default on CUDA steps without a CPU lane):
-        then a later call raises it, naming the step, before that call changes anything. If a worker fails or the step times out,
-        the error is raised here and the runtime stays usable; the step's k, v remain appended.
+        then a later call raises it, naming the step, before that call changes anything. If a
+        worker fails or the step times out, the error is raised here and the runtime stays usable;
+        the step's k, v remain appended (a GPU-only step's claim that fails after the step returned
+        is raised by the next call, naming its step).
         If a task of a timed-out step is still running another `scheduler.step_timeout_s` later,
         this and every later call raise `RuntimeBrokenError` (close the runtime and build a new one).
         """
