@@ -27,14 +27,19 @@ drifts of the machine hit all alike:
     sync_misses     AsyncTLS unlagged: the missing blocks M_t \\ C_t copied into the resident cache on
                     the executor's stream before the token level (the row called `sync` up to
                     b8b6c1a); it isolates what the lag alone hides
+    lagged_waits    `lagged` with the runtime's step as it was before GPU-only steps trailed: every
+                    layer waits for its claim (`rt.gpu_only_trails` off) and checks its inputs for
+                    NaN/inf with a device sync (`scheduler.finite_check: sync`); lagged over it is
+                    what those two serialisations cost (benchmarks/notes/asynctls.md section 7)
 
-`lagged` and `sync_misses` each drift the queries and keep the cache at `M_{t-1}` for the next;
-`sync_selection` reuses the queries of the step before it and leaves the cache alone, so the two
-cached modes see the same temporal locality as before it was added.
+`lagged`, `sync_misses` and `lagged_waits` each drift the queries and keep the cache at `M_{t-1}`
+for the next; `sync_selection` reuses the queries of the step before it and leaves the cache alone,
+so the cached modes see the same temporal locality as before it was added.
 
 Attention time per layer = (step time - the same step's model work alone) / layers, medians over
 `--steps` measured steps per mode. `lagged_over_sync_time` is lagged over sync_selection;
-`lagged_over_sync_misses_time` lagged over sync_misses. The transfer time is the GPU time of the
+`lagged_over_sync_misses_time` lagged over sync_misses; `lagged_over_lagged_waits_time` lagged over
+lagged_waits. The transfer time is the GPU time of the
 lagged mode's copies (CUDA events on the copy kernels; sync_misses copies the same blocks);
 hidden fraction = (sync_misses - lagged) / transfer, in [0, 1]. `claim_ms_per_layer` is the GPU
 time of the executor's claim (its start and end events: block level, token level, attention,
@@ -96,24 +101,31 @@ class ModelWork:
             torch.mm(x, w)
 
 
-MODES = ("lagged", "sync_misses", "sync_selection")
+MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits")
+CLAIM_MODES = MODES[:3]  # lagged_waits runs lagged's claims: no breakdown or profile of its own
 
 
-def set_mode(ex: AsyncTlsExecutor, mode: str) -> None:
-    """Switch the executor between the benchmark's modes (module doc) between steps."""
+def set_mode(rt: HybridRuntime, mode: str) -> None:
+    """Switch the runtime and its executor between the benchmark's modes (module doc) between steps."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: allowed {', '.join(MODES)}")
-    ex.lagged = mode == "lagged"
+    ex = rt.gpu_executor
+    ex.lagged = mode in ("lagged", "lagged_waits")
     ex.offload_selection = mode == "sync_selection"
+    waits = mode == "lagged_waits"
+    rt.scheduler.settle()  # nothing of the previous mode still trails
+    rt.gpu_only_trails = rt.cuda and not waits  # the runtime's default on CUDA (a GPU-only runtime)
+    rt.finite_check = "sync" if waits else "auto"  # this benchmark's config leaves the key at its default
 
 
-def breakdown(ex: AsyncTlsExecutor, step, steps: int) -> dict:
+def breakdown(rt: HybridRuntime, step, steps: int) -> dict:
     """Median time per layer of each stage of the eager claims of `steps` steps per mode (ms): the time
     from the previous stage's mark to the stage's own, and `claim` from the first mark to the last."""
+    ex = rt.gpu_executor
     cuda = ex.cuda
     out = {}
-    for mode in MODES:
-        set_mode(ex, mode)
+    for mode in CLAIM_MODES:
+        set_mode(rt, mode)
         per_stage: dict = {}
         for _ in range(steps):
             ex.marks = []
@@ -137,14 +149,14 @@ def breakdown(ex: AsyncTlsExecutor, step, steps: int) -> dict:
     return out
 
 
-def profile_steps(ex: AsyncTlsExecutor, step, path: Path, cuda: bool) -> None:
+def profile_steps(rt: HybridRuntime, step, path: Path, cuda: bool) -> None:
     """torch.profiler tables of 3 steps per mode (as timed: graphed claims) to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
     parts = []
-    for mode in MODES:
-        set_mode(ex, mode)
+    for mode in CLAIM_MODES:
+        set_mode(rt, mode)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             for _ in range(3):
@@ -235,7 +247,7 @@ def run_point(args, batch: int, context: int) -> dict:
                                 "selected": 0, "bytes": 0} for mode in MODES}
         for i in range(args.warmup + args.steps):
             for mode in MODES:
-                set_mode(ex, mode)
+                set_mode(rt, mode)
                 miss0, sel0, bytes0 = ex.blocks_missed, ex.blocks_selected, ex.bytes_read
                 ex.transfer_seconds()  # forget copies of earlier steps
                 claims.clear()
@@ -252,7 +264,8 @@ def run_point(args, batch: int, context: int) -> dict:
                     smp["selected"] += ex.blocks_selected - sel0
                     smp["bytes"] += ex.bytes_read - bytes0
         # Epsilon of the cached modes' layer steps (sync_selection logs no blocks: `epsilon_per_step` skips it).
-        eps = ex.epsilon_per_step()[-(args.steps * 2 * g.layers):]
+        cached_modes = sum(mode != "sync_selection" for mode in MODES)
+        eps = ex.epsilon_per_step()[-(args.steps * cached_modes * g.layers):]
         row = {"batch": batch, "context": context, "layers": g.layers, "prefill_s": prefill_s,
                "index_bytes": ex.index.nbytes, "cache_bytes": ex.cache.nbytes,
                "cache_mib_per_layer_sequence": ex.cache.nbytes / (g.layers * batch) / 2**20,
@@ -273,6 +286,9 @@ def run_point(args, batch: int, context: int) -> dict:
         lag, sync, misses = row["lagged"], row["sync_selection"], row["sync_misses"]
         row["lagged_over_sync_time"] = lag["attention_ms_per_layer"] / sync["attention_ms_per_layer"]
         row["lagged_over_sync_misses_time"] = lag["attention_ms_per_layer"] / misses["attention_ms_per_layer"]
+        # What the step's two serialisations with the host cost (GPU-only steps waiting for their claim,
+        # the input check's device sync): lagged over the same claims with both back.
+        row["lagged_over_lagged_waits_time"] = lag["attention_ms_per_layer"] / row["lagged_waits"]["attention_ms_per_layer"]
         # The copies' GPU time, timed on the lagged mode's side stream (a synchronous copy inside a
         # replayed CUDA graph has no events of its own); sync_misses moves the same blocks.
         row["transfer_ms_per_layer"] = lag["transfer_ms_per_layer"]
@@ -283,15 +299,16 @@ def run_point(args, batch: int, context: int) -> dict:
               f"sync_selection {sync['attention_ms_per_layer']:.3f} ms (claim {sync['claim_ms_per_layer']:.3f}; "
               f"{row['lagged_over_sync_time']:.2f}x), sync_misses {misses['attention_ms_per_layer']:.3f} ms "
               f"({row['lagged_over_sync_misses_time']:.2f}x); transfer {row['transfer_ms_per_layer']:.3f} ms per layer, "
-              f"hidden {row.get('hidden_fraction', float('nan')):.2f}; epsilon median {row['epsilon_median']:.3f}",
-              flush=True)
+              f"hidden {row.get('hidden_fraction', float('nan')):.2f}; epsilon median {row['epsilon_median']:.3f}; "
+              f"lagged_waits {row['lagged_waits']['attention_ms_per_layer']:.3f} ms "
+              f"({row['lagged_over_lagged_waits_time']:.2f}x)", flush=True)
         if args.breakdown:
-            row["breakdown"] = breakdown(ex, step, args.breakdown)
+            row["breakdown"] = breakdown(rt, step, args.breakdown)
             for mode, stages in row["breakdown"].items():
                 print(f"  {mode} eager stages, ms per layer: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()),
                       flush=True)
         if args.profile:
-            profile_steps(ex, step, Path(args.profile) / f"asynctls-profile-{batch}x{context // 1024}k.txt", cuda)
+            profile_steps(rt, step, Path(args.profile) / f"asynctls-profile-{batch}x{context // 1024}k.txt", cuda)
         return row
     finally:
         rt.close()
@@ -303,6 +320,7 @@ def metrics_of(rows: list[dict]) -> dict:
         tag = METRIC_POINTS.get((r["batch"], r["context"]), f"{r['batch']}x{r['context'] // 1024}k")
         out[f"lagged_over_sync_time_{tag}"] = r["lagged_over_sync_time"]
         out[f"lagged_over_sync_misses_time_{tag}"] = r["lagged_over_sync_misses_time"]
+        out[f"lagged_over_lagged_waits_time_{tag}"] = r["lagged_over_lagged_waits_time"]
         if "hidden_fraction" in r:
             out[f"hidden_fraction_{tag}"] = r["hidden_fraction"]
         for mode in MODES:
@@ -326,7 +344,9 @@ def markdown(result: dict) -> str:
              f"{c['steps']} measured steps per mode. Modes (benchmarks/asynctls.py): `lagged` AsyncTLS; "
              "`sync_selection` the same selection, its k_t tokens' K and V read from the CPU store before the "
              "attention, no resident cache (the issue's baseline); `sync_misses` AsyncTLS unlagged, the missing blocks "
-             "copied into the resident cache before the token level (the row called `sync` up to b8b6c1a). Claim: "
+             "copied into the resident cache before the token level (the row called `sync` up to b8b6c1a); "
+             "`lagged_waits` lagged with every layer waiting for its claim and a synchronous NaN/inf check (the runtime's "
+             "step before GPU-only steps trailed). Claim: "
              "GPU time of the executor's claim; the rest of the attention time is the runtime's step around it.", "",
              "| batch | context | mode | attention ms/layer | claim ms/layer | host ms/layer in decode | MB moved per layer step | lagged / mode |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -237,12 +237,20 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
                 sys.exit("--other-metadata: the runtime keeps no GPU copy of the metadata (kv_cache.gpu_metadata)")
             runs[other_meta] = ("fluxion", "mix")
             claim_cfg[other_meta] = claim_cfg["fluxion"]
+        # --gpu-only-waits: gpu_only with its steps as before they trailed (each layer waits for its
+        # claims, the NaN/inf check with a device sync), own lane-rate estimates.
+        trails_default, check_default = rt.gpu_only_trails, rt.finite_check
+        if args.gpu_only_waits:
+            runs["gpu_only_waits"] = ("gpu_only", "mix")
+            claim_cfg["gpu_only_waits"] = claim_cfg["gpu_only"]
 
         def one_step(name: str) -> None:
             placement, plan = runs[name]
             # The placement's own lane-rate estimates; a claim-programs or --other-claims variant has its own.
-            own = name.startswith("fluxion_cp") or name in (other, other_meta)
+            own = name.startswith("fluxion_cp") or name in (other, other_meta, "gpu_only_waits")
             rt.scheduler.set_placement(placement, estimates=name if own else None)
+            rt.gpu_only_trails = trails_default and name != "gpu_only_waits"
+            rt.finite_check = "sync" if name == "gpu_only_waits" else check_default
             gpu_ex.config = claim_cfg[name]
             gpu_ex.claim_graphs = graphs_default != (name == other)
             gpu_ex.use_gpu_metadata = meta_default != (name == other_meta)
@@ -376,7 +384,7 @@ def summarize_run(rt, recs, name, placement, plan, batch, context) -> dict:
     over = np.concatenate([r.overhead[(r.lane == LANE_CPU)] for r in recs])
     over = over[over > 0]
     # stats() then shows this run's own estimates
-    rt.scheduler.set_placement(placement, estimates=name if name.startswith("fluxion_") else None)
+    rt.scheduler.set_placement(placement, estimates=name if name.startswith("fluxion_") or name == "gpu_only_waits" else None)
     sched = rt.stats()
 
     def lane_start(lane):  # from q available to the lane's first task start
@@ -557,6 +565,9 @@ def main() -> None:
                          "link (fluxion_host_metadata; the default scores from the store's GPU copy, "
                          "kv_cache.gpu_metadata) and probe the GPU lane that way too "
                          "(gpu_lane_fixed_cost*_host_metadata_us)")
+    ap.add_argument("--gpu-only-waits", action="store_true",
+                    help="also run gpu_only with every layer waiting for its claims and a synchronous NaN/inf check "
+                         "(the runtime's GPU-only step before it trailed: benchmarks/notes/asynctls.md section 7)")
     ap.add_argument("--trace-dir", default=None, help="write the (8, 32K) Chrome trace (all policies) here")
     ap.add_argument("--no-gpu-probe", dest="gpu_probe", action="store_false",
                     help="skip probing the GPU lane alone at every point (no gpu_lane_* metrics)")
@@ -582,6 +593,7 @@ def main() -> None:
     config = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers,
               "claim_programs": args.claim_programs, "other_claims": args.other_claims,
               "other_metadata": args.other_metadata,
+              "gpu_only_waits": args.gpu_only_waits,
               "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
               "seed": args.seed, "torch": torch.__version__, "pinning": cores.note}
     path = write(metrics, points_out, {"config": config, "machine_limits": measured, "gpu_lane_probes": probes}, args.out)

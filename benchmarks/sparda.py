@@ -128,6 +128,7 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
     torch.set_num_threads(os.cpu_count() or 1)
     t0 = time.perf_counter()
     rt = HybridRuntime(cfg, geo)
+    rt.finite_check = args.finite_check  # the step's one host wait for the device when "sync"
     clock = Clock(cuda)
     rows = []
     try:
@@ -378,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--query-drift", type=float, default=0.1, help="fraction of fresh noise per step in the queries")
     ap.add_argument("--no-layer-compute", dest="layer_compute", action="store_false")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--finite-check", choices=("auto", "sync"), default="auto",
+                    help="scheduler.finite_check: auto (default) defers the NaN/inf check of a CUDA step without a CPU "
+                         "lane, sync checks it with a device sync in every decode call (the behaviour before)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sparda-<device slug>.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny geometry and shapes, on any machine (checks the script)")
     args = ap.parse_args(argv)
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"geometry": geo.name, "layers": geo.layers, "q_heads": geo.q_heads, "kv_heads": geo.kv_heads,
               "head_dim": geo.head_dim, "block_size": args.block_size, "top_k": args.top_k, "steps": args.steps,
               "warmup": args.warmup, "query_drift": args.query_drift, "layer_compute": args.layer_compute,
-              "seed": args.seed, "smoke": args.smoke, "torch": torch.__version__}
+              "finite_check": args.finite_check, "seed": args.seed, "smoke": args.smoke, "torch": torch.__version__}
     metrics = metrics_of(rows)
     if args.smoke and args.out is None:
         out_dir = Path(tempfile.mkdtemp(prefix="sparda-smoke-"))

@@ -352,6 +352,12 @@ class SchedulerConfig:
     # 50-100 us more GPU time a claim than the direct launches and no layer-step got faster
     # (benchmarks/notes/gpu_lane.md section 15).
     claim_graphs: bool = False
+    # When NaN/inf in decode's q, k, v (or lookahead) is reported (hybrid_runtime/input_check.py):
+    # "sync" by that call, before anything changes; "deferred" by a later call (the check runs on
+    # the device, the host does not wait for it; the bad step itself ran); "auto": deferred on CUDA
+    # steps without a CPU lane (where a synchronous check would make the host wait for the GPU
+    # every layer), sync everywhere else.
+    finite_check: str = field(default="auto", metadata=_choices("auto", "sync", "deferred"))
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this

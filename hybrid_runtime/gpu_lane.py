@@ -13,6 +13,12 @@ what the lane learns -- in the next step's idle rounds or by `settle`. Retiring 
 ~0.2 ms of host time, which otherwise sat on the step's critical path whenever the launcher's
 own work ended after the lanes did (benchmarks/notes/gpu_lane.md section 13). A failure or a
 stall of a trailing claim is raised by the next step.
+
+A step without CPU tasks (`drive(gpu_trails=True)`: placement gpu_only, AsyncTLS) trails the same
+way once every queue position is launched, in one claim: waiting for its claims made the host
+wait for the GPU once a layer, so the host never ran ahead and all its work sat on the critical
+path (benchmarks/notes/gpu_lane.md, Next -7). One step trails at a time: a step returns only once
+the claims of the one before it are retired, so the host runs at most one step ahead of them.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
 from hybrid_runtime.tasks import Step, Task
 
 log = logging.getLogger(__name__)
+
+WHOLE_QUEUE = float("inf")  # a claim's byte budget that takes every position left
 
 
 class HostLaunch:
@@ -150,12 +158,16 @@ class GpuLane:
         # `settle` may run on another thread than the steps (`stats()` from a reporter): one
         # retirement at a time.
         self._trail_lock = threading.Lock()
+        # Landing slots of the executor's claims (`RING`: a slot is reused every RING launches and
+        # must have been retired by then), or None when it keeps none.
+        self.ring = getattr(executor, "RING", None)
 
     @property
     def trails(self) -> bool:
         """Whether a step may return with claims still on the GPU: the executor's launches only
-        read the step's buffers and the pinned arena, and their retirement only counts bytes
-        (`GpuUvaExecutor.retire_later`); any other executor is waited for inside its step."""
+        read the step's buffers and its own device state, and their retirement only counts bytes
+        (`retire_later`: `GpuUvaExecutor`, `AsyncTlsExecutor`); any other executor is waited for
+        inside its step."""
         return bool(getattr(self.executor, "retire_later", False))
 
     # A trailing step's CPU lane must end this long before the launcher needs its result: the
@@ -187,12 +199,16 @@ class GpuLane:
             job.gpu_first_t = time.perf_counter()
 
     def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None,
-              cpu_trails: bool = False) -> None:
+              cpu_trails: bool = False, gpu_trails: bool = False) -> None:
         """The GPU lane and the wait for the step's end, on the calling thread; `side_work` (the
         caller's own GPU work) runs once, after the first claim is launched (before a reserved
         one with `SIDE_WORK_FIRST`). `cpu_trails`: return once the reserved first claim (the
         lane's only one then) and the side work are issued, without waiting for the CPU tasks
-        (the caller waits for them on the device); a step that failed by then still waits."""
+        (the caller waits for them on the device); a step that failed by then still waits.
+        `gpu_trails` (a step without CPU tasks, on an executor whose claims may be retired later,
+        `trails`; the caller's merge waits for the last claim's end event on the device): claim
+        the whole queue at once and return once it is launched and the side work issued, leaving
+        the claim to trail like a CPU-lane step's; a step that failed by then still waits."""
         # A trailing step without a reserved claim launches nothing: no plan to build either.
         gq = job.gpu_queue if job.gpu_used and not (cpu_trails and job.gpu_first is None) else None
         ex = self.executor
@@ -216,6 +232,7 @@ class GpuLane:
         timed_out = False
         grace_end = None
         trails = self.trails
+        alone = gpu_trails and trails and not job.cpu_used
         while True:
             progressed = False
             if self.trailing is not None:
@@ -243,10 +260,13 @@ class GpuLane:
             # A step whose CPU lane trails launches nothing but its reserved claim: the device-side
             # wait counts the CPU lane's positions, so the split must be fixed when the step returns.
             may_claim = not cpu_trails or job.gpu_first is not None
-            if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH and may_claim:
+            if gq is not None and job.error is None and len(pipeline) < self.PIPELINE_DEPTH and may_claim \
+                    and not self._ring_full(len(pipeline)):
                 t0 = time.perf_counter()
                 busy_s = max(0.0, free_at - t0) if pipeline else 0.0
-                want = 0.0 if job.gpu_first is not None else self.claim_bytes(
+                # A trailing GPU-only step claims its whole queue: it returns once every position is
+                # launched, and a split would only add launches (nothing competes for the queue).
+                want = 0.0 if job.gpu_first is not None else WHOLE_QUEUE if alone else self.claim_bytes(
                     job, gq, busy_s, idle_stream=not pipeline, claimed=claimed)
                 if want <= 0 and job.shared and not launched and self.skipped >= self.EXPLORE_AFTER:
                     want = 1.0  # one task: re-measure the GPU lane
@@ -294,8 +314,14 @@ class GpuLane:
                 if job.shared:
                     self.skipped = 0 if launched else self.skipped + 1
                 return
+            # A GPU-only step that may trail ends once every position is launched (counted finished
+            # at launch: `trails`) and the previous step's claims are retired (one step trails at a
+            # time; until then the loop below polls them, under the step's timeout).
+            if alone and pipeline and job.error is None and job.done() and self.trailing is None:
+                self.trailing = (job, rows, prev_done)
+                return
             # With CPU tasks, the step ends when the last of them does: claims still on the GPU
-            # trail it (the merge waits for them on the device). A GPU-only step waits for them.
+            # trail it (the merge waits for them on the device). Any other GPU-only step waits for them.
             if job.done() and self.trailing is None and (
                     not pipeline or (trails and job.error is None and job.cpu_used)):
                 if job.shared:
@@ -317,6 +343,16 @@ class GpuLane:
                 return
             if not progressed:
                 self._idle(job)
+
+    def _ring_full(self, in_flight: int) -> bool:
+        """Whether a launch now would reuse the landing slot of a claim not retired yet: this step's
+        `in_flight` claims and the previous step's trailing ones hold `ring` slots at most (never
+        reached with `PIPELINE_DEPTH` claims a step and one trailing step; checked all the same,
+        since a slot overwritten before its claim was retired would miscount its bytes)."""
+        if self.ring is None:
+            return False
+        trailing = self.trailing
+        return in_flight + (len(trailing[0].gpu_pending) if trailing is not None else 0) >= self.ring
 
     def _retire(self, job: StepJob, rows: np.ndarray, entry: tuple, prev_done: float | None, counted: bool) -> float:
         """Retire one finished claim of `job`: its bytes, timeline columns and what the lane learns

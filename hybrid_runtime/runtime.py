@@ -40,6 +40,10 @@ from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
 from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
+from hybrid_runtime.input_check import DeferredInputCheck, checked_dtypes, defers, finite_check_mode
+from hybrid_runtime.input_check import check_finite as _check_finite
+from hybrid_runtime.input_check import check_finite_host as _check_finite_host
+from hybrid_runtime.input_check import nonfinite_mask as _nonfinite_mask  # noqa: F401 - tests read it here
 from hybrid_runtime.kvcache import KVStore, numpy_view
 from hybrid_runtime.memory_plan import MachineMemory, MemoryPlan, admit, estimate_runtime
 from hybrid_runtime.pinning import confine_current_thread
@@ -109,52 +113,6 @@ def _check_tensor(name: str, x: Any) -> None:
         raise ValueError(f"{name} has dtype {x.dtype}; expected a floating-point tensor (float32, bfloat16, float16, float64)")
 
 
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    """ValueError naming the tensor(s) holding NaN or +-inf, before anything changes.
-
-    One `aminmax` per tensor (a single read, no temporary of the input's size; NaN propagates
-    into both, +-inf shows in one). CPU results are read directly; CUDA results are combined
-    into one flag read once: one device sync per call. Counting what is wrong runs only on failure.
-    """
-    ok = True
-    on_device = []
-    for x in tensors.values():
-        if not x.numel():
-            continue
-        lo, hi = torch.aminmax(x)
-        if x.device.type == "cpu":
-            ok = ok and math.isfinite(lo.item()) and math.isfinite(hi.item())
-        else:
-            on_device += [lo.float(), hi.float()]
-    if on_device:
-        ok = ok and bool(torch.isfinite(torch.stack(on_device)).all())
-    if ok:
-        return
-    raise _nonfinite_error({name: (int((~torch.isfinite(x)).sum()) if x.numel() else 0, x.numel())
-                            for name, x in tensors.items()})
-
-
-# Exponent bits of the 16-bit floats: all set means +-inf or NaN.
-_EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
-
-
-def _nonfinite_mask(x: torch.Tensor) -> np.ndarray:
-    """Where a host tensor holds NaN or +-inf (numpy has no bfloat16: its bits are read)."""
-    mask = _EXPONENT_MASK.get(x.dtype)
-    if mask is None:
-        return ~np.isfinite(x.numpy())
-    return (x.view(torch.int16).numpy() & mask) == mask
-
-
-def _nonfinite_error(counts: dict[str, tuple[int, int]]) -> ValueError:
-    """The error for inputs holding NaN/inf: `counts` maps a name to (bad values, values)."""
-    bad = [f"{name} has {n} NaN/inf value{'s' if n > 1 else ''} of {total}" for name, (n, total) in counts.items() if n]
-    return ValueError(
-        "; ".join(bad) + "; expected finite values (NaN/inf in k or v would poison the stored KV and its block "
-        "metadata for every later step, in q they make the output NaN); nothing was changed"
-    )
-
-
 class HybridRuntime:
     """Embeddable decode-time sparse attention over a CPU-resident KV cache.
 
@@ -203,6 +161,8 @@ class HybridRuntime:
                     f"selection.streaming_heads.{layer}: layer or heads {list(heads)} out of range for geometry "
                     f"{geometry.name!r} ({geometry.layers} layers, {geometry.q_heads} q heads)"
                 )
+        # When a NaN/inf input is reported (input_check.py); checked before anything is built.
+        self.finite_check = finite_check_mode(cfg.scheduler)
         self.model_geometry = geometry
         self.tensor_parallel = tensor_parallel
         share = machine = None
@@ -363,6 +323,14 @@ class HybridRuntime:
             warm_jobs += host_step_kernel_jobs(self._q_host[: hq * d].view(1, hq, d).numpy(), *self._win_numpy[0],
                                                self._wout[:1].numpy(), self._wlse[:1].numpy(), self._wscores,
                                                window_attention_host, merge_host)
+        # Deferred input checks (`scheduler.finite_check`): their counts land in a small pinned ring,
+        # made whatever the mode (1 KiB), so that `finite_check` may be switched between calls.
+        self._input_check = DeferredInputCheck(self.device)
+        if self.cuda and self.finite_check != "sync":
+            # Another dtype than these compiles its variant at its first step.
+            variants = checked_dtypes(store.dtype, lookahead=cfg.selection.name == "sparda")
+            warm_jobs.append(("count_nonfinite (the deferred input check)",
+                              lambda: self._input_check.warm_up(variants, geometry.head_dim)))
         native = {
             "arenas": tuple(store.arena_numpy(layer) for layer in range(store.layers)),
             "q_flat": self._q_host.numpy(),
@@ -413,6 +381,11 @@ class HybridRuntime:
         # the model's head needs its output anyway, and a CPU task's error then surfaces within
         # the model step it happened in.
         self._cpu_trails = bool(self._done_address is not None and self.scheduler.native is not None)
+        # Steps without CPU tasks return once their GPU claims are launched, where the executor
+        # retires claims later (`GpuLane.trails`) and the merge can wait for the last one's end
+        # event on the device (a CUDA lane); the last layer waits, as for trailing CPU lanes.
+        # Benchmarks switch it off to compare (`benchmarks/asynctls.py` mode lagged_waits).
+        self.gpu_only_trails = bool(self.cuda and lane_cuda)
         try:
             clock = self._clock = CudaClock() if self.cuda else None
             self._clock_stale = False  # set by prefill: the next decode step calibrates first
@@ -458,8 +431,10 @@ class HybridRuntime:
             return
         first = not self._closed
         self._closed = True
+        bad_input = None
         try:
             self.scheduler.close()
+            bad_input = self._read_input_checks_at_close()
             self._warm_up.join()  # it reads the store's arena: joined (not its error) before it is freed
             # Only once no worker can read them: the pinned arenas go back to the system.
             self.store.close()
@@ -469,6 +444,9 @@ class HybridRuntime:
                 thaw_collector()
             if first:
                 self._release_thread()
+        if bad_input is not None:
+            bad_input.add_note("raised by close(), after the runtime was closed")
+            raise bad_input
 
     def await_warm_up(self) -> float:
         """Wait for the background kernel warm-up (the first decode step does); returns the seconds
@@ -483,6 +461,28 @@ class HybridRuntime:
         confined, self._confined = self._confined, None
         if confined is not None and confined[1] is not None and confined[0] == threading.get_ident():
             os.sched_setaffinity(0, confined[1])
+
+    def _read_input_checks_at_close(self) -> ValueError | None:
+        """Every deferred input check not read yet (reported by close, never dropped): the first
+        bad one's error, the others' in its notes."""
+        bad_input = None
+        try:
+            while self._input_check.pending:
+                try:
+                    self._input_check.poll(block=True)
+                except ValueError as exc:
+                    if bad_input is None:
+                        bad_input = exc
+                    else:
+                        bad_input.add_note(f"and: {exc}")
+        except RuntimeError as exc:  # the device failed: nothing more can be read
+            log.warning("HybridRuntime.close: the deferred input checks could not be read: %s", exc)
+        return bad_input
+
+    def _settle_input_checks(self) -> None:
+        """Read every deferred input check (waiting for those still queued) and raise the first bad
+        one: before the store changes for anything but a decode step."""
+        self._input_check.poll(block=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -513,6 +513,7 @@ class HybridRuntime:
         call and computes the statistics of the prompt so far from it; other planners ignore it.
         """
         self._check_open()
+        self._settle_input_checks()
         seq_id = _as_int(seq_id, "seq_id")
         layer = _as_int(layer, "layer")
         if not isinstance(extend, (bool, np.bool_)):
@@ -550,6 +551,7 @@ class HybridRuntime:
     def release(self, seq_id: int) -> None:
         """Free a sequence's pages and window slot (memory stays pinned for reuse)."""
         self._check_open()
+        self._settle_input_checks()
         seq_id = _as_int(seq_id, "seq_id")
         if seq_id not in self.store.sequences():
             raise KeyError(
@@ -605,13 +607,6 @@ class HybridRuntime:
         if check_finite:
             _check_finite({"q": q, "k": k, "v": v})
         return layer, seq_ids
-
-    @staticmethod
-    def _check_finite_host(tensors: dict[str, torch.Tensor]) -> None:
-        """`_check_finite` on host copies (q scaled to fp32, k and v in their own dtypes)."""
-        if not any(_nonfinite_mask(x).any() for x in tensors.values()):
-            return
-        raise _nonfinite_error({name: (int(_nonfinite_mask(x).sum()), x.numel()) for name, x in tensors.items()})
 
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -726,9 +721,13 @@ class HybridRuntime:
         selection queries, `[B, Hkv, D]` (one per KV group: the Forecast's) or `[B, Hq, D]` (one per
         query head, unscaled: the proxy's); its blocks are selected and prefetched now, during this
         layer (`executors/sparda.py`). Without it a sparda layer selects with its own query.
-        Inputs are validated before anything changes (ids, layer, shapes, dtypes, devices, NaN/inf
-        in q, k, v; see `_check_decode`). If a worker fails or the step times out,
-        the error is raised here and the runtime stays usable; the step's k, v remain appended.
+        Inputs are validated before anything changes (ids, layer, shapes, dtypes, devices; see
+        `_check_decode`), and so is NaN/inf in q, k, v unless the check is deferred
+        (`scheduler.finite_check`, input_check.py: by default on CUDA steps without a CPU lane):
+        then a later call raises it, naming the step, before that call changes anything. If a
+        worker fails or the step times out, the error is raised here and the runtime stays usable;
+        the step's k, v remain appended (a GPU-only step's claim that fails after the step returned
+        is raised by the next call, naming its step).
         If a task of a timed-out step is still running another `scheduler.step_timeout_s` later,
         this and every later call raise `RuntimeBrokenError` (close the runtime and build a new one).
         """
@@ -738,6 +737,10 @@ class HybridRuntime:
             self._warm_up.wait()  # the first step: every kernel it launches has compiled (warmup.py)
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
+        # An earlier step's deferred input check that has run (one two calls old is waited for):
+        # its bad input is raised here, before this call changes anything.
+        self._input_check.next_call()
+        self._input_check.poll()
         layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
         self.scheduler.note_entry(t_entry)
         if self.scheduler.cpu_inflight is not None:
@@ -760,14 +763,20 @@ class HybridRuntime:
         # must the append when the planner reads the window (its features include this token).
         # Otherwise the append only touches the GPU window and runs while the tasks do.
         append_first = self._will_spill(layer, seq_ids) or (sparda is None and getattr(self.planner, "reads_window", False))
-        # NaN/inf in q, k, v is refused before anything changes. On CUDA with a CPU lane the
-        # check rides on the copy of q to the host that the CPU workers need anyway (k and v go
-        # along), read after the one wait for it; otherwise (or before an append that must come
-        # first: a spill, or a planner that reads the window) the inputs are checked here, which
-        # costs a device sync of its own.
-        deferred_check = cuda and has_cpu and not append_first
+        # NaN/inf in q, k, v (and lookahead) is an error (input_check.py). Refused now, before
+        # anything changes (`scheduler.finite_check` sync): on CUDA with a CPU lane the check rides
+        # on the copy of q to the host that the CPU workers need anyway (k and v go along), read
+        # after the one wait for it; otherwise (or before an append that must come first: a spill,
+        # or a planner that reads the window) the inputs are checked here, at a device sync of its
+        # own. Deferred (under "auto" a CUDA step without a CPU lane, whose host would otherwise
+        # wait for the GPU here every layer): counted on the device now, raised by a later call.
+        cpu_lane = has_cpu and self.scheduler.placement != "gpu_only"  # the step has CPU tasks
+        defer_check = defers(self.finite_check, cuda, cpu_lane)
+        q_copy_check = not defer_check and cuda and cpu_lane and not append_first
         checked = {"q": q, "k": k, "v": v} if lookahead is None else {"q": q, "k": k, "v": v, "lookahead": lookahead}
-        if not deferred_check:
+        if defer_check:
+            self._input_check.issue(checked, layer, seq_ids, caller)
+        elif not q_copy_check:
             _check_finite(checked)
         if append_first:
             old_lens = [store.cpu_len(s, layer) for s in seq_ids] if sparda is not None else None
@@ -786,9 +795,9 @@ class HybridRuntime:
         cpu_q = self._q_host[:n].view(b, hq, d)
         res = self._res_host[: b * hq * (d + 1)]
         cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
-        if has_cpu:
+        if cpu_lane:
             cpu_q.copy_(qs, non_blocking=True)  # device -> pinned host, ordered on the main stream
-        if deferred_check:
+        if q_copy_check:
             # Raw copies in the inputs' own dtypes: one memcpy each, no conversion kernel.
             k_nbytes = -(-k.numel() * k.element_size() // 8) * 8  # v starts 8-byte aligned
             k_host = self._kv_host[:k_nbytes].view(k.dtype)[: k.numel()].view(k.shape)
@@ -799,7 +808,7 @@ class HybridRuntime:
                 look_host = self._look_host[: lookahead.numel() * lookahead.element_size()].view(lookahead.dtype)
                 look_host = look_host.view(lookahead.shape)
                 look_host.copy_(lookahead, non_blocking=True)
-        ev_qhost = self._event(caller) if cuda and has_cpu else None
+        ev_qhost = self._event(caller) if cuda and cpu_lane else None
         if has_gpu:
             gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
 
@@ -847,12 +856,12 @@ class HybridRuntime:
         else:
             plan = self.planner(layer, seq_ids, store)
             tasks = self._tasks(layer, seq_ids, plan)
-        if deferred_check:
+        if q_copy_check:
             ev_qhost.synchronize()  # the CPU lane's wait for q, moved before anything changes
             host = {"q": cpu_q, "k": k_host, "v": v_host}
             if lookahead is not None:
                 host["lookahead"] = look_host
-            self._check_finite_host(host)
+            _check_finite_host(host)
         if lookahead is not None:
             sparda.prefetch(layer + 1, seq_ids, lookahead)  # the next layer's blocks, while this one computes
         job = None
@@ -877,8 +886,9 @@ class HybridRuntime:
             # released (issued before, it delayed their first task by 0.3-0.9 ms) and after the
             # GPU lane's first claim (benchmarks/notes/gpu_lane.md).
             try:
+                last = layer == store.layers - 1
                 self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False,
-                                   cpu_trails=self._cpu_trails and layer != store.layers - 1)
+                                   cpu_trails=self._cpu_trails and not last, gpu_trails=self.gpu_only_trails and not last)
             except BaseException:
                 if self.scheduler.start_failed:
                     # The CPU workers never started (what a failed construction was before start-up
@@ -889,7 +899,8 @@ class HybridRuntime:
             window_part()
         out_w, lse_w = window["out"], window["lse"]
         if sparda is not None:
-            sp_out, sp_lse = sparda.attend(layer, seq_ids, q.to(device=self.device, dtype=torch.float32), qs)
+            # q in its own dtype: `attend` converts it only for a selection made now (no prefetch).
+            sp_out, sp_lse = sparda.attend(layer, seq_ids, q if q.device == self.device else q.to(self.device), qs)
             res_s = self._merge(out_w, lse_w, sp_out.contiguous(), sp_lse.contiguous())
             if not cuda:
                 out_w, lse_w = res_s
@@ -1050,6 +1061,12 @@ class HybridRuntime:
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
+            # Steps without CPU tasks that returned before their GPU claims ended (`gpu_only_trails`).
+            "gpu_trailed_steps": sch.gpu_trailed_steps,
+            # When a NaN/inf input is reported (scheduler.finite_check), and the steps whose check
+            # was deferred (read by a later call).
+            "finite_check": self.finite_check,
+            "deferred_input_checks": self._input_check.deferred_checks,
             # Trailing steps that reserved no GPU claim because their CPU lane ended within the
             # launcher's time (scheduler.gate_trailing_claims), and that time (None until measured).
             "trailing_claims_gated": sch.trailing_claims_gated,

@@ -122,6 +122,7 @@ class Scheduler:
         # errors raised, before anything that needs it (`settle`).
         self.cpu_inflight: StepJob | None = None
         self.cpu_trailed_steps = 0  # steps that returned before their CPU tasks ended
+        self.gpu_trailed_steps = 0  # steps without CPU tasks that returned before their GPU claims ended
         # The launcher thread's time from releasing a trailing step's CPU workers to the next
         # step's entry (the model's work between layers included): what a trailing step's CPU
         # lane may take before it delays anything (`GpuLane.reserve_first`). None until measured.
@@ -266,6 +267,7 @@ class Scheduler:
         before_gpu: Callable[[], None] | None = None,
         collect: bool = True,
         cpu_trails: bool = False,
+        gpu_trails: bool = False,
     ) -> None:
         """Split `job`, run it on both lanes and return when every task finished.
 
@@ -286,6 +288,12 @@ class Scheduler:
         issued; the job is then `cpu_trailing`, the caller makes its device wait for the CPU lane
         (`cpu_lane_target`), and the scheduler collects the job -- raising a worker's error or the
         step timeout -- at the next step or `settle`.
+
+        `gpu_trails` (a step without CPU tasks whose GPU executor may retire its claims later,
+        `GpuLane.trails`; else ignored): return once its claim is launched and `side_work` issued;
+        the caller's merge waits for the claim's end event on the device (`job.gpu_batches`), and
+        the claim trails like those of a step with CPU tasks (`GpuLane.drive`): retired at the
+        next step, `settle` or close, which raise its failure or stall.
         """
         if self._closed:
             raise RuntimeError("the scheduler is closed")
@@ -320,9 +328,13 @@ class Scheduler:
                 before_gpu()
             except BaseException as exc:
                 job.fail(exc)
-        self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails)
+        gpu_trails = gpu_trails and job.gpu_used and not job.cpu_used and self.lane.trails
+        self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails, gpu_trails=gpu_trails)
         if job.error is not None:
             raise job.error
+        trailing = self.lane.trailing  # read once: a settle on another thread may clear it
+        if gpu_trails and trailing is not None and trailing[0] is job:
+            self.gpu_trailed_steps += 1
         if cpu_trails:
             self._slack_from = job.t_release  # measured at the next step's entry (`note_entry`)
         if cpu_trails and not job.done():

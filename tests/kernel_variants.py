@@ -282,6 +282,19 @@ def asynctls(geometry: GeometryConfig, dtype: str) -> None:
     store.close()
 
 
+def input_check(geometry: GeometryConfig, dtype: str) -> None:
+    """The deferred NaN/inf check's count (`scheduler.finite_check`), for the input dtypes the runtime's
+    warm-up compiles (`input_check.checked_dtypes`, with and without SparDA's lookahead)."""
+    from gpu_kernels.nonfinite_counts import MAX_TENSORS, SPLITS, count_nonfinite
+    from hybrid_runtime.input_check import checked_dtypes
+    from hybrid_runtime.kvcache import _TORCH_DTYPES
+
+    out = torch.zeros((MAX_TENSORS, SPLITS), dtype=torch.int32)
+    heads = (geometry.q_heads, geometry.kv_heads, geometry.kv_heads, geometry.kv_heads)
+    for dtypes in checked_dtypes(_TORCH_DTYPES[dtype], lookahead=True):
+        count_nonfinite(tuple(torch.zeros((1, h, geometry.head_dim), dtype=t) for h, t in zip(heads, dtypes)), out)
+
+
 def benchmark_pipeline(geometry: GeometryConfig, dtype: str) -> None:
     """The multi-launch selection and attention of `benchmarks/gpu_attention.py` (Quest scores, union,
     sparse attention, split combine) at its default launch shape (its `--sweep` variants are
@@ -325,6 +338,7 @@ FAMILIES: dict[str, tuple[Callable[[Any, str], None], bool]] = {
     "nosa": (nosa, True),
     "sparda": (sparda, True),
     "asynctls": (asynctls, True),
+    "input_check": (input_check, True),
     "benchmark_pipeline": (benchmark_pipeline, True),
     "machine_probe": (machine_probe, False),
 }

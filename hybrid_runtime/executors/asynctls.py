@@ -142,7 +142,18 @@ class AsyncTlsExecutor:
     # One claim is one set of batched torch ops whatever its size: the GPU lane gives it the whole
     # queue of a step it has alone (a split only repeats the ops' host cost).
     claims_whole_queue = True
-    # Landing slots for the counts of claims in flight.
+    # A claim's device work reads the step's q and the executor's own index and cache and writes
+    # the step's out/lse rows, the cache table and its counts' landing slot, all ordered on the
+    # executor's stream (the next claim, a spill's refresh at `upload`) or behind the caller's
+    # merge (which waits for the claim's end event; the next step's buffers are written after
+    # it); `wait` only reads the counts into the accounting (`_account`). So the GPU lane may
+    # return from a step before the claim ended and retire it later (`GpuLane.trails`): the
+    # runtime settles the lane before a prefill or release changes what a claim reads.
+    retire_later = True
+    # Landing slots for the counts of claims not yet retired: a slot is reused every RING
+    # launches, and the GPU lane launches only while fewer than RING claims are unretired
+    # (`GpuLane._ring_full`; a step's claims and the previous step's trailing ones: a GPU-only
+    # step is one claim).
     RING = 8
     # Claims remembered in `fetch_log`, and copies (CUDA event pairs) in `fetch_events`.
     LOG = 1 << 16
