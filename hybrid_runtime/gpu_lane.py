@@ -240,8 +240,11 @@ class GpuLane:
                     progressed = self._retire_trailing(block=False)
                 except BaseException as exc:
                     job.fail(exc)
-            # Retire finished launches first, so the claim below sees the stream as it is.
-            while pipeline:
+            # Retire finished launches first, so the claim below sees the stream as it is. A GPU-only
+            # step that trails leaves its own claim to the next step even when it already ended
+            # (a small claim can end during the side work): retiring costs host time on the
+            # critical path, and the step returns either way.
+            while pipeline and not (alone and job.error is None):
                 handle = pipeline[0][0]
                 query = getattr(handle, "query", None)
                 if query is not None and not query():

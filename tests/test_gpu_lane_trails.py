@@ -251,7 +251,10 @@ class GatedRefExecutor:
 def gpu_only_runtime(executor=GatedRefExecutor, trails: bool = True, timeout: float = 30.0) -> HybridRuntime:
     cfg = config_from_dict({
         "geometry": GEOM,
-        "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 2048, "max_sequences": 2},
+        # The window on the host on every machine: the double runs on the host, and with a CUDA
+        # window the step's claims would be sized by a CUDA lane's model (more than one a step).
+        "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 2048, "max_sequences": 2,
+                     "device": "cpu"},
         "selection": {"name": "fixed", "block_size": 16, "budget": 0.25},
         "scheduler": {"placement": "gpu_only", "gpu_worker": True, "cpu_workers": 0, "pin_cores": False,
                       "step_timeout_s": timeout},
