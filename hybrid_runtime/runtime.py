@@ -939,7 +939,15 @@ class HybridRuntime:
             if cpu_used:
                 out_w, lse_w = self._merge(out_w, lse_w, cpu_out, cpu_lse)
             if gpu_used and job.gpu_batches:
-                out_w, lse_w = self._merge(out_w, lse_w, gout, glse)
+                if gout.device.type == "cuda":
+                    # A window on the host with the GPU lane on CUDA (`kv_cache.device: cpu`): the
+                    # merge runs on the host, so it waits for the lane's last claim and copies.
+                    last_end = job.gpu_batches[-1][1]
+                    if not isinstance(last_end, float):
+                        last_end.synchronize()
+                    out_w, lse_w = self._merge(out_w, lse_w, gout.cpu(), glse.cpu())
+                else:
+                    out_w, lse_w = self._merge(out_w, lse_w, gout, glse)
         for executor in (self.cpu_executor, self.gpu_executor):
             merged = getattr(executor, "merged", None) if job is not None else None
             if merged is not None:
