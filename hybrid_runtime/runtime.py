@@ -1097,6 +1097,10 @@ class HybridRuntime:
             stats.update({
                 "gpu_executor": type(self.gpu_executor).__name__,
                 "gpu_bytes_read": int(self.gpu_executor.bytes_read),
+                # Metadata the GPU lane scored from the store's GPU copy (kv_cache.gpu_metadata):
+                # device memory, not in gpu_bytes_read (host bytes).
+                "gpu_device_bytes_read": int(getattr(self.gpu_executor, "device_bytes_read", 0)),
+                "gpu_metadata_bytes": 0 if self.store.closed else self.store.memory_stats()["gpu_metadata_bytes"],
                 "tp_gpu_GBps": sch.tp_gpu / 1e9,
                 "gpu_launch_latency_us": sch.gpu_model.lat * 1e6,
                 "gpu_claim_delay_us": sch.rates.delay.seconds * 1e6,
