@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from hybrid_runtime.config import Config, config_from_dict
@@ -60,3 +62,36 @@ def reversed_interpreter_grid() -> Iterator[list[int]]:
         yield ran
     finally:
         del builder.set_grid_idx
+
+
+class RefClaims:
+    """The torch reference executor behind the GPU lane's claim interface (`GpuLaunchExecutor`):
+    the base of the test doubles whose claims finish when a test says. `run_claim` runs a claim's
+    tasks at once on the host; a subclass's `launch` wraps the result in its own handle."""
+
+    stream = None
+    link_bytes_per_s = None
+
+    def __init__(self, store):
+        from hybrid_runtime.executors.torch_ref import TorchRefExecutor
+
+        self.ref = TorchRefExecutor(store, device="cpu")
+
+    @property
+    def bytes_read(self) -> int:
+        return self.ref.bytes_read
+
+    def pack(self, tab, nsel, chunks):
+        return None
+
+    def upload(self, packed, ordered, resident=False):
+        return ordered
+
+    def run_claim(self, plan, start: int, stop: int, step) -> tuple[list, float, float, np.ndarray]:
+        """(the claim's tasks, host start, host end, bytes each task read)."""
+        tasks = plan[start:stop]
+        t0 = time.perf_counter()
+        self.ref.run(tasks, step)
+        t1 = time.perf_counter()
+        return tasks, t0, t1, np.fromiter((t.bytes_read for t in tasks), dtype=np.int64, count=len(tasks))
+

@@ -37,7 +37,7 @@ from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.gpu_lane import GpuLane
 from hybrid_runtime.runtime import HybridRuntime
 from hybrid_runtime.step_job import RuntimeBrokenError, StepTimeoutError
-from tests.helpers import random_kv
+from tests.helpers import RefClaims, random_kv
 
 GEOM = {"layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 LENGTHS = [300, 1000, 2500]
@@ -158,41 +158,26 @@ class RefClaim:
         return self.nbytes
 
 
-class AsyncRefLaunch:
+class AsyncRefLaunch(RefClaims):
     """The launch protocol (`GpuLaunchExecutor`) over the torch reference, with claims that finish
     when the test says: `mode` HOLD keeps every claim of the target unfinished until `release` is
     set (a kernel that does not return); FAIL makes the target's claims fail at `wait`."""
 
     device = "cpu"
-    stream = None
-    link_bytes_per_s = None
 
     def __init__(self, store):
-        self.ref = TorchRefExecutor(store, device="cpu")
+        super().__init__(store)
         self.mode, self.target, self.fired = NONE, -1, 0
         self.holding = False
         self.release = threading.Event()
 
-    @property
-    def bytes_read(self):
-        return self.ref.bytes_read
-
-    def pack(self, tab, nsel, chunks):
-        return None
-
-    def upload(self, packed, ordered, resident=False):
-        return ordered
-
     def launch(self, plan, start, stop, step):
-        tasks = plan[start:stop]
-        t0 = time.perf_counter()
-        self.ref.run(tasks, step)
+        tasks, t0, t1, nbytes = self.run_claim(plan, start, stop, step)
         hit = any(t.cpu_len == self.target for t in tasks) and self.mode != NONE
         self.fired += hit
         # Claims queue on one stream: behind a held claim, later ones cannot finish either.
         self.holding = self.holding or (hit and self.mode == HOLD)
-        nbytes = np.array([t.bytes_read for t in tasks], dtype=np.int64)
-        return RefClaim(self, t0, time.perf_counter(), nbytes, self.holding, hit and self.mode == FAIL)
+        return RefClaim(self, t0, t1, nbytes, self.holding, hit and self.mode == FAIL)
 
 
 def make_runtime(cpu: str, gpu: str | None, placement: str, timeout: float = 30.0, capacity: int = 8192):

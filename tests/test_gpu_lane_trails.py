@@ -12,18 +12,17 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from hybrid_runtime.config import config_from_dict
 from hybrid_runtime.executors.asynctls import AsyncTlsExecutor
 from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
-from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gpu_lane import GpuLane
 from hybrid_runtime.runtime import HybridRuntime
 from hybrid_runtime.scheduler import Scheduler, StepJob, StepTimeoutError
 from hybrid_runtime.step_job import RuntimeBrokenError
+from tests.helpers import RefClaims
 from tests.test_scheduler import CountingGpu, TrailingGpu, _GatedHandle, fake_tasks, sched_cfg, trailing_scheduler
 
 
@@ -202,50 +201,35 @@ def test_the_executors_that_trail_keep_enough_landing_slots(executor):
 GEOM = {"layers": 3, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 
 
-class GatedRefExecutor:
+class GatedRefExecutor(RefClaims):
     """The torch reference executor behind the claim interface, its claims retired later: the
     results are written at launch, but each claim reports itself unfinished until its gate opens
     (what a CUDA claim looks like to the host while it runs): `release` opens every gate so far,
     and with `open` set new claims end at once."""
 
     device = "gpu"
-    stream = None
-    link_bytes_per_s = None
     retire_later = True
     RING = 8
 
     def __init__(self, store):
-        self.ref = TorchRefExecutor(store, device="cpu")
+        super().__init__(store)
         self.gates: list[threading.Event] = []
         self.open = False
         self.retired = 0
         self.fail_wait = False
         self.wait_s = 0.0
 
-    @property
-    def bytes_read(self) -> int:
-        return self.ref.bytes_read
-
     def release(self) -> None:
         for gate in self.gates:
             gate.set()
 
-    def pack(self, tab, nsel, chunks):
-        return None
-
-    def upload(self, packed, ordered, resident=False):
-        return ordered
-
     def launch(self, plan, start, stop, step):
-        tasks = plan[start:stop]
-        t0 = time.perf_counter()
-        self.ref.run(tasks, step)
-        nbytes = np.fromiter((t.bytes_read for t in tasks), dtype=np.int64, count=len(tasks))
+        _, t0, t1, nbytes = self.run_claim(plan, start, stop, step)
         gate = threading.Event()
         if self.open:
             gate.set()
         self.gates.append(gate)
-        return _GatedHandle(t0, time.perf_counter(), nbytes, gate, self)
+        return _GatedHandle(t0, t1, nbytes, gate, self)
 
 
 def gpu_only_runtime(executor=GatedRefExecutor, trails: bool = True, timeout: float = 30.0) -> HybridRuntime:
