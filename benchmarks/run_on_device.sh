@@ -3,42 +3,49 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead
-#   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests: the test files of the
-#   Triton kernels, every marker, compiled on CUDA (on CI they run under the interpreter, which accepts
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention e2e_decode predictor_overhead
+#   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
+#   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
+#   longer than that on an H200) (on CI they run under the interpreter, which accepts
 #   code and expectations the compiled path does not: two such test bugs and a launcher bug hid there). Experiments need matplotlib: carry its wheels
 #   in .carry/wheels (the device has no index); tpot_grid runs the grid's first point and returns
 #   its run folder as tpot_grid.tgz (a run folder has more files than come back one by one).
 set -u
 commit=${1:?commit sha under test (the device copy has no .git)}
 shift
-steps=${*:-gpu_tests kernel_tests gpu_attention cpu_attention layer_attention}
+steps=${*:-gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention}
 out=${OUT:?run this through the device tool, which sets OUT}
 export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
   if ls .carry/wheels/*.whl >/dev/null 2>&1; then pip install -q --no-deps .carry/wheels/*.whl; fi
   pip install -q --no-deps --no-build-isolation -e .; } \
     >"$out/setup.log" 2>&1
+# The results files' device suffix (h100, h200, ...), as the benchmarks name them themselves.
+dev=$(python -c "from hybrid_runtime.profiling.results import device_slug; print(device_slug())" 2>>"$out/setup.log" || echo gpu)
 for step in $steps; do
     case $step in
-        gpu_tests) timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        kernel_tests) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+        # -v --tb=short: each test's name and outcome reach the log as it runs, so a step cut by its
+        # time limit still says which tests failed (pytest's summary comes only at the end).
+        gpu_tests) timeout 400 python -m pytest -v --tb=short -m gpu -p no:cacheprovider tests ;;
+        kernel_tests) timeout 400 python -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu_kernels.py \
             tests/test_gpu_claims.py tests/test_launch.py tests/test_window_append.py tests/test_sparda.py \
-            tests/test_nosa.py tests/test_asynctls.py tests/test_predictor_fused.py tests/test_predictor_model.py \
-            tests/test_predicted_plans.py ;;
+            tests/test_nosa.py ;;
+        kernel_tests2) timeout 400 python -m pytest -v --tb=short -p no:cacheprovider tests/test_asynctls.py \
+            tests/test_predictor_fused.py tests/test_predictor_model.py tests/test_predicted_plans.py \
+            tests/test_gpu_lane_trails.py tests/test_deferred_input_check.py ;;
         gpu_attention) timeout 150 python benchmarks/gpu_attention.py --rounds 7 --out-dir "$out" ;;
         cpu_attention) timeout 150 python benchmarks/cpu_attention.py --out "$out" ;;
-        layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-h100.json" ;;
-        e2e_decode) timeout 590 python benchmarks/e2e_decode.py --out "$out/e2e_decode-h100.json" ;;
+        layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 20 --out "$out/layer_attention-$dev.json" ;;
+        e2e_decode) timeout 590 python benchmarks/e2e_decode.py --out "$out/e2e_decode-$dev.json" ;;
         predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --out-dir "$out" ;;
         tpot_grid) work=$(mktemp -d)
             timeout 590 python -m hybrid_runtime.cli run configs/tpot_grid.yaml --out "$work/tpot" \
                 --set 'experiment.points=[{batch: 4, context: 32768}]'
             rc=$?; tar czf "$out/tpot_grid.tgz" -C "$work" .; (exit $rc) ;;
-        nosa) timeout 590 python benchmarks/nosa.py --out "$out/nosa-h100.json" ;;
-        asynctls) timeout 590 python benchmarks/asynctls.py --out "$out/asynctls-h100.json" ;;
-        sparda) timeout 590 python benchmarks/sparda.py --out "$out/sparda-h100.json" ;;
-        evosparse) timeout 590 python benchmarks/evosparse.py --out "$out/evosparse-h100.json" ;;
+        nosa) timeout 590 python benchmarks/nosa.py --out "$out/nosa-$dev.json" ;;
+        asynctls) timeout 590 python benchmarks/asynctls.py --out "$out/asynctls-$dev.json" ;;
+        sparda) timeout 590 python benchmarks/sparda.py --out "$out/sparda-$dev.json" ;;
+        evosparse) timeout 590 python benchmarks/evosparse.py --out "$out/evosparse-$dev.json" ;;
         *) echo "unknown step $step"; false ;;
     esac >"$out/$step.log" 2>&1
     echo "$step rc=$?"
