@@ -78,16 +78,21 @@ def check_finite(tensors: dict[str, torch.Tensor]) -> None:
     raise nonfinite_error(count_nonfinite_now(tensors))
 
 
+def nonfinite_count(x: torch.Tensor) -> int:
+    """NaN/inf values of one tensor, counted at once (a device sync for a CUDA tensor)."""
+    return int((~torch.isfinite(x)).sum()) if x.numel() else 0
+
+
 def count_nonfinite_now(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-    """name -> (NaN/inf values, values), counted at once (a device sync for CUDA tensors)."""
-    return {name: (int((~torch.isfinite(x)).sum()) if x.numel() else 0, x.numel()) for name, x in tensors.items()}
+    """name -> (NaN/inf values, values), counted at once."""
+    return {name: (nonfinite_count(x), x.numel()) for name, x in tensors.items()}
 
 
 def check_finite_host(tensors: dict[str, torch.Tensor]) -> None:
     """`check_finite` on host copies (q scaled to fp32, k and v in their own dtypes)."""
     if not any(nonfinite_mask(x).any() for x in tensors.values()):
         return
-    raise nonfinite_error({name: (int(nonfinite_mask(x).sum()), x.numel()) for name, x in tensors.items()})
+    raise nonfinite_error(count_nonfinite_now(tensors))
 
 
 # Exponent bits of the 16-bit floats: all set means +-inf or NaN.
@@ -198,8 +203,7 @@ class DeferredInputCheck:
         else:  # host tensors (or another device): counted now, reported as if deferred
             row[:] = 0
             for i, x in enumerate(xs):
-                row[i, 0] = int(nonfinite_mask(x).sum()) if x.device.type == "cpu" else \
-                    int((~torch.isfinite(x)).sum()) if x.numel() else 0
+                row[i, 0] = nonfinite_count(x)
         self._busy[slot] = True
         self._pending.append((slot, names, numel, layer, seq_ids, self.calls, event))
         self.deferred_checks += 1
@@ -242,4 +246,4 @@ class DeferredInputCheck:
 
 __all__ = ["DeferredInputCheck", "FINITE_CHECK_MODES", "check_finite", "check_finite_host", "checked_dtypes",
            "count_nonfinite_now",
-           "defers", "finite_check_mode", "nonfinite_error", "nonfinite_mask"]
+           "defers", "finite_check_mode", "nonfinite_count", "nonfinite_error", "nonfinite_mask"]

@@ -43,7 +43,6 @@ from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
 from hybrid_runtime.input_check import DeferredInputCheck, checked_dtypes, defers, finite_check_mode
 from hybrid_runtime.input_check import check_finite as _check_finite
 from hybrid_runtime.input_check import check_finite_host as _check_finite_host
-from hybrid_runtime.input_check import nonfinite_mask as _nonfinite_mask  # noqa: F401 - tests read it here
 from hybrid_runtime.kvcache import KVStore, numpy_view
 from hybrid_runtime.memory_plan import MachineMemory, MemoryPlan, admit, estimate_runtime
 from hybrid_runtime.pinning import confine_current_thread

@@ -541,7 +541,7 @@ def test_nan_refused_on_cuda_by_the_check_riding_on_the_q_copy(bad):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_host_nonfinite_mask_reads_16_bit_floats_by_their_bits(dtype):
-    from hybrid_runtime.runtime import _nonfinite_mask
+    from hybrid_runtime.input_check import nonfinite_mask as _nonfinite_mask
 
     info = torch.finfo(dtype)
     x = torch.tensor([0.0, info.max, -info.max, info.tiny, 1.5, float("nan"), float("inf"), -float("inf")], dtype=dtype)
