@@ -396,7 +396,7 @@ def test_claims_score_from_the_gpu_copy_of_the_metadata(claim_graphs):
     assert ex_a.device_bytes_read == 0 and ex_m.device_bytes_read == meta.sum()
     assert ex_m.bytes_read == bytes_m.sum() and ex_a.bytes_read == bytes_a.sum()
     ex_m.use_gpu_metadata = False  # the arena again (benchmarks compare the two on one runtime)
-    assert ex_m._metadata_source(0, ex_m._arena(0))[2] is False
+    assert ex_m._metadata_source(0, ex_m._arena(0)).on_device is False
 
 
 @_gpu

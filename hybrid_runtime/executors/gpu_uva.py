@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -86,6 +86,14 @@ class GpuLaunch:
                 self.bytes_read += self.meta_bytes
             self.executor.bytes_read += int(self.bytes_read.sum())
         return self.bytes_read
+
+
+class MetadataSource(NamedTuple):
+    """Where a claim scores blocks from: the arena's view, or the store's GPU copy of the metadata."""
+
+    tensor: torch.Tensor
+    layout: tuple[int, int]  # (rows per chunk, first metadata row), `score_select`'s `meta_layout`
+    on_device: bool  # the GPU copy: its reads are not host bytes
 
 
 class GpuUvaExecutor:
@@ -168,12 +176,11 @@ class GpuUvaExecutor:
             self._drop_graphs()
             self._use_gpu_metadata = bool(on)
 
-    def _metadata_source(self, layer: int, arena: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], bool]:
-        """(tensor the claim scores blocks from, its (rows per chunk, first metadata row), on the device)."""
+    def _metadata_source(self, layer: int, arena: torch.Tensor) -> MetadataSource:
         meta = self.store.metadata_gpu(layer) if self._use_gpu_metadata else None
         if meta is None:
-            return arena, (layout.CHUNK_ROWS, layout.META_ROW), False
-        return meta, (layout.META_ROWS, 0), True
+            return MetadataSource(arena, (layout.CHUNK_ROWS, layout.META_ROW), False)
+        return MetadataSource(meta, (layout.META_ROWS, 0), True)
 
     def _drop_graphs(self) -> None:
         """Forget the claim graphs (recaptured on their next use), once none is being replayed."""
@@ -304,16 +311,16 @@ class GpuUvaExecutor:
         blk = table.block_size[start:stop]
         row_bytes = 2 * self.head_dim * self.esize
         handle = GpuLaunch(self, n, table.n_blocks[start:stop] * row_bytes, blk * row_bytes, counts_host, ev0, ev1,
-                           meta_on_device=meta[2])
+                           meta_on_device=meta.on_device)
         self._ring_users[slot] = handle
         self.launches += 1
         return handle
 
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
-                 meta: tuple, slot: int) -> None:
-        meta_tensor, meta_layout, _ = meta
+                 meta: MetadataSource, slot: int) -> None:
+        meta_layout = meta.layout
         if self.claim_graphs:
-            self._write_descriptor(table, start, n, nb_max, pages_max, step, arena, meta_tensor, slot)
+            self._write_descriptor(table, start, n, nb_max, pages_max, step, arena, meta.tensor, slot)
             graph = self._graphs[slot]
             if graph is not None:
                 with use_stream(self.stream):
@@ -329,7 +336,7 @@ class GpuUvaExecutor:
                 self._descriptor_kernels(slot, meta_layout)
             return
         stream = self._stream_handle
-        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta_tensor,
+        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
                      self._scores, self._tickets[0], self._ublocks, self._uheads, self._counts, self._ring_dev[slot],
                      stream, meta_layout=meta_layout)
         sparse_attention_claim(table.table, table.chunks, start, n, pages_max, step.q, arena, self._ublocks,
@@ -412,7 +419,7 @@ class GpuUvaExecutor:
         # copy of the metadata); every layer shares it.
         self.launch(self.upload(packed), 0, 1, step).wait()
         if self.claim_graphs and self.cuda:
-            meta_layout = self._metadata_source(0, self._arena(0))[1]
+            meta_layout = self._metadata_source(0, self._arena(0)).layout
             for slot in range(self.RING):  # now, not on a step's critical path
                 if self._graphs[slot] is None and self.capture_error is None:
                     self._capture(slot, meta_layout)
