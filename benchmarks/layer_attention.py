@@ -237,6 +237,17 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
                 sys.exit("--other-metadata: the runtime keeps no GPU copy of the metadata (kv_cache.gpu_metadata)")
             runs[other_meta] = ("fluxion", "mix")
             claim_cfg[other_meta] = claim_cfg["fluxion"]
+        # --other-selection: a fluxion run whose CPU workers select their own blocks from the arena's
+        # metadata (scheduler.cpu_task_selection host) instead of attending the GPU lane's selection.
+        picks = rt.scheduler.picks
+        picks_default = picks is not None and picks.enabled
+        other_sel = "fluxion_host_selection" if picks_default else "fluxion_gpu_selection"
+        if args.other_selection:
+            if picks is None:
+                sys.exit("--other-selection: this runtime's GPU lane cannot select the CPU lane's blocks "
+                         "(scheduler.cpu_task_selection)")
+            runs[other_sel] = ("fluxion", "mix")
+            claim_cfg[other_sel] = claim_cfg["fluxion"]
         # --gpu-only-waits: gpu_only with its steps as before they trailed (each layer waits for its
         # claims, the NaN/inf check with a device sync), own lane-rate estimates.
         trails_default, check_default = rt.gpu_only_trails, rt.finite_check
@@ -247,13 +258,15 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         def one_step(name: str) -> None:
             placement, plan = runs[name]
             # The placement's own lane-rate estimates; a claim-programs or --other-claims variant has its own.
-            own = name.startswith("fluxion_cp") or name in (other, other_meta, "gpu_only_waits")
+            own = name.startswith("fluxion_cp") or name in (other, other_meta, other_sel, "gpu_only_waits")
             rt.scheduler.set_placement(placement, estimates=name if own else None)
             rt.gpu_only_trails = trails_default and name != "gpu_only_waits"
             rt.finite_check = "sync" if name == "gpu_only_waits" else check_default
             gpu_ex.config = claim_cfg[name]
             gpu_ex.claim_graphs = graphs_default != (name == other)
             gpu_ex.use_gpu_metadata = meta_default != (name == other_meta)
+            if picks is not None:
+                picks.enabled = picks_default != (name == other_sel)
             rt.planner = mix if plan == "mix" else fixed
             # Each policy's step starts on an idle GPU: GPU claims that trail the previous policy's
             # last layer would otherwise run into this one's first (seen at 16 x 32K: a fluxion variant
@@ -308,6 +321,8 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         gpu_ex.config = claim_cfg["fluxion"]
         gpu_ex.claim_graphs = graphs_default
         gpu_ex.use_gpu_metadata = meta_default
+        if picks is not None:
+            picks.enabled = picks_default
         probe = probe_gpu_lane(rt, mix, batch, context) if args.gpu_probe else None
         if probe is not None and args.other_claims:
             gpu_ex.claim_graphs = not graphs_default
@@ -472,6 +487,13 @@ def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> di
         m["fluxion_bw_fraction_8x32k"] = f8["achieved_GBps"] / (limits["host_read_GBps"] + limits["h2d_GBps"])
     if c8:
         m["cpu_only_achieved_GBps_8x32k"] = c8["achieved_GBps"]
+    if f8 and c8 and f8.get("vs_cpu_only"):
+        # The same task set's work at fluxion's pace: cpu_only's bytes a step (metadata and K, V of
+        # every task, all read from host memory) over fluxion's time. Where the GPU lane selects the
+        # CPU lane's blocks (scheduler.cpu_task_selection) fluxion reads the metadata from GPU memory,
+        # which its own host-byte figure above leaves out.
+        m["fluxion_same_work_GBps_8x32k"] = c8["achieved_GBps"] / f8["vs_cpu_only"]
+        m["fluxion_same_work_ceiling_fraction_8x32k"] = m["fluxion_same_work_GBps_8x32k"] / limits["concurrent_ceiling_GBps"]
     overheads = [p["task_overhead_us_median"] for p in flux if p["task_overhead_us_median"] is not None]
     if overheads:
         m["task_overhead_us_median"] = float(np.median(overheads))
@@ -565,6 +587,10 @@ def main() -> None:
                          "link (fluxion_host_metadata; the default scores from the store's GPU copy, "
                          "kv_cache.gpu_metadata) and probe the GPU lane that way too "
                          "(gpu_lane_fixed_cost*_host_metadata_us)")
+    ap.add_argument("--other-selection", action="store_true",
+                    help="also run fluxion with its CPU workers selecting their own blocks from the arena's metadata "
+                         "(fluxion_host_selection; by default the GPU lane selects every CPU task's blocks from the "
+                         "store's GPU copy of the metadata, scheduler.cpu_task_selection)")
     ap.add_argument("--gpu-only-waits", action="store_true",
                     help="also run gpu_only with every layer waiting for its claims and a synchronous NaN/inf check "
                          "(the runtime's GPU-only step before it trailed: benchmarks/notes/asynctls.md section 7)")
@@ -592,7 +618,7 @@ def main() -> None:
     metrics = assemble_metrics(points_out, limits, probes)
     config = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup, "cpu_workers": args.cpu_workers,
               "claim_programs": args.claim_programs, "other_claims": args.other_claims,
-              "other_metadata": args.other_metadata,
+              "other_metadata": args.other_metadata, "other_selection": args.other_selection,
               "gpu_only_waits": args.gpu_only_waits,
               "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
               "seed": args.seed, "torch": torch.__version__, "pinning": cores.note}

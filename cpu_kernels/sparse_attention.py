@@ -692,6 +692,37 @@ def union_mask(cpu_len, block_size, selected, n_selected, block_heads):
 
 
 @numba.njit(**_JIT)
+def picked_union(cpu_len, block_size, ublocks, uheads, count, block_heads):
+    """`block_heads` (as `union_mask` makes it) from a union another device selected: `count`
+    entries of block ids `ublocks` with their heads' bitmasks `uheads` (the GPU lane's
+    `score_select` output for a CPU task). Returns the union's tokens, or -1 when an entry is out
+    of range (nothing is written past `block_heads`: the kernels run without bounds checks)."""
+    n_blocks = (cpu_len + block_size - 1) // block_size
+    if count < 0 or count > n_blocks or count > ublocks.shape[0] or n_blocks > block_heads.shape[0]:
+        return -1
+    for b in range(n_blocks):
+        block_heads[b] = 0
+    tokens = 0
+    for i in range(count):
+        b = ublocks[i]
+        if b < 0 or b >= n_blocks:
+            return -1
+        block_heads[b] = np.uint32(uheads[i])
+        tokens += min(block_size, cpu_len - b * block_size)
+    return tokens
+
+
+@numba.njit(**_JIT)
+def attend_picked(arena, chunks, cpu_len, block_size, q, ublocks, uheads, count, out, lse, block_heads, state):
+    """Attention of one task over a union selected elsewhere (`picked_union`); returns bytes of
+    K and V read (no metadata: the selection read it), or -1 for a union out of range."""
+    if picked_union(cpu_len, block_size, ublocks, uheads, count, block_heads) < 0:
+        return -1
+    return attend_blocks(arena, chunks, cpu_len, block_size, q, block_heads, 0, (cpu_len + block_size - 1) // block_size,
+                         out, lse, state)
+
+
+@numba.njit(**_JIT)
 def attend_blocks(arena, chunks, cpu_len, block_size, q, block_heads, b0, b1, out, lse, state):
     """Each head attends its blocks of the union among blocks `[b0, b1)`; returns bytes of KV read.
 

@@ -103,6 +103,7 @@ def _score_select_desc_kernel(
             q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
             scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr, row0, NB_CAP,
             N_COLS, G, BLOCK_G, D, BLOCK_B, SEL_CHUNK, CHUNK_ROWS, META_ROW,
+            NB_CAP, counts_ptr, 0, False,
         )
         item = tl.atomic_add(work_ptr, 1)
     _leave(work_ptr, N_PROGRAMS)

@@ -93,21 +93,24 @@ def _fix_digit(hist, krem, ans, SHIFT: tl.constexpr, BLOCK_G: tl.constexpr):
     return krem - above, ans | (digit.to(tl.int64) << SHIFT)
 
 
-@triton.jit(do_not_specialize=["row0"],
-            do_not_specialize_on_alignment=["table_ptr", "nsel_ptr", "chunks_ptr", "ticket_ptr", "counts_host_ptr"])
+@triton.jit(do_not_specialize=["row0", "stamp"],
+            do_not_specialize_on_alignment=["table_ptr", "nsel_ptr", "chunks_ptr", "ticket_ptr", "counts_host_ptr",
+                                            "ublocks_ptr", "uheads_ptr", "counts_ptr", "ready_ptr"])
 def _score_select_kernel(
     q_ptr, stride_qb, stride_qh,
     meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
     scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
-    row0, NB_CAP,
+    row0, NB_CAP, USTRIDE, ready_ptr, stamp,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
+    SIGNAL: tl.constexpr,
 ):
     _score_select_item(
         tl.program_id(0), tl.program_id(1), tl.num_programs(1),
         q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
         scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr, row0, NB_CAP,
         N_COLS, G, BLOCK_G, D, BLOCK_B, SEL_CHUNK, CHUNK_ROWS, META_ROW,
+        USTRIDE, ready_ptr, stamp, SIGNAL,
     )
 
 
@@ -120,9 +123,12 @@ def _score_select_item(
     row0, NB_CAP,
     N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
+    USTRIDE, ready_ptr, stamp, SIGNAL: tl.constexpr,
 ):
     """Part `pid_b` of `n_parts` of claim task `t` (table row `row0 + t`): its blocks' scores, and
-    the task's selection if it is the last part to finish (a program per part, or a looping one)."""
+    the task's selection if it is the last part to finish (a program per part, or a looping one).
+    The union's rows are `USTRIDE` apart; with `SIGNAL` (the GPU's selection for CPU workers, whose
+    union rows are pinned host memory) `stamp` goes to `ready_ptr[t]` once the union is written."""
     r = row0 + t
     row = table_ptr + r.to(tl.int64) * N_COLS
     bi = tl.load(row + 0)
@@ -157,8 +163,8 @@ def _score_select_item(
         g = tl.arange(0, BLOCK_G)
         gmask = g < G
         k = tl.load(nsel_ptr + r.to(tl.int64) * G + g, mask=gmask, other=0)
-        ub = ublocks_ptr + t.to(tl.int64) * NB_CAP
-        uh = uheads_ptr + t.to(tl.int64) * NB_CAP
+        ub = ublocks_ptr + t.to(tl.int64) * USTRIDE
+        uh = uheads_ptr + t.to(tl.int64) * USTRIDE
         base = tl.zeros([], tl.int32)
         if tl.max(k, axis=0) > 0:
             eq_seen = tl.zeros([BLOCK_G], tl.int32)
@@ -194,6 +200,11 @@ def _score_select_item(
         # Also straight into pinned host memory (a UVA view): the host reads the union sizes after
         # the launch's end event, with no copy to queue.
         tl.store(counts_host_ptr + t, base)
+        if SIGNAL:
+            # A CPU worker spins on this word and then reads the union: every thread's union stores
+            # are issued (barrier) and made visible to the host before it (release, system scope).
+            tl.debug_barrier()
+            tl.atomic_xchg(ready_ptr + t, stamp.to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
@@ -224,7 +235,7 @@ NUM_WARPS = 8
 def score_select(
     table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int,
     q, arena, scores, tickets, ublocks, uheads, counts, counts_host=None, stream: int | None = None,
-    meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW),
+    meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW), ready=None, stamp: int = 0,
 ) -> None:
     """Queue the score+select launch for table rows `[row0, row0 + n_tasks)` on the current stream.
 
@@ -238,14 +249,19 @@ def score_select(
     `meta_layout`: `(rows per chunk, first metadata row)` of `arena`, the tensor the metadata is read
     from: the arena's own layout by default; `(META_ROWS, 0)` for the store's GPU copy of the
     metadata rows alone (`KVStore.metadata_gpu`), indexed by the same chunk ids.
+    ublocks/uheads may have rows of any width `>= n_blocks_max` (their own stride). `ready`: int64
+    `[>= n_tasks]` (a device view of pinned host memory: the GPU's selection for CPU workers,
+    `hybrid_runtime.gpu_picks`): each task's `stamp` lands in it once its union is written.
     """
     g = nsel.shape[1]
     block_g = max(2, next_pow2(g))
     grid = (n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B)))
     args = (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts,
-            counts if counts_host is None else counts_host, row0, scores.shape[2])
+            counts if counts_host is None else counts_host, row0, scores.shape[2], ublocks.stride(0),
+            counts if ready is None else ready, int(stamp))
     constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,
-                      SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1])
+                      SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1],
+                      SIGNAL=ready is not None)
     _launch(grid, args, constexprs, tuple(constexprs.values()), {"num_warps": NUM_WARPS}, stream)
 
 

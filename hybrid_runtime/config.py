@@ -358,6 +358,12 @@ class SchedulerConfig:
     # steps without a CPU lane (where a synchronous check would make the host wait for the GPU
     # every layer), sync everywhere else.
     finite_check: str = field(default="auto", metadata=_choices("auto", "sync", "deferred"))
+    # Who selects the blocks of the CPU lane's tasks under the fluxion placement: "gpu" -- the GPU
+    # lane scores and selects every task of a step from the store's GPU copy of the metadata in one
+    # launch and the CPU workers read only K and V of each union (hybrid_runtime/gpu_picks.py);
+    # "host" -- each CPU worker scores its task's metadata in host memory; "auto": gpu wherever it
+    # can run (the GPU lane's UVA executor on CUDA with kv_cache.gpu_metadata, native CPU workers).
+    cpu_task_selection: str = field(default="auto", metadata=_choices("auto", "gpu", "host"))
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this
@@ -396,6 +402,7 @@ IDLE_SCHEDULER_VALUES = {
     "cpu_lane_trails": ("auto", False),
     "gate_trailing_claims": (SchedulerConfig.gate_trailing_claims, False),
     "claim_graphs": (SchedulerConfig.claim_graphs, False),
+    "cpu_task_selection": ("auto", "host"),
 }
 
 
@@ -1040,6 +1047,18 @@ def uses_gpu_metadata(cfg: Config, cuda: bool) -> bool:
             and cfg.selection.name in UVA_LANE_SELECTIONS)
 
 
+def selects_cpu_tasks_on_gpu(cfg: Config, cuda: bool) -> bool:
+    """Whether a runtime of `cfg` has its GPU lane select the CPU lane's blocks on fluxion steps
+    (`scheduler.cpu_task_selection`) on a machine with (`cuda`) or without CUDA: "auto" where the
+    store keeps the metadata on the GPU, "gpu" wherever the GPU lane's executor can (the runtime
+    refuses it where it cannot), with CPU workers either way. (The runtime also needs them native,
+    with the stock kernel: one given its own `cpu_kernel` selects on the host.)"""
+    sc = cfg.scheduler
+    wanted = sc.cpu_task_selection == "gpu" or (sc.cpu_task_selection == "auto" and uses_gpu_metadata(cfg, cuda))
+    return (wanted and starts_lanes(cfg.selection) and sc.gpu_lane(cuda) and cfg.selection.name in UVA_LANE_SELECTIONS
+            and sc.cpu_worker_count() > 0)
+
+
 def resolved(cfg: Config, cuda: bool) -> Config:
     """`cfg` with its "auto" settings replaced by what they mean on a machine with (`cuda`) or
     without CUDA: what a run records as having run."""
@@ -1055,7 +1074,10 @@ def resolved(cfg: Config, cuda: bool) -> Config:
         scheduler=dataclasses.replace(sc, gpu_worker=lanes and sc.gpu_lane(cuda),
                                       cpu_workers=sc.cpu_worker_count() if lanes else 0,
                                       cpu_lane_trails=trails, gate_trailing_claims=trails and sc.gate_trailing_claims,
-                                      claim_graphs=lanes and cuda and sc.gpu_lane(cuda) and sc.claim_graphs),
+                                      claim_graphs=lanes and cuda and sc.gpu_lane(cuda) and sc.claim_graphs,
+                                      # Applied on the fluxion placement's steps only.
+                                      cpu_task_selection="gpu" if selects_cpu_tasks_on_gpu(cfg, cuda) and
+                                      sc.placement == "fluxion" else "host"),
     )
 
 

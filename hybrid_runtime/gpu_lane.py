@@ -135,6 +135,8 @@ class GpuLane:
         worker_id: int,
         poll_sleep: float,
         wait_on_cpu_queue: bool,
+        picks: Any = None,
+        pick_executor: Any = None,
     ):
         self.executor = executor
         self.rates = rates
@@ -161,6 +163,11 @@ class GpuLane:
         # Landing slots of the executor's claims (`RING`: a slot is reused every RING launches and
         # must have been retired by then), or None when it keeps none.
         self.ring = getattr(executor, "RING", None)
+        # Where shared steps' CPU-lane selections land (`gpu_picks.GpuPicks`; None: the CPU selects),
+        # and the executor that makes them (`pick`: the GPU executor itself, whether or not
+        # `executor` wraps it).
+        self.picks = picks
+        self.pick_executor = pick_executor if pick_executor is not None else executor
 
     @property
     def trails(self) -> bool:
@@ -209,8 +216,9 @@ class GpuLane:
         `trails`; the caller's merge waits for the last claim's end event on the device): claim
         the whole queue at once and return once it is launched and the side work issued, leaving
         the claim to trail like a CPU-lane step's; a step that failed by then still waits."""
-        # A trailing step without a reserved claim launches nothing: no plan to build either.
-        gq = job.gpu_queue if job.gpu_used and not (cpu_trails and job.gpu_first is None) else None
+        # A trailing step without a reserved claim launches nothing (but the CPU lane's selection):
+        # no plan to build either.
+        gq = job.gpu_queue if job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks) else None
         ex = self.executor
         plan, rows = None, None
         if gq is not None:
@@ -221,6 +229,8 @@ class GpuLane:
                 rows = job.queue_rows(gq)
             except BaseException as exc:
                 job.fail(exc)
+        if job.picks:
+            self._issue_picks(job, plan)
         # (handle, start, stop, modeled bytes, claim seconds per task, host time of the claim); on the
         # job, so that a timed-out step's unretired claims stay with it (and its messages name them).
         pipeline = job.gpu_pending = deque()
@@ -346,6 +356,27 @@ class GpuLane:
                 return
             if not progressed:
                 self._idle(job)
+
+    def _issue_picks(self, job: StepJob, plan: Any) -> None:
+        """The GPU's selection of the positions the CPU workers may pop (`job.picks`), before any
+        claim on the lane's stream; refused (the workers select on the host) when the step has no
+        plan or already failed, or when the launch raises (which also fails the step)."""
+        q = job.cpu_queue
+        try:
+            if plan is None or job.error is not None:
+                self.refuse_picks(job)
+                return
+            self.picks.launch(self.pick_executor, plan, q.reserved, q.total, job.gpu_step, q.job)
+            job.picks_issued = True
+        except BaseException as exc:
+            self.refuse_picks(job)
+            job.fail(exc, "the GPU lane's block selection for the CPU lane")
+
+    def refuse_picks(self, job: StepJob) -> None:
+        """Every position of `job` the CPU workers may pop selects on the host (`GpuPicks.refuse`)."""
+        q = job.cpu_queue
+        self.picks.refuse(q.reserved, q.total, q.job)
+        job.picks_issued = True
 
     def _ring_full(self, in_flight: int) -> bool:
         """Whether a launch now would reuse the landing slot of a claim not retired yet: this step's

@@ -27,8 +27,8 @@ import torch
 from cpu_kernels import layout
 from hybrid_runtime import native_pool
 from hybrid_runtime.forecast_block_cache import BlockCache
-from hybrid_runtime.config import (Config, GeometryConfig, KVCacheConfig, sparda_cache_blocks, spill_blocks, starts_lanes,
-                                   uses_gpu_metadata)
+from hybrid_runtime.config import (Config, GeometryConfig, KVCacheConfig, selects_cpu_tasks_on_gpu, sparda_cache_blocks,
+                                   spill_blocks, starts_lanes, uses_gpu_metadata)
 from hybrid_runtime.kvcache import CapacityError, arena_bytes, gpu_metadata_bytes, host_available_bytes
 from hybrid_runtime.prefill_statistics import statistics_bytes
 from hybrid_runtime.segment_index import CELLS_PER_CHUNK, SegmentIndex
@@ -497,6 +497,14 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
                 "gpu_metadata", GPU, RESIDENT, layers * _on(GPU, gpu_metadata_bytes(kv, geometry, 1)),
                 ("kv_cache.cpu_capacity_tokens", "kv_cache.gpu_metadata", "kv_cache.max_sequences", "geometry.layers"),
                 f"{layers} layers x {n_chunks} chunks x {layout.META_ROWS} metadata rows x {d} x {es} B"))
+        if selects_cpu_tasks_on_gpu(cfg, cuda):
+            from hybrid_runtime.gpu_picks import picks_capacity
+
+            tasks = max(1, kv.max_sequences * geometry.kv_heads)
+            parts.append(MemoryPart(
+                "gpu_selection_rows", HOST_PINNED, RESIDENT, _on(HOST_PINNED, picks_capacity(tasks, max_task_blocks(kv))),
+                ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences", "scheduler.cpu_task_selection"),
+                f"the GPU lane's block selection for {tasks} CPU tasks of up to {max_task_blocks(kv)} blocks"))
     if window_on_gpu:
         parts.append(MemoryPart("window_workspace", GPU, RESIDENT, window_workspace_bytes(kv, geometry),
                                 ("kv_cache.max_sequences",), f"split-K partials of {s} sequences x {hq} heads"))

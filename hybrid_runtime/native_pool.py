@@ -43,6 +43,17 @@ slots and counts them done. The owner takes ranges too, waits until all are coun
 the word and merges the partials by log-sum-exp. Ranges never wait on anything, so helping
 cannot deadlock; the owner's task keeps one record (its bytes, its start and end).
 
+GPU picks: under the fluxion placement the GPU lane may select the blocks of the CPU lane's tasks
+too (scheduler.cpu_task_selection, `hybrid_runtime.gpu_picks`): one launch scores every queue
+position from the store's GPU copy of the metadata and writes each task's union (block ids and
+head bits, as `cpu_kernels.sparse_attention.picked_union` reads them) into pinned host memory,
+then the job id into the position's `ready` word (a system-scope release after the union). A job
+published with PICKS set makes a worker wait for its position's `ready` word after the pop: the
+job id means the union is there and the worker reads only K and V (`attend_picked`); minus the
+job id means the GPU's selection will not come (its launch failed or never happened) and the
+worker selects on the host as usual. The host writes the latter on every path on which it does
+not launch the selection, so a worker never waits for a launch that will not happen.
+
 Failures are statuses, not exceptions. An exception that unwinds through nopython frames skips
 their reference decrements (numba 0.68: every array view those frames made -- of the arenas, q,
 the results -- stays referenced for good, so a store's pinned arenas could never be freed). So a
@@ -74,7 +85,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from cpu_kernels.layout import CHUNK_TOKENS
-from cpu_kernels.sparse_attention import Workspace, attend_blocks, merge_parts, run_task, select_task, split_bounds
+from cpu_kernels.sparse_attention import (Workspace, attend_blocks, attend_picked, merge_parts, picked_union, run_task,
+                                         select_task, split_bounds)
 
 
 def _libc_sem_init() -> Any:
@@ -98,6 +110,7 @@ SEM_BYTES = 64  # one doorbell per cache line (a glibc sem_t is 32 bytes)
 C_SEQ, C_STOP, C_WORD, C_DONE = 0, 8, 16, 24
 C_LAYER, C_B, C_N = 32, 33, 34
 C_MAX_BLOCKS = 35  # blocks the stock kernel's workspaces hold (0: rows not checked), written at start
+C_PICKS = 36  # the job's CPU tasks attend the GPU lane's selection (`picks`, see "GPU picks" above)
 CTRL_SIZE = 40
 MASK = (1 << 32) - 1
 
@@ -110,7 +123,10 @@ R_COLS = 5
 
 LOOP_STOPPED, LOOP_IDLE, LOOP_WARM, LOOP_FAILED = 0, 1, 2, 3
 # Negative task statuses of the loop's own row check (`task_status`); a kernel may return others.
-S_BLOCK_SIZE, S_CPU_LEN, S_WORKSPACE = -1, -2, -3
+S_BLOCK_SIZE, S_CPU_LEN, S_WORKSPACE, S_PICKS = -1, -2, -3, -4
+# A picks row's wait: the GPU's selection is there (PICK_READY), will not come (PICK_HOST: select
+# on the host), or the loop must stop (PICK_STOP).
+PICK_READY, PICK_HOST, PICK_STOP = 1, 0, -1
 
 # Splitting a task among idle workers: at most this many ranges, each of at least this many bytes
 # of selected K+V (a range costs ~1-2 us of set-up and merge; 192 KiB is ~30 us of one core).
@@ -237,6 +253,10 @@ def failed_task_error(status: int, row: np.ndarray, max_blocks: int) -> Exceptio
         n_blocks = -(-cpu_len // block_size)
         return ValueError(f"task has {n_blocks} blocks (cpu_len {cpu_len}, block_size {block_size}) but the workspace "
                           f"holds {max_blocks}; size it from KVStore.max_task_blocks")
+    if status == S_PICKS:
+        return RuntimeError("the GPU lane's block selection for this CPU task holds a block outside the task's "
+                            f"{-(-cpu_len // block_size)} blocks (cpu_len {cpu_len}, block_size {block_size}) or "
+                            "more entries than it has blocks")
     return RuntimeError(f"the CPU task kernel returned failure status {status}")
 
 
@@ -313,7 +333,7 @@ def _call_kernel_impl(kernel, arena, chunks, cpu_len, block_size, q, n_select, o
 # stock kernel's loop is `stock_worker_loop`, which is.
 @numba.njit(nogil=True)
 def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur, kernel,
-                scratch, team):
+                scratch, team, picks):
     """Serve jobs until STOP (returns LOOP_STOPPED); after `spin_ns` without a new job, sleep on
     the doorbell at address `bell` until rung (`bell` 0: return LOOP_IDLE instead).
 
@@ -326,7 +346,9 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
     re-joining a job it already left. `team` = (split on, help words, done counts, busy ns,
     bounds, partial out, partial lse, every worker's union mask, this worker's `select_task`
     scratch, split count) of `NativeJobBuffers.team`: the helping described in the module docstring (split on
-    = 0: every task runs whole in `kernel`).
+    = 0: every task runs whole in `kernel`). `picks` = (ready, union blocks, union head bits, union
+    sizes, this worker's union mask and attention state, picked-task count) of
+    `NativeJobBuffers.picks_args`, read for jobs published with PICKS ("GPU picks" above).
     """
     if mode == LOOP_WARM:
         return LOOP_WARM
@@ -337,6 +359,7 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
         layer = 0
         b = 0
         n = 0
+        use_picks = 0
         while True:
             if atomic_load(ctrl, C_STOP) != 0:
                 return LOOP_STOPPED
@@ -345,6 +368,7 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
                 layer = atomic_load(ctrl, C_LAYER)
                 b = atomic_load(ctrl, C_B)
                 n = atomic_load(ctrl, C_N)
+                use_picks = atomic_load(ctrl, C_PICKS)
                 if atomic_load(ctrl, C_SEQ) == s1:  # consistent snapshot of the job
                     job = s1 >> 1
                     break
@@ -378,17 +402,34 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
             off = tab[i, T_CHUNK_OFF]
             t1 = monotonic_ns()
             nbytes = task_status(tab[i, T_CPULEN], tab[i, T_BLOCK], tab[i, T_N_CHUNKS], max_blocks)
+            t_popped = t1
+            picked = PICK_HOST
+            if nbytes == 0 and use_picks != 0:
+                picked = _await_pick(ctrl, picks[0], i, job)
+                if picked == PICK_STOP:
+                    return LOOP_STOPPED
+                # The task starts with its selection in hand; the wait for it is neither the task's
+                # time nor scheduling overhead (the GPU's selection latency, idle in the timeline).
+                t1 = monotonic_ns()
             if nbytes != 0:
                 pass  # a row the kernel would refuse by raising: failed below, as a status
             elif team[0] != 0 and n - i - 1 < cur.shape[0]:  # the queue is about to run dry
                 nbytes = _split_task(ctrl, wid, job, i, arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN],
                                      tab[i, T_BLOCK], q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g],
-                                     lse[bi, h0 : h0 + g], team[8], team, tab, chunks, q)
+                                     lse[bi, h0 : h0 + g], team[8], team, tab, chunks, q, picked, picks)
+            elif picked == PICK_READY:
+                nbytes = attend_picked(arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN], tab[i, T_BLOCK],
+                                       q[bi, h0 : h0 + g], picks[1][i], picks[2][i], picks[3][i], out[bi, h0 : h0 + g],
+                                       lse[bi, h0 : h0 + g], picks[4], picks[5])
+                if nbytes < 0:
+                    nbytes = S_PICKS
             else:
                 nbytes = _call_kernel(
                     kernel, arena, chunks[off : off + tab[i, T_N_CHUNKS]], tab[i, T_CPULEN], tab[i, T_BLOCK],
                     q[bi, h0 : h0 + g], nsel[i], out[bi, h0 : h0 + g], lse[bi, h0 : h0 + g], scratch
                 )
+            if picked == PICK_READY and nbytes >= 0:
+                atomic_add(picks[6], 0, 1)
             t2 = monotonic_ns()
             if nbytes < 0:  # failed: the host fails the step and counts the position done
                 rec[i, R_BYTES] = nbytes
@@ -399,11 +440,26 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
             rec[i, R_BYTES] = nbytes
             cur[wid, 0] = -1
             t3 = monotonic_ns()
-            rec[i, R_OVERHEAD] = (t1 - t0) + (t3 - t2)  # pop + dispatch before, recording after
+            rec[i, R_OVERHEAD] = (t_popped - t0) + (t3 - t2)  # pop + dispatch before, recording after
             atomic_add(ctrl, C_DONE, 1)
             t0 = t3
         if team[0] != 0:
             _help_until_done(ctrl, wid, job, arena, q, g, tab, chunks, cur, team, team[8][4])
+
+
+@numba.njit(nogil=True)
+def _await_pick(ctrl, ready, i, job):
+    """Wait for position `i`'s GPU selection of job `job` ("GPU picks" above): PICK_READY once
+    its union is in place, PICK_HOST when it will not come, PICK_STOP on STOP."""
+    while True:
+        r = atomic_load(ready, i)  # acquire: the union's words are read after it
+        if r == job:
+            return PICK_READY
+        if r == -job:
+            return PICK_HOST
+        if atomic_load(ctrl, C_STOP) != 0:
+            return PICK_STOP
+        cpu_relax()
 
 
 @numba.njit(nogil=True)
@@ -432,11 +488,18 @@ def _take_part(me, w, job, arena, q, g, tab, chunks, team, state):
 
 @numba.njit(nogil=True)
 def _split_task(ctrl, wid, job, i, arena, task_chunks, cpu_len, block_size, qg, n_select, out, lse, scratch, team,
-                tab, chunks, q):
-    """Run task `i` as the owner of a split: select, offer ranges, attend, wait, merge; returns bytes."""
+                tab, chunks, q, picked, picks):
+    """Run task `i` as the owner of a split: select (or take the GPU's selection when `picked` is
+    PICK_READY), offer ranges, attend, wait, merge; returns bytes."""
     words, dones, bounds, part_out, part_lse, masks = team[1], team[2], team[4], team[5], team[6], team[7]
     state = scratch[4]
-    meta_bytes, union_tokens = select_task(arena, task_chunks, cpu_len, block_size, qg, n_select, out, lse, *scratch)
+    if picked == PICK_READY:
+        meta_bytes = 0
+        union_tokens = picked_union(cpu_len, block_size, picks[1][i], picks[2][i], picks[3][i], masks[wid])
+        if union_tokens < 0:
+            return S_PICKS
+    else:
+        meta_bytes, union_tokens = select_task(arena, task_chunks, cpu_len, block_size, qg, n_select, out, lse, *scratch)
     kv_bytes = union_tokens * 2 * qg.shape[1] * arena.itemsize
     n_parts = min(MAX_PARTS, kv_bytes // MIN_PART_BYTES)
     if n_parts < 2:
@@ -492,11 +555,11 @@ def _help_until_done(ctrl, wid, job, arena, q, g, tab, chunks, cur, team, state)
 
 @numba.njit(nogil=True, cache=True)
 def stock_worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur,
-                      scratch, team):
+                      scratch, team, picks):
     """`worker_loop` with the stock kernel (`run_task`) built in, so that it is cached on disk: a new
     process loads it instead of compiling the loop and the kernels it inlines (seconds per start)."""
     return worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur,
-                       None, scratch, team)
+                       None, scratch, team, picks)
 
 
 # Numba invalidates a cached function when its own file changes, not when a function it compiles in
@@ -540,28 +603,30 @@ _drop_stale_loop_cache()
 
 
 def serve(ctrl, wid: int, spin_ns: int, bell: int, mode: int, arenas, q_flat, res_flat, hq: int, d: int, g: int, tab,
-          nsel, chunks, rec, cur, kernel, scratch, team) -> int:
+          nsel, chunks, rec, cur, kernel, scratch, team, picks) -> int:
     """Run a worker's loop (`worker_loop`'s arguments): the cached `stock_worker_loop` for the stock
     kernel, the generic loop for any other."""
     if kernel is run_task:
         return stock_worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks,
-                                 rec, cur, scratch, team)
+                                 rec, cur, scratch, team, picks)
     return worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d, g, tab, nsel, chunks, rec, cur,
-                       kernel, scratch, team)
+                       kernel, scratch, team, picks)
 
 
 @numba.njit(nogil=True, cache=True)
-def publish(ctrl, layer, b, n, start=0):
+def publish(ctrl, layer, b, n, start=0, picks=0):
     """Make the job (tables already written) visible; returns its id.
 
     Positions `[0, start)` are already taken (the GPU lane's first claim, made before the CPU
-    workers can pop anything): the first pop gets position `start`.
+    workers can pop anything): the first pop gets position `start`. `picks` non-zero: the workers
+    wait for each position's GPU selection ("GPU picks" above).
     """
     s = atomic_load(ctrl, C_SEQ)
     atomic_store(ctrl, C_SEQ, s + 1)
     atomic_store(ctrl, C_LAYER, layer)
     atomic_store(ctrl, C_B, b)
     atomic_store(ctrl, C_N, n)
+    atomic_store(ctrl, C_PICKS, picks)
     job = (s + 2) >> 1
     atomic_store(ctrl, C_DONE, 0)
     atomic_store(ctrl, C_WORD, (job << 32) | start)
@@ -643,7 +708,7 @@ def warm_up() -> None:
     (`queues.NativeQueue`: `publish` with its `start`). Each CPU worker calls it at its start,
     before it compiles (or loads) its loop, so the first step's wait for the workers covers it."""
     c = np.zeros(CTRL_SIZE, dtype=np.int64)
-    job = publish(c, 0, 0, 0, 0)
+    job = publish(c, 0, 0, 0, 0, 0)
     claim(c, job, 1, 0)
     close(c, job, 0)
     head(c, job, 0)
@@ -651,6 +716,21 @@ def warm_up() -> None:
     add_done(c, 0)
     set_stop(c, 0)
     _ring(np.zeros(0, dtype=np.uint64), np.zeros(1, dtype=np.int32))
+
+
+def _check_picks(picks: tuple, max_tasks: int) -> None:
+    """ValueError unless `picks` is the (ready, blocks, heads, counts) arrays the loop reads."""
+    want = (("ready", np.int64, 1), ("blocks", np.int32, 2), ("heads", np.int32, 2), ("counts", np.int32, 1))
+    if len(picks) != len(want):
+        raise ValueError(f"picks has {len(picks)} arrays; expected {len(want)}: ready, blocks, heads, counts")
+    for x, (name, dtype, ndim) in zip(picks, want):
+        if not isinstance(x, np.ndarray) or x.dtype != dtype or x.ndim != ndim or not x.flags.c_contiguous:
+            raise ValueError(f"picks {name} is {getattr(x, 'dtype', type(x).__name__)} with "
+                             f"{getattr(x, 'ndim', '?')} dims; expected contiguous {np.dtype(dtype).name} with {ndim}")
+        if x.shape[0] < max_tasks:
+            raise ValueError(f"picks {name} has {x.shape[0]} rows; the job buffers hold {max_tasks} tasks")
+    if picks[1].shape != picks[2].shape:
+        raise ValueError(f"picks blocks {picks[1].shape} and heads {picks[2].shape} differ in shape")
 
 
 class NativeJobBuffers:
@@ -662,11 +742,20 @@ class NativeJobBuffers:
     """
 
     def __init__(self, max_tasks: int, group_size: int, max_chunks: int, n_workers: int, head_dim: int = 0,
-                 max_blocks: int = 0, ctrl: np.ndarray | None = None):
+                 max_blocks: int = 0, ctrl: np.ndarray | None = None, picks: tuple | None = None):
         # `ctrl`: the control words in memory the caller provides (pinned, so that a CUDA stream can
         # wait on DONE: `gpu_kernels.host_count_wait`); zeroed here.
         if ctrl is not None and (ctrl.dtype != np.int64 or ctrl.shape != (CTRL_SIZE,) or not ctrl.flags.c_contiguous):
             raise ValueError(f"ctrl is {ctrl.dtype} {ctrl.shape}; expected contiguous int64 ({CTRL_SIZE},)")
+        # `picks`: (ready int64 [T], union blocks int32 [T, U], union head bits int32 [T, U], union
+        # sizes int32 [T]) the GPU lane writes ("GPU picks" above; `hybrid_runtime.gpu_picks`), T
+        # at least `max_tasks`; without them jobs cannot be published with PICKS.
+        if picks is not None:
+            _check_picks(picks, max(1, max_tasks))
+        self.picks = picks if picks is not None else (
+            np.zeros(1, np.int64), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), np.zeros(1, np.int32))
+        self.has_picks = picks is not None
+        self.picked_tasks = np.zeros(LINE, dtype=np.int64)  # [0]: CPU tasks run on the GPU's selection
         self.ctrl = np.zeros(CTRL_SIZE, dtype=np.int64) if ctrl is None else ctrl
         self.ctrl[:] = 0
         self.tab = np.zeros((max(1, max_tasks), T_COLS), dtype=np.int64)
@@ -720,6 +809,15 @@ class NativeJobBuffers:
         return (int(on), self.help_words, self.help_done, self.help_busy_ns, self.bounds,
                 self.part_out, self.part_lse, self.masks, scratch_of(select_task, workspace), self.split_tasks)
 
+    def picks_args(self, workspace) -> tuple:
+        """The `picks` argument of `worker_loop` for a worker with this `workspace`: the shared
+        picks arrays, its union mask and attention state (stand-ins when it has none: an injected
+        kernel's workspace, whose jobs are never published with PICKS), the picked-task count."""
+        if not isinstance(getattr(workspace, "block_heads", None), np.ndarray) or \
+                not isinstance(getattr(workspace, "state", None), np.ndarray):
+            workspace = Workspace(self.part_lse.shape[2], max(1, self.part_out.shape[3]), 1)
+        return (*self.picks, workspace.block_heads, workspace.state, self.picked_tasks)
+
     def take_help_busy_s(self) -> float:
         """Seconds workers spent on other workers' ranges since the last call."""
         ns = int(self.help_busy_ns.sum())
@@ -728,9 +826,10 @@ class NativeJobBuffers:
 
 
 __all__ = [
-    "C_DONE", "C_MAX_BLOCKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED", "LOOP_WARM",
-    "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "R_BYTES", "R_COLS", "R_END", "R_OVERHEAD", "R_START",
-    "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_WORKSPACE", "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS",
-    "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close", "done", "failed_task_error", "head",
-    "monotonic_ns", "publish", "running", "scratch_of", "serve", "set_stop", "stock_worker_loop", "task_status", "warm_up", "worker_loop",
+    "C_DONE", "C_MAX_BLOCKS", "C_PICKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
+    "LOOP_WARM", "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "PICK_HOST", "PICK_READY", "PICK_STOP", "R_BYTES",
+    "R_COLS", "R_END", "R_OVERHEAD", "R_START", "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_PICKS", "S_WORKSPACE",
+    "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS", "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close",
+    "done", "failed_task_error", "head", "monotonic_ns", "publish", "running", "scratch_of", "serve", "set_stop",
+    "stock_worker_loop", "task_status", "warm_up", "worker_loop",
 ]

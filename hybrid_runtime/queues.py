@@ -33,6 +33,10 @@ class NativeQueue:
         self.total = len(ordered)
         self.job = -1
         self.reserved = 0  # head positions taken by the GPU lane before publishing
+        # Published with PICKS: workers attend each position from the GPU lane's selection
+        # (`hybrid_runtime.gpu_picks`), which the GPU lane must then launch or refuse for every
+        # position from `reserved` on.
+        self.picks = False
         self.gpu_done = 0
         self.released = 0  # never-started positions added to DONE to end a device-side wait
         self.closed_at: int | None = None
@@ -46,7 +50,7 @@ class NativeQueue:
         buf.chunks[:c] = self.chunks
         buf.rec[:t] = 0
         buf.rec[:t, native.R_WORKER] = -1
-        self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved)
+        self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved, int(self.picks))
 
     def __len__(self) -> int:
         return self.total - native.head(self.pool.ctrl, self.job, self.total)

@@ -35,7 +35,8 @@ from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
 from gpu_kernels.streams import current_stream, use_stream
 from hybrid_runtime import native_pool
-from hybrid_runtime.config import Config, ConfigError, GeometryConfig, starts_lanes, uses_gpu_metadata
+from hybrid_runtime.config import (Config, ConfigError, GeometryConfig, selects_cpu_tasks_on_gpu, starts_lanes,
+                                   uses_gpu_metadata)
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.gc_control import freeze_collector, thaw_collector
@@ -341,6 +342,23 @@ class HybridRuntime:
             "max_chunks": store.n_chunks,
             "kernel": cpu_kernel,
         }
+        # The GPU lane selects the CPU lane's blocks on fluxion steps (`scheduler.cpu_task_selection`,
+        # gpu_picks.py): where the store keeps the metadata on the GPU, the lane is the UVA executor
+        # and the CPU workers run the stock kernel.
+        self._picks = None
+        picks_possible = (cpu_kernel is None and self.cpu_executor is not None and hasattr(self.gpu_executor, "pick")
+                          and selects_cpu_tasks_on_gpu(cfg, lane_cuda))
+        if sc.cpu_task_selection == "gpu" and not picks_possible:
+            raise ConfigError(
+                "scheduler.cpu_task_selection: 'gpu' needs a GPU lane whose executor selects blocks (the UVA executor "
+                "on CUDA, selection.name one of fixed, full, streaming, predicted), CPU workers and the stock CPU "
+                "kernel; allowed here: 'auto' or 'host'")
+        if picks_possible:
+            from hybrid_runtime.gpu_picks import GpuPicks
+
+            self._picks = GpuPicks(s * geometry.kv_heads, store.max_task_blocks, self.gpu_lane_device)
+            native["picks"] = self._picks.arrays
+            self.gpu_executor.pick_rows = self._picks.views  # its kernel variant compiles at warm-up
         # The native workers' control words in pinned memory: with `scheduler.cpu_lane_trails` the
         # merge's stream waits on their done count (a driver stream wait on host memory).
         self._done_address = None
@@ -369,7 +387,7 @@ class HybridRuntime:
             self._confined = (threading.get_ident(), confine_current_thread(share.cores))
         try:
             self.scheduler = Scheduler(sc, self.cpu_executor, self.gpu_executor, gpu_is_cuda=lane_cuda, native=native,
-                                       cores=rank_cores, lanes=lanes)
+                                       cores=rank_cores, lanes=lanes, picks=self._picks)
         except BaseException:
             self._release_thread()
             raise
@@ -1066,6 +1084,11 @@ class HybridRuntime:
             "warmup_wait_s": self._warm_up.wait_s,
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
+            # CPU tasks that attended the GPU lane's block selection (scheduler.cpu_task_selection),
+            # the selection launches, and positions handed back to host selection (a launch failed).
+            "cpu_tasks_gpu_selected": int(sch.native.picked_tasks[0]) if sch.native is not None else 0,
+            "gpu_selection_launches": sch.picks.launches if sch.picks is not None else 0,
+            "gpu_selection_refused": sch.picks.refused if sch.picks is not None else 0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
             # Steps without CPU tasks that returned before their GPU claims ended (`gpu_only_trails`).

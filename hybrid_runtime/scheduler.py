@@ -66,6 +66,7 @@ class Scheduler:
         native: dict | None = None,
         cores: Sequence[int] | None = None,
         lanes: bool = True,
+        picks: Any = None,
     ):
         """`cpu_executor`: a `CpuTaskExecutor`; `gpu_executor`: a `GpuLaunchExecutor`, or an
         `Executor` with only `run` (then wrapped to launch synchronously). `native`: what native
@@ -75,7 +76,11 @@ class Scheduler:
         `cores`: the cores the workers and the caller are planned over (default: this process's;
         a tensor-parallel rank's runtime passes its share, `pinning.rank_cores`).
         `lanes=False`: a runtime whose own executor reads the CPU segment and makes no tasks
-        (`selection.name: sparda`): no CPU worker, no GPU lane, and `run` refuses."""
+        (`selection.name: sparda`): no CPU worker, no GPU lane, and `run` refuses.
+        `picks`: a `gpu_picks.GpuPicks` whose arrays the native job buffers were given
+        (`native["picks"]`): shared steps then have the GPU lane select the CPU lane's blocks
+        (`scheduler.cpu_task_selection`); kept only with native workers running the stock kernel
+        and a GPU executor that can (`pick`)."""
         self.cfg = cfg
         n_cpu = cfg.cpu_worker_count(None if cores is None else len(cores)) if lanes else 0
         self.cpu_executor = cpu_executor if n_cpu > 0 else None
@@ -110,6 +115,9 @@ class Scheduler:
 
         use_native = has_cpu and native is not None and native_kernel_of(self.cpu_executor) is not None
         self.workers = CpuWorkers(self.cpu_executor, self.cores.cpu, native if use_native else None, spin_ns)
+        # The GPU lane selects the CPU lane's blocks on shared steps (gpu_picks.py).
+        self.picks = picks if (picks is not None and self.native is not None and self.native.has_picks
+                               and self.workers.stock_kernel and hasattr(self.gpu_executor, "pick")) else None
         self.lane = GpuLane(
             as_launch_executor(self.gpu_executor) if has_gpu else None,
             rates=self.rates,
@@ -117,6 +125,8 @@ class Scheduler:
             worker_id=self.gpu_worker_id,
             poll_sleep=0.0 if pinned else 50e-6,
             wait_on_cpu_queue=self.workers.native is None,
+            picks=self.picks,
+            pick_executor=self.gpu_executor,
         )
         # A step that returned before its CPU tasks ended (`cpu_lane_trails`): collected, and its
         # errors raised, before anything that needs it (`settle`).
@@ -310,6 +320,11 @@ class Scheduler:
             self.await_workers()
             deadline += time.monotonic() - waited
         cpu_trails = cpu_trails and job.cpu_used and self.native is not None and self.placement in ("fluxion", "cpu_only")
+        # The GPU lane selects the CPU lane's blocks (published with the job: the workers then wait
+        # for each position's selection, which `drive` launches or refuses).
+        job.picks = bool(job.shared and self.picks is not None and self.picks.enabled and job.cpu_used)
+        if job.picks:
+            job.cpu_queue.picks = True
         if job.shared:
             # Before any CPU worker can pop: the reserved head is the GPU's whatever the order below.
             slack = self.launcher_slack.seconds if cpu_trails and self.cfg.gate_trailing_claims and \
@@ -322,14 +337,19 @@ class Scheduler:
                 before_cpu()
             job.t_release = time.perf_counter()
             self.workers.wake()
-        # A trailing step launches no GPU claim but its reserved one: without it, no GPU-lane buffers.
-        if before_gpu is not None and job.gpu_used and not (cpu_trails and job.gpu_first is None):
+        # A trailing step launches no GPU claim but its reserved one (and the CPU lane's selection):
+        # without them, no GPU-lane buffers.
+        if before_gpu is not None and job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks):
             try:
                 before_gpu()
             except BaseException as exc:
                 job.fail(exc)
         gpu_trails = gpu_trails and job.gpu_used and not job.cpu_used and self.lane.trails
-        self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails, gpu_trails=gpu_trails)
+        try:
+            self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails, gpu_trails=gpu_trails)
+        finally:
+            if job.picks and not job.picks_issued:  # never launched (drive raised): nothing may wait for it
+                self.lane.refuse_picks(job)
         if job.error is not None:
             raise job.error
         trailing = self.lane.trailing  # read once: a settle on another thread may clear it

@@ -51,6 +51,10 @@ class StepJob:
     gpu_first_t: float = 0.0  # host time of that reservation
     # A trailing step whose CPU lane ends within the launcher's own time: no GPU claim (`GpuLane.reserve_first`).
     gpu_gated: bool = False
+    # The GPU lane selects the CPU lane's blocks (gpu_picks.py); `picks_issued` once that selection
+    # was launched or refused for every position the CPU workers may pop.
+    picks: bool = False
+    picks_issued: bool = False
     error: BaseException | None = None
     gpu_batches: list = field(default_factory=list)  # [(start, end, task rows)] of every GPU launch
     columns: dict | None = None

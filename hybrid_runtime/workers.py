@@ -72,7 +72,7 @@ class CpuWorkers:
         if native is not None:
             self.native = native_pool.NativeJobBuffers(native["max_tasks"], native["g"], native["max_chunks"], self.n,
                                                        native["d"], int(getattr(executor, "max_blocks", 0) or 0),
-                                                       ctrl=native.get("ctrl"))
+                                                       ctrl=native.get("ctrl"), picks=native.get("picks"))
             self._native_args = native
         # Each native worker's loop arguments (`_loop_args`), held here rather than in its frames.
         self._worker_args: list[tuple | None] = [None] * self.n
@@ -100,6 +100,11 @@ class CpuWorkers:
         # workers show theirs in `native.cur`.
         self._running: list[Task | None] = [None] * self.n
         self._capacity: list[int] = []  # each native worker's workspace block capacity (0: unknown)
+
+    @property
+    def stock_kernel(self) -> bool:
+        """Native workers running the stock task kernel (`run_task`), not one the caller injected."""
+        return self.native is not None and self._stock_kernel
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -273,7 +278,7 @@ class CpuWorkers:
         if split:
             ws.block_heads = buf.masks[wid]
         return (a["arenas"], a["q_flat"], a["res_flat"], a["hq"], a["d"], a["g"], buf.tab, buf.nsel, buf.chunks,
-                buf.rec, buf.cur, kernel, native_pool.scratch_of(kernel, ws), buf.team(ws, split))
+                buf.rec, buf.cur, kernel, native_pool.scratch_of(kernel, ws), buf.team(ws, split), buf.picks_args(ws))
 
     def _native_main(self, wid: int, core: int | None) -> None:
         if self._ready(wid, core) is _FAILED:

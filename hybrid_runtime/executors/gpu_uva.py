@@ -116,6 +116,10 @@ class GpuUvaExecutor:
         self.device_bytes_read = 0  # metadata scored from the store's GPU copy (`kv_cache.gpu_metadata`)
         self._use_gpu_metadata = True
         self.launches = 0
+        self.picks = 0  # selection launches for the CPU lane (`pick`)
+        # The rows `pick` writes (`GpuPicks.views`), set by the runtime that uses it: its variant is
+        # then compiled with the others (`compile_kernels`).
+        self.pick_rows: tuple | None = None
         self.link_bytes_per_s: float | None = None  # measured by warm_up (CUDA only)
         self.group_size = store.geometry.group_size
         self.head_dim = store.head_dim
@@ -316,6 +320,33 @@ class GpuUvaExecutor:
         self.launches += 1
         return handle
 
+    def pick(self, table: StepTable, start: int, stop: int, step: Step, ublocks: torch.Tensor, uheads: torch.Tensor,
+             counts: torch.Tensor, ready: torch.Tensor, stamp: int) -> None:
+        """Queue the block selection of rows `[start, stop)` for the CPU lane (`hybrid_runtime.gpu_picks`)
+        on the executor's stream: row `start + t`'s union lands in row t of `ublocks`/`uheads`
+        (device views of pinned host rows, at least the rows' block count wide), its size in
+        `counts[t]`, then `stamp` in `ready[t]`. One `score_select` launch, ordered like a claim
+        (after `step.q`, the table upload and earlier claims, before later ones, whose scratch it
+        shares); its metadata bytes count as a claim's do (`device_bytes_read` from the GPU copy)."""
+        n = stop - start
+        if not 0 <= start < stop <= table.n_tasks:
+            raise ValueError(f"selection of rows [{start}, {stop}) of a table of {table.n_tasks} tasks")
+        nb_max, _ = table.claim_shape(start, stop)
+        if n > self._tasks_cap or nb_max > min(self._blocks_cap, ublocks.shape[1]):
+            raise ValueError(f"selection of {n} tasks of up to {nb_max} blocks; the executor was planned for "
+                             f"{self._tasks_cap} of {self._blocks_cap} and the union rows hold {ublocks.shape[1]}")
+        arena = self._arena(step.layer)
+        meta = self._metadata_source(step.layer, arena)
+        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor, self._scores,
+                     self._tickets[0], ublocks, uheads, counts, counts, self._stream_handle, meta_layout=meta.layout,
+                     ready=ready, stamp=stamp)
+        meta_bytes = int(table.n_blocks[start:stop].sum()) * 2 * self.head_dim * self.esize
+        if meta.on_device:
+            self.device_bytes_read += meta_bytes
+        else:
+            self.bytes_read += meta_bytes
+        self.picks += 1
+
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
                  meta: MetadataSource, slot: int) -> None:
         meta_layout = meta.layout
@@ -417,7 +448,15 @@ class GpuUvaExecutor:
             self.stream.wait_stream(torch.cuda.current_stream())
         # One variant per arena dtype, geometry and metadata source (the arena, or the store's GPU
         # copy of the metadata); every layer shares it.
-        self.launch(self.upload(packed), 0, 1, step).wait()
+        table = self.upload(packed)
+        self.launch(table, 0, 1, step).wait()
+        if self.pick_rows is not None:
+            # The CPU lane's selection variant (`pick`), into row 0 with job id 0 (no job has it).
+            ready, blocks, heads, counts = self.pick_rows
+            self.pick(table, 0, 1, step, blocks[:1], heads[:1], counts[:1], ready[:1], 0)
+            if self.cuda:
+                self.stream.synchronize()
+            self.picks = 0
         if self.claim_graphs and self.cuda:
             meta_layout = self._metadata_source(0, self._arena(0)).layout
             for slot in range(self.RING):  # now, not on a step's critical path

@@ -1,0 +1,269 @@
+"""The GPU lane's block selection for the CPU lane's tasks (hybrid_runtime/gpu_picks.py).
+
+Three layers, each against what it replaces: the selection kernel writing unions into rows of
+another width with a ready stamp per task (against the claim path's own union); the CPU kernel
+attending a union selected elsewhere (bit-equal to `run_task`, which selects the same union
+itself); and the runtime's fluxion steps with native workers waiting for a selection that lands
+late from another thread, failing cleanly when it cannot be launched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from cpu_kernels.sparse_attention import Workspace, attend_picked, picked_union, run_task, select_task  # noqa: E402
+from gpu_kernels.score_select import score_select  # noqa: E402
+from gpu_kernels.uva import uva_view  # noqa: E402
+from hybrid_runtime.config import ConfigError, config_from_dict, resolved, selects_cpu_tasks_on_gpu  # noqa: E402
+from hybrid_runtime.executors.torch_ref import TorchRefExecutor  # noqa: E402
+from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
+from tests.helpers import random_kv  # noqa: E402
+from tests.test_gpu_claims import Scratch, check_selection, upload  # noqa: E402
+from tests.test_gpu_kernels import CUDA, DEV, make_case  # noqa: E402
+
+
+# ---------------------------------------------------------------------------- the selection kernel
+def pinned_rows(rows: int, width: int):
+    """(host tensors, what the kernel writes through) for `rows` picks rows of `width` blocks."""
+    host = (torch.zeros(rows, dtype=torch.int64, pin_memory=CUDA),
+            torch.full((rows, width), -7, dtype=torch.int32, pin_memory=CUDA),
+            torch.full((rows, width), -7, dtype=torch.int32, pin_memory=CUDA),
+            torch.full((rows,), -7, dtype=torch.int32, pin_memory=CUDA))
+    return host, tuple(uva_view(t) for t in host) if CUDA else host
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_selection_for_cpu_rows_equals_the_claims_union_and_stamps_every_row(dtype):
+    c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=2, d=32, dtype=dtype, blks=(16, 32, 64, 128),
+                  budget="random", streaming=True, seed=3)
+    table = upload(c)
+    n = len(c.tasks)
+    nb = int(table.n_blocks.max())
+    ref = Scratch(n, c.g, nb, 32)
+    nb_max, _ = table.claim_shape(0, n)
+    score_select(table.table, table.n_select, table.chunks, 0, n, nb_max, c.q, c.ar.arena, ref.scores,
+                 ref.tickets[0], ref.ublocks, ref.uheads, ref.counts)
+    check_selection(c, 0, n, ref)
+    # Rows [1, n) into pinned rows wider than the scratch (their own stride), as the CPU lane's are.
+    host, dev = pinned_rows(n, nb + 16)
+    sc = Scratch(n, c.g, nb, 32)
+    start = 1
+    nb_max, _ = table.claim_shape(start, n)
+    ready, blocks, heads, counts = dev
+    score_select(table.table, table.n_select, table.chunks, start, n - start, nb_max, c.q, c.ar.arena, sc.scores,
+                 sc.tickets[0], blocks[start:], heads[start:], counts[start:], counts[start:], ready=ready[start:],
+                 stamp=41)
+    if CUDA:
+        torch.cuda.synchronize()
+    h_ready, h_blocks, h_heads, h_counts = host
+    assert h_ready[0] == 0 and (h_ready[start:] == 41).all(), "every selected row is stamped, no other"
+    for i in range(start, n):
+        cnt = int(ref.counts[i])
+        assert int(h_counts[i]) == cnt
+        assert torch.equal(h_blocks[i, :cnt], ref.ublocks[i, :cnt].cpu())
+        assert torch.equal(h_heads[i, :cnt], ref.uheads[i, :cnt].cpu())
+    assert (sc.tickets == 0).all()
+
+
+# ---------------------------------------------------------------------------- the CPU kernel
+def host_case(seed: int = 0, cpu_len: int = 1000, g: int = 4, d: int = 64):
+    from tests.test_gpu_kernels import build_arena
+
+    ar = build_arena([cpu_len], 1, d, torch.bfloat16, seed)
+    arena = ar.host.view(torch.int16).numpy().view(np.uint16)
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((g, d)) / np.sqrt(d)).astype(np.float32)
+    return arena, ar.chunks[(0, 0)].astype(np.int32), q
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_attend_picked_equals_run_task_on_the_same_union(block_size):
+    g, d, cpu_len = 4, 64, 1000
+    arena, chunks, q = host_case(block_size, cpu_len, g, d)
+    nb = -(-cpu_len // block_size)
+    n_select = np.array([3, 0, 5, nb], dtype=np.int32)  # a streaming head and one reading everything
+    ws = Workspace(g, d, 256)
+    want_out, want_lse = np.zeros((g, d), np.float32), np.zeros(g, np.float32)
+    want_bytes = run_task(arena, chunks, cpu_len, block_size, q, n_select, want_out, want_lse, ws.scores, ws.selected,
+                          ws.n_selected, ws.block_heads, ws.state, ws.topk_scratch)
+    scratch_out, scratch_lse = np.zeros((g, d), np.float32), np.zeros(g, np.float32)
+    meta_bytes, tokens = select_task(arena, chunks, cpu_len, block_size, q, n_select, scratch_out, scratch_lse,
+                                     ws.scores, ws.selected, ws.n_selected, ws.block_heads, ws.state, ws.topk_scratch)
+    ids = np.nonzero(ws.block_heads[:nb])[0].astype(np.int32)
+    bits = ws.block_heads[ids].astype(np.int32)
+    ws.block_heads[:] = 12345  # stale bits must not leak into the picked union
+    out, lse = np.zeros((g, d), np.float32), np.zeros(g, np.float32)
+    kv_bytes = attend_picked(arena, chunks, cpu_len, block_size, q, ids, bits, len(ids), out, lse, ws.block_heads,
+                             ws.state)
+    assert np.array_equal(out, want_out) and np.array_equal(lse, want_lse)
+    assert kv_bytes == tokens * 2 * d * 2 and kv_bytes + meta_bytes == want_bytes, "K and V only, no metadata"
+    assert lse[1] == -np.inf and (out[1] == 0).all()
+
+
+def test_picked_union_refuses_entries_out_of_range():
+    mask = np.zeros(64, np.uint32)
+    ok = picked_union(100, 16, np.array([0, 6], np.int32), np.array([1, 3], np.int32), 2, mask)
+    assert ok == 16 + 4 and mask[0] == 1 and mask[6] == 3  # the last block holds 4 tokens
+    assert picked_union(100, 16, np.array([0, 7], np.int32), np.array([1, 1], np.int32), 2, mask) == -1
+    assert picked_union(100, 16, np.array([-1], np.int32), np.array([1], np.int32), 1, mask) == -1
+    assert picked_union(100, 16, np.arange(8, dtype=np.int32), np.ones(8, np.int32), 8, mask) == -1, "count > blocks"
+    assert picked_union(100, 16, np.arange(7, dtype=np.int32), np.ones(7, np.int32), 7, np.zeros(3, np.uint32)) == -1
+
+
+# ---------------------------------------------------------------------------- the runtime
+GEOM = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
+LENGTHS = [2100, 900, 1500]
+
+
+def picks_config(selection: str = "gpu", workers: int = 1, placement: str = "fluxion") -> dict:
+    return config_from_dict({
+        "geometry": GEOM,
+        "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192, "max_sequences": 4},
+        "selection": {"name": "fixed", "block_size": 16, "budget": 0.1},
+        "scheduler": {"placement": placement, "cpu_workers": workers, "gpu_worker": True, "step_timeout_s": 30.0,
+                      "spin_us": 0, "cpu_task_selection": selection},
+    })
+
+
+class HostPickingGpu(TorchRefExecutor):
+    """The reference GPU lane plus `pick`: the CPU kernels' own selection of the rows, written from
+    another thread `delay_s` later (a GPU's selection lands while the workers already wait)."""
+
+    def __init__(self, delay_s: float = 0.02):
+        super().__init__(None)  # the runtime's store, set once it exists
+        self.delay_s = delay_s
+        self.fail = False
+        self.picked_rows = 0
+        self.threads: list[threading.Thread] = []
+
+    def pick(self, plan, start, stop, step, ublocks, uheads, counts, ready, stamp) -> None:
+        if self.fail:
+            raise RuntimeError("selection launch failed (test)")
+        tasks, q = list(plan[start:stop]), step.q.numpy()
+        arrays = tuple(t.numpy() for t in (ublocks, uheads, counts, ready))
+        store = self.store
+
+        def land() -> None:
+            time.sleep(self.delay_s)
+            g = step.group_size
+            ws = Workspace(g, store.head_dim, store.max_task_blocks)
+            out, lse = np.zeros((g, store.head_dim), np.float32), np.zeros(g, np.float32)
+            blocks, heads, cnts, rdy = arrays
+            for t, task in enumerate(tasks):
+                h0 = task.kv_head * g
+                select_task(store.arena_numpy(task.layer), task.chunks, task.cpu_len, task.block_size,
+                            q[task.batch_index, h0 : h0 + g], task.n_select, out, lse, ws.scores, ws.selected,
+                            ws.n_selected, ws.block_heads, ws.state, ws.topk_scratch)
+                nb = -(-task.cpu_len // task.block_size)
+                ids = np.nonzero(ws.block_heads[:nb])[0]
+                blocks[t, : len(ids)] = ids
+                heads[t, : len(ids)] = ws.block_heads[ids].astype(np.int32)
+                cnts[t] = len(ids)
+            self.picked_rows += len(tasks)
+            rdy[: len(tasks)] = stamp  # after the unions, as the kernel's release orders them
+
+        th = threading.Thread(target=land, daemon=True)
+        th.start()
+        self.threads.append(th)
+
+
+def decode_steps(rt, steps: int = 3, seed: int = 7) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    b = len(LENGTHS)
+    for _ in range(steps):
+        for layer in range(GEOM["layers"]):
+            q = torch.randn(b, GEOM["q_heads"], GEOM["head_dim"], generator=gen)
+            k = torch.randn(b, GEOM["kv_heads"], GEOM["head_dim"], generator=gen)
+            v = torch.randn(b, GEOM["kv_heads"], GEOM["head_dim"], generator=gen)
+            outs.append(rt.decode(layer, list(range(b)), q, k, v))
+    return outs
+
+
+def prefilled(rt):
+    for s, n in enumerate(LENGTHS):
+        for layer in range(GEOM["layers"]):
+            rt.prefill(s, layer, *random_kv(n, GEOM["kv_heads"], GEOM["head_dim"], seed=10 * s + layer))
+    return rt
+
+
+def test_cpu_tasks_attend_the_gpu_lanes_selection_and_match_host_selection():
+    with prefilled(HybridRuntime(picks_config("host"))) as rt:
+        want = decode_steps(rt)
+        assert rt.scheduler.picks is None and rt.stats()["gpu_selection_launches"] == 0
+    gpu = HostPickingGpu()
+    with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
+        gpu.store = rt.store
+        prefilled(rt)
+        got = decode_steps(rt)
+        stats = rt.stats()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    assert stats["cpu_workers_native"]
+    assert 0 < stats["gpu_selection_launches"] <= len(got)  # none when the GPU reserved every position
+    assert stats["cpu_tasks_gpu_selected"] > 0, "no CPU task ran on the GPU lane's selection"
+    assert stats["gpu_selection_refused"] == 0
+
+
+def test_a_failed_selection_launch_fails_its_step_and_the_workers_select_on_the_host():
+    gpu = HostPickingGpu(delay_s=0.0)
+    with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
+        gpu.store = rt.store
+        prefilled(rt)
+        decode_steps(rt, steps=1)
+        gpu.fail = True
+        # A step whose positions the GPU lane reserved all of launches no selection: steps until one does.
+        with pytest.raises(RuntimeError, match="selection launch failed"):
+            decode_steps(rt, steps=10)
+        refused = rt.stats()["gpu_selection_refused"]
+        assert refused > 0, "the failed launch's positions were not handed back to the host"
+        gpu.fail = False
+        out = decode_steps(rt, steps=1)  # the workers are not stuck waiting for the failed step's selection
+        assert all(torch.isfinite(o).all() for o in out)
+        rt.scheduler.picks.enabled = False  # benchmarks switch it off on one runtime
+        before = rt.stats()["gpu_selection_launches"]
+        decode_steps(rt, steps=1)
+        assert rt.stats()["gpu_selection_launches"] == before
+
+
+def test_cpu_task_selection_config():
+    with pytest.raises(ConfigError, match="cpu_task_selection"):
+        config_from_dict({"scheduler": {"cpu_task_selection": "cpu"}})
+    with pytest.raises(ConfigError, match="cpu_task_selection: 'gpu' needs"):
+        HybridRuntime(picks_config("gpu"))  # the reference executor cannot select
+    cfg = picks_config("auto")
+    # "auto" needs the metadata on the GPU: CUDA, with the UVA executor.
+    assert not selects_cpu_tasks_on_gpu(cfg, cuda=False)
+    assert selects_cpu_tasks_on_gpu(cfg, cuda=True)
+    assert resolved(cfg, cuda=True).scheduler.cpu_task_selection == "gpu"
+    assert resolved(cfg, cuda=False).scheduler.cpu_task_selection == "host"
+    assert resolved(picks_config("auto", placement="cpu_only"), cuda=True).scheduler.cpu_task_selection == "host"
+    assert not selects_cpu_tasks_on_gpu(picks_config("host"), cuda=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_runtime_cpu_tasks_on_the_gpu_selection_match_host_selection_on_cuda():
+    cfg = picks_config("auto", workers=2)
+    outs = {}
+    for mode in ("gpu", "host"):
+        with prefilled(HybridRuntime(cfg)) as rt:
+            assert rt.scheduler.picks is not None
+            rt.scheduler.picks.enabled = mode == "gpu"
+            outs[mode] = decode_steps(rt, steps=4)
+            stats = rt.stats()
+            if mode == "gpu":
+                assert stats["gpu_selection_launches"] > 0 and stats["gpu_selection_refused"] == 0
+                assert stats["cpu_tasks_gpu_selected"] > 0
+    for a, b in zip(outs["gpu"], outs["host"]):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
