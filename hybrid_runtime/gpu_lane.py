@@ -366,7 +366,7 @@ class GpuLane:
             if plan is None or job.error is not None:
                 self.refuse_picks(job)
                 return
-            self.picks.launch(self.pick_executor, plan, q.reserved, q.total, job.gpu_step, q.job)
+            self.picks.launch(self.pick_executor, plan, q.reserved, q.total, job.gpu_step, q.job, job.gpu_ready)
             job.picks_issued = True
         except BaseException as exc:
             self.refuse_picks(job)

@@ -61,15 +61,15 @@ class GpuPicks:
         """Pinned bytes held."""
         return picks_capacity(self.max_tasks, self.max_blocks)
 
-    def launch(self, executor: Any, plan: Any, start: int, stop: int, step: Any, stamp: int) -> None:
-        """Queue the selection of queue positions `[start, stop)` of job `stamp` on the executor's
-        stream (`GpuUvaExecutor.pick`); their `ready` words get `stamp` as each union lands."""
+    def launch(self, executor: Any, plan: Any, start: int, stop: int, step: Any, stamp: int, after: Any = None) -> None:
+        """Queue the selection of queue positions `[start, stop)` of job `stamp` (`GpuUvaExecutor.pick`,
+        after the CUDA event `after`); their `ready` words get `stamp` as each union lands."""
         if not 0 <= start <= stop <= self.max_tasks:
             raise ValueError(f"picks for positions [{start}, {stop}); the rows hold {self.max_tasks}")
         if stop > start:
             ready, blocks, heads, counts = self.views
             executor.pick(plan, start, stop, step, blocks[start:stop], heads[start:stop], counts[start:stop],
-                          ready[start:stop], stamp)
+                          ready[start:stop], stamp, after)
             self.launches += 1
 
     def refuse(self, start: int, stop: int, stamp: int) -> None:
@@ -80,10 +80,15 @@ class GpuPicks:
             self.refused += stop - start
 
 
-def picks_capacity(max_tasks: int, max_blocks: int) -> int:
-    """Pinned bytes `GpuPicks(max_tasks, max_blocks)` holds (for the memory plan)."""
+def picks_tensor_bytes(max_tasks: int, max_blocks: int) -> tuple[int, int, int, int]:
+    """Bytes of each pinned tensor of `GpuPicks(max_tasks, max_blocks)`: ready, blocks, heads, counts."""
     width = -(-max_blocks // 16) * 16
-    return int(max_tasks) * (8 + 4 + 2 * 4 * width)
+    return 8 * max_tasks, 4 * max_tasks * width, 4 * max_tasks * width, 4 * max_tasks
 
 
-__all__ = ["GpuPicks", "picks_capacity"]
+def picks_capacity(max_tasks: int, max_blocks: int) -> int:
+    """Pinned bytes `GpuPicks(max_tasks, max_blocks)` holds."""
+    return sum(picks_tensor_bytes(max_tasks, max_blocks))
+
+
+__all__ = ["GpuPicks", "picks_capacity", "picks_tensor_bytes"]

@@ -215,7 +215,8 @@ def native_job_bytes(max_tasks: int, group_size: int, max_chunks: int, n_workers
     team = 3 * w * native_pool.LINE * _I64 + w * (parts + 1) * _I64 + native_pool.LINE * _I64
     team += w * parts * group_size * (max(1, head_dim) + 1) * _F32 + w * (max(1, max_blocks) if split else 1) * 4
     doorbells = max(1, n_workers) * (native_pool.SEM_BYTES + _I64) + 4
-    return fixed + team + doorbells
+    picked = native_pool.LINE * _I64  # the picked-task count (the GPU selection's rows are a part of their own)
+    return fixed + team + doorbells + picked
 
 
 def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int]:
@@ -239,6 +240,8 @@ def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int
         "blocks": blocks,
         # scores, union blocks and heads; counts and two rows of tickets
         "claim_scratch": tasks * (g + 2) * blocks * 4 + tasks * 3 * 4,
+        # scores and tickets of the CPU lane's selection (`GpuUvaExecutor.pick`), made with the claims'
+        "pick_scratch": tasks * g * blocks * 4 + tasks * 4,
         "split_partials": tasks * MAX_SPLITS * g * (d + 1) * _F32,
         "step_table": table_words * 4,  # one table; the lane keeps up to `resident_tables` on the device
         "resident_tables": GpuUvaExecutor.RESIDENT,
@@ -253,7 +256,7 @@ def gpu_lane_bytes(kv: KVCacheConfig, geometry: GeometryConfig) -> tuple[int, in
     them: the claim scratch grows by doubling and the smaller earlier buffers stay cached (counted
     twice); the link probe's buffers stay cached too."""
     z = gpu_lane_sizes(kv, geometry)
-    device = (2 * _on(GPU, z["claim_scratch"]) + _on(GPU, z["split_partials"])
+    device = (2 * _on(GPU, z["claim_scratch"]) + 2 * _on(GPU, z["pick_scratch"]) + _on(GPU, z["split_partials"])
               + z["resident_tables"] * _on(GPU, z["step_table"])
               + _on(GPU, z["table_staging"]) + _on(GPU, z["link_probe"]))
     pinned = _on(HOST_PINNED, z["ring"]) + _on(HOST_PINNED, z["table_staging"]) + _on(HOST_PINNED, z["link_probe"])
@@ -498,11 +501,12 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
                 ("kv_cache.cpu_capacity_tokens", "kv_cache.gpu_metadata", "kv_cache.max_sequences", "geometry.layers"),
                 f"{layers} layers x {n_chunks} chunks x {layout.META_ROWS} metadata rows x {d} x {es} B"))
         if selects_cpu_tasks_on_gpu(cfg, cuda):
-            from hybrid_runtime.gpu_picks import picks_capacity
+            from hybrid_runtime.gpu_picks import picks_tensor_bytes
 
             tasks = max(1, kv.max_sequences * geometry.kv_heads)
+            rows = sum(_on(HOST_PINNED, n) for n in picks_tensor_bytes(tasks, max_task_blocks(kv)))
             parts.append(MemoryPart(
-                "gpu_selection_rows", HOST_PINNED, RESIDENT, _on(HOST_PINNED, picks_capacity(tasks, max_task_blocks(kv))),
+                "gpu_selection_rows", HOST_PINNED, RESIDENT, rows,
                 ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences", "scheduler.cpu_task_selection"),
                 f"the GPU lane's block selection for {tasks} CPU tasks of up to {max_task_blocks(kv)} blocks"))
     if window_on_gpu:

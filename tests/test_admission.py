@@ -142,6 +142,7 @@ def test_gpu_lane_sizes_are_those_of_its_buffers():
         ex._grow(sizes["tasks"], store.max_task_blocks)
         assert sizes["claim_scratch"] == sum(t.nbytes for t in (ex._scores, ex._ublocks, ex._uheads, ex._counts,
                                                                  ex._tickets))
+        assert sizes["pick_scratch"] == ex._pick_scores.nbytes + ex._pick_tickets.nbytes
         assert sizes["split_partials"] == ex._part_out.nbytes + ex._part_lse.nbytes
         assert sizes["ring"] == ex._ring.nbytes
         assert ex._tables.capacity * 4 <= sizes["table_staging"]
@@ -162,6 +163,28 @@ def test_gpu_metadata_copy_is_planned_at_its_real_size():
         want = store.memory_stats()["gpu_metadata_bytes"]
         got = part(mp.estimate_runtime(cfg, cuda=True), "gpu_metadata")
         assert got.where == mp.GPU and got.nbytes >= want and got.nbytes - want < store.layers * (2 << 20)
+    finally:
+        store.close()
+
+
+def test_gpu_selection_rows_are_planned_at_their_real_size():
+    """`scheduler.cpu_task_selection`'s pinned rows are in the plan where the GPU lane selects the CPU
+    lane's blocks, at the size `GpuPicks` allocates, and absent where it does not."""
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    cfg = small_cfg(cpu_workers=1, cpu_capacity_tokens=5000, gpu_worker="auto")
+    assert "gpu_selection_rows" not in {p.name for p in mp.estimate_runtime(cfg, cuda=False).parts}
+    d = cfg.to_dict()
+    host = config_from_dict({**d, "scheduler": {**d["scheduler"], "cpu_task_selection": "host"}})
+    assert "gpu_selection_rows" not in {p.name for p in mp.estimate_runtime(host, cuda=True).parts}
+    got = part(mp.estimate_runtime(cfg, cuda=True), "gpu_selection_rows")
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    try:
+        picks = GpuPicks(cfg.kv_cache.max_sequences * cfg.geometry.kv_heads, store.max_task_blocks, torch.device("cpu"))
+        tensors = (picks.ready, picks.blocks, picks.heads, picks.counts)
+        assert picks.nbytes == sum(t.nbytes for t in tensors)
+        # As the pinned allocator holds them (rounded up on CUDA).
+        assert got.where == mp.HOST_PINNED and got.nbytes == sum(mp._on(mp.HOST_PINNED, t.nbytes) for t in tensors)
     finally:
         store.close()
 

@@ -150,6 +150,12 @@ class GpuUvaExecutor:
         self._programs = claim_programs(self.dev, self._config)
         self._work = torch.zeros(4, dtype=torch.int32, device=self.dev)  # the descriptor launches' item counters
         self._capture_stream = torch.cuda.Stream() if self.cuda else None
+        # `pick` launches here, not on the lane's stream: there it would queue behind the previous
+        # layer's trailing claims while the CPU workers wait for it (0.3 ms of the workers' start
+        # at 8 x 32K on the H200, benchmarks/notes/gpu_lane.md section 17). High priority: the
+        # claims' programs are then scheduled after its.
+        self._pick_stream = torch.cuda.Stream(priority=-1) if self.cuda else None
+        self._upload_done = None
         self._tasks_cap = 0
         self._blocks_cap = 0
         self._grow(max(1, store.cfg.max_sequences * store.kv_heads), 256)
@@ -206,9 +212,13 @@ class GpuUvaExecutor:
             return
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stream)  # old scratch may still be read
+            torch.cuda.current_stream().wait_stream(self._pick_stream)
         self._drop_graphs()  # they read the old scratch
         g, d, dev = self.group_size, self.head_dim, self.dev
         self._scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
+        # `pick`'s own scores and tickets: it runs on its own stream, beside the claims.
+        self._pick_scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
+        self._pick_tickets = torch.zeros(tasks, dtype=torch.int32, device=dev)
         self._ublocks = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._uheads = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._counts = torch.zeros(tasks, dtype=torch.int32, device=dev)
@@ -248,6 +258,7 @@ class GpuUvaExecutor:
         data, n_blocks, union_pages, block_size = packed
         if n_blocks.shape[0]:
             self._grow(int(n_blocks.shape[0]), int(n_blocks.max()))
+        self._upload_done = None  # this step's table copy, if it makes one (`pick` waits for it)
         if resident:
             key = id(data)
             hit = self._resident.pop(key, None)
@@ -264,7 +275,10 @@ class GpuUvaExecutor:
             self._seen_once[key] = data  # held (bounded) so that its id is not reused meanwhile
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
+                table = self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
+                self._upload_done = torch.cuda.Event()
+                self._upload_done.record(self.stream)
+            return table
         return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
 
     def _resident_table(self, packed: tuple) -> StepTable:
@@ -321,13 +335,14 @@ class GpuUvaExecutor:
         return handle
 
     def pick(self, table: StepTable, start: int, stop: int, step: Step, ublocks: torch.Tensor, uheads: torch.Tensor,
-             counts: torch.Tensor, ready: torch.Tensor, stamp: int) -> None:
-        """Queue the block selection of rows `[start, stop)` for the CPU lane (`hybrid_runtime.gpu_picks`)
-        on the executor's stream: row `start + t`'s union lands in row t of `ublocks`/`uheads`
-        (device views of pinned host rows, at least the rows' block count wide), its size in
-        `counts[t]`, then `stamp` in `ready[t]`. One `score_select` launch, ordered like a claim
-        (after `step.q`, the table upload and earlier claims, before later ones, whose scratch it
-        shares); its metadata bytes count as a claim's do (`device_bytes_read` from the GPU copy)."""
+             counts: torch.Tensor, ready: torch.Tensor, stamp: int, after: object = None) -> None:
+        """Queue the block selection of rows `[start, stop)` for the CPU lane (`hybrid_runtime.gpu_picks`):
+        row `start + t`'s union lands in row t of `ublocks`/`uheads` (device views of pinned host
+        rows, at least the rows' block count wide), its size in `counts[t]`, then `stamp` in
+        `ready[t]`. One `score_select` launch with scratch of its own, on a stream of its own that
+        waits for `after` (the CUDA event after which `step.q` and the store's metadata are ready)
+        and for this step's table copy, if `upload` made one -- not for the claims on the lane's
+        stream. Its metadata bytes count as a claim's do (`device_bytes_read` from the GPU copy)."""
         n = stop - start
         if not 0 <= start < stop <= table.n_tasks:
             raise ValueError(f"selection of rows [{start}, {stop}) of a table of {table.n_tasks} tasks")
@@ -337,9 +352,16 @@ class GpuUvaExecutor:
                              f"{self._tasks_cap} of {self._blocks_cap} and the union rows hold {ublocks.shape[1]}")
         arena = self._arena(step.layer)
         meta = self._metadata_source(step.layer, arena)
-        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor, self._scores,
-                     self._tickets[0], ublocks, uheads, counts, counts, self._stream_handle, meta_layout=meta.layout,
-                     ready=ready, stamp=stamp)
+        stream = None
+        if self.cuda:
+            if after is not None:
+                self._pick_stream.wait_event(after)
+            if self._upload_done is not None:
+                self._pick_stream.wait_event(self._upload_done)
+            stream = self._pick_stream.cuda_stream
+        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
+                     self._pick_scores, self._pick_tickets, ublocks, uheads, counts, counts, stream,
+                     meta_layout=meta.layout, ready=ready, stamp=stamp)
         meta_bytes = int(table.n_blocks[start:stop].sum()) * 2 * self.head_dim * self.esize
         if meta.on_device:
             self.device_bytes_read += meta_bytes
@@ -453,9 +475,13 @@ class GpuUvaExecutor:
         if self.pick_rows is not None:
             # The CPU lane's selection variant (`pick`), into row 0 with job id 0 (no job has it).
             ready, blocks, heads, counts = self.pick_rows
-            self.pick(table, 0, 1, step, blocks[:1], heads[:1], counts[:1], ready[:1], 0)
+            after = None
             if self.cuda:
-                self.stream.synchronize()
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream())  # step.q was made there
+            self.pick(table, 0, 1, step, blocks[:1], heads[:1], counts[:1], ready[:1], 0, after)
+            if self.cuda:
+                self._pick_stream.synchronize()
             self.picks = 0
         if self.claim_graphs and self.cuda:
             meta_layout = self._metadata_source(0, self._arena(0)).layout
