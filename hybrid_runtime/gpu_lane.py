@@ -216,21 +216,10 @@ class GpuLane:
         `trails`; the caller's merge waits for the last claim's end event on the device): claim
         the whole queue at once and return once it is launched and the side work issued, leaving
         the claim to trail like a CPU-lane step's; a step that failed by then still waits."""
-        # A trailing step without a reserved claim launches nothing (but the CPU lane's selection):
-        # no plan to build either.
-        gq = job.gpu_queue if job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks) else None
+        if job.gpu_plan is None:
+            self.begin(job, cpu_trails)
+        gq, plan, rows = job.gpu_plan
         ex = self.executor
-        plan, rows = None, None
-        if gq is not None:
-            if job.gpu_ready is not None and ex.stream is not None:
-                ex.stream.wait_event(job.gpu_ready)
-            try:
-                plan = self._plan(job, gq)
-                rows = job.queue_rows(gq)
-            except BaseException as exc:
-                job.fail(exc)
-        if job.picks:
-            self._issue_picks(job, plan)
         # (handle, start, stop, modeled bytes, claim seconds per task, host time of the claim); on the
         # job, so that a timed-out step's unretired claims stay with it (and its messages name them).
         pipeline = job.gpu_pending = deque()
@@ -357,16 +346,42 @@ class GpuLane:
             if not progressed:
                 self._idle(job)
 
+    def begin(self, job: StepJob, cpu_trails: bool = False) -> None:
+        """The step's plan on the lane (`job.gpu_plan`: the GPU queue, the executor's table, the
+        queue rows) and, with `job.picks`, the CPU lane's selection launched. `drive` begins the
+        step itself if nobody did; a step with `job.picks` begins before the CPU workers are woken,
+        so that the selection they wait for is launched as early as it can be (its inputs are q on
+        the lane's device and the table: `job.gpu_ready`), and its stamp is the job id the queue
+        will be published with (`NativeQueue.next_job`)."""
+        # A trailing step without a reserved claim launches nothing (but the CPU lane's selection):
+        # no plan to build either.
+        gq = job.gpu_queue if job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks) else None
+        ex = self.executor
+        plan, rows = None, None
+        if gq is not None:
+            if job.gpu_ready is not None and ex.stream is not None:
+                ex.stream.wait_event(job.gpu_ready)
+            try:
+                plan = self._plan(job, gq)
+                rows = job.queue_rows(gq)
+            except BaseException as exc:
+                job.fail(exc)
+        job.gpu_plan = (gq, plan, rows)
+        if job.picks:
+            self._issue_picks(job, plan)
+
     def _issue_picks(self, job: StepJob, plan: Any) -> None:
-        """The GPU's selection of the positions the CPU workers may pop (`job.picks`), before any
-        claim on the lane's stream; refused (the workers select on the host) when the step has no
-        plan or already failed, or when the launch raises (which also fails the step)."""
+        """The GPU's selection of the positions the CPU workers may pop (`job.picks`), on its own
+        stream; refused (the workers select on the host) when the step has no plan or already
+        failed, or when the launch raises (which also fails the step)."""
         q = job.cpu_queue
+        job.picks_stamp = q.job if q.job >= 0 else q.next_job()
         try:
             if plan is None or job.error is not None:
                 self.refuse_picks(job)
                 return
-            self.picks.launch(self.pick_executor, plan, q.reserved, q.total, job.gpu_step, q.job, job.gpu_ready)
+            self.picks.launch(self.pick_executor, plan, q.reserved, q.total, job.gpu_step, job.picks_stamp,
+                              job.gpu_ready)
             job.picks_issued = True
         except BaseException as exc:
             self.refuse_picks(job)
@@ -375,7 +390,8 @@ class GpuLane:
     def refuse_picks(self, job: StepJob) -> None:
         """Every position of `job` the CPU workers may pop selects on the host (`GpuPicks.refuse`)."""
         q = job.cpu_queue
-        self.picks.refuse(q.reserved, q.total, q.job)
+        stamp = q.job if q.job >= 0 else (job.picks_stamp or q.next_job())
+        self.picks.refuse(q.reserved, q.total, stamp)
         job.picks_issued = True
 
     def _ring_full(self, in_flight: int) -> bool:

@@ -52,6 +52,10 @@ class NativeQueue:
         buf.rec[:t, native.R_WORKER] = -1
         self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved, int(self.picks))
 
+    def next_job(self) -> int:
+        """The job id `publish` will give this queue (the host publishes one job at a time)."""
+        return (int(self.pool.ctrl[native.C_SEQ]) + 2) >> 1
+
     def __len__(self) -> int:
         return self.total - native.head(self.pool.ctrl, self.job, self.total)
 

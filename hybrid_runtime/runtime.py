@@ -830,7 +830,8 @@ class HybridRuntime:
             gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
 
         def gpu_prep() -> None:
-            # After the CPU workers were released: these ops are not on their critical path.
+            # After the CPU workers were released (these ops are not on their critical path), but
+            # before, when they wait for the GPU lane's selection (`scheduler.cpu_task_selection`).
             gq.copy_(qs, non_blocking=True)
             gout.zero_()
             glse.fill_(float("-inf"))

@@ -285,7 +285,10 @@ class Scheduler:
         shared queue, `before_cpu` (the host waits for q, clears the CPU result buffer), release
         the CPU workers, `before_gpu` (the GPU lane's buffers), the reserved first GPU launch,
         `side_work` (the caller's own GPU work, e.g. the window attention, which then overlaps
-        the tasks), then keep the GPU lane fed while polling for the end of the step. With
+        the tasks), then keep the GPU lane fed while polling for the end of the step. A step whose
+        CPU tasks attend the GPU lane's selection (`job.picks`, gpu_picks.py) calls `before_gpu`
+        and launches that selection (`GpuLane.begin`) before `before_cpu`: the workers wait for
+        it, so it goes first. With
         `collect=False` the caller calls `collect(job)` itself, off the step's critical path. The
         first step with CPU tasks first waits for the CPU workers' start (`await_workers`; a start
         failure is raised there and closes the scheduler); its timeout does not count that wait.
@@ -332,18 +335,25 @@ class Scheduler:
             self.lane.reserve_first(job, launcher_slack_s=slack)
             self.trailing_claims_gated += job.gpu_gated
         self.workers.job = job
+        if job.picks:
+            # The CPU workers will wait for the GPU's selection: it is launched first, then they are woken.
+            self._before_gpu(job, before_gpu, cpu_trails)
+            try:
+                self.lane.begin(job, cpu_trails)
+            finally:
+                if not job.picks_issued:
+                    self.lane.refuse_picks(job)
         if job.cpu_used:
             if before_cpu is not None:
                 before_cpu()
             job.t_release = time.perf_counter()
             self.workers.wake()
-        # A trailing step launches no GPU claim but its reserved one (and the CPU lane's selection):
-        # without them, no GPU-lane buffers.
-        if before_gpu is not None and job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks):
-            try:
-                before_gpu()
-            except BaseException as exc:
-                job.fail(exc)
+            if job.picks and job.cpu_queue.job != job.picks_stamp:  # never: one host publishes at a time
+                job.fail(RuntimeError(f"the CPU lane's job id {job.cpu_queue.job} is not the {job.picks_stamp} "
+                                      "its GPU selection was launched with"))
+                self.lane.refuse_picks(job)
+        if not job.picks:
+            self._before_gpu(job, before_gpu, cpu_trails)
         gpu_trails = gpu_trails and job.gpu_used and not job.cpu_used and self.lane.trails
         try:
             self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails, gpu_trails=gpu_trails)
@@ -364,6 +374,16 @@ class Scheduler:
             return
         if collect:
             self.collect(job)
+
+    @staticmethod
+    def _before_gpu(job: StepJob, before_gpu: Callable[[], None] | None, cpu_trails: bool) -> None:
+        """The caller's `before_gpu` (the GPU lane's buffers), unless the step launches nothing on the
+        GPU lane: a trailing step launches only its reserved claim and the CPU lane's selection."""
+        if before_gpu is not None and job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks):
+            try:
+                before_gpu()
+            except BaseException as exc:
+                job.fail(exc)
 
     def note_entry(self, t_entry: float) -> None:
         """The caller entered its next step at host time `t_entry` (perf_counter): one sample of

@@ -55,6 +55,9 @@ class StepJob:
     # was launched or refused for every position the CPU workers may pop.
     picks: bool = False
     picks_issued: bool = False
+    picks_stamp: int = 0  # the job id the selection was launched with
+    # (GPU queue, executor table, queue rows) once the GPU lane began the step (`GpuLane.begin`).
+    gpu_plan: tuple | None = None
     error: BaseException | None = None
     gpu_batches: list = field(default_factory=list)  # [(start, end, task rows)] of every GPU launch
     columns: dict | None = None
