@@ -380,9 +380,13 @@ class GpuLane:
             if plan is None or job.error is not None:
                 self.refuse_picks(job)
                 return
-            self.picks.launch(self.pick_executor, plan, q.reserved, q.total, job.gpu_step, job.picks_stamp,
-                              job.gpu_ready)
+            expected = self.picks.launch(self.pick_executor, plan, q.reserved, q.total, job.gpu_step, job.picks_stamp,
+                                         job.gpu_ready, self.clock)
             job.picks_issued = True
+            # Published with the job: when its workers may expect the selection, and what scoring a
+            # block themselves costs one of them (perf_counter is the workers' monotonic clock).
+            q.pick_at_ns = int(expected * 1e9)
+            q.pick_ns_per_block = self.picks.host_ns_per_block(self.rates.cpu.bytes_per_s)
         except BaseException as exc:
             self.refuse_picks(job)
             job.fail(exc, "the GPU lane's block selection for the CPU lane")

@@ -14,7 +14,10 @@ placement (`scheduler.cpu_task_selection`):
    into the pinned rows below, then the step's job id into the position's `ready` word (a
    system-scope release after the union: `gpu_kernels.score_select`, `SIGNAL`);
 2. a native CPU worker that pops a position waits for that word, then attends the union
-   (`cpu_kernels.sparse_attention.attend_picked`; `native_pool`, "GPU picks").
+   (`cpu_kernels.sparse_attention.attend_picked`; `native_pool`, "GPU picks") -- as long as
+   waiting is modeled to be cheaper than scoring its task itself: the job carries when the
+   selection is expected to land (its launch time plus `latency`, learned from the selection's
+   end events) and a worker's time to score one block (from its measured rate).
 
 Every position gets either the job id or, when the launch fails or never happens, minus the job
 id (`refuse`), after which the worker selects on the host as before: no worker waits for a launch
@@ -25,11 +28,13 @@ on which lane selected it beyond fp32 rounding of near-tied scores.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from gpu_kernels.uva import uva_view
+from hybrid_runtime.lane_rates import Delay
 
 
 class GpuPicks:
@@ -37,7 +42,10 @@ class GpuPicks:
     blocks each, their CUDA views (written by the GPU lane's selection launch) and numpy views
     (read by the native CPU workers: `native_pool.NativeJobBuffers(picks=self.arrays)`)."""
 
-    def __init__(self, max_tasks: int, max_blocks: int, device: torch.device):
+    # The selection's latency before any was measured (launch to landing, seconds).
+    LATENCY_S = 200e-6
+
+    def __init__(self, max_tasks: int, max_blocks: int, device: torch.device, meta_block_bytes: int = 0):
         if max_tasks < 1 or max_blocks < 1:
             raise ValueError(f"GpuPicks needs max_tasks >= 1 and max_blocks >= 1, got {max_tasks} and {max_blocks}")
         cuda = device.type == "cuda"
@@ -55,22 +63,46 @@ class GpuPicks:
         self.launches = 0  # selection launches
         self.refused = 0  # positions handed back to host selection (a launch failed or never happened)
         self.enabled = True  # benchmarks switch it off to compare with host selection on one runtime
+        # Bytes of one block's metadata (min and max rows), what a worker scores per block itself.
+        self.meta_block_bytes = int(meta_block_bytes)
+        # Seconds from the launch call to the selection's end on the GPU (`learn`).
+        self.latency = Delay(self.LATENCY_S)
+        self._pending: tuple | None = None  # (host time of the last launch, its end event)
 
     @property
     def nbytes(self) -> int:
         """Pinned bytes held."""
         return picks_capacity(self.max_tasks, self.max_blocks)
 
-    def launch(self, executor: Any, plan: Any, start: int, stop: int, step: Any, stamp: int, after: Any = None) -> None:
+    def launch(self, executor: Any, plan: Any, start: int, stop: int, step: Any, stamp: int, after: Any = None,
+               clock: Any = None) -> float:
         """Queue the selection of queue positions `[start, stop)` of job `stamp` (`GpuUvaExecutor.pick`,
-        after the CUDA event `after`); their `ready` words get `stamp` as each union lands."""
+        after the CUDA event `after`); their `ready` words get `stamp` as each union lands. Returns
+        the host time (perf_counter seconds) the selection is expected to land. `clock` (maps CUDA
+        events to host time): the previous launch's end, if it has ended, teaches `latency` first."""
         if not 0 <= start <= stop <= self.max_tasks:
             raise ValueError(f"picks for positions [{start}, {stop}); the rows hold {self.max_tasks}")
+        self.learn(clock)
+        t0 = time.perf_counter()
         if stop > start:
             ready, blocks, heads, counts = self.views
-            executor.pick(plan, start, stop, step, blocks[start:stop], heads[start:stop], counts[start:stop],
-                          ready[start:stop], stamp, after)
+            end = executor.pick(plan, start, stop, step, blocks[start:stop], heads[start:stop], counts[start:stop],
+                                ready[start:stop], stamp, after)
             self.launches += 1
+            self._pending = (t0, end) if end is not None else None
+        return t0 + self.latency.seconds
+
+    def learn(self, clock: Any) -> None:
+        """One latency sample from the last launch's end event, once it has ended (never waits)."""
+        pending = self._pending
+        if pending is None or clock is None or not pending[1].query():
+            return
+        self._pending = None
+        self.latency.update(max(0.0, clock.to_host(pending[1]) - pending[0]))
+
+    def host_ns_per_block(self, worker_bytes_per_s: float) -> int:
+        """A worker's modeled time to score one block's metadata itself, at `worker_bytes_per_s`."""
+        return max(1, int(self.meta_block_bytes / max(worker_bytes_per_s, 1e8) * 1e9))
 
     def refuse(self, start: int, stop: int, stamp: int) -> None:
         """Positions `[start, stop)` of job `stamp` get no GPU selection: their workers select on

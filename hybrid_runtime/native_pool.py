@@ -52,7 +52,12 @@ published with PICKS set makes a worker wait for its position's `ready` word aft
 job id means the union is there and the worker reads only K and V (`attend_picked`); minus the
 job id means the GPU's selection will not come (its launch failed or never happened) and the
 worker selects on the host as usual. The host writes the latter on every path on which it does
-not launch the selection, so a worker never waits for a launch that will not happen.
+not launch the selection, so a worker never waits for a launch that will not happen. A worker
+waits only while waiting is modeled to be cheaper than selecting itself: the job carries when the
+selection is expected to land (PICK_AT, from its measured latency) and a worker's time to score
+one block's metadata (PICK_NS_PER_BLOCK); a worker whose task's scoring would end before the
+expected landing selects on the host at once, and one that waited gives up once that scoring time
+has passed beyond the expected landing (`_await_pick`).
 
 Failures are statuses, not exceptions. An exception that unwinds through nopython frames skips
 their reference decrements (numba 0.68: every array view those frames made -- of the arenas, q,
@@ -111,6 +116,8 @@ C_SEQ, C_STOP, C_WORD, C_DONE = 0, 8, 16, 24
 C_LAYER, C_B, C_N = 32, 33, 34
 C_MAX_BLOCKS = 35  # blocks the stock kernel's workspaces hold (0: rows not checked), written at start
 C_PICKS = 36  # the job's CPU tasks attend the GPU lane's selection (`picks`, see "GPU picks" above)
+C_PICK_AT = 37  # when that selection is expected to land (monotonic ns)
+C_PICK_NS_PER_BLOCK = 38  # a worker's modeled time to score one block's metadata itself (ns)
 CTRL_SIZE = 40
 MASK = (1 << 32) - 1
 
@@ -360,6 +367,8 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
         b = 0
         n = 0
         use_picks = 0
+        pick_at = 0
+        pick_ns = 0
         while True:
             if atomic_load(ctrl, C_STOP) != 0:
                 return LOOP_STOPPED
@@ -369,6 +378,8 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
                 b = atomic_load(ctrl, C_B)
                 n = atomic_load(ctrl, C_N)
                 use_picks = atomic_load(ctrl, C_PICKS)
+                pick_at = atomic_load(ctrl, C_PICK_AT)
+                pick_ns = atomic_load(ctrl, C_PICK_NS_PER_BLOCK)
                 if atomic_load(ctrl, C_SEQ) == s1:  # consistent snapshot of the job
                     job = s1 >> 1
                     break
@@ -405,7 +416,8 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
             t_popped = t1
             picked = PICK_HOST
             if nbytes == 0 and use_picks != 0:
-                picked = _await_pick(ctrl, picks[0], i, job)
+                host_ns = (tab[i, T_CPULEN] + tab[i, T_BLOCK] - 1) // tab[i, T_BLOCK] * pick_ns
+                picked = _await_pick(ctrl, picks[0], i, job, pick_at, host_ns)
                 if picked == PICK_STOP:
                     return LOOP_STOPPED
                 # The task starts with its selection in hand; the wait for it is neither the task's
@@ -448,17 +460,30 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
 
 
 @numba.njit(nogil=True)
-def _await_pick(ctrl, ready, i, job):
-    """Wait for position `i`'s GPU selection of job `job` ("GPU picks" above): PICK_READY once
-    its union is in place, PICK_HOST when it will not come, PICK_STOP on STOP."""
+def _await_pick(ctrl, ready, i, job, pick_at, host_ns):
+    """Position `i`'s GPU selection of job `job` ("GPU picks" above): PICK_READY once its union is
+    in place; PICK_HOST when it will not come, when it is expected (at `pick_at`, monotonic ns)
+    later than this task's own scoring would end (`host_ns` from now), or when it is still missing
+    `host_ns` past its expected landing; PICK_STOP on STOP."""
+    r = atomic_load(ready, i)  # acquire: the union's words are read after it
+    if r == job:
+        return PICK_READY
+    if r == -job:
+        return PICK_HOST
+    now = monotonic_ns()
+    if pick_at - now > host_ns:
+        return PICK_HOST
+    deadline = max(pick_at, now) + host_ns
     while True:
-        r = atomic_load(ready, i)  # acquire: the union's words are read after it
+        r = atomic_load(ready, i)
         if r == job:
             return PICK_READY
         if r == -job:
             return PICK_HOST
         if atomic_load(ctrl, C_STOP) != 0:
             return PICK_STOP
+        if monotonic_ns() > deadline:
+            return PICK_HOST
         cpu_relax()
 
 
@@ -614,12 +639,13 @@ def serve(ctrl, wid: int, spin_ns: int, bell: int, mode: int, arenas, q_flat, re
 
 
 @numba.njit(nogil=True, cache=True)
-def publish(ctrl, layer, b, n, start=0, picks=0):
+def publish(ctrl, layer, b, n, start=0, picks=0, pick_at=0, pick_ns_per_block=0):
     """Make the job (tables already written) visible; returns its id.
 
     Positions `[0, start)` are already taken (the GPU lane's first claim, made before the CPU
     workers can pop anything): the first pop gets position `start`. `picks` non-zero: the workers
-    wait for each position's GPU selection ("GPU picks" above).
+    look for each position's GPU selection, expected at `pick_at` (monotonic ns), and wait for it
+    while that is cheaper than `pick_ns_per_block` per block of their own scoring ("GPU picks" above).
     """
     s = atomic_load(ctrl, C_SEQ)
     atomic_store(ctrl, C_SEQ, s + 1)
@@ -627,6 +653,8 @@ def publish(ctrl, layer, b, n, start=0, picks=0):
     atomic_store(ctrl, C_B, b)
     atomic_store(ctrl, C_N, n)
     atomic_store(ctrl, C_PICKS, picks)
+    atomic_store(ctrl, C_PICK_AT, pick_at)
+    atomic_store(ctrl, C_PICK_NS_PER_BLOCK, pick_ns_per_block)
     job = (s + 2) >> 1
     atomic_store(ctrl, C_DONE, 0)
     atomic_store(ctrl, C_WORD, (job << 32) | start)
@@ -708,7 +736,7 @@ def warm_up() -> None:
     (`queues.NativeQueue`: `publish` with its `start`). Each CPU worker calls it at its start,
     before it compiles (or loads) its loop, so the first step's wait for the workers covers it."""
     c = np.zeros(CTRL_SIZE, dtype=np.int64)
-    job = publish(c, 0, 0, 0, 0, 0)
+    job = publish(c, 0, 0, 0, 0, 0, 0, 0)
     claim(c, job, 1, 0)
     close(c, job, 0)
     head(c, job, 0)
@@ -826,7 +854,7 @@ class NativeJobBuffers:
 
 
 __all__ = [
-    "C_DONE", "C_MAX_BLOCKS", "C_PICKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
+    "C_DONE", "C_MAX_BLOCKS", "C_PICK_AT", "C_PICK_NS_PER_BLOCK", "C_PICKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
     "LOOP_WARM", "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "PICK_HOST", "PICK_READY", "PICK_STOP", "R_BYTES",
     "R_COLS", "R_END", "R_OVERHEAD", "R_START", "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_PICKS", "S_WORKSPACE",
     "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS", "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close",

@@ -37,6 +37,8 @@ class NativeQueue:
         # (`hybrid_runtime.gpu_picks`), which the GPU lane must then launch or refuse for every
         # position from `reserved` on.
         self.picks = False
+        self.pick_at_ns = 0  # when the selection is expected to land (monotonic ns)
+        self.pick_ns_per_block = 0  # a worker's modeled time to score one block itself
         self.gpu_done = 0
         self.released = 0  # never-started positions added to DONE to end a device-side wait
         self.closed_at: int | None = None
@@ -50,7 +52,8 @@ class NativeQueue:
         buf.chunks[:c] = self.chunks
         buf.rec[:t] = 0
         buf.rec[:t, native.R_WORKER] = -1
-        self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved, int(self.picks))
+        self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved, int(self.picks), int(self.pick_at_ns),
+                                  int(self.pick_ns_per_block))
 
     def next_job(self) -> int:
         """The job id `publish` will give this queue (the host publishes one job at a time)."""

@@ -356,7 +356,8 @@ class HybridRuntime:
         if picks_possible:
             from hybrid_runtime.gpu_picks import GpuPicks
 
-            self._picks = GpuPicks(s * geometry.kv_heads, store.max_task_blocks, self.gpu_lane_device)
+            self._picks = GpuPicks(s * geometry.kv_heads, store.max_task_blocks, self.gpu_lane_device,
+                                   meta_block_bytes=2 * d * store.arena(0).element_size())
             native["picks"] = self._picks.arrays
             self.gpu_executor.pick_rows = self._picks.views  # its kernel variant compiles at warm-up
         # The native workers' control words in pinned memory: with `scheduler.cpu_lane_trails` the
@@ -1090,6 +1091,7 @@ class HybridRuntime:
             "cpu_tasks_gpu_selected": int(sch.native.picked_tasks[0]) if sch.native is not None else 0,
             "gpu_selection_launches": sch.picks.launches if sch.picks is not None else 0,
             "gpu_selection_refused": sch.picks.refused if sch.picks is not None else 0,
+            "gpu_selection_latency_us": sch.picks.latency.seconds * 1e6 if sch.picks is not None else 0.0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
             # Steps without CPU tasks that returned before their GPU claims ended (`gpu_only_trails`).

@@ -210,6 +210,8 @@ def test_cpu_tasks_attend_the_gpu_lanes_selection_and_match_host_selection():
     gpu = HostPickingGpu()
     with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
         gpu.store = rt.store
+        # Scoring a block on the host modeled as slow: the workers wait for the late selection.
+        rt.scheduler.picks.meta_block_bytes = 1 << 40
         prefilled(rt)
         got = decode_steps(rt)
         stats = rt.stats()
@@ -219,6 +221,46 @@ def test_cpu_tasks_attend_the_gpu_lanes_selection_and_match_host_selection():
     assert 0 < stats["gpu_selection_launches"] <= len(got)  # none when the GPU reserved every position
     assert stats["cpu_tasks_gpu_selected"] > 0, "no CPU task ran on the GPU lane's selection"
     assert stats["gpu_selection_refused"] == 0
+
+
+@host_lane
+def test_workers_select_on_the_host_when_the_selection_is_expected_after_their_own_would_end():
+    gpu = HostPickingGpu(delay_s=0.5)
+    with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
+        gpu.store = rt.store
+        prefilled(rt)
+        rt.scheduler.picks.latency.seconds = 0.5  # measured so, and a block's scoring takes microseconds
+        t0 = time.perf_counter()
+        got = decode_steps(rt, steps=1)
+        assert time.perf_counter() - t0 < 0.5 * len(got), "a step waited for the late selection"
+        assert rt.stats()["cpu_tasks_gpu_selected"] == 0
+        for th in gpu.threads:  # the late selections land in rows no worker reads any more
+            th.join()
+    with prefilled(HybridRuntime(picks_config("host"))) as rt:
+        want = decode_steps(rt, steps=1)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_the_wait_for_a_selection_is_bounded_by_the_tasks_own_scoring_time():
+    from hybrid_runtime import native_pool as npool
+
+    ctrl = np.zeros(npool.CTRL_SIZE, np.int64)
+    ready = np.zeros(4, np.int64)
+    ready[1], ready[2] = 5, -5
+    now = time.perf_counter_ns()
+    assert npool._await_pick(ctrl, ready, 1, 5, now, 0) == npool.PICK_READY
+    assert npool._await_pick(ctrl, ready, 2, 5, now, 0) == npool.PICK_HOST, "refused: the host selects"
+    t0 = time.perf_counter()
+    assert npool._await_pick(ctrl, ready, 0, 5, now + 10**9, 10**6) == npool.PICK_HOST  # expected in 1 s, 1 ms own
+    assert time.perf_counter() - t0 < 0.5
+    t0 = time.perf_counter()
+    assert npool._await_pick(ctrl, ready, 0, 5, time.perf_counter_ns(), 20 * 10**6) == npool.PICK_HOST
+    assert 0.015 < time.perf_counter() - t0 < 5.0, "waits its own scoring time past the expected landing, no more"
+    threading.Timer(0.01, lambda: ready.__setitem__(3, 5)).start()
+    assert npool._await_pick(ctrl, ready, 3, 5, time.perf_counter_ns(), 10**10) == npool.PICK_READY
+    ctrl[npool.C_STOP] = 1
+    assert npool._await_pick(ctrl, ready, 0, 5, time.perf_counter_ns(), 10**10) == npool.PICK_STOP
 
 
 @host_lane

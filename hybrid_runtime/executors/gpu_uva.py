@@ -335,14 +335,15 @@ class GpuUvaExecutor:
         return handle
 
     def pick(self, table: StepTable, start: int, stop: int, step: Step, ublocks: torch.Tensor, uheads: torch.Tensor,
-             counts: torch.Tensor, ready: torch.Tensor, stamp: int, after: object = None) -> None:
+             counts: torch.Tensor, ready: torch.Tensor, stamp: int, after: object = None) -> object:
         """Queue the block selection of rows `[start, stop)` for the CPU lane (`hybrid_runtime.gpu_picks`):
         row `start + t`'s union lands in row t of `ublocks`/`uheads` (device views of pinned host
         rows, at least the rows' block count wide), its size in `counts[t]`, then `stamp` in
         `ready[t]`. One `score_select` launch with scratch of its own, on a stream of its own that
         waits for `after` (the CUDA event after which `step.q` and the store's metadata are ready)
         and for this step's table copy, if `upload` made one -- not for the claims on the lane's
-        stream. Its metadata bytes count as a claim's do (`device_bytes_read` from the GPU copy)."""
+        stream. Its metadata bytes count as a claim's do (`device_bytes_read` from the GPU copy).
+        Returns a CUDA event recorded after it (None without CUDA)."""
         n = stop - start
         if not 0 <= start < stop <= table.n_tasks:
             raise ValueError(f"selection of rows [{start}, {stop}) of a table of {table.n_tasks} tasks")
@@ -368,6 +369,11 @@ class GpuUvaExecutor:
         else:
             self.bytes_read += meta_bytes
         self.picks += 1
+        if not self.cuda:
+            return None
+        end = torch.cuda.Event()
+        end.record(self._pick_stream)
+        return end
 
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
                  meta: MetadataSource, slot: int) -> None:
