@@ -317,3 +317,37 @@ def test_runtime_cpu_tasks_on_the_gpu_selection_match_host_selection_on_cuda():
                 assert stats["cpu_tasks_gpu_selected"] > 0
     for a, b in zip(outs["gpu"], outs["host"]):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_the_selection_latency_is_learned_from_its_end_events():
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    class Event:
+        def __init__(self, t: float, done: bool = True):
+            self.t, self.done = t, done
+
+        def query(self) -> bool:
+            return self.done
+
+    class Clock:
+        def to_host(self, ev: Event) -> float:
+            return ev.t
+
+    class Executor:
+        def __init__(self):
+            self.end = None
+
+        def pick(self, *args) -> Event:
+            self.end = Event(time.perf_counter() + 0.001, done=False)  # ends 1 ms after its launch
+            return self.end
+
+    picks = GpuPicks(4, 8, torch.device("cpu"), meta_block_bytes=512)
+    ex = Executor()
+    expected = picks.launch(ex, None, 0, 2, None, 1, clock=Clock())
+    assert expected >= time.perf_counter() - 1.0 and picks.latency.seconds == GpuPicks.LATENCY_S
+    picks.learn(Clock())  # not ended yet: nothing learned, still pending
+    assert picks.latency.seconds == GpuPicks.LATENCY_S
+    ex.end.done = True
+    picks.launch(ex, None, 0, 2, None, 2, clock=Clock())  # learns the previous launch's latency first
+    assert GpuPicks.LATENCY_S < picks.latency.seconds < 0.001
+    assert picks.host_ns_per_block(512e9) == 1 and picks.host_ns_per_block(512e6) == 1000

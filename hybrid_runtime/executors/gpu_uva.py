@@ -371,7 +371,7 @@ class GpuUvaExecutor:
         self.picks += 1
         if not self.cuda:
             return None
-        end = torch.cuda.Event()
+        end = torch.cuda.Event(enable_timing=True)  # timed: `GpuPicks.learn` maps it to host time
         end.record(self._pick_stream)
         return end
 
