@@ -68,6 +68,7 @@ class GpuPicks:
         # Seconds from the launch call to the selection's end on the GPU (`learn`).
         self.latency = Delay(self.LATENCY_S)
         self._pending: tuple | None = None  # (host time of the last launch, its end event)
+        self.skipped = 0  # steps in a row `pays` said no to
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +100,25 @@ class GpuPicks:
             return
         self._pending = None
         self.latency.update(max(0.0, clock.to_host(pending[1]) - pending[0]))
+
+    # Steps in a row the selection was skipped as not paying; after this many one step uses it, so
+    # that its latency is measured again (an estimate gone wrong must be able to recover).
+    EXPLORE_AFTER = 8
+
+    def pays(self, meta_blocks: int, cpu_lane_bytes_per_s: float) -> bool:
+        """Whether a step whose tasks score `meta_blocks` blocks should use the selection: the CPU
+        lane's time to read that metadata itself (at its measured rate) against the selection's
+        latency, which the CPU lane waits for instead. At 4 x 32K of the layer benchmark's mix the
+        two were about equal and the selection made the step no faster (benchmarks/notes/gpu_lane.md
+        section 17). Counts the skips and says yes once every `EXPLORE_AFTER` + 1 steps."""
+        if meta_blocks * self.meta_block_bytes / max(cpu_lane_bytes_per_s, 1e8) > self.latency.seconds:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        if self.skipped > self.EXPLORE_AFTER:
+            self.skipped = 0
+            return True
+        return False
 
     def host_ns_per_block(self, worker_bytes_per_s: float) -> int:
         """A worker's modeled time to score one block's metadata itself, at `worker_bytes_per_s`."""

@@ -55,6 +55,12 @@ class NativeQueue:
         self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved, int(self.picks), int(self.pick_at_ns),
                                   int(self.pick_ns_per_block))
 
+    def meta_blocks(self) -> int:
+        """Blocks whose metadata the queue's tasks score (at each task's block size)."""
+        tab = self.tab
+        blk = tab[:, native.T_BLOCK]
+        return int(((tab[:, native.T_CPULEN] + blk - 1) // np.maximum(blk, 1)).sum())
+
     def next_job(self) -> int:
         """The job id `publish` will give this queue (the host publishes one job at a time)."""
         return (int(self.pool.ctrl[native.C_SEQ]) + 2) >> 1

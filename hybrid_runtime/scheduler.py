@@ -325,7 +325,8 @@ class Scheduler:
         cpu_trails = cpu_trails and job.cpu_used and self.native is not None and self.placement in ("fluxion", "cpu_only")
         # The GPU lane selects the CPU lane's blocks (published with the job: the workers then wait
         # for each position's selection, which `drive` launches or refuses).
-        job.picks = bool(job.shared and self.picks is not None and self.picks.enabled and job.cpu_used)
+        job.picks = bool(job.shared and self.picks is not None and self.picks.enabled and job.cpu_used
+                         and self.picks.pays(job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s))
         if job.picks:
             job.cpu_queue.picks = True
         if job.shared:

@@ -229,6 +229,7 @@ def test_workers_select_on_the_host_when_the_selection_is_expected_after_their_o
     with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
         gpu.store = rt.store
         prefilled(rt)
+        rt.scheduler.picks.EXPLORE_AFTER = 0  # every step uses the selection (`pays`)
         rt.scheduler.picks.latency.seconds = 0.5  # measured so, and a block's scoring takes microseconds
         t0 = time.perf_counter()
         got = decode_steps(rt, steps=1)
@@ -268,6 +269,7 @@ def test_a_failed_selection_launch_fails_its_step_and_the_workers_select_on_the_
     gpu = HostPickingGpu(delay_s=0.0)
     with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
         gpu.store = rt.store
+        rt.scheduler.picks.meta_block_bytes = 1 << 40  # every step uses the selection (`pays`)
         prefilled(rt)
         decode_steps(rt, steps=1)
         gpu.fail = True
@@ -310,6 +312,7 @@ def test_runtime_cpu_tasks_on_the_gpu_selection_match_host_selection_on_cuda():
         with prefilled(HybridRuntime(cfg)) as rt:
             assert rt.scheduler.picks is not None
             rt.scheduler.picks.enabled = mode == "gpu"
+            rt.scheduler.picks.EXPLORE_AFTER = 0  # tiny steps: the selection would not pay (`pays`)
             outs[mode] = decode_steps(rt, steps=4)
             stats = rt.stats()
             if mode == "gpu":
@@ -351,3 +354,14 @@ def test_the_selection_latency_is_learned_from_its_end_events():
     picks.launch(ex, None, 0, 2, None, 2, clock=Clock())  # learns the previous launch's latency first
     assert GpuPicks.LATENCY_S < picks.latency.seconds < 0.001
     assert picks.host_ns_per_block(512e9) == 1 and picks.host_ns_per_block(512e6) == 1000
+
+
+def test_a_step_uses_the_selection_when_its_metadata_takes_the_cpu_lane_longer_than_the_selections_latency():
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    picks = GpuPicks(4, 8, torch.device("cpu"), meta_block_bytes=512)
+    picks.latency.seconds = 100e-6
+    # 2e4 blocks x 512 B at 100 GB/s: 102 us of the CPU lane's reading; 1e4: 51 us.
+    assert picks.pays(20_000, 100e9)
+    said = [picks.pays(10_000, 100e9) for _ in range(2 * (GpuPicks.EXPLORE_AFTER + 1))]
+    assert said.count(True) == 2 and said[GpuPicks.EXPLORE_AFTER] and said[-1], "one exploring step in EXPLORE_AFTER + 1"
