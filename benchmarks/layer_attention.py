@@ -314,7 +314,9 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         print(f"  fluxion's launch model: {f['gpu_launch_latency_us']:.0f} us + bytes / {f['gpu_launch_GBps']:.1f} GB/s; "
               f"CPU worker {f['tp_cpu_worker_GBps']:.2f} GB/s; CPU lane {f['cpu_lane_GBps']:.1f} GB/s after "
               f"{f['cpu_lane_start_us']:.0f} us; claim delay {f['gpu_claim_delay_us']:.0f} us; balance "
-              f"{f['gpu_share_balance']:+.3f}", flush=True)
+              f"{f['gpu_share_balance']:+.3f}; CPU lane's selection on the GPU: latency {f['gpu_selection_latency_us']:.0f} us "
+              f"(launch call {f['gpu_selection_host_us']:.0f} us), {f['cpu_tasks_gpu_selected']} tasks, "
+              f"{f['gpu_selection_skipped_steps']} steps skipped", flush=True)
         if args.trace_dir and (batch, context) == METRIC_POINT:
             rt.timeline.write_chrome_trace(os.path.join(args.trace_dir, "layer_attention-trace-8x32k.json"))
         # After the measured steps: the probe's launches neither disturb nor teach the policies.
@@ -445,6 +447,11 @@ def summarize_run(rt, recs, name, placement, plan, batch, context) -> dict:
         "static_gpu_share": sched["gpu_share"] if placement in ("uniform", "length") else None,
         "gpu_launch_latency_us": sched["gpu_launch_latency_us"],
         "gpu_launch_GBps": sched["gpu_launch_GBps"],
+        # The GPU lane's selection of the CPU lane's blocks (scheduler.cpu_task_selection), runtime-wide.
+        "gpu_selection_latency_us": sched.get("gpu_selection_latency_us"),
+        "gpu_selection_host_us": sched.get("gpu_selection_host_us"),
+        "gpu_selection_skipped_steps": sched.get("gpu_selection_skipped_steps"),
+        "cpu_tasks_gpu_selected": sched.get("cpu_tasks_gpu_selected"),
         "layers": layer_table(recs),
     }
 

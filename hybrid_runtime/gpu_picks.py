@@ -69,6 +69,10 @@ class GpuPicks:
         self.latency = Delay(self.LATENCY_S)
         self._pending: tuple | None = None  # (host time of the last launch, its end event)
         self.skipped = 0  # steps in a row `pays` said no to
+        self.skipped_steps = 0  # steps `pays` said no to, in all
+        # Host seconds of the launch call itself (the executor's argument handling and launch): part
+        # of what the CPU lane waits for, reported beside `latency`.
+        self.host_s = Delay(20e-6)
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +93,7 @@ class GpuPicks:
             ready, blocks, heads, counts = self.views
             end = executor.pick(plan, start, stop, step, blocks[start:stop], heads[start:stop], counts[start:stop],
                                 ready[start:stop], stamp, after)
+            self.host_s.update(time.perf_counter() - t0)
             self.launches += 1
             self._pending = (t0, end) if end is not None else None
         return t0 + self.latency.seconds
@@ -115,6 +120,7 @@ class GpuPicks:
             self.skipped = 0
             return True
         self.skipped += 1
+        self.skipped_steps += 1
         if self.skipped > self.EXPLORE_AFTER:
             self.skipped = 0
             return True

@@ -1091,7 +1091,11 @@ class HybridRuntime:
             "cpu_tasks_gpu_selected": int(sch.native.picked_tasks[0]) if sch.native is not None else 0,
             "gpu_selection_launches": sch.picks.launches if sch.picks is not None else 0,
             "gpu_selection_refused": sch.picks.refused if sch.picks is not None else 0,
+            # Its learned latency (launch call to its end on the GPU), the launch call's own host
+            # time, and the steps that read their metadata on the host because it would not pay.
             "gpu_selection_latency_us": sch.picks.latency.seconds * 1e6 if sch.picks is not None else 0.0,
+            "gpu_selection_host_us": sch.picks.host_s.seconds * 1e6 if sch.picks is not None else 0.0,
+            "gpu_selection_skipped_steps": sch.picks.skipped_steps if sch.picks is not None else 0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
             # Steps without CPU tasks that returned before their GPU claims ended (`gpu_only_trails`).
