@@ -219,6 +219,7 @@ def test_cpu_tasks_attend_the_gpu_lanes_selection_and_match_host_selection():
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
     assert stats["cpu_workers_native"]
     assert 0 < stats["gpu_selection_launches"] <= len(got)  # none when the GPU reserved every position
+    assert stats["gpu_selection_host_us"] > 0 and stats["gpu_selection_skipped_steps"] == 0
     assert stats["cpu_tasks_gpu_selected"] > 0, "no CPU task ran on the GPU lane's selection"
     assert stats["gpu_selection_refused"] == 0
 
