@@ -102,7 +102,8 @@ class KVCacheConfig:
     # min/max rows of `cpu_kernels/layout.py`, ~10% of the arena) is kept in GPU memory and the
     # lane scores blocks from it instead of reading the metadata over the PCIe link (about half
     # of what a task reads at blk 16, budget 0.05). Written where the chunks are built (prefill,
-    # spill). false: the lane reads the metadata from the pinned arena (no GPU memory for it).
+    # spill); the lane also selects the CPU lane's blocks from it (scheduler.cpu_task_selection).
+    # false: the lane reads the metadata from the pinned arena (no GPU memory for it).
     gpu_metadata: bool = True
     # A run's estimated peak host memory (arenas, buffers, prefill staging, workload; memory_plan.py)
     # may use at most this fraction of the memory psutil reports available when it starts.
