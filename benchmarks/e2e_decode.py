@@ -30,6 +30,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         sized by the lane rates even where its CPU lane ends within the launcher's time.
     fluxion_claim_graphs fluxion with `scheduler.claim_graphs: true`: each GPU claim replays its two
                         kernels from a CUDA graph instead of launching them directly.
+    fluxion_host_selection fluxion with `scheduler.cpu_task_selection: host`: the CPU workers score
+                        their tasks' metadata themselves instead of attending the GPU lane's selection.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -218,6 +220,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fluxion_ungated", "hybrid", placement="fluxion", scheduler={"gate_trailing_claims": False}),
     # The GPU lane's claims replayed from CUDA graphs (the default launches their two kernels directly).
     Variant("fluxion_claim_graphs", "hybrid", placement="fluxion", scheduler={"claim_graphs": True}),
+    # The CPU workers select their own blocks from the arena's metadata (the default has the GPU lane
+    # select them from its copy of the metadata where that pays: scheduler.cpu_task_selection).
+    Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),
 )}
 
 
