@@ -4,12 +4,14 @@ A CPU task reads two things from host memory: the block metadata of its whole CP
 score every block) and the K and V of the blocks its heads select. At the Fluxion baseline
 (blk 16, budget 0.05) the metadata is a third to a half of those bytes. Where the store keeps a
 GPU copy of the metadata (`kv_cache.gpu_metadata`), the GPU can score and select every task of a
-step from device memory in one launch, in tens of microseconds; the CPU workers then read only
-the K and V of each union. That is what this module hands over, per step under the fluxion
-placement (`scheduler.cpu_task_selection`):
+step from device memory in one launch; the CPU workers then read only the K and V of each union.
+That is what this module hands over, per step under the fluxion placement
+(`scheduler.cpu_task_selection`), on steps where it pays (`GpuPicks.pays`: the CPU lane's time to
+read the step's metadata against the selection's measured latency; with it the first CPU task
+started 0.23-0.27 ms later than without on the H200, benchmarks/notes/gpu_lane.md section 17):
 
 1. the GPU lane launches `score_select` over the queue positions the CPU workers may pop (after
-   its table upload, before its first claim, on its stream), writing each task's union -- block
+   its table upload, on a stream of its own, before the workers are woken), writing each task's union -- block
    ids ascending and the bitmask of the heads that chose each -- and its size through UVA views
    into the pinned rows below, then the step's job id into the position's `ready` word (a
    system-scope release after the union: `gpu_kernels.score_select`, `SIGNAL`);
