@@ -51,7 +51,7 @@ class GpuPicks:
         if max_tasks < 1 or max_blocks < 1:
             raise ValueError(f"GpuPicks needs max_tasks >= 1 and max_blocks >= 1, got {max_tasks} and {max_blocks}")
         cuda = device.type == "cuda"
-        width = -(-max_blocks // 16) * 16  # rows 64-byte aligned
+        width = _row_width(max_blocks)
         self.max_tasks, self.max_blocks = int(max_tasks), int(max_blocks)
         self.ready = torch.zeros(max_tasks, dtype=torch.int64, pin_memory=cuda)
         self.blocks = torch.zeros((max_tasks, width), dtype=torch.int32, pin_memory=cuda)
@@ -140,9 +140,14 @@ class GpuPicks:
             self.refused += stop - start
 
 
+def _row_width(max_blocks: int) -> int:
+    """Entries of a union row: `max_blocks` rounded up to 16 (rows 64-byte aligned)."""
+    return -(-max_blocks // 16) * 16
+
+
 def picks_tensor_bytes(max_tasks: int, max_blocks: int) -> tuple[int, int, int, int]:
     """Bytes of each pinned tensor of `GpuPicks(max_tasks, max_blocks)`: ready, blocks, heads, counts."""
-    width = -(-max_blocks // 16) * 16
+    width = _row_width(max_blocks)
     return 8 * max_tasks, 4 * max_tasks * width, 4 * max_tasks * width, 4 * max_tasks
 
 

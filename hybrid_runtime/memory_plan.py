@@ -240,7 +240,7 @@ def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int
         "blocks": blocks,
         # scores, union blocks and heads; counts and two rows of tickets
         "claim_scratch": tasks * (g + 2) * blocks * 4 + tasks * 3 * 4,
-        # scores and tickets of the CPU lane's selection (`GpuUvaExecutor.pick`), made with the claims'
+        # scores and tickets of the CPU lane's selection (`GpuUvaExecutor.pick`), at the claims' capacity
         "pick_scratch": tasks * g * blocks * 4 + tasks * 4,
         "split_partials": tasks * MAX_SPLITS * g * (d + 1) * _F32,
         "step_table": table_words * 4,  # one table; the lane keeps up to `resident_tables` on the device
@@ -251,12 +251,14 @@ def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int
     }
 
 
-def gpu_lane_bytes(kv: KVCacheConfig, geometry: GeometryConfig) -> tuple[int, int, str]:
+def gpu_lane_bytes(kv: KVCacheConfig, geometry: GeometryConfig, picks: bool = False) -> tuple[int, int, str]:
     """(device bytes, pinned host bytes, how) of the CUDA GPU lane, as the caching allocators hold
     them: the claim scratch grows by doubling and the smaller earlier buffers stay cached (counted
-    twice); the link probe's buffers stay cached too."""
+    twice); the link probe's buffers stay cached too. `picks`: the lane also selects the CPU lane's
+    blocks (`scheduler.cpu_task_selection`), whose scratch grows with the claims'."""
     z = gpu_lane_sizes(kv, geometry)
-    device = (2 * _on(GPU, z["claim_scratch"]) + 2 * _on(GPU, z["pick_scratch"]) + _on(GPU, z["split_partials"])
+    device = (2 * _on(GPU, z["claim_scratch"]) + (2 * _on(GPU, z["pick_scratch"]) if picks else 0)
+              + _on(GPU, z["split_partials"])
               + z["resident_tables"] * _on(GPU, z["step_table"])
               + _on(GPU, z["table_staging"]) + _on(GPU, z["link_probe"]))
     pinned = _on(HOST_PINNED, z["ring"]) + _on(HOST_PINNED, z["table_staging"]) + _on(HOST_PINNED, z["link_probe"])
@@ -490,7 +492,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
     # NOSA, AsyncTLS and EvoSparse under gpu_only run the GPU lane with their own executor (counted above).
     own_lane = nosa or asynctls or (evosparse and sc.placement == "gpu_only")
     if lane_on_gpu and not own_lane:
-        device, pinned, how = gpu_lane_bytes(kv, geometry)
+        device, pinned, how = gpu_lane_bytes(kv, geometry, selects_cpu_tasks_on_gpu(cfg, cuda))
         lane_keys = ("kv_cache.cpu_capacity_tokens", "kv_cache.max_sequences")
         parts.append(MemoryPart("gpu_lane_scratch", GPU, RESIDENT, device, lane_keys, how))
         parts.append(MemoryPart("gpu_lane_pinned", HOST_PINNED, RESIDENT, pinned, ("kv_cache.max_sequences",),

@@ -29,6 +29,7 @@ Without CUDA the kernels run under Triton's interpreter on the host arena (tests
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -216,9 +217,9 @@ class GpuUvaExecutor:
         self._drop_graphs()  # they read the old scratch
         g, d, dev = self.group_size, self.head_dim, self.dev
         self._scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
-        # `pick`'s own scores and tickets: it runs on its own stream, beside the claims.
-        self._pick_scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
-        self._pick_tickets = torch.zeros(tasks, dtype=torch.int32, device=dev)
+        # `pick`'s own scores and tickets (it runs on its own stream, beside the claims): made at its
+        # first use after a growth (`_pick_scratch`), so a runtime that never picks holds none.
+        self._pick_scores = self._pick_tickets = None
         self._ublocks = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._uheads = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._counts = torch.zeros(tasks, dtype=torch.int32, device=dev)
@@ -230,6 +231,15 @@ class GpuUvaExecutor:
         self._ring_dev = uva_view(self._ring) if self.cuda else self._ring
         self._ring_users: list[GpuLaunch | None] = [None] * self.RING
         self._tasks_cap, self._blocks_cap = tasks, blocks
+
+    def _pick_scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pick`'s scores and tickets at the claims' current capacity."""
+        if self._pick_scores is None:
+            # Made on the selection's stream: its zeroed tickets are ordered before the kernel there.
+            with use_stream(self._pick_stream) if self.cuda else contextlib.nullcontext():
+                self._pick_scores = torch.empty(self._scores.shape, dtype=torch.float32, device=self.dev)
+                self._pick_tickets = torch.zeros(self._tasks_cap, dtype=torch.int32, device=self.dev)
+        return self._pick_scores, self._pick_tickets
 
     def _arena(self, layer: int) -> torch.Tensor:
         return self.store.arena_cuda(layer) if self.cuda else self.store.arena(layer)
@@ -360,8 +370,9 @@ class GpuUvaExecutor:
             if self._upload_done is not None:
                 self._pick_stream.wait_event(self._upload_done)
             stream = self._pick_stream.cuda_stream
+        scores, tickets = self._pick_scratch()
         score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
-                     self._pick_scores, self._pick_tickets, ublocks, uheads, counts, counts, stream,
+                     scores, tickets, ublocks, uheads, counts, counts, stream,
                      meta_layout=meta.layout, ready=ready, stamp=stamp)
         meta_bytes = int(table.n_blocks[start:stop].sum()) * 2 * self.head_dim * self.esize
         if meta.on_device:
