@@ -231,6 +231,10 @@ class GpuUvaExecutor:
         self._ring_dev = uva_view(self._ring) if self.cuda else self._ring
         self._ring_users: list[GpuLaunch | None] = [None] * self.RING
         self._tasks_cap, self._blocks_cap = tasks, blocks
+        if self.cuda:
+            # Made (and the tickets and counts zeroed) on the caller's stream: the claims that use
+            # them run on the lane's, after these.
+            self.stream.wait_stream(torch.cuda.current_stream())
 
     def _pick_scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`pick`'s scores and tickets at the claims' current capacity."""
