@@ -353,9 +353,7 @@ class GpuLane:
         so that the selection they wait for is launched as early as it can be (its inputs are q on
         the lane's device and the table: `job.gpu_ready`), and its stamp is the job id the queue
         will be published with (`NativeQueue.next_job`)."""
-        # A trailing step without a reserved claim launches nothing (but the CPU lane's selection):
-        # no plan to build either.
-        gq = job.gpu_queue if job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks) else None
+        gq = job.gpu_queue if job.launches_on_gpu(cpu_trails) else None  # else no plan to build either
         ex = self.executor
         plan, rows = None, None
         if gq is not None:

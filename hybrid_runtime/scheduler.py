@@ -324,7 +324,7 @@ class Scheduler:
             deadline += time.monotonic() - waited
         cpu_trails = cpu_trails and job.cpu_used and self.native is not None and self.placement in ("fluxion", "cpu_only")
         # The GPU lane selects the CPU lane's blocks (published with the job: the workers then wait
-        # for each position's selection, which `drive` launches or refuses).
+        # for each position's selection, which `GpuLane.begin` below launches or refuses).
         job.picks = bool(job.shared and self.picks is not None and self.picks.enabled and job.cpu_used
                          and self.picks.pays(job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s))
         if job.picks:
@@ -356,11 +356,7 @@ class Scheduler:
         if not job.picks:
             self._before_gpu(job, before_gpu, cpu_trails)
         gpu_trails = gpu_trails and job.gpu_used and not job.cpu_used and self.lane.trails
-        try:
-            self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails, gpu_trails=gpu_trails)
-        finally:
-            if job.picks and not job.picks_issued:  # never launched (drive raised): nothing may wait for it
-                self.lane.refuse_picks(job)
+        self.lane.drive(job, deadline, timeout, side_work, cpu_trails=cpu_trails, gpu_trails=gpu_trails)
         if job.error is not None:
             raise job.error
         trailing = self.lane.trailing  # read once: a settle on another thread may clear it
@@ -380,7 +376,7 @@ class Scheduler:
     def _before_gpu(job: StepJob, before_gpu: Callable[[], None] | None, cpu_trails: bool) -> None:
         """The caller's `before_gpu` (the GPU lane's buffers), unless the step launches nothing on the
         GPU lane: a trailing step launches only its reserved claim and the CPU lane's selection."""
-        if before_gpu is not None and job.gpu_used and not (cpu_trails and job.gpu_first is None and not job.picks):
+        if before_gpu is not None and job.launches_on_gpu(cpu_trails):
             try:
                 before_gpu()
             except BaseException as exc:

@@ -98,6 +98,11 @@ class StepJob:
     def cpu_used(self) -> bool:
         return self.cpu_queue is not None and self.cpu_queue.total > 0
 
+    def launches_on_gpu(self, cpu_trails: bool) -> bool:
+        """Whether the GPU lane launches anything in this step: a step whose CPU lane trails it
+        (`cpu_trails`) launches only its reserved claim and the CPU lane's selection (`picks`)."""
+        return self.gpu_used and not (cpu_trails and self.gpu_first is None and not self.picks)
+
     @property
     def gpu_used(self) -> bool:
         return self.gpu_queue is not None and self.gpu_queue.total > 0
