@@ -1,0 +1,167 @@
+"""Diagnostic (device): when each host phase of a decode step happens, per policy. Writes no results file.
+
+The layer benchmark's runtime and head mix (`benchmarks/layer_attention.py`), its policies
+interleaved step by step; every phase of `HybridRuntime.decode` before the CPU workers' release is
+stamped by wrapping the method that runs it, relative to the step's start as the timeline counts
+it (decode entry, or q ready on the device). Printed per (policy, layer): the median time each
+phase ended, the release, the first CPU task, the GPU lane's first launch and, where the GPU lane
+selected the CPU lane's blocks, when its selection kernel ran on the GPU.
+
+    python benchmarks/diag/step_phases.py [--batch 4 --context 32768 --steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
+import hybrid_runtime.runtime as runtime_mod  # noqa: E402
+from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
+from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
+from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
+
+POLICIES = {"cpu_only": ("cpu_only", True), "fluxion": ("fluxion", True), "fluxion_host_selection": ("fluxion", False)}
+
+
+class Stamps:
+    """Host times (perf_counter) at which wrapped calls entered and returned, for the current step."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, float] = {}
+
+    def wrap(self, obj: object, name: str, label: str, enter: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            if enter:
+                self.now.setdefault(label + ">", time.perf_counter())
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now.setdefault(label, time.perf_counter())
+
+        setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_phases needs a CUDA device")
+    b, ctx = args.batch, args.context
+    cfg, geo = layer_setup(args.layers, b, ctx, max(1, (os.cpu_count() or 2) - 1))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
+    stamps = Stamps()
+    sch = rt.scheduler
+    picks = sch.picks
+    pick_events: list = []
+    try:
+        prefill_random(rt, b, ctx, gen)
+        torch.set_num_threads(1)
+        for obj, name, label in ((rt, "_check_decode", "checked"), (rt, "_tasks", "tasks"), (sch, "split", "split"),
+                                 (sch.lane, "reserve_first", "reserved"), (sch.lane, "begin", "begun"),
+                                 (sch.workers, "wake", "woken"), (sch.lane.executor, "launch", "claim")):
+            stamps.wrap(obj, name, label, enter=label in ("tasks", "woken", "claim", "begun"))
+        stamps.wrap(runtime_mod, "_check_finite_host", "q_on_host", enter=True)
+        real_select = gpu_uva.score_select
+
+        def select(*a, **kw):  # events around the picks' kernel on its own stream (positional arg 14)
+            stream = a[14]
+            if kw.get("ready") is None or stream is None:
+                return real_select(*a, **kw)
+            ext = torch.cuda.ExternalStream(stream)
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record(ext)
+            real_select(*a, **kw)
+            ev1.record(ext)
+            pick_events.append((ev0, ev1))
+
+        gpu_uva.score_select = select
+        real_decode = rt.decode
+        rows: dict = collections.defaultdict(list)
+        current: list = []
+
+        def decode(layer, seq_ids, q, k, v):
+            stamps.now = {"entry": time.perf_counter()}
+            pick_events.clear()
+            out = real_decode(layer, seq_ids, q, k, v)
+            stamps.now["return"] = time.perf_counter()
+            job = sch.workers.job
+            if job is not None and job.t_release > 0:
+                stamps.now["release"] = job.t_release
+            current.append((dict(stamps.now), list(pick_events)))
+            return out
+
+        rt.decode = decode
+        seq_ids = list(range(b))
+
+        def one_step(policy: str) -> None:
+            placement, gpu_selection = POLICIES[policy]
+            sch.set_placement(placement, estimates=policy if policy.startswith("fluxion_") else None)
+            if picks is not None:
+                picks.enabled = gpu_selection
+            torch.cuda.synchronize()
+            for layer in range(geo.layers):
+                q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+                kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+                rt.decode(layer, seq_ids, q, kv, kv)
+
+        for _ in range(args.warmup):
+            for p in args.policies:
+                one_step(p)
+        torch.cuda.synchronize()
+        rt.timeline.clear()
+        owners: list = []
+        for _ in range(args.steps):
+            for p in args.policies:
+                current.clear()
+                one_step(p)
+                owners += [(p, layer, *c) for layer, c in enumerate(current)]
+        torch.cuda.synchronize()
+        clock = rt._clock
+        recs = rt.timeline.records
+        assert len(recs) == len(owners), (len(recs), len(owners))
+        for r, (p, layer, st, evs) in zip(recs, owners):
+            t0 = r.t_start
+            row = {k: (v - t0) * 1e3 for k, v in st.items()}
+            row["attention"] = r.attention_s * 1e3
+            for lane, key in ((LANE_CPU, "first_cpu_task"), (LANE_GPU, "first_gpu_task")):
+                if (r.lane == lane).any():
+                    row[key] = (r.start[r.lane == lane].min() - t0) * 1e3
+            if r.n_tasks:
+                row["last_task_end"] = (r.end.max() - t0) * 1e3
+            if evs:
+                row["pick_gpu_start"] = (clock.to_host(evs[0][0]) - t0) * 1e3
+                row["pick_gpu_end"] = (clock.to_host(evs[0][1]) - t0) * 1e3
+            rows[(p, layer)].append(row)
+        for (p, layer), rs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            keys = sorted({k for r in rs for k in r}, key=lambda k: np.median([r[k] for r in rs if k in r]))
+            parts = [f"{k} {np.median([r[k] for r in rs if k in r]):.3f}"
+                     + (f"({sum(k in r for r in rs)})" if sum(k in r for r in rs) != len(rs) else "") for k in keys]
+            print(f"{p:24s} layer {layer} (n={len(rs)}), ms from step start: " + ", ".join(parts), flush=True)
+        st = rt.stats()
+        print({k: v for k, v in st.items() if "selection" in k}, flush=True)
+    finally:
+        rt.close()
+
+
+if __name__ == "__main__":
+    main()
