@@ -946,7 +946,12 @@ class HybridRuntime:
                 last_end = job.gpu_batches[-1][1]
                 if not isinstance(last_end, float):
                     caller.wait_event(last_end)
-                parts.append((gout, glse))
+                if gout.device.type != "cuda":
+                    # A GPU lane on the host (its executor computes there) beside a CUDA window: its
+                    # step has ended, so its part is complete; one copy each brings it over.
+                    parts.append((gout.to(out_w.device), glse.to(out_w.device)))
+                else:
+                    parts.append((gout, glse))
             if parts:
                 # Straight into the caller's tensor where the kernel can write it; else in place.
                 if q.device == out_w.device and q.dtype in self._merge_out_dtypes:

@@ -81,6 +81,24 @@ def main() -> None:
                                  (sch.workers, "wake", "woken"), (sch.lane.executor, "launch", "claim")):
             stamps.wrap(obj, name, label, enter=label in ("tasks", "woken", "claim", "begun"))
         stamps.wrap(runtime_mod, "_check_finite_host", "q_on_host", enter=True)
+        stamps.wrap(rt, "_will_spill", "will_spill")
+        stamps.wrap(rt._input_check, "poll", "input_poll")
+        if picks is not None:
+            stamps.wrap(picks, "learn", "pick_learn", enter=True)
+        planner = rt.planner
+
+        class Planner:  # the head planner, its call stamped
+            def __getattr__(self, name):
+                return getattr(planner, name)
+
+            def __call__(self, *a, **kw):
+                stamps.now.setdefault("plan>", time.perf_counter())
+                try:
+                    return planner(*a, **kw)
+                finally:
+                    stamps.now.setdefault("plan", time.perf_counter())
+
+        rt.planner = Planner()
         real_select = gpu_uva.score_select
 
         def select(*a, **kw):  # events around the picks' kernel on its own stream (positional arg 14)
@@ -90,7 +108,9 @@ def main() -> None:
             ext = torch.cuda.ExternalStream(stream)
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record(ext)
+            stamps.now.setdefault("pick_launch>", time.perf_counter())
             real_select(*a, **kw)
+            stamps.now.setdefault("pick_launch", time.perf_counter())
             ev1.record(ext)
             pick_events.append((ev0, ev1))
 
@@ -159,6 +179,10 @@ def main() -> None:
             print(f"{p:24s} layer {layer} (n={len(rs)}), ms from step start: " + ", ".join(parts), flush=True)
         st = rt.stats()
         print({k: v for k, v in st.items() if "selection" in k}, flush=True)
+        from gpu_kernels import score_select as ss
+        from gpu_kernels import sparse_attention as sa
+        for name, launch in (("score_select", ss._launch), ("sparse_attention_claim", sa._claim_launch)):
+            print(f"{name}: {len(launch._compiled)} cached variants, {launch.fast_launches} fast launches", flush=True)
     finally:
         rt.close()
 
