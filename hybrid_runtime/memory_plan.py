@@ -422,6 +422,10 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
     # Step buffers (runtime.__init__): q and packed results on the host, their device copies.
     step_keys = ("kv_cache.max_sequences",)
     host_step = _on(host_kind, s * hq * d * _F32) + _on(host_kind, s * hq * (d + 1) * _F32)
+    if window_on_gpu:
+        from gpu_kernels.step_inputs import N_COUNTS, count_columns
+
+        host_step += _on(host_kind, N_COUNTS * count_columns(s * hq) * 4)  # the step-inputs kernel's NaN/inf counts
     lane_where = GPU if lane_on_gpu else HOST
     lane_step = 2 * _on(lane_where, s * hq * d * _F32) + _on(lane_where, s * hq * _F32)
     parts.append(MemoryPart("step_buffers", host_kind, RESIDENT, host_step + (0 if lane_on_gpu else lane_step),

@@ -33,6 +33,7 @@ import torch
 
 from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
+from gpu_kernels.step_inputs import N_COUNTS, count_columns, prepare_step_inputs
 from gpu_kernels.streams import current_stream, use_stream
 from hybrid_runtime import native_pool
 from hybrid_runtime.config import (Config, ConfigError, GeometryConfig, selects_cpu_tasks_on_gpu, starts_lanes,
@@ -44,6 +45,7 @@ from hybrid_runtime.head_plans import ConfigHeadPlanner, HeadPlan
 from hybrid_runtime.input_check import DeferredInputCheck, checked_dtypes, defers, finite_check_mode
 from hybrid_runtime.input_check import check_finite as _check_finite
 from hybrid_runtime.input_check import check_finite_host as _check_finite_host
+from hybrid_runtime.input_check import nonfinite_error
 from hybrid_runtime.kvcache import KVStore, numpy_view
 from hybrid_runtime.memory_plan import MachineMemory, MemoryPlan, admit, estimate_runtime
 from hybrid_runtime.pinning import confine_current_thread
@@ -302,6 +304,11 @@ class HybridRuntime:
             self._win_used = [torch.cuda.Event() for _ in range(self.WINDOW_RING)]
             # The CPU lane's results as the merge kernel reads them (through UVA, no copy op).
             self._res_uva = uva_view(self._res_host, self.device.index)
+            # What the step-inputs kernel writes through: q for the CPU workers and the NaN/inf
+            # counts of q, k, v, both pinned (gpu_kernels/step_inputs.py).
+            self._q_host_uva = uva_view(self._q_host, self.device.index)
+            counts = torch.zeros((N_COUNTS, count_columns(s * hq)), dtype=torch.int32, pin_memory=True)
+            self._input_counts, self._input_counts_np = uva_view(counts, self.device.index), counts.numpy()
             self._win_turn = 0
             # The step's scaled queries: a buffer that stays put, which the window graphs read.
             self._qs_buf = torch.empty((s, hq, d), dtype=torch.float32, device=self.device)
@@ -310,7 +317,8 @@ class HybridRuntime:
 
                 # A few batch sizes per layer; the least recently used graph goes first.
                 self._window_graphs = WindowGraphs(store, hq, self.device, max_graphs=4 * store.layers)
-            warm_jobs = step_kernel_jobs(store, geometry, self.device, window_gpu, merge_gpu) + warm_jobs
+            warm_jobs = step_kernel_jobs(store, geometry, self.device, window_gpu, merge_gpu,
+                                         lane=self.gpu_executor is not None and self.gpu_lane_device.type == "cuda") + warm_jobs
         else:
             # The window part on the host (cpu_kernels.window_attention): its result buffers, the
             # kernel's score scratch and numpy views of the windows, made once.
@@ -626,6 +634,13 @@ class HybridRuntime:
             _check_finite({"q": q, "k": k, "v": v})
         return layer, seq_ids
 
+    def _raise_counted_nonfinite(self, q_rows: int, inputs: dict[str, torch.Tensor]) -> None:
+        """Once the step-inputs launch has completed: its NaN/inf counts of q, k, v (in `inputs`'
+        order), raised as the host check of their copies would."""
+        counts = self._input_counts_np[:, : count_columns(q_rows)].sum(axis=1)
+        if counts.any():
+            raise nonfinite_error({name: (int(c), x.numel()) for (name, x), c in zip(inputs.items(), counts)})
+
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
         """A timing event recorded on `stream` (callers pass the stream they looked up once)."""
@@ -804,18 +819,33 @@ class HybridRuntime:
 
         b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
         n = b * hq * d
-        if cuda:
+        cpu_q = self._q_host[:n].view(b, hq, d)
+        res = self._res_host[: b * hq * (d + 1)]
+        cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
+        if has_gpu:
+            gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
+        # On CUDA one launch makes the step's inputs ready (gpu_kernels/step_inputs.py): scaled q
+        # on the device, on the host for the CPU workers and in the GPU lane's buffer, the lane's
+        # results cleared, and q, k, v's NaN/inf counts for the check that rides on q's copy. Not
+        # while claims of a timed-out step may still write the lane's results (they are waited
+        # for first), nor for SparDA's lookahead or a GPU lane computing on the host: separate ops.
+        fused = cuda and lookahead is None and not self.scheduler.has_orphan and (
+            not has_gpu or self.gpu_lane_device.type == "cuda")
+        if fused:
+            qs = self._qs_buf[:b]
+            prepare_step_inputs(q, k, v, self.scale, qs, q_host=self._q_host_uva[:n] if cpu_lane else None,
+                                lane=(gq, gout, glse) if has_gpu else None,
+                                counts=self._input_counts if q_copy_check else None, stream=caller.cuda_stream,
+                                validate=False)
+        elif cuda:
             qs = self._qs_buf[:b]
             qs.copy_(q)
             qs.mul_(self.scale)
         else:
             qs = (q.to(device=self.device, dtype=torch.float32) * self.scale).contiguous()
-        cpu_q = self._q_host[:n].view(b, hq, d)
-        res = self._res_host[: b * hq * (d + 1)]
-        cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
-        if cpu_lane:
+        if cpu_lane and not fused:
             cpu_q.copy_(qs, non_blocking=True)  # device -> pinned host, ordered on the main stream
-        if q_copy_check:
+        if q_copy_check and not fused:
             # Raw copies in the inputs' own dtypes: one memcpy each, no conversion kernel.
             k_nbytes = -(-k.numel() * k.element_size() // 8) * 8  # v starts 8-byte aligned
             k_host = self._kv_host[:k_nbytes].view(k.dtype)[: k.numel()].view(k.shape)
@@ -826,13 +856,14 @@ class HybridRuntime:
                 look_host = self._look_host[: lookahead.numel() * lookahead.element_size()].view(lookahead.dtype)
                 look_host = look_host.view(lookahead.shape)
                 look_host.copy_(lookahead, non_blocking=True)
-        ev_qhost = self._event(caller) if cuda and cpu_lane else None
-        if has_gpu:
-            gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
+        ev_qhost = self._event(caller) if cuda and (cpu_lane or fused) else None
 
         def gpu_prep() -> None:
             # After the CPU workers were released (these ops are not on their critical path), but
             # before, when they wait for the GPU lane's selection (`scheduler.cpu_task_selection`).
+            if fused:
+                job.gpu_ready = ev_qhost  # the lane's buffers were made ready with q
+                return
             gq.copy_(qs, non_blocking=True)
             gout.zero_()
             glse.fill_(float("-inf"))
@@ -877,10 +908,13 @@ class HybridRuntime:
             tasks = self._tasks(layer, seq_ids, plan)
         if q_copy_check:
             ev_qhost.synchronize()  # the CPU lane's wait for q, moved before anything changes
-            host = {"q": cpu_q, "k": k_host, "v": v_host}
-            if lookahead is not None:
-                host["lookahead"] = look_host
-            _check_finite_host(host)
+            if fused:
+                self._raise_counted_nonfinite(b * hq, {"q": q, "k": k, "v": v})
+            else:
+                host = {"q": cpu_q, "k": k_host, "v": v_host}
+                if lookahead is not None:
+                    host["lookahead"] = look_host
+                _check_finite_host(host)
         if lookahead is not None:
             sparda.prefetch(layer + 1, seq_ids, lookahead)  # the next layer's blocks, while this one computes
         job = None

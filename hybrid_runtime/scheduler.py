@@ -450,6 +450,11 @@ class Scheduler:
             raise
 
     @property
+    def has_orphan(self) -> bool:
+        """Tasks or claims of an earlier timed-out step may still be running (the next step waits for them)."""
+        return self.lane.orphan is not None
+
+    @property
     def start_failed(self) -> bool:
         """A CPU worker failed to start and `await_workers` raised its error: the scheduler is closed."""
         return self._start_failed

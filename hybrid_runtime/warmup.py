@@ -122,13 +122,16 @@ class BackgroundWarmUp:
 
 
 def step_kernel_jobs(store: Any, geometry: Any, device: torch.device, window_fn: Callable,
-                     merge_fn: Callable) -> list[tuple[str, Callable[[], None]]]:
-    """The CUDA decode step's own kernels: the window kernel's two variants (one split, several),
-    the merges (in place in fp32; the step's final one of two or three parts into the model's
-    dtype, taken to be the store's, and fp32: another dtype compiles its variant at its first
-    step) and the window append. Their arguments never select another variant, so no decode
-    step compiles. Scratch windows shaped like the store's (so the JIT's keys are decode's): one
-    layer's window K and V of GPU memory while the warm-up runs, freed with the jobs after it."""
+                     merge_fn: Callable, lane: bool = False) -> list[tuple[str, Callable[[], None]]]:
+    """The CUDA decode step's own kernels: the step-inputs kernel (q, k, v in the store's dtype or
+    fp32; with and without a CPU lane and its check; with the GPU lane's buffers where `lane`),
+    the window kernel's two variants (one split, several), the merges (in place in fp32; the
+    step's final one of two or three parts into the model's dtype, taken to be the store's, and
+    fp32: another dtype compiles its variant at its first step) and the window append. Their
+    arguments never select another variant, so no decode step compiles. Scratch windows shaped
+    like the store's (so the JIT's keys are decode's): one layer's window K and V of GPU memory
+    while the warm-up runs, freed with the jobs after it."""
+    from gpu_kernels.step_inputs import N_COUNTS, count_columns, prepare_step_inputs
     from gpu_kernels.window_append import append_window
 
     win_k, win_v = store.window(0)
@@ -153,12 +156,26 @@ def step_kernel_jobs(store: Any, geometry: Any, device: torch.device, window_fn:
             merge_fn(out, lse, out.clone(), lse.clone(), out=final, lse=lse)
             merge_fn(out, lse, out.clone(), lse.clone(), out=final, lse=lse, out_c=out.clone(), lse_c=lse.clone())
 
+    def step_inputs() -> None:
+        hq, hkv, d = geometry.q_heads, geometry.kv_heads, geometry.head_dim
+        f32 = dict(dtype=torch.float32, device=device)
+        qs, flat, lse = torch.empty((1, hq, d), **f32), torch.empty(hq * d, **f32), torch.empty(hq, **f32)
+        counts = torch.empty((N_COUNTS, count_columns(hq)), dtype=torch.int32, device=device)
+        for dtype in dict.fromkeys((store.dtype, torch.float32)):
+            q = torch.zeros((1, hq, d), dtype=dtype, device=device)
+            kv = torch.zeros((1, hkv, d), dtype=dtype, device=device)
+            for cpu_lane, check in ((True, True), (True, False), (False, False)):
+                prepare_step_inputs(q, kv, kv, 1.0, qs, q_host=flat if cpu_lane else None,
+                                    lane=(flat, flat, lse) if lane else None, counts=counts if check else None)
+
     def append() -> None:
         # The append kernel's one variant (the store converts k and v to the window's dtype first).
         k, v = state["win_k"], state["win_v"]
         append_window(k, v, k[:1, :, 0].clone(), v[:1, :, 0].clone(), torch.zeros((2, 1), dtype=torch.long, device=device))
 
-    return [("scratch buffers", scratch), ("window_attention (n_splits 1 and 2)", window),
+    return [("scratch buffers", scratch), ("step_inputs (q scaled where the lanes read it, the lane's results cleared, the check)",
+                                           step_inputs),
+            ("window_attention (n_splits 1 and 2)", window),
             ("merge_attention (in place; into the store's dtype and fp32, two and three parts)", merges),
             ("window_append", append)]
 

@@ -1,0 +1,95 @@
+"""gpu_kernels/step_inputs.py: one launch making a decode step's inputs ready (interpreted on CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_kernels._checks import interpreted
+from gpu_kernels.step_inputs import N_COUNTS, count_columns, prepare_step_inputs
+
+if not torch.cuda.is_available() and not interpreted():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def buffers(b, hq, d, cols=None):
+    n = b * hq
+    z = lambda m: torch.full((m,), 7.0, device=DEV)  # noqa: E731 -- not the values the kernel writes
+    counts = torch.full((N_COUNTS, cols or count_columns(n)), -5, dtype=torch.int32, device=DEV)
+    return dict(qs=z(n * d).view(b, hq, d), q_host=z(n * d), lane=(z(n * d), z(n * d), z(n)), counts=counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 8, 32), (3, 9, 64), (5, 28, 128)])
+def test_every_destination_equals_the_torch_ops_it_replaces(dtype, shape):
+    b, hq, d = shape
+    hkv = {8: 2, 9: 3, 28: 4}[hq]
+    g = torch.Generator(device="cpu").manual_seed(b * hq)
+    q = torch.randn(b, hq, d, generator=g).to(dtype).to(DEV)
+    k = torch.randn(b, hkv, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(b, hkv, d, generator=g).to(dtype).to(DEV)
+    scale = d ** -0.5
+    buf = buffers(b, hq, d)
+    prepare_step_inputs(q, k, v, scale, buf["qs"], q_host=buf["q_host"], lane=buf["lane"], counts=buf["counts"])
+    ref = q.float()
+    ref.mul_(scale)  # the runtime's former ops: a copy into fp32, then an in-place multiply
+    assert torch.equal(buf["qs"], ref)
+    assert torch.equal(buf["q_host"].view(b, hq, d), ref)
+    gq, gout, glse = buf["lane"]
+    assert torch.equal(gq.view(b, hq, d), ref)
+    assert torch.equal(gout, torch.zeros_like(gout)) and bool((glse == float("-inf")).all())
+    cols = count_columns(b * hq)
+    assert buf["counts"][:, :cols].sum(dim=1).tolist() == [0, 0, 0]
+
+
+def test_counts_name_each_tensor_and_strided_inputs_are_read_in_place():
+    b, hq, hkv, d = 4, 8, 2, 32
+    base = torch.randn(b, d, hq, device=DEV, dtype=torch.bfloat16)
+    q = base.transpose(1, 2)  # [b, hq, d], not contiguous
+    kv = torch.randn(b, hkv, 2, d, device=DEV, dtype=torch.bfloat16)
+    k, v = kv[:, :, 0], kv[:, :, 1]  # strided views
+    q[1, 3, 5] = float("nan")
+    q[3, 7, 0] = float("inf")
+    k[2, 1, 31] = float("-inf")
+    v[0, 0, 0] = float("nan")
+    v[3, 1, 7] = float("nan")
+    v[3, 1, 8] = float("inf")
+    buf = buffers(b, hq, d, cols=count_columns(b * hq) + 3)  # wider than needed: its extra columns are not written
+    prepare_step_inputs(q, k, v, 0.5, buf["qs"], counts=buf["counts"])
+    cols = count_columns(b * hq)
+    assert buf["counts"][:, :cols].sum(dim=1).tolist() == [2, 1, 3]
+    assert bool((buf["counts"][:, cols:] == -5).all())
+    finite = torch.isfinite(q.float())
+    assert torch.equal(buf["qs"][finite], (q.float() * 0.5)[finite])
+    # Destinations not asked for are left alone.
+    assert bool((buf["q_host"] == 7.0).all()) and bool((buf["lane"][1] == 7.0).all())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's own fp32 cast of 1e300
+def test_a_wide_float_counts_as_its_storage_says():
+    """float64 beyond float32's range: k and v are finite in their own dtype; scaled q is inf in fp32."""
+    q = torch.ones(1, 4, 16, dtype=torch.float64, device=DEV)
+    k = torch.ones(1, 2, 16, dtype=torch.float64, device=DEV)
+    v = k.clone()
+    q[0, 0, 0] = 1e300
+    k[0, 1, 3] = 1e300
+    buf = buffers(1, 4, 16)
+    prepare_step_inputs(q, k, v, 1.0, buf["qs"], counts=buf["counts"])
+    assert buf["counts"][:, : count_columns(4)].sum(dim=1).tolist() == [1, 0, 0]
+
+
+def test_bad_arguments_are_refused_before_the_launch():
+    q = torch.randn(2, 8, 32, device=DEV)
+    k = torch.randn(2, 2, 32, device=DEV)
+    buf = buffers(2, 8, 32)
+    with pytest.raises(ValueError, match="k has shape"):
+        prepare_step_inputs(q, torch.randn(2, 3, 32, device=DEV), k, 1.0, buf["qs"])
+    with pytest.raises(ValueError, match="q_host has shape"):
+        prepare_step_inputs(q, k, k, 1.0, buf["qs"], q_host=torch.zeros(10, device=DEV))
+    with pytest.raises(ValueError, match="counts has shape"):
+        prepare_step_inputs(q, k, k, 1.0, buf["qs"], counts=torch.zeros(3, 1, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="q has shape"):
+        prepare_step_inputs(q.to(torch.int32), k, k, 1.0, buf["qs"])
+    assert bool((buf["qs"] == 7.0).all())
