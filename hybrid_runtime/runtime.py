@@ -828,9 +828,10 @@ class HybridRuntime:
         # on the device, on the host for the CPU workers and in the GPU lane's buffer, the lane's
         # results cleared, and q, k, v's NaN/inf counts for the check that rides on q's copy. Not
         # while claims of a timed-out step may still write the lane's results (they are waited
-        # for first), nor for SparDA's lookahead or a GPU lane computing on the host: separate ops.
+        # for first), nor for SparDA's lookahead, inputs on the host or a GPU lane computing there:
+        # separate ops.
         fused = cuda and lookahead is None and not self.scheduler.has_orphan and (
-            not has_gpu or self.gpu_lane_device.type == "cuda")
+            not has_gpu or self.gpu_lane_device.type == "cuda") and q.device == k.device == v.device == self.device
         if fused:
             qs = self._qs_buf[:b]
             prepare_step_inputs(q, k, v, self.scale, qs, q_host=self._q_host_uva[:n] if cpu_lane else None,

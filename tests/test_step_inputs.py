@@ -93,3 +93,46 @@ def test_bad_arguments_are_refused_before_the_launch():
     with pytest.raises(ValueError, match="q has shape"):
         prepare_step_inputs(q.to(torch.int32), k, k, 1.0, buf["qs"])
     assert bool((buf["qs"] == 7.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the runtime launches the kernel on CUDA steps only")
+@pytest.mark.parametrize("placement", ["cpu_only", "fluxion", "gpu_only"])
+def test_decode_with_device_inputs_equals_dense_and_refuses_nonfinite_before_any_change(placement):
+    """`decode` on CUDA inputs (the step-inputs kernel's path): budget 1.0 equals dense attention for
+    q in bf16 and fp32; NaN/inf in q, k or v is refused naming the tensor, nothing appended."""
+    from hybrid_runtime.config import config_from_dict
+    from hybrid_runtime.reference import dense_attention
+    from hybrid_runtime.runtime import HybridRuntime
+
+    geom = {"layers": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
+    cfg = config_from_dict({
+        "geometry": geom,
+        "kv_cache": {"sink": 4, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 8192, "max_sequences": 4},
+        "selection": {"name": "full"},
+        "scheduler": {"placement": placement, "cpu_workers": 2, "gpu_worker": True, "finite_check": "sync"},
+    })
+    g = torch.Generator(device="cpu").manual_seed(3)
+    with HybridRuntime(cfg) as rt:
+        for s, n in enumerate((300, 1000, 2500)):
+            for layer in (0, 1):
+                kv = torch.randn(2, n, 2, 32, generator=g).to(DEV)
+                rt.prefill(s, layer, kv[0], kv[1])
+        for layer in (0, 1, 0):
+            for dtype in (torch.bfloat16, torch.float32):
+                q = torch.randn(3, 8, 32, generator=g).to(DEV, dtype)
+                k, v = torch.randn(2, 3, 2, 32, generator=g).to(DEV, dtype)
+                out = rt.decode(layer, [0, 1, 2], q, k, v)
+                ref = torch.stack([dense_attention(q[b].float(), *rt.store.full_kv(s, layer))[0]
+                                   for b, s in enumerate((0, 1, 2))])
+                assert out.dtype == dtype
+                torch.testing.assert_close(out.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 2e-3,
+                                           rtol=1e-2 if dtype == torch.bfloat16 else 2e-3)
+        lens = [rt.store.seq_len(s, 0) for s in range(3)]
+        for name in ("q", "k", "v"):
+            q = torch.randn(3, 8, 32, device=DEV)
+            k, v = torch.randn(2, 3, 2, 32, device=DEV)
+            {"q": q, "k": k, "v": v}[name][1, 1, 3] = float("nan")
+            with pytest.raises(ValueError, match=f"{name} has 1 NaN/inf value of"):
+                rt.decode(0, [0, 1, 2], q, k, v)
+            assert [rt.store.seq_len(s, 0) for s in range(3)] == lens
