@@ -317,6 +317,10 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
               f"{f['gpu_share_balance']:+.3f}; CPU lane's selection on the GPU: latency {f['gpu_selection_latency_us']:.0f} us "
               f"(launch call {f['gpu_selection_host_us']:.0f} us), {f['cpu_tasks_gpu_selected']} tasks, "
               f"{f['gpu_selection_skipped_steps']} steps skipped", flush=True)
+        if f.get("gpu_selection_claim_delay_us") is not None:
+            print(f"  fluxion's steps on that selection: CPU lane {f['gpu_selection_cpu_lane_GBps']:.1f} GB/s after "
+                  f"{f['gpu_selection_cpu_lane_start_us']:.0f} us; claim delay {f['gpu_selection_claim_delay_us']:.0f} us; "
+                  f"balance {f['gpu_selection_share_balance']:+.3f}", flush=True)
         if args.trace_dir and (batch, context) == METRIC_POINT:
             rt.timeline.write_chrome_trace(os.path.join(args.trace_dir, "layer_attention-trace-8x32k.json"))
         # After the measured steps: the probe's launches neither disturb nor teach the policies.
@@ -452,6 +456,8 @@ def summarize_run(rt, recs, name, placement, plan, batch, context) -> dict:
         "gpu_selection_host_us": sched.get("gpu_selection_host_us"),
         "gpu_selection_skipped_steps": sched.get("gpu_selection_skipped_steps"),
         "cpu_tasks_gpu_selected": sched.get("cpu_tasks_gpu_selected"),
+        **{k: sched.get(k) for k in ("gpu_selection_cpu_lane_GBps", "gpu_selection_cpu_lane_start_us",
+                                     "gpu_selection_claim_delay_us", "gpu_selection_share_balance")},
         "layers": layer_table(recs),
     }
 

@@ -424,7 +424,7 @@ class GpuLane:
         job.gpu_last_end = max(job.gpu_last_end, t_done)
         self._record(job, handle, rows[i:j], per_task, nbytes)
         if job.error is None:
-            self._learn(handle, nb, t_claim, t_done, prev_done, nbytes)
+            self._learn(job.rates or self.rates, handle, nb, t_claim, t_done, prev_done, nbytes)
         return t_done
 
     def _retire_trailing(self, block: bool) -> bool:
@@ -484,7 +484,7 @@ class GpuLane:
     def learn_balance(self, job: StepJob) -> None:
         """After a shared step whose lanes both reported (CPU records collected, GPU claims
         retired): the first claim's learned correction, from where each lane ended."""
-        rates = self.rates
+        rates = job.rates or self.rates
         if job.shared and job.gpu_last_end > 0.0 and job.error is None:
             # Where the CPU lane ended; with no CPU task, where it could have started.
             cpu_end = job.cpu_last_end or (job.t_release + rates.cpu_start.seconds if job.t_release > 0.0 else 0.0)
@@ -625,9 +625,9 @@ class GpuLane:
             cols["start"][rows] = handle.start
             cols["end"][rows] = handle.end
 
-    def _learn(self, handle: Any, nbytes: float, t_claim: float, t_done: float, prev_done: float | None,
+    def _learn(self, rates: Any, handle: Any, nbytes: float, t_claim: float, t_done: float, prev_done: float | None,
                bytes_read: np.ndarray | None) -> None:
-        """Learn from one retired claim of this lane (under the current placement only).
+        """Learn from one retired claim of this lane into `rates`, the estimates its step was sized with.
 
         Two separate things: the launch model fits the claim's time *on the GPU* -- from its
         start (or the previous claim's end, when it was queued behind one) to its end -- so its
@@ -640,13 +640,13 @@ class GpuLane:
         if start is None:  # no clock: host times from the claim stand in
             start = t_claim
         else:
-            self.rates.delay.update(max(0.0, start - t_claim))
+            rates.delay.update(max(0.0, start - t_claim))
         queued = prev_done is not None and prev_done > start
         dur = t_done - (prev_done if queued else start)
         if dur <= 0 or nbytes <= 0:
             return
-        self.rates.gpu.update(nbytes, dur)
-        self.rates.model.update(nbytes, dur, float(np.sum(bytes_read)) if bytes_read is not None else None)
+        rates.gpu.update(nbytes, dur)
+        rates.model.update(nbytes, dur, float(np.sum(bytes_read)) if bytes_read is not None else None)
 
 
 __all__ = ["GpuLane", "HostLaunch", "SyncLaunch", "as_launch_executor"]

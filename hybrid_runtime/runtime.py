@@ -1162,6 +1162,17 @@ class HybridRuntime:
         for executor in (self.cpu_executor, self.gpu_executor):
             if executor is not None and self.cfg.selection.name == "evosparse" and hasattr(executor, "stats"):
                 stats.update(executor.stats())
+        if sch.picks is not None:
+            # What the steps on the GPU's selection learned (their own estimates,
+            # `Scheduler.selection_rates`): the CPU lane's rate and start, the claim's delay, the
+            # first claim's correction.
+            sel = sch.selection_rates()
+            stats.update({
+                "gpu_selection_cpu_lane_GBps": sel.cpu_lane.bytes_per_s / 1e9,
+                "gpu_selection_cpu_lane_start_us": sel.cpu_start.seconds * 1e6,
+                "gpu_selection_claim_delay_us": sel.delay.seconds * 1e6,
+                "gpu_selection_share_balance": sel.balance,
+            })
         if self.gpu_executor is not None:
             stats.update({
                 "gpu_executor": type(self.gpu_executor).__name__,

@@ -220,9 +220,18 @@ class Scheduler:
         if self.lane is not None:
             self.settle()  # the trailing work teaches the placement that ran it
         self.placement = placement
-        self.rates = self._rates.setdefault(estimates or placement, LaneRates(self.link_bw, self.n_cpu))
+        self._rates_key = estimates or placement
+        self.rates = self._rates.setdefault(self._rates_key, LaneRates(self.link_bw, self.n_cpu))
         if self.lane is not None:
             self.lane.rates = self.rates
+
+    def selection_rates(self) -> LaneRates:
+        """The current placement's estimates for steps whose CPU tasks attend the GPU lane's
+        selection (`job.picks`): their CPU lane starts later and reads less, and their first claim
+        waits behind the selection's launch, so one set for both kinds of step sized neither well
+        (at 4 x 32K the selection's occasional exploring steps taught the plain steps a claim
+        delay of ~1 ms, and they stopped claiming: benchmarks/notes/gpu_lane.md section 18)."""
+        return self._rates.setdefault(f"{self._rates_key}+gpu_selection", LaneRates(self.link_bw, self.n_cpu))
 
     def gpu_share(self) -> float:
         """The static placements' GPU share: configured, else measured throughput ratio."""
@@ -329,6 +338,8 @@ class Scheduler:
                          and self.picks.pays(job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s))
         if job.picks:
             job.cpu_queue.picks = True
+        job.rates = self.selection_rates() if job.picks else self.rates
+        self.lane.rates = job.rates  # sizes this step's claims; learning goes to each job's own
         if job.shared:
             # Before any CPU worker can pop: the reserved head is the GPU's whatever the order below.
             slack = self.launcher_slack.seconds if cpu_trails and self.cfg.gate_trailing_claims and \
@@ -467,7 +478,7 @@ class Scheduler:
     def collect(self, job: StepJob) -> None:
         """After a successful step: native records into the job's columns; CPU throughput."""
         self.workers.collect(job)
-        rates = self.rates
+        rates = job.rates or self.rates
         rates.cpu.update(job.cpu_bytes, job.cpu_busy)
         if job.cpu_last_end > job.cpu_first_start > 0.0:
             rates.cpu_lane.update(job.cpu_bytes, job.cpu_last_end - job.cpu_first_start)

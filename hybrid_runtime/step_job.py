@@ -56,6 +56,9 @@ class StepJob:
     picks: bool = False
     picks_issued: bool = False
     picks_stamp: int = 0  # the job id the selection was launched with
+    # The lane estimates (`LaneRates`) that sized this step's claims and learn from it: a step whose
+    # CPU tasks attend the GPU's selection has its own (`Scheduler.run`).
+    rates: Any = None
     # (GPU queue, executor table, queue rows) once the GPU lane began the step (`GpuLane.begin`).
     gpu_plan: tuple | None = None
     error: BaseException | None = None

@@ -225,6 +225,34 @@ def test_cpu_tasks_attend_the_gpu_lanes_selection_and_match_host_selection():
 
 
 @host_lane
+def test_steps_on_the_gpu_selection_size_and_teach_estimates_of_their_own():
+    """A step whose CPU tasks attend the GPU's selection learns into the placement's selection set
+    (`Scheduler.selection_rates`); one that selects on the host into the placement's own."""
+    gpu = HostPickingGpu()
+    with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
+        gpu.store = rt.store
+        sch = rt.scheduler
+        prefilled(rt)
+        plain, sel = sch.rates, sch.selection_rates()
+        assert sel is not plain and sch.selection_rates() is sel
+
+        def learned(r):
+            return r.cpu_lane.bytes_per_s, r.cpu_start.seconds, r.balance
+
+        plain0, sel0 = learned(plain), learned(sel)
+        sch.picks.meta_block_bytes = 1 << 40  # every step uses the selection
+        decode_steps(rt, steps=2)
+        assert rt.stats()["cpu_tasks_gpu_selected"] > 0
+        assert learned(plain) == plain0 and learned(sel) != sel0
+        sel1 = learned(sel)
+        sch.picks.meta_block_bytes = 0  # no step uses it (no exploring step within these)
+        sch.picks.EXPLORE_AFTER = 10**6
+        decode_steps(rt, steps=2)
+        assert learned(sel) == sel1 and learned(plain) != plain0
+        assert sch.rates is plain
+
+
+@host_lane
 def test_workers_select_on_the_host_when_the_selection_is_expected_after_their_own_would_end():
     gpu = HostPickingGpu(delay_s=0.5)
     with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:

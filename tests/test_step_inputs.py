@@ -123,10 +123,10 @@ def test_decode_with_device_inputs_equals_dense_and_refuses_nonfinite_before_any
                 q = torch.randn(3, 8, 32, generator=g).to(DEV, dtype)
                 k, v = torch.randn(2, 3, 2, 32, generator=g).to(DEV, dtype)
                 out = rt.decode(layer, [0, 1, 2], q, k, v)
-                ref = torch.stack([dense_attention(q[b].float(), *rt.store.full_kv(s, layer))[0]
+                ref = torch.stack([dense_attention(q[b].float().cpu(), *rt.store.full_kv(s, layer))[0]
                                    for b, s in enumerate((0, 1, 2))])
-                assert out.dtype == dtype
-                torch.testing.assert_close(out.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 2e-3,
+                assert out.dtype == dtype and out.device == q.device
+                torch.testing.assert_close(out.float().cpu(), ref, atol=1e-2 if dtype == torch.bfloat16 else 2e-3,
                                            rtol=1e-2 if dtype == torch.bfloat16 else 2e-3)
         lens = [rt.store.seq_len(s, 0) for s in range(3)]
         for name in ("q", "k", "v"):

@@ -25,7 +25,8 @@ from tests.helpers import random_kv
 
 GEOM = {"layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
 HANG_GUARD_S = 30.0  # a gate left closed opens by itself after this: a regression fails, never hangs
-TOL = dict(atol=3e-5, rtol=1e-4)
+# With CUDA the window attention and merge are Triton kernels (fp32 dots may use tf32).
+TOL = dict(atol=2e-3, rtol=2e-3) if torch.cuda.is_available() else dict(atol=3e-5, rtol=1e-4)
 
 
 def config(cpu_workers: int = 1):
