@@ -320,7 +320,8 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         if f.get("gpu_selection_claim_delay_us") is not None:
             print(f"  fluxion's steps on that selection: CPU lane {f['gpu_selection_cpu_lane_GBps']:.1f} GB/s after "
                   f"{f['gpu_selection_cpu_lane_start_us']:.0f} us; claim delay {f['gpu_selection_claim_delay_us']:.0f} us; "
-                  f"balance {f['gpu_selection_share_balance']:+.3f}", flush=True)
+                  f"balance {f['gpu_selection_share_balance']:+.3f}; first CPU task "
+                  f"{f['gpu_selection_later_start_us']:+.0f} us against host selection", flush=True)
         if args.trace_dir and (batch, context) == METRIC_POINT:
             rt.timeline.write_chrome_trace(os.path.join(args.trace_dir, "layer_attention-trace-8x32k.json"))
         # After the measured steps: the probe's launches neither disturb nor teach the policies.
@@ -457,7 +458,8 @@ def summarize_run(rt, recs, name, placement, plan, batch, context) -> dict:
         "gpu_selection_skipped_steps": sched.get("gpu_selection_skipped_steps"),
         "cpu_tasks_gpu_selected": sched.get("cpu_tasks_gpu_selected"),
         **{k: sched.get(k) for k in ("gpu_selection_cpu_lane_GBps", "gpu_selection_cpu_lane_start_us",
-                                     "gpu_selection_claim_delay_us", "gpu_selection_share_balance")},
+                                     "gpu_selection_claim_delay_us", "gpu_selection_share_balance",
+                                     "gpu_selection_later_start_us")},
         "layers": layer_table(recs),
     }
 

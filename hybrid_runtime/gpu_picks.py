@@ -71,6 +71,7 @@ class GpuPicks:
         self.latency = Delay(self.LATENCY_S)
         self._pending: tuple | None = None  # (host time of the last launch, its end event)
         self.skipped = 0  # steps in a row `pays` said no to
+        self.used = 0  # steps in a row `pays` said yes to
         self.skipped_steps = 0  # steps `pays` said no to, in all
         # Host seconds of the launch call itself (the executor's argument handling and launch): part
         # of what the CPU lane waits for, reported beside `latency`.
@@ -108,24 +109,41 @@ class GpuPicks:
         self._pending = None
         self.latency.update(max(0.0, clock.to_host(pending[1]) - pending[0]))
 
-    # Steps in a row the selection was skipped as not paying; after this many one step uses it, so
-    # that its latency is measured again (an estimate gone wrong must be able to recover).
+    # Steps in a row `pays` said no (yes); after this many it says the other thing once, so that what
+    # the choice compares is measured again: the selection's latency (the CPU lane's rate when it
+    # selects itself, which steps on the selection do not teach: `Scheduler.selection_rates`). An
+    # estimate gone wrong must be able to recover.
     EXPLORE_AFTER = 8
+    HOST_EXPLORE_AFTER = 8
 
-    def pays(self, meta_blocks: int, cpu_lane_bytes_per_s: float) -> bool:
+    def pays(self, meta_blocks: int, cpu_lane_bytes_per_s: float, later_start_s: float | None = None) -> bool:
         """Whether a step whose tasks score `meta_blocks` blocks should use the selection: the CPU
-        lane's time to read that metadata itself (at its measured rate) against the selection's
-        latency, which the CPU lane waits for instead. At 4 x 32K of the layer benchmark's mix the
-        two were about equal and the selection made the step no faster (benchmarks/notes/gpu_lane.md
-        section 17). Counts the skips and says yes once every `EXPLORE_AFTER` + 1 steps."""
-        if meta_blocks * self.meta_block_bytes / max(cpu_lane_bytes_per_s, 1e8) > self.latency.seconds:
+        lane's time to read that metadata itself (at its measured rate when it selects itself)
+        against what the selection costs it, `later_start_s`: how much later its first task starts
+        on steps on the selection than on steps that select on the host (both measured, `LaneRates.
+        cpu_first`: the launch before the workers' release and the wait for its landing), or, not
+        given, the selection's latency. At 4 x 32K of the layer benchmark's mix the first task
+        started ~0.26 ms later on the selection while the metadata took the lane ~0.2 ms, and
+        those steps were 8-12% slower than host selection (benchmarks/notes/gpu_lane.md section 18).
+        Counts the skips; says yes once after `EXPLORE_AFTER` noes in a row, and no once after
+        `HOST_EXPLORE_AFTER` yeses in a row."""
+        cost = self.latency.seconds if later_start_s is None else max(0.0, later_start_s)
+        use = meta_blocks * self.meta_block_bytes / max(cpu_lane_bytes_per_s, 1e8) > cost
+        if use:
+            self.skipped = 0
+            self.used += 1
+            if self.used <= self.HOST_EXPLORE_AFTER:
+                return True
+            self.used = 0  # one step selects on the host: the CPU lane's own rate is measured again
+        else:
+            self.used = 0
+            self.skipped += 1
+            if self.skipped <= self.EXPLORE_AFTER:
+                self.skipped_steps += 1
+                return False
             self.skipped = 0
             return True
-        self.skipped += 1
         self.skipped_steps += 1
-        if self.skipped > self.EXPLORE_AFTER:
-            self.skipped = 0
-            return True
         return False
 
     def host_ns_per_block(self, worker_bytes_per_s: float) -> int:

@@ -152,7 +152,9 @@ class LaneRates:
     fluxion claims (they also count the tasks the workers hold, which the queue's rest does not);
     `gpu`: the GPU lane's average rate per launch (static shares, reports); `model`: the GPU
     launch model (fluxion claims), fitted on GPU time; `delay`: host time from a claim to the
-    GPU starting it.
+    GPU starting it; `cpu_first`: seconds from the scheduler taking a step to its first CPU task
+    (whatever ran before the release included: what a step on the GPU's selection and one that
+    selects on the host are compared by, `GpuPicks.pays`).
     """
 
     def __init__(self, link_bw: float | None = None, n_cpu: int = 1):
@@ -160,6 +162,7 @@ class LaneRates:
         self.cpu = Throughput(4e9)
         self.cpu_lane = Throughput(3e9 * max(1, n_cpu))
         self.cpu_start = Delay(300e-6)
+        self.cpu_first = Delay(300e-6)
         # Fraction of a shared step's modeled bytes added to the GPU's first claim, learned from
         # how far apart the lanes finished (see `learn_balance`).
         self.balance = 0.0

@@ -1172,6 +1172,9 @@ class HybridRuntime:
                 "gpu_selection_cpu_lane_start_us": sel.cpu_start.seconds * 1e6,
                 "gpu_selection_claim_delay_us": sel.delay.seconds * 1e6,
                 "gpu_selection_share_balance": sel.balance,
+                # How much later the first CPU task starts on the selection than with host selection
+                # (what `GpuPicks.pays` weighs the metadata's reading time against).
+                "gpu_selection_later_start_us": (sel.cpu_first.seconds - sch.rates.cpu_first.seconds) * 1e6,
             })
         if self.gpu_executor is not None:
             stats.update({

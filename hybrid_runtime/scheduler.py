@@ -325,6 +325,7 @@ class Scheduler:
         self.settle_cpu()
         deadline = time.monotonic() + timeout
         self.lane.await_orphan(timeout)
+        job.t_run = time.perf_counter()  # after waiting for earlier steps: what this step's own path costs
         self.split(job)
         if not self.workers.ready and job.cpu_used:
             # Once: the CPU workers' start (the step's timeout does not count this wait).
@@ -335,7 +336,8 @@ class Scheduler:
         # The GPU lane selects the CPU lane's blocks (published with the job: the workers then wait
         # for each position's selection, which `GpuLane.begin` below launches or refuses).
         job.picks = bool(job.shared and self.picks is not None and self.picks.enabled and job.cpu_used
-                         and self.picks.pays(job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s))
+                         and self.picks.pays(job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s,
+                                             self.selection_rates().cpu_first.seconds - self.rates.cpu_first.seconds))
         if job.picks:
             job.cpu_queue.picks = True
         job.rates = self.selection_rates() if job.picks else self.rates
@@ -484,6 +486,8 @@ class Scheduler:
             rates.cpu_lane.update(job.cpu_bytes, job.cpu_last_end - job.cpu_first_start)
             if job.t_release > 0.0:
                 rates.cpu_start.update(max(0.0, job.cpu_first_start - job.t_release))
+            if job.t_run > 0.0:
+                rates.cpu_first.update(max(0.0, job.cpu_first_start - job.t_run))
         trailing = self.lane.trailing
         if trailing is None or trailing[0] is not job:
             self.lane.learn_balance(job)  # else once its trailing claims are retired

@@ -69,6 +69,7 @@ class StepJob:
     cpu_busy: float = 0.0
     # The CPU lane's span: host time the workers were released, their first task's start and
     # last task's end (perf_counter seconds; 0 when no CPU task ran).
+    t_run: float = 0.0  # perf_counter when the scheduler took the step, earlier steps waited for (`Scheduler.run`)
     t_release: float = 0.0
     cpu_first_start: float = 0.0
     cpu_last_end: float = 0.0

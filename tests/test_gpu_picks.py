@@ -394,3 +394,27 @@ def test_a_step_uses_the_selection_when_its_metadata_takes_the_cpu_lane_longer_t
     assert picks.pays(20_000, 100e9)
     said = [picks.pays(10_000, 100e9) for _ in range(2 * (GpuPicks.EXPLORE_AFTER + 1))]
     assert said.count(True) == 2 and said[GpuPicks.EXPLORE_AFTER] and said[-1], "one exploring step in EXPLORE_AFTER + 1"
+
+
+def test_steps_that_keep_paying_select_on_the_host_now_and_then():
+    """The CPU lane's own rate (what `pays` weighs the selection against) is learned only on steps
+    that select on the host: after `HOST_EXPLORE_AFTER` steps on the selection one step is such."""
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    picks = GpuPicks(4, 8, torch.device("cpu"), meta_block_bytes=512)
+    picks.latency.seconds = 100e-6
+    n = GpuPicks.HOST_EXPLORE_AFTER + 1
+    said = [picks.pays(20_000, 100e9) for _ in range(2 * n)]
+    assert said.count(False) == 2 and not said[n - 1] and not said[-1], "one host step in HOST_EXPLORE_AFTER + 1"
+    assert picks.skipped_steps == 2
+
+
+def test_the_selection_is_weighed_against_the_later_start_it_costs_the_cpu_lane():
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    picks = GpuPicks(4, 8, torch.device("cpu"), meta_block_bytes=512)
+    picks.latency.seconds = 1.0  # not what is weighed once the later start is known
+    # 2e4 blocks x 512 B at 100 GB/s: 102 us of the CPU lane's reading.
+    assert picks.pays(20_000, 100e9, later_start_s=50e-6)
+    assert not picks.pays(20_000, 100e9, later_start_s=150e-6)
+    assert picks.pays(20_000, 100e9, later_start_s=-30e-6), "a selection that starts the lane earlier pays"
