@@ -5,7 +5,8 @@ interleaved step by step; every phase of `HybridRuntime.decode` before the CPU w
 stamped by wrapping the method that runs it, relative to the step's start as the timeline counts
 it (decode entry, or q ready on the device). Printed per (policy, layer): the median time each
 phase ended, the release, the first CPU task, the GPU lane's first launch and, where the GPU lane
-selected the CPU lane's blocks, when its selection kernel ran on the GPU.
+selected the CPU lane's blocks, when its selection kernel ran on the GPU. Then the host time of the
+step-inputs launch alone (`gpu_kernels/step_inputs.py`), back to back with the workers idle.
 
     python benchmarks/diag/step_phases.py [--batch 4 --context 32768 --steps 30]
 """
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--launch-loop", type=int, default=200,
+                    help="then time this many step-inputs launches back to back, workers idle (0: skip)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_phases needs a CUDA device")
@@ -179,6 +182,24 @@ def main() -> None:
             print(f"{p:24s} layer {layer} (n={len(rs)}), ms from step start: " + ", ".join(parts), flush=True)
         st = rt.stats()
         print({k: v for k, v in st.items() if "selection" in k}, flush=True)
+        if args.launch_loop:
+            # Host time of one launch alone, as decode makes it (its buffers, no validation).
+            from gpu_kernels.step_inputs import prepare_step_inputs
+
+            q = torch.randn((b, geo.q_heads, geo.head_dim), device="cuda", dtype=torch.bfloat16)
+            kv = torch.randn((b, geo.kv_heads, geo.head_dim), device="cuda", dtype=torch.bfloat16)
+            n = b * geo.q_heads * geo.head_dim
+            lane = (rt._gq[:b], rt._gout[:b], rt._glse[:b])
+            stream = torch.cuda.current_stream().cuda_stream
+            took = []
+            for _ in range(args.launch_loop):
+                t0 = time.perf_counter()
+                prepare_step_inputs(q, kv, kv, rt.scale, rt._qs_buf[:b], q_host=rt._q_host_uva[:n], lane=lane,
+                                    counts=rt._input_counts, stream=stream, validate=False)
+                took.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            print(f"step-inputs launch alone: median {np.median(took) * 1e6:.1f} us, p90 "
+                  f"{np.percentile(took, 90) * 1e6:.1f} us over {len(took)}", flush=True)
         from gpu_kernels import score_select as ss
         from gpu_kernels import sparse_attention as sa
         for name, launch in (("score_select", ss._launch), ("sparse_attention_claim", sa._claim_launch)):
