@@ -189,8 +189,9 @@ def test_the_first_decode_compiles_no_queue_helper():
 def test_cuda_constructor_leaves_the_kernels_to_the_warm_up_and_no_step_compiles():
     """On CUDA: the step's Triton kernels and the GPU lane's claim kernels are the warm-up's jobs;
     once it is done, decode steps (bf16 inputs, the store's dtype) compile no new variant of the
-    window, merge or append kernel."""
+    step-inputs, window, merge or append kernel."""
     from gpu_kernels.lse_merge import _merge_kernel
+    from gpu_kernels.step_inputs import _step_inputs_kernel
     from gpu_kernels.window_append import _append_kernel
     from gpu_kernels.window_attention import _window_attn_kernel
 
@@ -201,7 +202,7 @@ def test_cuda_constructor_leaves_the_kernels_to_the_warm_up_and_no_step_compiles
         "scheduler": {"placement": "fluxion", "cpu_workers": 1, "pin_cores": False, "gc_freeze": False},
         "profiling": {"enabled": False},
     })
-    kernels = (_merge_kernel, _append_kernel, _window_attn_kernel)
+    kernels = (_merge_kernel, _append_kernel, _window_attn_kernel, _step_inputs_kernel)
 
     def variants() -> int:
         return sum(len(c[0]) for kern in kernels for c in kern.device_caches.values())
@@ -209,6 +210,7 @@ def test_cuda_constructor_leaves_the_kernels_to_the_warm_up_and_no_step_compiles
     with HybridRuntime(cfg) as rt:
         names = rt._warm_up.kernels
         assert any("window_attention" in n for n in names) and any("claim kernels" in n for n in names)
+        assert any("step_inputs" in n for n in names)
         g = rt.geometry
         k, v = random_kv(600, g.kv_heads, g.head_dim, seed=0)
         rt.prefill(0, 0, k.cuda().to(torch.bfloat16), v.cuda().to(torch.bfloat16))
