@@ -941,8 +941,13 @@ class HybridRuntime:
             # GPU lane's first claim (benchmarks/notes/gpu_lane.md).
             try:
                 last = layer == store.layers - 1
+                # A caller on the host gets its output through a copy that waits for the device, and
+                # a trailing CPU lane's merge makes the device wait for the workers: that copy would
+                # wait for them with no step timeout (a stalled task would hang it), so such a step
+                # does not trail.
+                cpu_trails = self._cpu_trails and not last and q.device.type == "cuda"
                 self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False,
-                                   cpu_trails=self._cpu_trails and not last, gpu_trails=self.gpu_only_trails and not last)
+                                   cpu_trails=cpu_trails, gpu_trails=self.gpu_only_trails and not last)
             except BaseException:
                 if self.scheduler.start_failed:
                     # The CPU workers never started (what a failed construction was before start-up
