@@ -31,6 +31,15 @@ ROWS = 4  # (b, h) rows a program reads per iteration
 
 
 @triton.jit
+def nonfinite(x, xf):
+    """Where `x` (its value in float32: `xf`) is NaN or +-inf. Compared in float32 (exact for the
+    16-bit floats; Triton's interpreter compares bf16 by its bits, so NaN == NaN there), but an
+    infinity only counts if it is the value itself: a float64 beyond float32's range becomes inf in
+    float32 and is finite."""
+    return (xf != xf) | ((tl.abs(xf) == float("inf")) & (xf.to(x.dtype) == x))
+
+
+@triton.jit
 def _count_rows(x_ptr, n_rows, H, s0, s1, s2, split, D, SPLITS: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """NaN/inf values in this program's rows of one `[B, H, D]` tensor (`n_rows = B * H`)."""
@@ -44,12 +53,7 @@ def _count_rows(x_ptr, n_rows, H, s0, s1, s2, split, D, SPLITS: tl.constexpr, RO
         mask = (r < n_rows)[:, None] & (d < D)[None, :]
         off = b.to(tl.int64)[:, None] * s0 + h.to(tl.int64)[:, None] * s1 + d.to(tl.int64)[None, :] * s2
         x = tl.load(x_ptr + off, mask=mask, other=0.0)
-        # Compared in float32 (exact for the 16-bit floats; Triton's interpreter compares bf16 by its
-        # bits, so NaN == NaN there), but an infinity only counts if it is the value itself: a
-        # float64 beyond float32's range becomes inf in float32 and is finite.
-        xf = x.to(tl.float32)
-        bad = (xf != xf) | ((tl.abs(xf) == float("inf")) & (xf.to(x.dtype) == x))
-        count += (bad & mask).to(tl.int32)
+        count += (nonfinite(x, x.to(tl.float32)) & mask).to(tl.int32)
     return tl.sum(tl.sum(count, axis=1), axis=0)
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from gpu_kernels._checks import KV_DTYPES, cdiv, next_pow2
 from gpu_kernels.launch import CachedLaunch
+from gpu_kernels.nonfinite_counts import nonfinite
 
 ROWS = 4  # (b, h) rows of q per program
 N_COUNTS = 3  # q, k, v
@@ -36,9 +37,8 @@ IN_DTYPES = KV_DTYPES + (torch.float64,)
 
 @triton.jit
 def _bad(x, xf, mask):
-    """NaN/inf values of `x` (its fp32 value `xf`) under `mask`; an infinity counts only if it is the value itself."""
-    bad = (xf != xf) | ((tl.abs(xf) == float("inf")) & (xf.to(x.dtype) == x))
-    return tl.sum(tl.sum((bad & mask).to(tl.int32), axis=1), axis=0)
+    """NaN/inf values of `x` (its fp32 value `xf`) under `mask`, as the deferred check counts them."""
+    return tl.sum(tl.sum((nonfinite(x, xf) & mask).to(tl.int32), axis=1), axis=0)
 
 
 @triton.jit(do_not_specialize=["q_s0", "q_s1", "q_s2", "k_s0", "k_s1", "k_s2", "v_s0", "v_s1", "v_s2",

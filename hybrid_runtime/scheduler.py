@@ -231,7 +231,11 @@ class Scheduler:
         waits behind the selection's launch, so one set for both kinds of step sized neither well
         (at 4 x 32K the selection's occasional exploring steps taught the plain steps a claim
         delay of ~1 ms, and they stopped claiming: benchmarks/notes/gpu_lane.md section 18)."""
-        return self._rates.setdefault(f"{self._rates_key}+gpu_selection", LaneRates(self.link_bw, self.n_cpu))
+        key = f"{self._rates_key}+gpu_selection"
+        rates = self._rates.get(key)
+        if rates is None:  # made once: this is asked every shared step
+            rates = self._rates[key] = LaneRates(self.link_bw, self.n_cpu)
+        return rates
 
     def gpu_share(self) -> float:
         """The static placements' GPU share: configured, else measured throughput ratio."""

@@ -133,6 +133,7 @@ def step_kernel_jobs(store: Any, geometry: Any, device: torch.device, window_fn:
     while the warm-up runs, freed with the jobs after it."""
     from gpu_kernels.step_inputs import N_COUNTS, count_columns, prepare_step_inputs
     from gpu_kernels.window_append import append_window
+    from hybrid_runtime.input_check import checked_dtypes
 
     win_k, win_v = store.window(0)
     state: dict = {}
@@ -161,11 +162,12 @@ def step_kernel_jobs(store: Any, geometry: Any, device: torch.device, window_fn:
         f32 = dict(dtype=torch.float32, device=device)
         qs, flat, lse = torch.empty((1, hq, d), **f32), torch.empty(hq * d, **f32), torch.empty(hq, **f32)
         counts = torch.empty((N_COUNTS, count_columns(hq)), dtype=torch.int32, device=device)
-        for dtype in dict.fromkeys((store.dtype, torch.float32)):
-            q = torch.zeros((1, hq, d), dtype=dtype, device=device)
-            kv = torch.zeros((1, hkv, d), dtype=dtype, device=device)
+        for q_dtype, k_dtype, v_dtype in checked_dtypes(store.dtype, lookahead=False):
+            q = torch.zeros((1, hq, d), dtype=q_dtype, device=device)
+            k = torch.zeros((1, hkv, d), dtype=k_dtype, device=device)
+            v = torch.zeros((1, hkv, d), dtype=v_dtype, device=device)
             for cpu_lane, check in ((True, True), (True, False), (False, False)):
-                prepare_step_inputs(q, kv, kv, 1.0, qs, q_host=flat if cpu_lane else None,
+                prepare_step_inputs(q, k, v, 1.0, qs, q_host=flat if cpu_lane else None,
                                     lane=(flat, flat, lse) if lane else None, counts=counts if check else None)
 
     def append() -> None:
