@@ -1,0 +1,169 @@
+"""Diagnostic (device): where the host time of one Triton launch goes. Writes no results file.
+
+The layer benchmark's runtime and head mix (`benchmarks/layer_attention.py`), fluxion and
+cpu_only steps interleaved. Every `CachedLaunch` call is timed in place (during decode, the CPU
+workers reading beside it), and the last arguments each compiled kernel was launched with are
+kept. After the steps, with the workers idle, each kernel's launch is split into:
+
+* `call`: `CachedLaunch.__call__` as decode makes it (specialisation key, lookup, Triton's launcher);
+* `python`: the same call with the launcher replaced by a no-op (our Python and the key);
+* `run`: Triton's launcher alone (`kernel.run`) with the recorded arguments;
+* `run_ints`: the same with every tensor argument passed as its address (an int: the launcher
+  then neither calls `data_ptr()` nor asks the driver about the pointer).
+
+    python benchmarks/diag/launch_cost.py [--batch 8 --context 32768 --steps 20 --loop 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
+from gpu_kernels.launch import CachedLaunch  # noqa: E402
+from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
+
+
+class Recorder:
+    """Stands in for a compiled kernel: records the launcher's arguments, then launches (or not)."""
+
+    def __init__(self, kernel, name: str) -> None:
+        self.kernel, self.name, self.last, self.noop = kernel, name, None, False
+
+    def __getattr__(self, attr):
+        return getattr(self.kernel, attr)
+
+    def run(self, *args):
+        self.last = args
+        if not self.noop:
+            self.kernel.run(*args)
+
+
+def _us(samples: list[float]) -> str:
+    a = np.asarray(samples) * 1e6
+    return f"median {np.median(a):7.1f} us, p90 {np.percentile(a, 90):7.1f}, n {len(a)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--loop", type=int, default=400, help="launches per isolated measurement")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("launch_cost needs a CUDA device")
+    b, ctx = args.batch, args.context
+    cfg, geo = layer_setup(args.layers, b, ctx, max(1, (os.cpu_count() or 2) - 1))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
+    sch = rt.scheduler
+    in_place: dict[str, list[float]] = collections.defaultdict(list)
+    recording = [False]
+    real_call = CachedLaunch.__call__
+
+    def timed_call(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return real_call(self, *a, **kw)
+        finally:
+            if recording[0]:
+                in_place[self.fn.__name__].append(time.perf_counter() - t0)
+
+    try:
+        prefill_random(rt, b, ctx, gen)
+        torch.set_num_threads(1)
+        seq_ids = list(range(b))
+
+        def one_step(policy: str) -> None:
+            sch.set_placement(policy)
+            for layer in range(geo.layers):
+                q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+                kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+                rt.decode(layer, seq_ids, q, kv, kv)
+
+        for _ in range(args.warmup):
+            for p in ("fluxion", "cpu_only"):
+                one_step(p)
+        torch.cuda.synchronize()
+        launches = [obj for mod in list(sys.modules.values()) if mod is not None and mod.__name__.startswith("gpu_kernels")
+                    for obj in vars(mod).values() if isinstance(obj, CachedLaunch)]
+        recorders: list[tuple[CachedLaunch, object, Recorder]] = []
+        for launch in {id(x): x for x in launches}.values():
+            for key, kernel in list(launch._compiled.items()):
+                rec = Recorder(kernel, launch.fn.__name__)
+                launch._compiled[key] = rec
+                recorders.append((launch, key, rec))
+        CachedLaunch.__call__ = timed_call
+        recording[0] = True
+        for _ in range(args.steps):
+            for p in ("fluxion", "cpu_only"):
+                one_step(p)
+        torch.cuda.synchronize()
+        recording[0] = False
+        print(f"{b} x {ctx}: CachedLaunch.__call__ in place (during decode), per kernel:", flush=True)
+        for name, took in sorted(in_place.items()):
+            print(f"  {name:32s} {_us(took)}", flush=True)
+        print("isolated, workers idle:", flush=True)
+        for launch, key, rec in recorders:
+            if rec.last is None:
+                continue
+            run_args = rec.last
+            ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in run_args)
+            n_tensors = sum(isinstance(a, torch.Tensor) for a in run_args)
+            rows = {}
+            for label, fn in (("run", lambda: rec.kernel.run(*run_args)),
+                              ("run_ints", lambda: rec.kernel.run(*ints))):
+                took = []
+                for _ in range(args.loop):
+                    t0 = time.perf_counter()
+                    fn()
+                    took.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                rows[label] = took
+            print(f"  {rec.name:32s} ({n_tensors} tensor args of {len(run_args) - 9})", flush=True)
+            for label, took in rows.items():
+                print(f"    {label:9s} {_us(took)}", flush=True)
+        # Python alone: replay each wrapper's last CachedLaunch call with the launcher a no-op.
+        calls: dict = {}
+
+        def keep_call(self, *a, **kw):
+            calls[(id(self), self.fn.__name__)] = (self, a, kw)
+            return real_call(self, *a, **kw)
+
+        CachedLaunch.__call__ = keep_call
+        one_step("fluxion")
+        one_step("cpu_only")
+        torch.cuda.synchronize()
+        CachedLaunch.__call__ = real_call
+        for rec in (r for _, _, r in recorders):
+            rec.noop = True
+        print("CachedLaunch.__call__ with the launcher a no-op (our Python, the key, the lookup):", flush=True)
+        for (_, name), (launch, a, kw) in sorted(calls.items(), key=lambda kv: kv[0][1]):
+            took = []
+            for _ in range(args.loop):
+                t0 = time.perf_counter()
+                real_call(launch, *a, **kw)
+                took.append(time.perf_counter() - t0)
+            print(f"  {name:32s} {_us(took)}", flush=True)
+        for launch, key, rec in recorders:
+            launch._compiled[key] = rec.kernel
+    finally:
+        CachedLaunch.__call__ = real_call
+        rt.close()
+
+
+if __name__ == "__main__":
+    main()
