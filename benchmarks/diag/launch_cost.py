@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
 from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
 from gpu_kernels.launch import CachedLaunch  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
@@ -46,6 +47,17 @@ class Recorder:
         self.last = args
         if not self.noop:
             self.kernel.run(*args)
+
+
+def _timed(fn, label: str, into: dict, recording: list):
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            if recording[0]:
+                into[label].append(time.perf_counter() - t0)
+    return wrapper
 
 
 def _us(samples: list[float]) -> str:
@@ -98,7 +110,8 @@ def main() -> None:
             for p in ("fluxion", "cpu_only"):
                 one_step(p)
         torch.cuda.synchronize()
-        launches = [obj for mod in list(sys.modules.values()) if mod is not None and mod.__name__.startswith("gpu_kernels")
+        launches = [obj for mod in list(sys.modules.values())
+                    if str(getattr(mod, "__name__", "")).startswith("gpu_kernels")
                     for obj in vars(mod).values() if isinstance(obj, CachedLaunch)]
         recorders: list[tuple[CachedLaunch, object, Recorder]] = []
         for launch in {id(x): x for x in launches}.values():
@@ -107,6 +120,10 @@ def main() -> None:
                 launch._compiled[key] = rec
                 recorders.append((launch, key, rec))
         CachedLaunch.__call__ = timed_call
+        # The wrappers around the launches, timed in place too.
+        for owner, name in ((gpu_uva, "score_select"), (gpu_uva, "sparse_attention_claim"),
+                            (gpu_uva.GpuUvaExecutor, "launch"), (gpu_uva.GpuUvaExecutor, "pick")):
+            setattr(owner, name, _timed(getattr(owner, name), f"{owner.__name__}.{name}", in_place, recording))
         recording[0] = True
         for _ in range(args.steps):
             for p in ("fluxion", "cpu_only"):
@@ -136,6 +153,20 @@ def main() -> None:
             print(f"  {rec.name:32s} ({n_tensors} tensor args of {len(run_args) - 9})", flush=True)
             for label, took in rows.items():
                 print(f"    {label:9s} {_us(took)}", flush=True)
+        ev = torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream()
+        took = []
+        for _ in range(args.loop):
+            t0 = time.perf_counter()
+            ev.record(stream)
+            took.append(time.perf_counter() - t0)
+        print(f"  {'torch.cuda.Event.record':32s} {_us(took)}", flush=True)
+        took = []
+        for _ in range(args.loop):
+            t0 = time.perf_counter()
+            torch.cuda.Event(enable_timing=True).record(stream)
+            took.append(time.perf_counter() - t0)
+        print(f"  {'new Event + record':32s} {_us(took)}", flush=True)
         # Python alone: replay each wrapper's last CachedLaunch call with the launcher a no-op.
         calls: dict = {}
 
