@@ -32,6 +32,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         kernels from a CUDA graph instead of launching them directly.
     fluxion_host_selection fluxion with `scheduler.cpu_task_selection: host`: the CPU workers score
                         their tasks' metadata themselves instead of attending the GPU lane's selection.
+    fluxion_unplanned,  fluxion and cpu_only with the step's planned launches (step inputs, selection,
+    cpu_only_unplanned  claims; `gpu_kernels.launch.LaunchPlan`) made through `CachedLaunch` instead.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -144,6 +146,7 @@ import transformers  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from benchmarks.layer_attention import GcWatch, best_limits, measure_limits  # noqa: E402
+from gpu_kernels.launch import LaunchPlan  # noqa: E402
 from hybrid_runtime.config import (  # noqa: E402
     Config,
     ConfigError,
@@ -191,6 +194,7 @@ class Variant:
     scheduler: dict = field(default_factory=dict)  # a hybrid variant's own scheduler keys
     kv_cache: dict = field(default_factory=dict)  # ... and kv_cache keys
     needs_cuda: bool = False
+    launch_plans: bool = True  # false: planned launches go through CachedLaunch (gpu_kernels/launch.py)
 
     def unavailable(self) -> str | None:
         """Why this variant cannot run in this build (recorded as the skip reason), or None."""
@@ -223,6 +227,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The CPU workers select their own blocks from the arena's metadata (the default has the GPU lane
     # select them from its copy of the metadata where that pays: scheduler.cpu_task_selection).
     Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),
+    # The step's planned launches (step inputs, selection, claims) through CachedLaunch, as before
+    # LaunchPlan: the comparison of the launcher thread's host time.
+    Variant("fluxion_unplanned", "hybrid", placement="fluxion", launch_plans=False),
+    Variant("cpu_only_unplanned", "hybrid", placement="cpu_only", launch_plans=False),
 )}
 
 
@@ -923,9 +931,14 @@ def run(args, device: str | None = None) -> Path | None:
                     except Exception as exc:  # noqa: BLE001 - no floor: the floor metric is left out
                         print(f"  floor {name} b={b} failed: {exc}", flush=True)
                     release_memory()
-                row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
-                               cap_s=args.decode_cap_s, seed=args.seed, cpu_workers=args.cpu_workers,
-                               hybrid_overrides=args.runtime_set, attempt_all=args.attempt_all)
+                LaunchPlan.enabled = variant.launch_plans
+                try:
+                    row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens,
+                                   warmup_tokens=args.warmup_tokens, cap_s=args.decode_cap_s, seed=args.seed,
+                                   cpu_workers=args.cpu_workers, hybrid_overrides=args.runtime_set,
+                                   attempt_all=args.attempt_all)
+                finally:
+                    LaunchPlan.enabled = True
                 row["predicted_s"] = pred
                 costs.observe(cfg, row)
                 rows.append(row)

@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import write_results  # noqa: E402
 from benchmarks.machine_limits import concurrent_ceiling, h2d_bandwidth, host_read_bandwidth  # noqa: E402
+from gpu_kernels.launch import LaunchPlan  # noqa: E402
 from hybrid_runtime.config import GEOMETRIES, config_from_dict  # noqa: E402
 from hybrid_runtime.profiling import LANE_CPU, LANE_GPU  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
@@ -251,6 +252,11 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         # --gpu-only-waits: gpu_only with its steps as before they trailed (each layer waits for its
         # claims, the NaN/inf check with a device sync), own lane-rate estimates.
         trails_default, check_default = rt.gpu_only_trails, rt.finite_check
+        # --unplanned: fluxion and cpu_only with their planned launches through CachedLaunch.
+        unplanned = ("fluxion_unplanned", "cpu_only_unplanned") if args.unplanned else ()
+        for name in unplanned:
+            runs[name] = (name.removesuffix("_unplanned"), "mix")
+            claim_cfg[name] = claim_cfg["fluxion"]
         if args.gpu_only_waits:
             runs["gpu_only_waits"] = ("gpu_only", "mix")
             claim_cfg["gpu_only_waits"] = claim_cfg["gpu_only"]
@@ -258,7 +264,8 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         def one_step(name: str) -> None:
             placement, plan = runs[name]
             # The placement's own lane-rate estimates; a claim-programs or --other-claims variant has its own.
-            own = name.startswith("fluxion_cp") or name in (other, other_meta, other_sel, "gpu_only_waits")
+            own = name.startswith("fluxion_cp") or name in (other, other_meta, other_sel, "gpu_only_waits", *unplanned)
+            LaunchPlan.enabled = name not in unplanned
             rt.scheduler.set_placement(placement, estimates=name if own else None)
             rt.gpu_only_trails = trails_default and name != "gpu_only_waits"
             rt.finite_check = "sync" if name == "gpu_only_waits" else check_default
@@ -612,6 +619,10 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None, help="write the (8, 32K) Chrome trace (all policies) here")
     ap.add_argument("--no-gpu-probe", dest="gpu_probe", action="store_false",
                     help="skip probing the GPU lane alone at every point (no gpu_lane_* metrics)")
+    ap.add_argument("--unplanned", action="store_true",
+                    help="also run fluxion and cpu_only with the step's planned launches (step inputs, selection, "
+                         "claims) made through CachedLaunch (gpu_kernels/launch.py LaunchPlan.enabled false): "
+                         "fluxion_unplanned, cpu_only_unplanned")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("layer_attention needs a CUDA device (it measures the GPU lane and GPU idle time)")

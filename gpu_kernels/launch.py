@@ -12,6 +12,14 @@ divisible by 16), so a call never reaches a kernel compiled for other arguments.
 vary from step to step belong in `do_not_specialize` / `do_not_specialize_on_alignment`: then a
 new key costs one lookup through the JIT, never a compile. Under the interpreter every call goes
 through the JIT.
+
+`LaunchPlan` is the plan/run split for the launches on a step's critical path: the argument list
+is packed once (tensors as their addresses), and a call only writes the arguments that change,
+checks that they specialise as the planned ones did, and calls the compiled kernel's launcher. On
+the GPU machine a `CachedLaunch` call cost ~30 us of host time with the workers idle and 60-80 us
+while they read host memory beside it (`benchmarks/diag/launch_cost.py`); about half of the idle
+figure was our Python (the key over every argument), and passing addresses as ints spares the
+launcher a `data_ptr()` call and a driver query per tensor.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ class CachedLaunch:
         that selects a compiled kernel (pointer dtypes, integer arguments Triton specialises);
         `options`: launch options (num_warps, num_stages). `stream`: the raw CUDA stream handle to
         launch on; None: the current stream (the first, compiling call makes the handle current)."""
-        key = (variant, tuple(options.items()), _specialization(args))
+        spec, packed = _pack(args)
+        key = (variant, tuple(options.items()), spec)
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
         if kernel is None:
             if stream is not None:
@@ -60,11 +69,10 @@ class CachedLaunch:
             # through the JIT and was right; the interpreter always does, so only CUDA showed it).
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
-            rt = _KNOBS.runtime
-            enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
-            argv = (*args, *constexprs.values())
+            enter, leave = _launch_hooks()
+            argv = (*packed, *constexprs.values())
             # Launch hooks (profilers) get the metadata the JIT would give them.
-            meta = kernel.launch_metadata(grid, stream, *argv) if enter is not None else None
+            meta = kernel.launch_metadata(grid, stream, *args, *constexprs.values()) if enter is not None else None
             kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *argv)
             self.fast_launches += 1
         except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
@@ -75,20 +83,112 @@ class CachedLaunch:
     fast_launches = 0
 
 
-def _specialization(args: tuple) -> tuple:
-    """What Triton may specialise a kernel on, per argument: a tensor's dtype and 16-byte
-    alignment, an integer being 1 or a multiple of 16. A key that includes it can never hand a
-    call to a kernel compiled for other arguments (an argument Triton does not specialise only
-    costs one more lookup through the JIT, never a compile)."""
+def _launch_hooks() -> tuple:
+    """Triton's launch hooks (enter, exit), or (None, None) when none is set. Newer Tritons keep an
+    empty hook chain there rather than None; handing it on would make every launch build the
+    hooks' metadata and call the chain."""
+    rt = _KNOBS.runtime
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    if _hook_set(enter) or _hook_set(leave):
+        return enter, leave
+    return None, None
+
+
+def _hook_set(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _pack(args: tuple) -> tuple[tuple, tuple]:
+    """What Triton may specialise a kernel on, per argument, and the arguments as its launcher
+    takes them fastest. Specialisation: a tensor's dtype and 16-byte alignment, an integer being 1
+    or a multiple of 16; a key that includes it can never hand a call to a kernel compiled for
+    other arguments (an argument Triton does not specialise only costs one more lookup through the
+    JIT, never a compile). Arguments: CUDA tensors as their addresses -- the launcher takes an int
+    as the device pointer it is (a CUDA tensor's `data_ptr()` is one, UVA views of pinned memory
+    included) and skips its `data_ptr()` call and driver query."""
     spec = []
+    argv = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            spec.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, int) and not isinstance(a, bool):
-            spec.append((a == 1, a % 16 == 0))
+            p = a.data_ptr()
+            spec.append((a.dtype, p % 16 == 0))
+            argv.append(p if a.is_cuda else a)
         else:
-            spec.append(type(a))
-    return tuple(spec)
+            spec.append((a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool) else type(a))
+            argv.append(a)
+    return tuple(spec), tuple(argv)
+
+
+def _specialization(args: tuple) -> tuple:
+    """What Triton may specialise a kernel on, per argument (see `_pack`)."""
+    return _pack(args)[0]
+
+
+class LaunchPlan:
+    """One kernel's launch planned once, run many times (FlashInfer's plan/run split).
+
+    `args`, `constexprs`, `variant`, `options`: a complete call as `CachedLaunch` takes it.
+    `per_call`: the positions in `args` of the arguments a call may change; every other argument
+    is packed once (the plan keeps its tensors alive). A call passes the new values of those, in
+    that order: tensors or plain values. A call whose values specialise as an earlier call's did
+    goes straight to that call's compiled kernel; any other goes through `CachedLaunch` (which may
+    compile) and is remembered. Under the interpreter, or with Triton's launch hooks set (a
+    profiler), every call goes through `CachedLaunch`; so does every call while the class attribute
+    `enabled` is false (diagnostics compare the two paths on one machine).
+    """
+
+    enabled = True
+
+    def __init__(self, launch: CachedLaunch, args: tuple, constexprs: dict, variant: tuple, options: dict,
+                 per_call: tuple[int, ...]) -> None:
+        if len(set(per_call)) != len(per_call) or not all(0 <= i < len(args) for i in per_call):
+            raise ValueError(f"per_call {per_call} must be distinct positions of the {len(args)} arguments")
+        self._launch = launch
+        self._args = list(args)
+        self._constexprs = constexprs
+        self._variant = variant
+        self._options = options
+        self._per_call = tuple(per_call)
+        self._argv = [*_pack(args)[1], *constexprs.values()]
+        self._kernels: dict = {}  # specialisation of the per-call values -> compiled kernel
+        self.fast_launches = 0
+
+    def __call__(self, grid: tuple, values: tuple, stream: int | None = None) -> None:
+        """Launch on `grid` with `values` at the `per_call` positions, on the raw CUDA stream handle
+        `stream` (None: the current stream)."""
+        argv = self._argv
+        key = []
+        for i, v in zip(self._per_call, values):
+            if isinstance(v, torch.Tensor):
+                p = v.data_ptr()
+                key.append((v.dtype, p % 16 == 0))
+                argv[i] = p if v.is_cuda else v
+            else:
+                key.append((v == 1, v % 16 == 0) if isinstance(v, int) and not isinstance(v, bool) else type(v))
+                argv[i] = v
+        key = tuple(key)
+        kernel = self._kernels.get(key)
+        if kernel is None or not LaunchPlan.enabled or _launch_hooks()[0] is not None:
+            self._slow(grid, values, stream, key)
+            return
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        kernel.run(grid[0], g1, g2, current_stream_handle() if stream is None else stream, kernel.function,
+                   kernel.packed_metadata, None, None, None, *argv)
+        self.fast_launches += 1
+
+    def _slow(self, grid: tuple, values: tuple, stream: int | None, key: tuple) -> None:
+        args = self._args
+        for i, v in zip(self._per_call, values):
+            args[i] = v  # the plan keeps the latest tensors alive, as a call's caller does
+        launch = self._launch
+        launch(grid, tuple(args), self._constexprs, self._variant, self._options, stream)
+        if launch._broken or interpreted():
+            return
+        full = (self._variant, tuple(self._options.items()), _specialization(tuple(args)))
+        kernel = launch._compiled.get(full)
+        if kernel is not None:
+            self._kernels[key] = kernel
 
 
 try:  # the JIT reads its launch hooks here too (Triton >= 3.3)

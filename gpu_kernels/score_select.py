@@ -28,7 +28,7 @@ import triton.language as tl
 from cpu_kernels import layout
 from gpu_kernels import task_table as tt
 from gpu_kernels._checks import cdiv, next_pow2
-from gpu_kernels.launch import CachedLaunch
+from gpu_kernels.launch import CachedLaunch, LaunchPlan
 
 
 @triton.jit
@@ -253,6 +253,13 @@ def score_select(
     `[>= n_tasks]` (a device view of pinned host memory: the GPU's selection for CPU workers,
     `hybrid_runtime.gpu_picks`): each task's `stamp` lands in it once its union is written.
     """
+    grid, args, constexprs = _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, scores, tickets,
+                                   ublocks, uheads, counts, counts_host, meta_layout, ready, stamp)
+    _launch(grid, args, constexprs, tuple(constexprs.values()), _OPTIONS, stream)
+
+
+def _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, scores, tickets, ublocks, uheads, counts,
+          counts_host, meta_layout, ready, stamp) -> tuple[tuple, tuple, dict]:
     g = nsel.shape[1]
     block_g = max(2, next_pow2(g))
     grid = (n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B)))
@@ -262,7 +269,40 @@ def score_select(
     constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,
                       SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1],
                       SIGNAL=ready is not None)
-    _launch(grid, args, constexprs, tuple(constexprs.values()), {"num_warps": NUM_WARPS}, stream)
+    return grid, args, constexprs
 
 
+class ScoreSelectPlan:
+    """`score_select` with one scratch pair (`scores`, `tickets`), planned once (`LaunchPlan`): a
+    call takes the same arguments but those two, and costs a few microseconds of host time where
+    `score_select` costs tens. The plan is made at the first call and again whenever the group
+    size, head dim, metadata layout or signalling differs from the planned one."""
+
+    # Positions in `_call`'s args of what a call passes: all but scores, tickets, their row width.
+    _PER_CALL = (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13, 15, 16, 17)
+
+    def __init__(self, scores, tickets) -> None:
+        self.scores, self.tickets = scores, tickets
+        self._plan: LaunchPlan | None = None
+        self._shape: tuple = ()
+
+    def __call__(self, table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int, q, arena, ublocks, uheads,
+                 counts, counts_host=None, stream: int | None = None,
+                 meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW), ready=None,
+                 stamp: int = 0) -> None:
+        """As `score_select(..., scores, tickets, ...)` with the plan's scratch pair."""
+        shape = (nsel.shape[1], q.shape[2], meta_layout, ready is not None)
+        if shape != self._shape:
+            grid, args, constexprs = _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, self.scores,
+                                           self.tickets, ublocks, uheads, counts, counts_host, meta_layout, ready,
+                                           stamp)
+            self._plan = LaunchPlan(_launch, args, constexprs, tuple(constexprs.values()), _OPTIONS, self._PER_CALL)
+            self._shape = shape
+        grid = (n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B)))
+        self._plan(grid, (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, ublocks, uheads, counts,
+                          counts if counts_host is None else counts_host, row0, ublocks.stride(0),
+                          counts if ready is None else ready, int(stamp)), stream)
+
+
+_OPTIONS = {"num_warps": NUM_WARPS}
 _launch = CachedLaunch(_score_select_kernel)

@@ -25,7 +25,7 @@ from cpu_kernels import layout
 from gpu_kernels import task_table as tt
 from gpu_kernels._checks import KV_DTYPES, cdiv, check_head_dim, check_tensor, dot_precision, next_pow2
 from gpu_kernels.block_scores import Selection, quest_scores, select_blocks
-from gpu_kernels.launch import CachedLaunch
+from gpu_kernels.launch import CachedLaunch, LaunchPlan
 from gpu_kernels.split_combine import combine_splits
 
 
@@ -339,11 +339,24 @@ def sparse_attention_claim(
     `[>= n_tasks, MAX_SPLITS, G, D]` and part_lse `[>= n_tasks, MAX_SPLITS, G]` fp32, tickets
     `[>= n_tasks]` int32 (zero), out `[B, Hq, D]` / lse `[B, Hq]` fp32 contiguous.
     """
-    g = part_out.shape[2]
-    d = q.shape[2]
+    grid, args, constexprs, n_splits = _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena, ublocks,
+                                                   uheads, counts, part_out, part_lse, tickets, out, lse, config)
+    _claim_launch(grid, args, constexprs, tuple(constexprs.values()), {"num_warps": config.num_warps}, stream)
+    return n_splits
+
+
+def _claim_shape(n_tasks: int, pages_max: int, config: SparseConfig) -> tuple[int, int, int]:
+    """(n_splits, pages_per_split, programs) of a claim of `n_tasks` tasks."""
     n_splits, pps = claim_splits(pages_max, config)
     items = n_tasks * n_splits
-    n_programs = min(items, config.claim_programs) if config.claim_programs > 0 else items
+    return n_splits, pps, min(items, config.claim_programs) if config.claim_programs > 0 else items
+
+
+def _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena, ublocks, uheads, counts, part_out, part_lse,
+                tickets, out, lse, config) -> tuple[tuple, tuple, dict, int]:
+    g = part_out.shape[2]
+    d = q.shape[2]
+    n_splits, pps, n_programs = _claim_shape(n_tasks, pages_max, config)
     args = (q, q.stride(0), q.stride(1), arena, table, chunks, ublocks, uheads, counts, part_out, part_lse, tickets,
             out, lse, row0, ublocks.shape[1], q.shape[1], n_tasks, n_splits, pps, n_programs)
     constexprs = dict(
@@ -352,9 +365,38 @@ def sparse_attention_claim(
         CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
         DOT_PRECISION=dot_precision(arena.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
     )
-    _claim_launch((n_programs,), args, constexprs, tuple(constexprs.values()),
-                  {"num_warps": config.num_warps}, stream)
-    return n_splits
+    return (n_programs,), args, constexprs, n_splits
+
+
+class SparseAttentionClaimPlan:
+    """`sparse_attention_claim` with one set of claim scratch (the unions `ublocks`, `uheads`,
+    `counts`, the partials `part_out`, `part_lse`, and `tickets`), planned once (`LaunchPlan`): a
+    call takes the same arguments but those, and costs a few microseconds of host time where the
+    plain call costs tens. Planned again whenever the head dim, KV dtype or config changes."""
+
+    # Positions in `_claim_call`'s args of what a call passes: all but the scratch and its width.
+    _PER_CALL = (0, 1, 2, 3, 4, 5, 12, 13, 14, 16, 17, 18, 19, 20)
+
+    def __init__(self, ublocks, uheads, counts, part_out, part_lse, tickets) -> None:
+        self._scratch = (ublocks, uheads, counts, part_out, part_lse, tickets)
+        self._plan: LaunchPlan | None = None
+        self._shape: tuple = ()
+        self._config: SparseConfig | None = None
+
+    def __call__(self, table, chunks, row0: int, n_tasks: int, pages_max: int, q, arena, out, lse,
+                 config: SparseConfig = SparseConfig(), stream: int | None = None) -> int:
+        """As `sparse_attention_claim` with the plan's scratch; returns the split count."""
+        shape = (q.shape[2], arena.dtype)
+        if shape != self._shape or config is not self._config:
+            grid, args, constexprs, _ = _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena,
+                                                    *self._scratch, out, lse, config)
+            self._plan = LaunchPlan(_claim_launch, args, constexprs, tuple(constexprs.values()),
+                                    {"num_warps": config.num_warps}, self._PER_CALL)
+            self._shape, self._config = shape, config
+        n_splits, pps, n_programs = _claim_shape(n_tasks, pages_max, config)
+        self._plan((n_programs,), (q, q.stride(0), q.stride(1), arena, table, chunks, out, lse, row0, q.shape[1],
+                                   n_tasks, n_splits, pps, n_programs), stream)
+        return n_splits
 
 
 _claim_launch = CachedLaunch(_sparse_attn_combine_kernel)

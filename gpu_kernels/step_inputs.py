@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from gpu_kernels._checks import KV_DTYPES, cdiv, next_pow2
-from gpu_kernels.launch import CachedLaunch
+from gpu_kernels.launch import CachedLaunch, LaunchPlan
 from gpu_kernels.nonfinite_counts import nonfinite
 
 ROWS = 4  # (b, h) rows of q per program
@@ -107,7 +107,6 @@ def prepare_step_inputs(
     event recorded after the launch has completed. `stream`: a raw CUDA stream handle (default: the
     current stream). `validate=False` skips the checks (the runtime's own buffers, inputs checked)."""
     b, hq, d = q.shape
-    hkv = k.shape[1]
     n = b * hq
     if validate:
         for name, x in (("q", q), ("k", k), ("v", v)):  # any strides: read in place
@@ -127,17 +126,52 @@ def prepare_step_inputs(
                                    or counts.shape[1] < count_columns(n) or not counts.is_contiguous()):
             raise ValueError(f"counts has shape {tuple(counts.shape)}, dtype {counts.dtype}; expected contiguous "
                              f"int32 [{N_COUNTS}, >= {count_columns(n)}]")
+    grid, args, constexprs, variant = _call(q, k, v, scale, qs, q_host, lane, counts)
+    _launch(grid, args, constexprs, variant, _OPTIONS, stream)
+
+
+def _args(q, k, v, scale, qs, q_host, lane, counts) -> tuple:
+    b, hq, d = q.shape
+    hkv = k.shape[1]
     gq, gout, glse = lane if lane is not None else (qs, qs, qs)
-    args = (q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-            v, v.stride(0), v.stride(1), v.stride(2), n, hq, b * hkv, hkv, d, float(scale),
+    return (q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
+            v, v.stride(0), v.stride(1), v.stride(2), b * hq, hq, b * hkv, hkv, d, float(scale),
             qs, qs if q_host is None else q_host, gq, gout, glse,
             qs if counts is None else counts, 0 if counts is None else counts.shape[1])
-    constexprs = dict(ROWS=ROWS, BLOCK_D=next_pow2(d), HOST=q_host is not None, LANE=lane is not None,
+
+
+def _call(q, k, v, scale, qs, q_host, lane, counts) -> tuple[tuple, tuple, dict, tuple]:
+    args = _args(q, k, v, scale, qs, q_host, lane, counts)
+    constexprs = dict(ROWS=ROWS, BLOCK_D=next_pow2(q.shape[2]), HOST=q_host is not None, LANE=lane is not None,
                       COUNT=counts is not None)
     variant = (q.dtype, k.dtype, v.dtype, tuple(constexprs.values()))
-    _launch((count_columns(n),), args, constexprs, variant, {"num_warps": 1}, stream)
+    return (count_columns(q.shape[0] * q.shape[1]),), args, constexprs, variant
 
 
+class StepInputsPlan:
+    """`prepare_step_inputs(..., validate=False)` planned once per variant (`LaunchPlan`: a few
+    microseconds of host time a call where the plain call costs tens): the runtime's one launch
+    before its lanes start, on every decode step."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, LaunchPlan] = {}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, qs: torch.Tensor, *,
+                 q_host: torch.Tensor | None = None,
+                 lane: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 counts: torch.Tensor | None = None, stream: int | None = None) -> None:
+        """As `prepare_step_inputs` with `validate=False`: the caller's buffers, inputs checked."""
+        key = (q.dtype, k.dtype, v.dtype, q_host is not None, lane is not None, counts is not None, q.shape[2])
+        plan = self._plans.get(key)
+        if plan is None:
+            # Every argument may change: q, k and v come from the model each step.
+            _, args, constexprs, variant = _call(q, k, v, scale, qs, q_host, lane, counts)
+            plan = self._plans[key] = LaunchPlan(_launch, args, constexprs, variant, _OPTIONS,
+                                                 tuple(range(len(args))))
+        plan((count_columns(q.shape[0] * q.shape[1]),), _args(q, k, v, scale, qs, q_host, lane, counts), stream)
+
+
+_OPTIONS = {"num_warps": 1}
 _launch = CachedLaunch(_step_inputs_kernel)
 
-__all__ = ["N_COUNTS", "ROWS", "count_columns", "prepare_step_inputs"]
+__all__ = ["N_COUNTS", "ROWS", "StepInputsPlan", "count_columns", "prepare_step_inputs"]

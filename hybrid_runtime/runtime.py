@@ -33,7 +33,7 @@ import torch
 
 from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
-from gpu_kernels.step_inputs import N_COUNTS, count_columns, prepare_step_inputs
+from gpu_kernels.step_inputs import N_COUNTS, StepInputsPlan, count_columns
 from gpu_kernels.streams import current_stream, use_stream
 from hybrid_runtime import native_pool
 from hybrid_runtime.config import (Config, ConfigError, GeometryConfig, selects_cpu_tasks_on_gpu, starts_lanes,
@@ -312,6 +312,7 @@ class HybridRuntime:
             self._win_turn = 0
             # The step's scaled queries: a buffer that stays put, which the window graphs read.
             self._qs_buf = torch.empty((s, hq, d), dtype=torch.float32, device=self.device)
+            self._step_inputs = StepInputsPlan()  # on every step's path: its launch planned once per variant
             if cfg.kv_cache.window_graphs:
                 from hybrid_runtime.window_graphs import WindowGraphs
 
@@ -834,10 +835,9 @@ class HybridRuntime:
             not has_gpu or self.gpu_lane_device.type == "cuda") and q.device == k.device == v.device == self.device
         if fused:
             qs = self._qs_buf[:b]
-            prepare_step_inputs(q, k, v, self.scale, qs, q_host=self._q_host_uva[:n] if cpu_lane else None,
-                                lane=(gq, gout, glse) if has_gpu else None,
-                                counts=self._input_counts if q_copy_check else None, stream=caller.cuda_stream,
-                                validate=False)
+            self._step_inputs(q, k, v, self.scale, qs, q_host=self._q_host_uva[:n] if cpu_lane else None,
+                              lane=(gq, gout, glse) if has_gpu else None,
+                              counts=self._input_counts if q_copy_check else None, stream=caller.cuda_stream)
         elif cuda:
             qs = self._qs_buf[:b]
             qs.copy_(q)

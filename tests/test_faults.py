@@ -555,7 +555,7 @@ def test_twenty_build_fault_close_cycles_leave_no_threads_memory_or_arenas():
 
 # ---------------------------------------------------------------------------- the real GPU lane
 class ClaimInjector:
-    """Wraps the Triton executor's first claim kernel (`gpu_uva.score_select`, looked up per launch):
+    """Wraps the Triton executor's claim kernels (`GpuUvaExecutor._kernels`, looked up per launch):
     `fail` makes the next launches raise before they queue anything, as a CUDA launch error does;
     `sleep_s` queues a `torch.cuda._sleep` of that long on the lane's stream in front of each
     claim, so the claim really runs on the GPU for that long and the lane sees it unfinished."""
@@ -563,10 +563,16 @@ class ClaimInjector:
     def __init__(self, monkeypatch):
         from hybrid_runtime.executors import gpu_uva
 
-        self.real = getattr(gpu_uva.score_select, "real", gpu_uva.score_select)  # never wrap a wrapper
+        kernels = gpu_uva.GpuUvaExecutor._kernels
+        self.real = getattr(kernels, "real", kernels)  # never wrap a wrapper
         self.fail, self.sleep_s, self.fired, self.stream = False, 0.0, 0, None
         self.cycles_per_s = None
-        monkeypatch.setattr(gpu_uva, "score_select", self)
+
+        def wrapped(ex, *args, **kw):
+            return self(ex, *args, **kw)
+
+        wrapped.real = self.real
+        monkeypatch.setattr(gpu_uva.GpuUvaExecutor, "_kernels", wrapped)
 
     def __call__(self, *args, **kw):
         if self.fail:

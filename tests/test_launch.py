@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from gpu_kernels.launch import CachedLaunch, _specialization  # noqa: E402
+from gpu_kernels.launch import CachedLaunch, LaunchPlan, _specialization  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -137,3 +137,110 @@ def test_cached_launch_on_a_given_stream():
         launch((4,), (x, y, 256), {"BLOCK": 64}, (64,), {"num_warps": 1}, s.cuda_stream)
     s.synchronize()
     assert torch.equal(y, x + 1.0) and launch.fast_launches == 1
+
+
+# ---------------------------------------------------------------------------- LaunchPlan
+def test_plan_refuses_per_call_positions_it_does_not_have():
+    launch = CachedLaunch(_add_kernel)
+    x = torch.zeros(8, device=DEV)
+    for per_call in ((3,), (0, 0), (-1,)):
+        with pytest.raises(ValueError, match="per_call"):
+            LaunchPlan(launch, (x, x, 8), {"BLOCK": 64}, (64,), {"num_warps": 1}, per_call)
+
+
+def test_plan_computes_what_the_jit_does_and_takes_a_new_variant_through_it():
+    """Calls with the planned specialisation go straight to the compiled kernel (CUDA); a value that
+    specialises otherwise (48: a multiple of 16) or a tensor at another alignment goes through
+    `CachedLaunch`, and so does everything under the interpreter."""
+    launch = CachedLaunch(_add_kernel)
+    x0 = torch.randn(100, device=DEV)
+    plan = LaunchPlan(launch, (x0, torch.empty_like(x0), 100), {"BLOCK": 64}, (64,), {"num_warps": 1}, (0, 1, 2))
+    calls = [(100, 0), (100, 0), (37, 0), (48, 0), (48, 0), (100, 1)]  # (n, offset of x in its storage)
+    for n, offset in calls:
+        x = torch.randn(n + offset, device=DEV)[offset:]
+        y = torch.full((n,), float("nan"), device=DEV)
+        plan((triton.cdiv(n, 64),), (x, y, n))
+        assert torch.equal(y.cpu(), (x + 1.0).cpu())
+    # Fast: the second 100, 37 (specialises as 100), the second 48. Not: the first of each
+    # specialisation (100 looked up after the JIT compiled it, 48, the unaligned x).
+    assert plan.fast_launches == (3 if CUDA else 0)
+
+
+def test_plan_keeps_the_arguments_it_was_not_given():
+    launch = CachedLaunch(_add_kernel)
+    x = torch.randn(64, device=DEV)
+    y = torch.zeros(64, device=DEV)
+    plan = LaunchPlan(launch, (x, y, 64), {"BLOCK": 64}, (64,), {"num_warps": 1}, (2,))
+    for n in (64, 32, 32):  # only n changes: the first n elements of the planned y
+        y.zero_()
+        plan((1,), (n,))
+        assert torch.equal(y[:n].cpu(), (x[:n] + 1.0).cpu()) and not y[n:].any()
+
+
+def test_disabled_plans_launch_through_cached_launch():
+    from gpu_kernels.launch import LaunchPlan as Plan
+
+    launch = CachedLaunch(_add_kernel)
+    x = torch.randn(64, device=DEV)
+    y = torch.zeros(64, device=DEV)
+    plan = Plan(launch, (x, y, 64), {"BLOCK": 64}, (64,), {"num_warps": 1}, ())
+    Plan.enabled = False
+    try:
+        for _ in range(3):
+            plan((1,), ())
+    finally:
+        Plan.enabled = True
+    assert torch.equal(y.cpu(), (x + 1.0).cpu())
+    assert plan.fast_launches == 0 and launch.fast_launches == (2 if CUDA else 0)
+
+
+def test_plan_hands_the_compiled_kernel_the_whole_grid_and_addresses(monkeypatch):
+    """Runs without a GPU, the compiled path stood in for: every grid dimension reaches the
+    launcher, CUDA tensors as their addresses, other values as they are."""
+    import gpu_kernels.launch as launch_module
+
+    if launch_module._KNOBS is None:
+        pytest.skip("this Triton has no knobs: launches always go through the JIT")
+    runs = []
+
+    class _Compiled(_StandInCompiledKernel):
+        def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, leave, *args):
+            runs.append(((gx, gy, gz), args))
+
+    compiled = _Compiled()
+
+    class _StandInJit:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: compiled
+
+    monkeypatch.setattr(launch_module, "interpreted", lambda: False)
+    monkeypatch.setattr(launch_module, "current_stream_handle", lambda: 0)
+    plan = LaunchPlan(CachedLaunch(_StandInJit()), (torch.zeros(8), 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
+    for grid, n in (((4, 3, 5), 5), ((4, 3, 5), 7), ((2,), 9)):
+        plan(grid, (n,))
+    assert plan.fast_launches == 2  # the first call looked the kernel up through CachedLaunch
+    assert [r[0] for r in runs] == [(4, 3, 5), (2, 1, 1)]
+    assert [r[1][1:] for r in runs] == [(7, 64), (9, 64)]
+
+
+def test_launch_hooks_count_as_set_only_when_a_hook_is_there(monkeypatch):
+    """Newer Tritons keep an empty hook chain where older ones kept None: neither is a hook."""
+    import gpu_kernels.launch as launch_module
+
+    if launch_module._KNOBS is None:
+        pytest.skip("this Triton has no knobs")
+
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    def hook(*args):
+        return None
+
+    rt = launch_module._KNOBS.runtime
+    for enter, leave, expected in ((None, None, (None, None)), (Chain([]), Chain([]), (None, None)),
+                                   (hook, None, "set"), (Chain([hook]), Chain([]), "set")):
+        monkeypatch.setattr(rt, "launch_enter_hook", enter)
+        monkeypatch.setattr(rt, "launch_exit_hook", leave)
+        got = launch_module._launch_hooks()
+        assert got == (expected if expected != "set" else (enter, leave))

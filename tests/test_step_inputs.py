@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_kernels._checks import interpreted
-from gpu_kernels.step_inputs import N_COUNTS, count_columns, prepare_step_inputs
+from gpu_kernels.step_inputs import N_COUNTS, StepInputsPlan, count_columns, prepare_step_inputs
 
 if not torch.cuda.is_available() and not interpreted():
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -65,6 +65,32 @@ def test_counts_name_each_tensor_and_strided_inputs_are_read_in_place():
     assert torch.equal(buf["qs"][finite], (q.float() * 0.5)[finite])
     # Destinations not asked for are left alone.
     assert bool((buf["q_host"] == 7.0).all()) and bool((buf["lane"][1] == 7.0).all())
+
+
+def test_the_planned_launch_writes_what_the_plain_one_does_as_its_inputs_change():
+    """`StepInputsPlan` (decode's path): every call's q, k, v, batch, strides and destinations, one
+    plan per variant; each call equals `prepare_step_inputs` on the same arguments."""
+    plan = StepInputsPlan()
+    hq, hkv, d = 8, 2, 32
+    g = torch.Generator(device="cpu").manual_seed(3)
+    for b, dtype, host, lane, count, strided in ((2, torch.bfloat16, True, True, True, False),
+                                                  (3, torch.bfloat16, True, True, True, True),
+                                                  (3, torch.float32, False, True, False, False),
+                                                  (1, torch.bfloat16, True, False, True, False),
+                                                  (2, torch.bfloat16, True, True, True, False)):
+        q = torch.randn(b, hq, d, generator=g).to(dtype).to(DEV)
+        kv = torch.randn(b, hkv, 2, d, generator=g).to(dtype).to(DEV)
+        k, v = (kv[:, :, 0], kv[:, :, 1]) if strided else (kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous())
+        k[0, 0, 1] = float("nan")
+        got, want = buffers(b, hq, d), buffers(b, hq, d)
+        for fn, buf in ((plan, got), (prepare_step_inputs, want)):
+            fn(q, k, v, 0.25, buf["qs"], q_host=buf["q_host"] if host else None, lane=buf["lane"] if lane else None,
+               counts=buf["counts"] if count else None)
+        for name in ("qs", "q_host", "counts"):
+            assert torch.equal(got[name], want[name]), name
+        for a, w in zip(got["lane"], want["lane"]):
+            assert torch.equal(a, w)
+    assert len(plan._plans) == 3  # bf16 with every destination served three calls of other shapes
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's own fp32 cast of 1e300

@@ -9,7 +9,12 @@ kept. After the steps, with the workers idle, each kernel's launch is split into
 * `python`: the same call with the launcher replaced by a no-op (our Python and the key);
 * `run`: Triton's launcher alone (`kernel.run`) with the recorded arguments;
 * `run_ints`: the same with every tensor argument passed as its address (an int: the launcher
-  then neither calls `data_ptr()` nor asks the driver about the pointer).
+  then neither calls `data_ptr()` nor asks the driver about the pointer);
+* `plan` / `plan_python`: a `LaunchPlan` call (the planned launches: claim, selection, step
+  inputs) with its last values, and the same with the launcher a no-op.
+
+`--no-launch-plans` runs the decode steps with `LaunchPlan.enabled` false (every planned launch
+through `CachedLaunch`), to compare the in-place figures of both paths on one machine.
 
     python benchmarks/diag/launch_cost.py [--batch 8 --context 32768 --steps 20 --loop 400]
 """
@@ -30,7 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
 from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
-from gpu_kernels.launch import CachedLaunch  # noqa: E402
+from gpu_kernels.launch import CachedLaunch, LaunchPlan  # noqa: E402
+from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
+from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
+from gpu_kernels.step_inputs import StepInputsPlan  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 
 
@@ -47,6 +55,19 @@ class Recorder:
         self.last = args
         if not self.noop:
             self.kernel.run(*args)
+
+
+class _NoLaunch:
+    """A compiled kernel whose launcher does nothing."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getattr__(self, attr):
+        return getattr(self.kernel, attr)
+
+    def run(self, *args):
+        pass
 
 
 def _timed(fn, label: str, into: dict, recording: list):
@@ -73,6 +94,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loop", type=int, default=400, help="launches per isolated measurement")
+    ap.add_argument("--no-launch-plans", action="store_true", help="decode with LaunchPlan.enabled false")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("launch_cost needs a CUDA device")
@@ -85,6 +107,18 @@ def main() -> None:
     in_place: dict[str, list[float]] = collections.defaultdict(list)
     recording = [False]
     real_call = CachedLaunch.__call__
+    real_plan_call = LaunchPlan.__call__
+    LaunchPlan.enabled = not args.no_launch_plans
+    plan_values: dict[int, tuple] = {}
+
+    def timed_plan_call(self, grid, values, stream=None):
+        t0 = time.perf_counter()
+        try:
+            return real_plan_call(self, grid, values, stream)
+        finally:
+            if recording[0]:
+                in_place["plan:" + self._launch.fn.__name__].append(time.perf_counter() - t0)
+                plan_values[id(self)] = (self, grid, values, stream)
 
     def timed_call(self, *a, **kw):
         t0 = time.perf_counter()
@@ -120,8 +154,10 @@ def main() -> None:
                 launch._compiled[key] = rec
                 recorders.append((launch, key, rec))
         CachedLaunch.__call__ = timed_call
+        LaunchPlan.__call__ = timed_plan_call
         # The wrappers around the launches, timed in place too.
-        for owner, name in ((gpu_uva, "score_select"), (gpu_uva, "sparse_attention_claim"),
+        for owner, name in ((ScoreSelectPlan, "__call__"), (SparseAttentionClaimPlan, "__call__"),
+                            (StepInputsPlan, "__call__"),
                             (gpu_uva.GpuUvaExecutor, "launch"), (gpu_uva.GpuUvaExecutor, "pick")):
             setattr(owner, name, _timed(getattr(owner, name), f"{owner.__name__}.{name}", in_place, recording))
         recording[0] = True
@@ -130,7 +166,10 @@ def main() -> None:
                 one_step(p)
         torch.cuda.synchronize()
         recording[0] = False
-        print(f"{b} x {ctx}: CachedLaunch.__call__ in place (during decode), per kernel:", flush=True)
+        LaunchPlan.__call__ = real_plan_call
+        LaunchPlan.enabled = True
+        print(f"{b} x {ctx}: host time in place (during decode; plans {'off' if args.no_launch_plans else 'on'}), "
+              "per call:", flush=True)
         for name, took in sorted(in_place.items()):
             print(f"  {name:32s} {_us(took)}", flush=True)
         print("isolated, workers idle:", flush=True)
@@ -153,6 +192,19 @@ def main() -> None:
             print(f"  {rec.name:32s} ({n_tensors} tensor args of {len(run_args) - 9})", flush=True)
             for label, took in rows.items():
                 print(f"    {label:9s} {_us(took)}", flush=True)
+        for plan, grid, values, stream in plan_values.values():
+            for label, noop in (("plan", False), ("plan_python", True)):
+                kernels = dict(plan._kernels)
+                if noop:
+                    plan._kernels = {k: _NoLaunch(kern) for k, kern in kernels.items()}
+                took = []
+                for _ in range(args.loop):
+                    t0 = time.perf_counter()
+                    real_plan_call(plan, grid, values, stream)
+                    took.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                plan._kernels = kernels
+                print(f"  {plan._launch.fn.__name__:32s} {label:11s} {_us(took)}", flush=True)
         ev = torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
         took = []
@@ -193,6 +245,8 @@ def main() -> None:
             launch._compiled[key] = rec.kernel
     finally:
         CachedLaunch.__call__ = real_call
+        LaunchPlan.__call__ = real_plan_call
+        LaunchPlan.enabled = True
         rt.close()
 
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
+from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 import hybrid_runtime.runtime as runtime_mod  # noqa: E402
 from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
@@ -73,6 +73,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
     stamps = Stamps()
+    real_select = ScoreSelectPlan.__call__
     sch = rt.scheduler
     picks = sch.picks
     pick_events: list = []
@@ -102,22 +103,20 @@ def main() -> None:
                     stamps.now.setdefault("plan", time.perf_counter())
 
         rt.planner = Planner()
-        real_select = gpu_uva.score_select
-
-        def select(*a, **kw):  # events around the picks' kernel on its own stream (positional arg 14)
-            stream = a[14]
+        def select(plan, *a, **kw):  # events around the picks' kernel on its own stream (positional arg 12)
+            stream = a[12]
             if kw.get("ready") is None or stream is None:
-                return real_select(*a, **kw)
+                return real_select(plan, *a, **kw)
             ext = torch.cuda.ExternalStream(stream)
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record(ext)
             stamps.now.setdefault("pick_launch>", time.perf_counter())
-            real_select(*a, **kw)
+            real_select(plan, *a, **kw)
             stamps.now.setdefault("pick_launch", time.perf_counter())
             ev1.record(ext)
             pick_events.append((ev0, ev1))
 
-        gpu_uva.score_select = select
+        ScoreSelectPlan.__call__ = select
         real_decode = rt.decode
         rows: dict = collections.defaultdict(list)
         current: list = []
@@ -191,20 +190,27 @@ def main() -> None:
             n = b * geo.q_heads * geo.head_dim
             lane = (rt._gq[:b], rt._gout[:b], rt._glse[:b])
             stream = torch.cuda.current_stream().cuda_stream
-            took = []
-            for _ in range(args.launch_loop):
-                t0 = time.perf_counter()
-                prepare_step_inputs(q, kv, kv, rt.scale, rt._qs_buf[:b], q_host=rt._q_host_uva[:n], lane=lane,
-                                    counts=rt._input_counts, stream=stream, validate=False)
-                took.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            print(f"step-inputs launch alone: median {np.median(took) * 1e6:.1f} us, p90 "
-                  f"{np.percentile(took, 90) * 1e6:.1f} us over {len(took)}", flush=True)
+            for label, launch in (
+                    ("step-inputs launch alone", lambda: prepare_step_inputs(
+                        q, kv, kv, rt.scale, rt._qs_buf[:b], q_host=rt._q_host_uva[:n], lane=lane,
+                        counts=rt._input_counts, stream=stream, validate=False)),
+                    ("step-inputs launch alone, planned (decode's)", lambda: rt._step_inputs(
+                        q, kv, kv, rt.scale, rt._qs_buf[:b], q_host=rt._q_host_uva[:n], lane=lane,
+                        counts=rt._input_counts, stream=stream))):
+                took = []
+                for _ in range(args.launch_loop):
+                    t0 = time.perf_counter()
+                    launch()
+                    took.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                print(f"{label}: median {np.median(took) * 1e6:.1f} us, p90 "
+                      f"{np.percentile(took, 90) * 1e6:.1f} us over {len(took)}", flush=True)
         from gpu_kernels import score_select as ss
         from gpu_kernels import sparse_attention as sa
         for name, launch in (("score_select", ss._launch), ("sparse_attention_claim", sa._claim_launch)):
             print(f"{name}: {len(launch._compiled)} cached variants, {launch.fast_launches} fast launches", flush=True)
     finally:
+        ScoreSelectPlan.__call__ = real_select
         rt.close()
 
 

@@ -40,8 +40,8 @@ import torch
 from cpu_kernels import layout
 from gpu_kernels._checks import cdiv
 from gpu_kernels.claim_descriptor import DESC_WORDS, claim_programs, launch_claim_descriptor
-from gpu_kernels.score_select import BLOCK_B, score_select
-from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, claim_splits, sparse_attention_claim
+from gpu_kernels.score_select import BLOCK_B, ScoreSelectPlan
+from gpu_kernels.sparse_attention import MAX_SPLITS, SparseAttentionClaimPlan, SparseConfig, claim_splits
 from gpu_kernels.streams import capture_graph, use_stream
 from gpu_kernels.uva import uva_view
 from gpu_kernels.task_table import StepTable, StepTableBuffer, pack_step_table, step_table_views
@@ -219,7 +219,6 @@ class GpuUvaExecutor:
         self._scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
         # `pick`'s own scores and tickets (it runs on its own stream, beside the claims): made at its
         # first use after a growth (`_pick_scratch`), so a runtime that never picks holds none.
-        self._pick_scores = self._pick_tickets = None
         self._ublocks = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._uheads = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._counts = torch.zeros(tasks, dtype=torch.int32, device=dev)
@@ -230,20 +229,28 @@ class GpuUvaExecutor:
         # The select kernel writes union sizes straight into these pinned slots through a UVA view.
         self._ring_dev = uva_view(self._ring) if self.cuda else self._ring
         self._ring_users: list[GpuLaunch | None] = [None] * self.RING
+        # The claim's two launches planned over this scratch (`LaunchPlan`): a few microseconds of
+        # host time each instead of tens, on the launcher's path during a step.
+        self._select_plan = ScoreSelectPlan(self._scores, self._tickets[0])
+        self._attend_plan = SparseAttentionClaimPlan(self._ublocks, self._uheads, self._counts, self._part_out,
+                                                     self._part_lse, self._tickets[1])
+        self._pick_plan = None
         self._tasks_cap, self._blocks_cap = tasks, blocks
         if self.cuda:
             # Made (and the tickets and counts zeroed) on the caller's stream: the claims that use
             # them run on the lane's, after these.
             self.stream.wait_stream(torch.cuda.current_stream())
 
-    def _pick_scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`pick`'s scores and tickets at the claims' current capacity."""
-        if self._pick_scores is None:
+    def _pick_scratch(self) -> ScoreSelectPlan:
+        """`pick`'s selection launch, planned over scores and tickets of its own at the claims'
+        current capacity."""
+        if self._pick_plan is None:
             # Made on the selection's stream: its zeroed tickets are ordered before the kernel there.
             with use_stream(self._pick_stream) if self.cuda else contextlib.nullcontext():
-                self._pick_scores = torch.empty(self._scores.shape, dtype=torch.float32, device=self.dev)
-                self._pick_tickets = torch.zeros(self._tasks_cap, dtype=torch.int32, device=self.dev)
-        return self._pick_scores, self._pick_tickets
+                scores = torch.empty(self._scores.shape, dtype=torch.float32, device=self.dev)
+                tickets = torch.zeros(self._tasks_cap, dtype=torch.int32, device=self.dev)
+            self._pick_plan = ScoreSelectPlan(scores, tickets)
+        return self._pick_plan
 
     def _arena(self, layer: int) -> torch.Tensor:
         return self.store.arena_cuda(layer) if self.cuda else self.store.arena(layer)
@@ -374,10 +381,9 @@ class GpuUvaExecutor:
             if self._upload_done is not None:
                 self._pick_stream.wait_event(self._upload_done)
             stream = self._pick_stream.cuda_stream
-        scores, tickets = self._pick_scratch()
-        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
-                     scores, tickets, ublocks, uheads, counts, counts, stream,
-                     meta_layout=meta.layout, ready=ready, stamp=stamp)
+        self._pick_scratch()(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
+                             ublocks, uheads, counts, counts, stream, meta_layout=meta.layout, ready=ready,
+                             stamp=stamp)
         meta_bytes = int(table.n_blocks[start:stop].sum()) * 2 * self.head_dim * self.esize
         if meta.on_device:
             self.device_bytes_read += meta_bytes
@@ -410,12 +416,11 @@ class GpuUvaExecutor:
                 self._descriptor_kernels(slot, meta_layout)
             return
         stream = self._stream_handle
-        score_select(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
-                     self._scores, self._tickets[0], self._ublocks, self._uheads, self._counts, self._ring_dev[slot],
-                     stream, meta_layout=meta_layout)
-        sparse_attention_claim(table.table, table.chunks, start, n, pages_max, step.q, arena, self._ublocks,
-                               self._uheads, self._counts, self._part_out, self._part_lse, self._tickets[1],
-                               step.out, step.lse, self.config, stream)
+        self._select_plan(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
+                          self._ublocks, self._uheads, self._counts, self._ring_dev[slot], stream,
+                          meta_layout=meta_layout)
+        self._attend_plan(table.table, table.chunks, start, n, pages_max, step.q, arena, step.out, step.lse,
+                          self.config, stream)
 
     def _write_descriptor(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step,
                           arena, meta, slot: int) -> None:
