@@ -336,7 +336,8 @@ def test_options_and_points():
     assert a.points == e2e.POINTS and a.models == ["llama-3.1-8b", "qwen2.5-7b"] and a.new_tokens == 24
     assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
-                          "fluxion_ungated", "fluxion_claim_graphs", "fluxion_host_selection"]
+                          "fluxion_ungated", "fluxion_claim_graphs", "fluxion_host_selection", "fluxion_unplanned",
+                          "cpu_only_unplanned"]
     q = e2e.parse_args(["--quick"])
     assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants
     with pytest.raises(SystemExit):

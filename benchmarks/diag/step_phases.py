@@ -86,6 +86,8 @@ def main() -> None:
             stamps.wrap(obj, name, label, enter=label in ("tasks", "woken", "claim", "begun"))
         stamps.wrap(runtime_mod, "_check_finite_host", "q_on_host", enter=True)
         stamps.wrap(rt, "_will_spill", "will_spill")
+        stamps.wrap(rt, "_step_inputs", "step_inputs", enter=True)
+        stamps.wrap(rt, "_event", "event", enter=True)
         stamps.wrap(rt._input_check, "poll", "input_poll")
         if picks is not None:
             stamps.wrap(picks, "learn", "pick_learn", enter=True)
