@@ -276,15 +276,14 @@ class ScoreSelectPlan:
     """`score_select` with one scratch pair (`scores`, `tickets`), planned once (`LaunchPlan`): a
     call takes the same arguments but those two, and costs a few microseconds of host time where
     `score_select` costs tens. The plan is made at the first call and again whenever the group
-    size, head dim, metadata layout or signalling differs from the planned one."""
+    size, head dim, metadata layout or signalling differs from those planned (one plan each)."""
 
     # Positions in `_call`'s args of what a call passes: all but scores, tickets, their row width.
     _PER_CALL = (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13, 15, 16, 17)
 
     def __init__(self, scores, tickets) -> None:
         self.scores, self.tickets = scores, tickets
-        self._plan: LaunchPlan | None = None
-        self._shape: tuple = ()
+        self._plans: dict[tuple, LaunchPlan] = {}
 
     def __call__(self, table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int, q, arena, ublocks, uheads,
                  counts, counts_host=None, stream: int | None = None,
@@ -292,14 +291,13 @@ class ScoreSelectPlan:
                  stamp: int = 0) -> None:
         """As `score_select(..., scores, tickets, ...)` with the plan's scratch pair."""
         shape = (nsel.shape[1], q.shape[2], meta_layout, ready is not None)
-        if shape != self._shape:
-            grid, args, constexprs = _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, self.scores,
-                                           self.tickets, ublocks, uheads, counts, counts_host, meta_layout, ready,
-                                           stamp)
-            self._plan = LaunchPlan(_launch, args, constexprs, tuple(constexprs.values()), _OPTIONS, self._PER_CALL)
-            self._shape = shape
-        grid = (n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B)))
-        self._plan(grid, (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, ublocks, uheads, counts,
+        plan = self._plans.get(shape)
+        if plan is None:
+            _, args, constexprs = _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, self.scores,
+                                        self.tickets, ublocks, uheads, counts, counts_host, meta_layout, ready, stamp)
+            plan = self._plans[shape] = LaunchPlan(_launch, args, constexprs, tuple(constexprs.values()), _OPTIONS,
+                                                   self._PER_CALL)
+        plan((n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B))), (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, ublocks, uheads, counts,
                           counts if counts_host is None else counts_host, row0, ublocks.stride(0),
                           counts if ready is None else ready, int(stamp)), stream)
 

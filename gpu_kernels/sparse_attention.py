@@ -372,29 +372,27 @@ class SparseAttentionClaimPlan:
     """`sparse_attention_claim` with one set of claim scratch (the unions `ublocks`, `uheads`,
     `counts`, the partials `part_out`, `part_lse`, and `tickets`), planned once (`LaunchPlan`): a
     call takes the same arguments but those, and costs a few microseconds of host time where the
-    plain call costs tens. Planned again whenever the head dim, KV dtype or config changes."""
+    plain call costs tens. One plan per (head dim, KV dtype, config)."""
 
     # Positions in `_claim_call`'s args of what a call passes: all but the scratch and its width.
     _PER_CALL = (0, 1, 2, 3, 4, 5, 12, 13, 14, 16, 17, 18, 19, 20)
 
     def __init__(self, ublocks, uheads, counts, part_out, part_lse, tickets) -> None:
         self._scratch = (ublocks, uheads, counts, part_out, part_lse, tickets)
-        self._plan: LaunchPlan | None = None
-        self._shape: tuple = ()
-        self._config: SparseConfig | None = None
+        self._plans: dict[tuple, LaunchPlan] = {}
 
     def __call__(self, table, chunks, row0: int, n_tasks: int, pages_max: int, q, arena, out, lse,
                  config: SparseConfig = SparseConfig(), stream: int | None = None) -> int:
         """As `sparse_attention_claim` with the plan's scratch; returns the split count."""
-        shape = (q.shape[2], arena.dtype)
-        if shape != self._shape or config is not self._config:
-            grid, args, constexprs, _ = _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena,
-                                                    *self._scratch, out, lse, config)
-            self._plan = LaunchPlan(_claim_launch, args, constexprs, tuple(constexprs.values()),
-                                    {"num_warps": config.num_warps}, self._PER_CALL)
-            self._shape, self._config = shape, config
+        shape = (q.shape[2], arena.dtype, config)  # SparseConfig: a frozen dataclass, hashed by value
+        plan = self._plans.get(shape)
+        if plan is None:
+            _, args, constexprs, _ = _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena, *self._scratch,
+                                                 out, lse, config)
+            plan = self._plans[shape] = LaunchPlan(_claim_launch, args, constexprs, tuple(constexprs.values()),
+                                                   {"num_warps": config.num_warps}, self._PER_CALL)
         n_splits, pps, n_programs = _claim_shape(n_tasks, pages_max, config)
-        self._plan((n_programs,), (q, q.stride(0), q.stride(1), arena, table, chunks, out, lse, row0, q.shape[1],
+        plan((n_programs,), (q, q.stride(0), q.stride(1), arena, table, chunks, out, lse, row0, q.shape[1],
                                    n_tasks, n_splits, pps, n_programs), stream)
         return n_splits
 

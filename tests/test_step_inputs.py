@@ -154,6 +154,9 @@ def test_decode_with_device_inputs_equals_dense_and_refuses_nonfinite_before_any
                 assert out.dtype == dtype and out.device == q.device
                 torch.testing.assert_close(out.float().cpu(), ref, atol=1e-2 if dtype == torch.bfloat16 else 2e-3,
                                            rtol=1e-2 if dtype == torch.bfloat16 else 2e-3)
+        # Those steps took the kernel's path: inputs on "cuda:0" are on the runtime's "cuda" (a
+        # device compared without its index kept every step on the separate ops, unnoticed).
+        assert rt._step_inputs._plans, "no decode step made its inputs ready in the one launch"
         lens = [rt.store.seq_len(s, 0) for s in range(3)]
         for name in ("q", "k", "v"):
             q = torch.randn(3, 8, 32, device=DEV)
