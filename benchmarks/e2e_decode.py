@@ -32,8 +32,9 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         kernels from a CUDA graph instead of launching them directly.
     fluxion_host_selection fluxion with `scheduler.cpu_task_selection: host`: the CPU workers score
                         their tasks' metadata themselves instead of attending the GPU lane's selection.
-    fluxion_unplanned,  fluxion and cpu_only with the step's planned launches (step inputs, selection,
-    cpu_only_unplanned  claims; `gpu_kernels.launch.LaunchPlan`) made through `CachedLaunch` instead.
+    fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
+    cpu_only_unplanned, (step inputs, selection, claims; `gpu_kernels.launch.LaunchPlan`) made through
+    fluxion_host_selection_unplanned  `CachedLaunch` instead.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -231,6 +232,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # LaunchPlan: the comparison of the launcher thread's host time.
     Variant("fluxion_unplanned", "hybrid", placement="fluxion", launch_plans=False),
     Variant("cpu_only_unplanned", "hybrid", placement="cpu_only", launch_plans=False),
+    Variant("fluxion_host_selection_unplanned", "hybrid", placement="fluxion",
+            scheduler={"cpu_task_selection": "host"}, launch_plans=False),
 )}
 
 
