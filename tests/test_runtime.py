@@ -140,12 +140,17 @@ def test_every_placement_matches_the_reference_on_the_same_task_set(placement):
 
 
 def test_streaming_selection_attends_the_window_only():
+    # On CUDA the whole output comes from the window kernel, whose dots over bf16 storage round q and
+    # the softmax weights to tf32 (10-bit mantissa, `dot_precision`); where the CPU lane computes part
+    # of a head in fp32 that error is diluted, here it is not: 2e-3 failed now and then (2.5e-3 seen).
+    tol = dict(atol=5e-3, rtol=5e-3) if torch.cuda.is_available() else TOL
+    gen = torch.Generator().manual_seed(7)
     with HybridRuntime(rt_config("fluxion", plan="streaming")) as rt:
         prefill_all(rt, layers=(0,))
-        q = torch.randn(3, 8, 32)
-        out = rt.decode(0, [0, 1, 2], q, torch.randn(3, 2, 32), torch.randn(3, 2, 32))
+        q = torch.randn(3, 8, 32, generator=gen)
+        out = rt.decode(0, [0, 1, 2], q, torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen))
         zero = HeadPlan(np.full((3, 2), 16), np.zeros((3, 8), np.float32))
-        torch.testing.assert_close(out, sparse_step_reference(rt, 0, [0, 1, 2], q, zero), **TOL)
+        torch.testing.assert_close(out, sparse_step_reference(rt, 0, [0, 1, 2], q, zero), **tol)
         assert rt.timeline.records[-1].n_tasks == 0
 
 
