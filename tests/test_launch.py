@@ -102,15 +102,13 @@ class _StandInCompiledKernel:
         self.grids.append((gx, gy, gz))
 
 
-def test_cached_launch_hands_the_compiled_kernel_the_whole_grid(monkeypatch):
-    """Runs without a GPU: the compiled path stood in for. It dropped the grid's z (launched
-    `(x, y, 1)`), so SparDA's scores (grid `(tiles, Hkv, B)`) were computed for the first
-    sequence only on CUDA while every interpreter test passed."""
+def _stand_in_jit(monkeypatch, compiled):
+    """A JIT function whose every launch hands back `compiled`, with the compiled path taken (no
+    interpreter, stream 0); skips where this Triton has no knobs (launches always go through the JIT)."""
     import gpu_kernels.launch as launch_module
 
     if launch_module._KNOBS is None:
-        pytest.skip("this Triton has no knobs: CachedLaunch always goes through the JIT")
-    compiled = _StandInCompiledKernel()
+        pytest.skip("this Triton has no knobs: launches always go through the JIT")
 
     class _StandInJit:
         def __getitem__(self, grid):
@@ -118,7 +116,15 @@ def test_cached_launch_hands_the_compiled_kernel_the_whole_grid(monkeypatch):
 
     monkeypatch.setattr(launch_module, "interpreted", lambda: False)
     monkeypatch.setattr(launch_module, "current_stream_handle", lambda: 0)
-    launch = CachedLaunch(_StandInJit())
+    return _StandInJit()
+
+
+def test_cached_launch_hands_the_compiled_kernel_the_whole_grid(monkeypatch):
+    """Runs without a GPU: the compiled path stood in for. It dropped the grid's z (launched
+    `(x, y, 1)`), so SparDA's scores (grid `(tiles, Hkv, B)`) were computed for the first
+    sequence only on CUDA while every interpreter test passed."""
+    compiled = _StandInCompiledKernel()
+    launch = CachedLaunch(_stand_in_jit(monkeypatch, compiled))
     for grid in ((4, 3, 5), (4, 3, 5), (7,), (7,), (2, 6), (2, 6)):
         launch(grid, (torch.zeros(8),), {"BLOCK": 64}, (len(grid),), {"num_warps": 1})
     assert launch.fast_launches == 3  # the first call of each variant compiled through the JIT
@@ -197,25 +203,13 @@ def test_disabled_plans_launch_through_cached_launch():
 def test_plan_hands_the_compiled_kernel_the_whole_grid_and_addresses(monkeypatch):
     """Runs without a GPU, the compiled path stood in for: every grid dimension reaches the
     launcher, CUDA tensors as their addresses, other values as they are."""
-    import gpu_kernels.launch as launch_module
-
-    if launch_module._KNOBS is None:
-        pytest.skip("this Triton has no knobs: launches always go through the JIT")
     runs = []
 
     class _Compiled(_StandInCompiledKernel):
         def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, leave, *args):
             runs.append(((gx, gy, gz), args))
 
-    compiled = _Compiled()
-
-    class _StandInJit:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: compiled
-
-    monkeypatch.setattr(launch_module, "interpreted", lambda: False)
-    monkeypatch.setattr(launch_module, "current_stream_handle", lambda: 0)
-    plan = LaunchPlan(CachedLaunch(_StandInJit()), (torch.zeros(8), 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
+    plan = LaunchPlan(CachedLaunch(_stand_in_jit(monkeypatch, _Compiled())), (torch.zeros(8), 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
     for grid, n in (((4, 3, 5), 5), ((4, 3, 5), 7), ((2,), 9)):
         plan(grid, (n,))
     assert plan.fast_launches == 2  # the first call looked the kernel up through CachedLaunch

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,12 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
-from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
+from benchmarks.diag.mix_runtime import mix_runtime  # noqa: E402
+from benchmarks.layer_attention import prefill_random  # noqa: E402
 from gpu_kernels.launch import CachedLaunch, LaunchPlan  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
 from gpu_kernels.step_inputs import StepInputsPlan  # noqa: E402
-from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 
 
 class Recorder:
@@ -96,13 +95,8 @@ def main() -> None:
     ap.add_argument("--loop", type=int, default=400, help="launches per isolated measurement")
     ap.add_argument("--no-launch-plans", action="store_true", help="decode with LaunchPlan.enabled false")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("launch_cost needs a CUDA device")
     b, ctx = args.batch, args.context
-    cfg, geo = layer_setup(args.layers, b, ctx, max(1, (os.cpu_count() or 2) - 1))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    torch.set_num_threads(os.cpu_count() or 1)
-    rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
+    rt, geo, gen = mix_runtime("launch_cost", args.layers, b, ctx)
     sch = rt.scheduler
     in_place: dict[str, list[float]] = collections.defaultdict(list)
     recording = [False]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 import hybrid_runtime.runtime as runtime_mod  # noqa: E402
-from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
+from benchmarks.diag.mix_runtime import mix_runtime  # noqa: E402
+from benchmarks.layer_attention import prefill_random  # noqa: E402
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
-from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 
 POLICIES = {"cpu_only": ("cpu_only", True), "fluxion": ("fluxion", True), "fluxion_host_selection": ("fluxion", False)}
 
@@ -65,13 +64,8 @@ def main() -> None:
     ap.add_argument("--launch-loop", type=int, default=200,
                     help="then time this many step-inputs launches back to back, workers idle (0: skip)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("step_phases needs a CUDA device")
     b, ctx = args.batch, args.context
-    cfg, geo = layer_setup(args.layers, b, ctx, max(1, (os.cpu_count() or 2) - 1))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    torch.set_num_threads(os.cpu_count() or 1)
-    rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
+    rt, geo, gen = mix_runtime("step_phases", args.layers, b, ctx)
     stamps = Stamps()
     real_select = ScoreSelectPlan.__call__
     sch = rt.scheduler
