@@ -156,6 +156,8 @@ class LaunchPlan:
     def __call__(self, grid: tuple, values: tuple, stream: int | None = None) -> None:
         """Launch on `grid` with `values` at the `per_call` positions, on the raw CUDA stream handle
         `stream` (None: the current stream)."""
+        if len(values) != len(self._per_call):
+            raise ValueError(f"{len(values)} values for the plan's {len(self._per_call)} per-call arguments")
         argv = self._argv
         key = []
         for i, v in zip(self._per_call, values):
@@ -173,8 +175,15 @@ class LaunchPlan:
             return
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], g1, g2, current_stream_handle() if stream is None else stream, kernel.function,
-                   kernel.packed_metadata, None, None, None, *argv)
+        try:
+            kernel.run(grid[0], g1, g2, current_stream_handle() if stream is None else stream, kernel.function,
+                       kernel.packed_metadata, None, None, None, *argv)
+        except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
+            log.warning("planned Triton launch unavailable (%s); launching through the JIT", exc)
+            self._launch._broken = True
+            self._kernels.clear()
+            self._slow(grid, values, stream, key)
+            return
         self.fast_launches += 1
 
     def _slow(self, grid: tuple, values: tuple, stream: int | None, key: tuple) -> None:

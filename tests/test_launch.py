@@ -102,20 +102,25 @@ class _StandInCompiledKernel:
         self.grids.append((gx, gy, gz))
 
 
-def _stand_in_jit(monkeypatch, compiled):
-    """A JIT function whose every launch hands back `compiled`, with the compiled path taken (no
-    interpreter, stream 0); skips where this Triton has no knobs (launches always go through the JIT)."""
+def _take_the_compiled_path(monkeypatch) -> None:
+    """Launches take the compiled path (no interpreter, stream 0); skips where this Triton has no
+    knobs (launches always go through the JIT)."""
     import gpu_kernels.launch as launch_module
 
     if launch_module._KNOBS is None:
         pytest.skip("this Triton has no knobs: launches always go through the JIT")
+    monkeypatch.setattr(launch_module, "interpreted", lambda: False)
+    monkeypatch.setattr(launch_module, "current_stream_handle", lambda: 0)
+
+
+def _stand_in_jit(monkeypatch, compiled):
+    """A JIT function whose every launch hands back `compiled`, on the compiled path."""
+    _take_the_compiled_path(monkeypatch)
 
     class _StandInJit:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: compiled
 
-    monkeypatch.setattr(launch_module, "interpreted", lambda: False)
-    monkeypatch.setattr(launch_module, "current_stream_handle", lambda: 0)
     return _StandInJit()
 
 
@@ -238,3 +243,37 @@ def test_launch_hooks_count_as_set_only_when_a_hook_is_there(monkeypatch):
         monkeypatch.setattr(rt, "launch_exit_hook", leave)
         got = launch_module._launch_hooks()
         assert got == (expected if expected != "set" else (enter, leave))
+
+
+def test_plan_refuses_a_call_with_the_wrong_number_of_values():
+    launch = CachedLaunch(_add_kernel)
+    x = torch.zeros(8, device=DEV)
+    plan = LaunchPlan(launch, (x, x, 8), {"BLOCK": 64}, (64,), {"num_warps": 1}, (0, 2))
+    with pytest.raises(ValueError, match="1 values for the plan's 2"):
+        plan((1,), (8,))
+
+
+def test_plan_falls_back_to_the_jit_when_the_launcher_refuses_its_arguments(monkeypatch):
+    """A Triton whose launcher takes other arguments: the planned call goes through the JIT from then on."""
+    jit_calls = []
+
+    class _Refusing(_StandInCompiledKernel):
+        def run(self, *args):
+            raise TypeError("launcher signature differs")
+
+    compiled = _Refusing()
+
+    class _CountingJit:
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                jit_calls.append(grid)
+                return compiled
+            return call
+
+    _take_the_compiled_path(monkeypatch)
+    launch = CachedLaunch(_CountingJit())
+    plan = LaunchPlan(launch, (torch.zeros(8), 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
+    plan._kernels[((False, False),)] = compiled  # as a first call would have left it
+    plan((2,), (5,))
+    assert launch._broken and plan.fast_launches == 0 and not plan._kernels
+    assert jit_calls == [(2,)]
