@@ -35,6 +35,10 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
     cpu_only_unplanned, (step inputs, selection, claims; `gpu_kernels.launch.LaunchPlan`) made through
     fluxion_host_selection_unplanned  `CachedLaunch` instead.
+    fluxion_pinned_caller, fluxion and cpu_only with the thread that calls `generate` confined to the
+    cpu_only_pinned_caller core `plan_cores` leaves free of CPU workers, for the unit (restored after;
+                        threads started meanwhile inherit it, but the runtime's CPU workers pin
+                        themselves to their own cores).
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -172,6 +176,7 @@ from hybrid_runtime.experiments.generate_timing import model_dims as _dims  # no
 from hybrid_runtime.experiments.generate_timing import timeline_fields as _timeline_fields  # noqa: E402
 from hybrid_runtime.experiments.tpot import prefill_activation_bytes  # noqa: E402
 from hybrid_runtime.kvcache import CapacityError, arena_bytes, host_available_bytes  # noqa: E402
+from hybrid_runtime.pinning import confine_current_thread  # noqa: E402
 
 BENCHMARK = "e2e_decode"
 POINTS = [(4, 32768), (8, 32768), (2, 98304), (4, 131072)]
@@ -196,6 +201,7 @@ class Variant:
     kv_cache: dict = field(default_factory=dict)  # ... and kv_cache keys
     needs_cuda: bool = False
     launch_plans: bool = True  # false: planned launches go through CachedLaunch (gpu_kernels/launch.py)
+    pin_caller: bool = False  # the calling thread confined to the core the runtime leaves free of workers
 
     def unavailable(self) -> str | None:
         """Why this variant cannot run in this build (recorded as the skip reason), or None."""
@@ -234,6 +240,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("cpu_only_unplanned", "hybrid", placement="cpu_only", launch_plans=False),
     Variant("fluxion_host_selection_unplanned", "hybrid", placement="fluxion",
             scheduler={"cpu_task_selection": "host"}, launch_plans=False),
+    # The thread that calls generate (and so decode) confined to the caller's core of `plan_cores`,
+    # the one no CPU worker is pinned to; by default the runtime leaves it where the OS puts it.
+    Variant("fluxion_pinned_caller", "hybrid", placement="fluxion", pin_caller=True),
+    Variant("cpu_only_pinned_caller", "hybrid", placement="cpu_only", pin_caller=True),
 )}
 
 
@@ -935,6 +945,8 @@ def run(args, device: str | None = None) -> Path | None:
                         print(f"  floor {name} b={b} failed: {exc}", flush=True)
                     release_memory()
                 LaunchPlan.enabled = variant.launch_plans
+                saved_cores = confine_current_thread([cores.caller]) \
+                    if variant.pin_caller and cores.caller is not None else None
                 try:
                     row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens,
                                    warmup_tokens=args.warmup_tokens, cap_s=args.decode_cap_s, seed=args.seed,
@@ -942,6 +954,10 @@ def run(args, device: str | None = None) -> Path | None:
                                    attempt_all=args.attempt_all)
                 finally:
                     LaunchPlan.enabled = True
+                    if saved_cores is not None:
+                        os.sched_setaffinity(0, saved_cores)
+                if variant.pin_caller:
+                    row["caller_core"] = cores.caller  # None: too few cores to keep one free, not pinned
                 row["predicted_s"] = pred
                 costs.observe(cfg, row)
                 rows.append(row)

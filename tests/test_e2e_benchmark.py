@@ -337,7 +337,8 @@ def test_options_and_points():
     assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
                           "fluxion_ungated", "fluxion_claim_graphs", "fluxion_host_selection", "fluxion_unplanned",
-                          "cpu_only_unplanned", "fluxion_host_selection_unplanned"]
+                          "cpu_only_unplanned", "fluxion_host_selection_unplanned",
+                          "fluxion_pinned_caller", "cpu_only_pinned_caller"]
     q = e2e.parse_args(["--quick"])
     assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants
     with pytest.raises(SystemExit):
