@@ -124,10 +124,16 @@ def host_available_bytes() -> int:
 
 def _window_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("kv_cache.device is 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        # With its index: a tensor's device always carries one, and "cuda:0" != "cuda", so checks of
+        # inputs against the store's device (the runtime's step-inputs path, the predictor's) would
+        # never pass (they did not, from 62d7b58 until the runtime indexed its own copy).
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 # ---------------------------------------------------------------------------- chunk images

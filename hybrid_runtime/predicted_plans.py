@@ -134,10 +134,7 @@ class PredictedHeadPlanner:
         checkpoint.check_feature_names(FEATURE_NAMES)
         self.store = store
         self.geometry = geometry
-        device = torch.device(store.device)
-        if device.type == "cuda" and device.index is None:  # "cuda" != "cuda:0" in the checks on q below
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = store.device  # CUDA with its index, as the checks on q below compare it
         self.cuda = cuda
         self.path = path
         self.tau = checkpoint.tau

@@ -185,11 +185,7 @@ class HybridRuntime:
         self._closed = False
         self.store = KVStore(cfg.kv_cache, geometry)
         store = self.store
-        self.device = store.device
-        if self.device.type == "cuda" and self.device.index is None:
-            # With its index: a tensor's device always has one, and "cuda:0" != "cuda" (compared
-            # without it, inputs were never taken to be on the runtime's device).
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = store.device  # CUDA with its index (`kvcache._window_device`)
         self.cuda = self.device.type == "cuda"
         self.scale = 1.0 / math.sqrt(geometry.head_dim)
         # "auto" resolved for this machine: what the scheduler, stats and traces see.
