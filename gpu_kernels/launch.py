@@ -100,23 +100,31 @@ def _hook_set(hook) -> bool:
 
 def _pack(args: tuple) -> tuple[tuple, tuple]:
     """What Triton may specialise a kernel on, per argument, and the arguments as its launcher
-    takes them fastest. Specialisation: a tensor's dtype and 16-byte alignment, an integer being 1
-    or a multiple of 16; a key that includes it can never hand a call to a kernel compiled for
-    other arguments (an argument Triton does not specialise only costs one more lookup through the
-    JIT, never a compile). Arguments: CUDA tensors as their addresses -- the launcher takes an int
-    as the device pointer it is (a CUDA tensor's `data_ptr()` is one, UVA views of pinned memory
-    included) and skips its `data_ptr()` call and driver query."""
+    takes them fastest (`_pack_into`)."""
+    argv = list(args)
+    return _pack_into(args, range(len(args)), argv), tuple(argv)
+
+
+def _pack_into(args: tuple, positions, argv: list) -> tuple:
+    """For each of `positions` (in order): what Triton may specialise the kernel on in `args[i]`,
+    returned as a tuple, and the argument as its launcher takes it fastest, written to `argv[i]`.
+    Specialisation: a tensor's dtype and 16-byte alignment, an integer being 1 or a multiple of 16;
+    a key that includes it can never hand a call to a kernel compiled for other arguments (an
+    argument Triton does not specialise only costs one more lookup through the JIT, never a
+    compile). Arguments: CUDA tensors as their addresses -- the launcher takes an int as the device
+    pointer it is (a CUDA tensor's `data_ptr()` is one, UVA views of pinned memory included) and
+    skips its `data_ptr()` call and driver query."""
     spec = []
-    argv = []
-    for a in args:
+    for i in positions:
+        a = args[i]
         if isinstance(a, torch.Tensor):
             p = a.data_ptr()
             spec.append((a.dtype, p % 16 == 0))
-            argv.append(p if a.is_cuda else a)
+            argv[i] = p if a.is_cuda else a
         else:
             spec.append((a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool) else type(a))
-            argv.append(a)
-    return tuple(spec), tuple(argv)
+            argv[i] = a
+    return tuple(spec)
 
 
 def _specialization(args: tuple) -> tuple:
@@ -129,12 +137,13 @@ class LaunchPlan:
 
     `args`, `constexprs`, `variant`, `options`: a complete call as `CachedLaunch` takes it.
     `per_call`: the positions in `args` of the arguments a call may change; every other argument
-    is packed once (the plan keeps its tensors alive). A call passes the new values of those, in
-    that order: tensors or plain values. A call whose values specialise as an earlier call's did
-    goes straight to that call's compiled kernel; any other goes through `CachedLaunch` (which may
-    compile) and is remembered. Under the interpreter, or with Triton's launch hooks set (a
-    profiler), every call goes through `CachedLaunch`; so does every call while the class attribute
-    `enabled` is false (diagnostics compare the two paths on one machine).
+    is packed once (the plan keeps its tensors alive) and must be the same in every call. A call
+    passes the complete argument tuple, and only the `per_call` positions are read. A call whose
+    values there specialise as an earlier call's did goes straight to that call's compiled kernel;
+    any other goes through `CachedLaunch` (which may compile) and is remembered. Under the
+    interpreter, or with Triton's launch hooks set (a profiler), every call goes through
+    `CachedLaunch`; so does every call while the class attribute `enabled` is false (diagnostics
+    compare the two paths on one machine).
     """
 
     enabled = True
@@ -144,7 +153,7 @@ class LaunchPlan:
         if len(set(per_call)) != len(per_call) or not all(0 <= i < len(args) for i in per_call):
             raise ValueError(f"per_call {per_call} must be distinct positions of the {len(args)} arguments")
         self._launch = launch
-        self._args = list(args)
+        self._args = args  # keeps the packed tensors alive
         self._constexprs = constexprs
         self._variant = variant
         self._options = options
@@ -153,49 +162,35 @@ class LaunchPlan:
         self._kernels: dict = {}  # specialisation of the per-call values -> compiled kernel
         self.fast_launches = 0
 
-    def __call__(self, grid: tuple, values: tuple, stream: int | None = None) -> None:
-        """Launch on `grid` with `values` at the `per_call` positions, on the raw CUDA stream handle
-        `stream` (None: the current stream)."""
-        if len(values) != len(self._per_call):
-            raise ValueError(f"{len(values)} values for the plan's {len(self._per_call)} per-call arguments")
-        argv = self._argv
-        key = []
-        for i, v in zip(self._per_call, values):
-            if isinstance(v, torch.Tensor):
-                p = v.data_ptr()
-                key.append((v.dtype, p % 16 == 0))
-                argv[i] = p if v.is_cuda else v
-            else:
-                key.append((v == 1, v % 16 == 0) if isinstance(v, int) and not isinstance(v, bool) else type(v))
-                argv[i] = v
-        key = tuple(key)
+    def __call__(self, grid: tuple, args: tuple, stream: int | None = None) -> None:
+        """Launch on `grid` with the complete arguments `args` (only the `per_call` positions are
+        read), on the raw CUDA stream handle `stream` (None: the current stream)."""
+        if len(args) != len(self._args):
+            raise ValueError(f"{len(args)} arguments for a plan of {len(self._args)}")
+        key = _pack_into(args, self._per_call, self._argv)
         kernel = self._kernels.get(key)
         if kernel is None or not LaunchPlan.enabled or _launch_hooks()[0] is not None:
-            self._slow(grid, values, stream, key)
+            self._slow(grid, args, stream, key)
             return
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         try:
             kernel.run(grid[0], g1, g2, current_stream_handle() if stream is None else stream, kernel.function,
-                       kernel.packed_metadata, None, None, None, *argv)
+                       kernel.packed_metadata, None, None, None, *self._argv)
         except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: use the JIT
             log.warning("planned Triton launch unavailable (%s); launching through the JIT", exc)
             self._launch._broken = True
             self._kernels.clear()
-            self._slow(grid, values, stream, key)
+            self._slow(grid, args, stream, key)
             return
         self.fast_launches += 1
 
-    def _slow(self, grid: tuple, values: tuple, stream: int | None, key: tuple) -> None:
-        args = self._args
-        for i, v in zip(self._per_call, values):
-            args[i] = v  # the plan keeps the latest tensors alive, as a call's caller does
+    def _slow(self, grid: tuple, args: tuple, stream: int | None, key: tuple) -> None:
         launch = self._launch
-        launch(grid, tuple(args), self._constexprs, self._variant, self._options, stream)
+        launch(grid, args, self._constexprs, self._variant, self._options, stream)
         if launch._broken or interpreted():
             return
-        full = (self._variant, tuple(self._options.items()), _specialization(tuple(args)))
-        kernel = launch._compiled.get(full)
+        kernel = launch._compiled.get((self._variant, tuple(self._options.items()), _specialization(args)))
         if kernel is not None:
             self._kernels[key] = kernel
 

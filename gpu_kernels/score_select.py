@@ -253,23 +253,28 @@ def score_select(
     `[>= n_tasks]` (a device view of pinned host memory: the GPU's selection for CPU workers,
     `hybrid_runtime.gpu_picks`): each task's `stamp` lands in it once its union is written.
     """
-    grid, args, constexprs = _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, scores, tickets,
-                                   ublocks, uheads, counts, counts_host, meta_layout, ready, stamp)
-    _launch(grid, args, constexprs, tuple(constexprs.values()), _OPTIONS, stream)
+    args = _args(table, nsel, chunks, row0, q, arena, scores, tickets, ublocks, uheads, counts, counts_host, ready,
+                 stamp)
+    constexprs = _constexprs(nsel, q, meta_layout, ready)
+    _launch(_grid(n_tasks, n_blocks_max), args, constexprs, tuple(constexprs.values()), _OPTIONS, stream)
 
 
-def _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, scores, tickets, ublocks, uheads, counts,
-          counts_host, meta_layout, ready, stamp) -> tuple[tuple, tuple, dict]:
-    g = nsel.shape[1]
-    block_g = max(2, next_pow2(g))
-    grid = (n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B)))
-    args = (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts,
+def _grid(n_tasks: int, n_blocks_max: int) -> tuple[int, int]:
+    return n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B))
+
+
+def _args(table, nsel, chunks, row0, q, arena, scores, tickets, ublocks, uheads, counts, counts_host, ready,
+          stamp) -> tuple:
+    return (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts,
             counts if counts_host is None else counts_host, row0, scores.shape[2], ublocks.stride(0),
             counts if ready is None else ready, int(stamp))
-    constexprs = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B,
-                      SEL_CHUNK=SEL_ELEMS // block_g, CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1],
-                      SIGNAL=ready is not None)
-    return grid, args, constexprs
+
+
+def _constexprs(nsel, q, meta_layout, ready) -> dict:
+    g = nsel.shape[1]
+    block_g = max(2, next_pow2(g))
+    return dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B, SEL_CHUNK=SEL_ELEMS // block_g,
+                CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1], SIGNAL=ready is not None)
 
 
 class ScoreSelectPlan:
@@ -278,7 +283,7 @@ class ScoreSelectPlan:
     `score_select` costs tens. The plan is made at the first call and again whenever the group
     size, head dim, metadata layout or signalling differs from those planned (one plan each)."""
 
-    # Positions in `_call`'s args of what a call passes: all but scores, tickets, their row width.
+    # Positions in `_args` of what changes between calls: all but scores, tickets, their row width.
     _PER_CALL = (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13, 15, 16, 17)
 
     def __init__(self, scores, tickets) -> None:
@@ -290,16 +295,15 @@ class ScoreSelectPlan:
                  meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW), ready=None,
                  stamp: int = 0) -> None:
         """As `score_select(..., scores, tickets, ...)` with the plan's scratch pair."""
+        args = _args(table, nsel, chunks, row0, q, arena, self.scores, self.tickets, ublocks, uheads, counts,
+                     counts_host, ready, stamp)
         shape = (nsel.shape[1], q.shape[2], meta_layout, ready is not None)
         plan = self._plans.get(shape)
         if plan is None:
-            _, args, constexprs = _call(table, nsel, chunks, row0, n_tasks, n_blocks_max, q, arena, self.scores,
-                                        self.tickets, ublocks, uheads, counts, counts_host, meta_layout, ready, stamp)
+            constexprs = _constexprs(nsel, q, meta_layout, ready)
             plan = self._plans[shape] = LaunchPlan(_launch, args, constexprs, tuple(constexprs.values()), _OPTIONS,
                                                    self._PER_CALL)
-        plan((n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B))), (q, q.stride(0), q.stride(1), arena, table, nsel, chunks, ublocks, uheads, counts,
-                          counts if counts_host is None else counts_host, row0, ublocks.stride(0),
-                          counts if ready is None else ready, int(stamp)), stream)
+        plan(_grid(n_tasks, n_blocks_max), args, stream)
 
 
 _OPTIONS = {"num_warps": NUM_WARPS}

@@ -339,9 +339,12 @@ def sparse_attention_claim(
     `[>= n_tasks, MAX_SPLITS, G, D]` and part_lse `[>= n_tasks, MAX_SPLITS, G]` fp32, tickets
     `[>= n_tasks]` int32 (zero), out `[B, Hq, D]` / lse `[B, Hq]` fp32 contiguous.
     """
-    grid, args, constexprs, n_splits = _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena, ublocks,
-                                                   uheads, counts, part_out, part_lse, tickets, out, lse, config)
-    _claim_launch(grid, args, constexprs, tuple(constexprs.values()), {"num_warps": config.num_warps}, stream)
+    n_splits, pps, n_programs = _claim_shape(n_tasks, pages_max, config)
+    args = _claim_args(table, chunks, row0, n_tasks, n_splits, pps, n_programs, q, arena, ublocks, uheads, counts,
+                       part_out, part_lse, tickets, out, lse)
+    constexprs = _claim_constexprs(part_out.shape[2], q.shape[2], arena.dtype, config)
+    _claim_launch((n_programs,), args, constexprs, tuple(constexprs.values()), {"num_warps": config.num_warps},
+                  stream)
     return n_splits
 
 
@@ -352,20 +355,19 @@ def _claim_shape(n_tasks: int, pages_max: int, config: SparseConfig) -> tuple[in
     return n_splits, pps, min(items, config.claim_programs) if config.claim_programs > 0 else items
 
 
-def _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena, ublocks, uheads, counts, part_out, part_lse,
-                tickets, out, lse, config) -> tuple[tuple, tuple, dict, int]:
-    g = part_out.shape[2]
-    d = q.shape[2]
-    n_splits, pps, n_programs = _claim_shape(n_tasks, pages_max, config)
-    args = (q, q.stride(0), q.stride(1), arena, table, chunks, ublocks, uheads, counts, part_out, part_lse, tickets,
+def _claim_args(table, chunks, row0, n_tasks, n_splits, pps, n_programs, q, arena, ublocks, uheads, counts, part_out,
+                part_lse, tickets, out, lse) -> tuple:
+    return (q, q.stride(0), q.stride(1), arena, table, chunks, ublocks, uheads, counts, part_out, part_lse, tickets,
             out, lse, row0, ublocks.shape[1], q.shape[1], n_tasks, n_splits, pps, n_programs)
-    constexprs = dict(
+
+
+def _claim_constexprs(g: int, d: int, kv_dtype: torch.dtype, config: SparseConfig) -> dict:
+    return dict(
         N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
         BLOCK_N=config.block_n, CHUNK_ROWS=layout.CHUNK_ROWS, V_ROW=layout.V_ROW,
         CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
-        DOT_PRECISION=dot_precision(arena.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
+        DOT_PRECISION=dot_precision(kv_dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
     )
-    return (n_programs,), args, constexprs, n_splits
 
 
 class SparseAttentionClaimPlan:
@@ -374,26 +376,27 @@ class SparseAttentionClaimPlan:
     call takes the same arguments but those, and costs a few microseconds of host time where the
     plain call costs tens. One plan per (head dim, KV dtype, config)."""
 
-    # Positions in `_claim_call`'s args of what a call passes: all but the scratch and its width.
+    # Positions in `_claim_args` of what changes between calls: all but the scratch and its width.
     _PER_CALL = (0, 1, 2, 3, 4, 5, 12, 13, 14, 16, 17, 18, 19, 20)
 
     def __init__(self, ublocks, uheads, counts, part_out, part_lse, tickets) -> None:
         self._scratch = (ublocks, uheads, counts, part_out, part_lse, tickets)
+        self._group_size = part_out.shape[2]
         self._plans: dict[tuple, LaunchPlan] = {}
 
     def __call__(self, table, chunks, row0: int, n_tasks: int, pages_max: int, q, arena, out, lse,
                  config: SparseConfig = SparseConfig(), stream: int | None = None) -> int:
         """As `sparse_attention_claim` with the plan's scratch; returns the split count."""
+        n_splits, pps, n_programs = _claim_shape(n_tasks, pages_max, config)
+        args = _claim_args(table, chunks, row0, n_tasks, n_splits, pps, n_programs, q, arena, *self._scratch, out,
+                           lse)
         shape = (q.shape[2], arena.dtype, config)  # SparseConfig: a frozen dataclass, hashed by value
         plan = self._plans.get(shape)
         if plan is None:
-            _, args, constexprs, _ = _claim_call(table, chunks, row0, n_tasks, pages_max, q, arena, *self._scratch,
-                                                 out, lse, config)
+            constexprs = _claim_constexprs(self._group_size, q.shape[2], arena.dtype, config)
             plan = self._plans[shape] = LaunchPlan(_claim_launch, args, constexprs, tuple(constexprs.values()),
                                                    {"num_warps": config.num_warps}, self._PER_CALL)
-        n_splits, pps, n_programs = _claim_shape(n_tasks, pages_max, config)
-        plan((n_programs,), (q, q.stride(0), q.stride(1), arena, table, chunks, out, lse, row0, q.shape[1],
-                                   n_tasks, n_splits, pps, n_programs), stream)
+        plan((n_programs,), args, stream)
         return n_splits
 
 

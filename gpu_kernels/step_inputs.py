@@ -145,7 +145,11 @@ def _call(q, k, v, scale, qs, q_host, lane, counts) -> tuple[tuple, tuple, dict,
     constexprs = dict(ROWS=ROWS, BLOCK_D=next_pow2(q.shape[2]), HOST=q_host is not None, LANE=lane is not None,
                       COUNT=counts is not None)
     variant = (q.dtype, k.dtype, v.dtype, tuple(constexprs.values()))
-    return (count_columns(q.shape[0] * q.shape[1]),), args, constexprs, variant
+    return _grid(q), args, constexprs, variant
+
+
+def _grid(q) -> tuple[int]:
+    return (count_columns(q.shape[0] * q.shape[1]),)
 
 
 class StepInputsPlan:
@@ -165,10 +169,12 @@ class StepInputsPlan:
         plan = self._plans.get(key)
         if plan is None:
             # Every argument may change: q, k and v come from the model each step.
-            _, args, constexprs, variant = _call(q, k, v, scale, qs, q_host, lane, counts)
+            grid, args, constexprs, variant = _call(q, k, v, scale, qs, q_host, lane, counts)
             plan = self._plans[key] = LaunchPlan(_launch, args, constexprs, variant, _OPTIONS,
                                                  tuple(range(len(args))))
-        plan((count_columns(q.shape[0] * q.shape[1]),), _args(q, k, v, scale, qs, q_host, lane, counts), stream)
+        else:
+            grid, args = _grid(q), _args(q, k, v, scale, qs, q_host, lane, counts)
+        plan(grid, args, stream)
 
 
 _OPTIONS = {"num_warps": 1}

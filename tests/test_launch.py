@@ -177,14 +177,14 @@ def test_plan_computes_what_the_jit_does_and_takes_a_new_variant_through_it():
     assert plan.fast_launches == (3 if CUDA else 0)
 
 
-def test_plan_keeps_the_arguments_it_was_not_given():
+def test_plan_runs_with_only_its_per_call_arguments_changed():
     launch = CachedLaunch(_add_kernel)
     x = torch.randn(64, device=DEV)
     y = torch.zeros(64, device=DEV)
     plan = LaunchPlan(launch, (x, y, 64), {"BLOCK": 64}, (64,), {"num_warps": 1}, (2,))
     for n in (64, 32, 32):  # only n changes: the first n elements of the planned y
         y.zero_()
-        plan((1,), (n,))
+        plan((1,), (x, y, n))
         assert torch.equal(y[:n].cpu(), (x[:n] + 1.0).cpu()) and not y[n:].any()
 
 
@@ -198,7 +198,7 @@ def test_disabled_plans_launch_through_cached_launch():
     Plan.enabled = False
     try:
         for _ in range(3):
-            plan((1,), ())
+            plan((1,), (x, y, 64))
     finally:
         Plan.enabled = True
     assert torch.equal(y.cpu(), (x + 1.0).cpu())
@@ -214,9 +214,11 @@ def test_plan_hands_the_compiled_kernel_the_whole_grid_and_addresses(monkeypatch
         def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, leave, *args):
             runs.append(((gx, gy, gz), args))
 
-    plan = LaunchPlan(CachedLaunch(_stand_in_jit(monkeypatch, _Compiled())), (torch.zeros(8), 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
+    t = torch.zeros(8)
+    plan = LaunchPlan(CachedLaunch(_stand_in_jit(monkeypatch, _Compiled())), (t, 5), {"BLOCK": 64}, (1,),
+                      {"num_warps": 1}, (1,))
     for grid, n in (((4, 3, 5), 5), ((4, 3, 5), 7), ((2,), 9)):
-        plan(grid, (n,))
+        plan(grid, (t, n))
     assert plan.fast_launches == 2  # the first call looked the kernel up through CachedLaunch
     assert [r[0] for r in runs] == [(4, 3, 5), (2, 1, 1)]
     assert [r[1][1:] for r in runs] == [(7, 64), (9, 64)]
@@ -245,12 +247,12 @@ def test_launch_hooks_count_as_set_only_when_a_hook_is_there(monkeypatch):
         assert got == (expected if expected != "set" else (enter, leave))
 
 
-def test_plan_refuses_a_call_with_the_wrong_number_of_values():
+def test_plan_refuses_a_call_with_the_wrong_number_of_arguments():
     launch = CachedLaunch(_add_kernel)
     x = torch.zeros(8, device=DEV)
     plan = LaunchPlan(launch, (x, x, 8), {"BLOCK": 64}, (64,), {"num_warps": 1}, (0, 2))
-    with pytest.raises(ValueError, match="1 values for the plan's 2"):
-        plan((1,), (8,))
+    with pytest.raises(ValueError, match="2 arguments for a plan of 3"):
+        plan((1,), (x, 8))
 
 
 def test_plan_falls_back_to_the_jit_when_the_launcher_refuses_its_arguments(monkeypatch):
@@ -272,8 +274,9 @@ def test_plan_falls_back_to_the_jit_when_the_launcher_refuses_its_arguments(monk
 
     _take_the_compiled_path(monkeypatch)
     launch = CachedLaunch(_CountingJit())
-    plan = LaunchPlan(launch, (torch.zeros(8), 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
+    t = torch.zeros(8)
+    plan = LaunchPlan(launch, (t, 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
     plan._kernels[((False, False),)] = compiled  # as a first call would have left it
-    plan((2,), (5,))
+    plan((2,), (t, 5))
     assert launch._broken and plan.fast_launches == 0 and not plan._kernels
     assert jit_calls == [(2,)]

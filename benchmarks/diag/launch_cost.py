@@ -11,7 +11,7 @@ kept. After the steps, with the workers idle, each kernel's launch is split into
 * `run_ints`: the same with every tensor argument passed as its address (an int: the launcher
   then neither calls `data_ptr()` nor asks the driver about the pointer);
 * `plan` / `plan_python`: a `LaunchPlan` call (the planned launches: claim, selection, step
-  inputs) with its last values, and the same with the launcher a no-op.
+  inputs) with its last arguments, and the same with the launcher a no-op.
 
 `--no-launch-plans` runs the decode steps with `LaunchPlan.enabled` false (every planned launch
 through `CachedLaunch`), to compare the in-place figures of both paths on one machine.
@@ -21,7 +21,6 @@ through `CachedLaunch`), to compare the in-place figures of both paths on one ma
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
-from benchmarks.diag.mix_runtime import mix_runtime  # noqa: E402
+from benchmarks.diag.mix_runtime import host_times, mix_arguments, mix_runtime  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
 from gpu_kernels.launch import CachedLaunch, LaunchPlan  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
@@ -86,12 +85,7 @@ def _us(samples: list[float]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=20)
+    ap = mix_arguments(__doc__, batch=8, warmup=6, steps=20)
     ap.add_argument("--loop", type=int, default=400, help="launches per isolated measurement")
     ap.add_argument("--no-launch-plans", action="store_true", help="decode with LaunchPlan.enabled false")
     args = ap.parse_args()
@@ -103,16 +97,16 @@ def main() -> None:
     real_call = CachedLaunch.__call__
     real_plan_call = LaunchPlan.__call__
     LaunchPlan.enabled = not args.no_launch_plans
-    plan_values: dict[int, tuple] = {}
+    plan_calls: dict[int, tuple] = {}
 
-    def timed_plan_call(self, grid, values, stream=None):
+    def timed_plan_call(self, grid, call_args, stream=None):
         t0 = time.perf_counter()
         try:
-            return real_plan_call(self, grid, values, stream)
+            return real_plan_call(self, grid, call_args, stream)
         finally:
             if recording[0]:
                 in_place["plan:" + self._launch.fn.__name__].append(time.perf_counter() - t0)
-                plan_values[id(self)] = (self, grid, values, stream)
+                plan_calls[id(self)] = (self, grid, call_args, stream)
 
     def timed_call(self, *a, **kw):
         t0 = time.perf_counter()
@@ -176,42 +170,23 @@ def main() -> None:
             rows = {}
             for label, fn in (("run", lambda: rec.kernel.run(*run_args)),
                               ("run_ints", lambda: rec.kernel.run(*ints))):
-                took = []
-                for _ in range(args.loop):
-                    t0 = time.perf_counter()
-                    fn()
-                    took.append(time.perf_counter() - t0)
-                torch.cuda.synchronize()
-                rows[label] = took
+                rows[label] = host_times(fn, args.loop)
             print(f"  {rec.name:32s} ({n_tensors} tensor args of {len(run_args) - 9})", flush=True)
             for label, took in rows.items():
                 print(f"    {label:9s} {_us(took)}", flush=True)
-        for plan, grid, values, stream in plan_values.values():
+        for plan, grid, call_args, stream in plan_calls.values():
             for label, noop in (("plan", False), ("plan_python", True)):
                 kernels = dict(plan._kernels)
                 if noop:
                     plan._kernels = {k: _NoLaunch(kern) for k, kern in kernels.items()}
-                took = []
-                for _ in range(args.loop):
-                    t0 = time.perf_counter()
-                    real_plan_call(plan, grid, values, stream)
-                    took.append(time.perf_counter() - t0)
-                torch.cuda.synchronize()
+                took = host_times(lambda: real_plan_call(plan, grid, call_args, stream), args.loop)
                 plan._kernels = kernels
                 print(f"  {plan._launch.fn.__name__:32s} {label:11s} {_us(took)}", flush=True)
         ev = torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
-        took = []
-        for _ in range(args.loop):
-            t0 = time.perf_counter()
-            ev.record(stream)
-            took.append(time.perf_counter() - t0)
+        took = host_times(lambda: ev.record(stream), args.loop)
         print(f"  {'torch.cuda.Event.record':32s} {_us(took)}", flush=True)
-        took = []
-        for _ in range(args.loop):
-            t0 = time.perf_counter()
-            torch.cuda.Event(enable_timing=True).record(stream)
-            took.append(time.perf_counter() - t0)
+        took = host_times(lambda: torch.cuda.Event(enable_timing=True).record(stream), args.loop)
         print(f"  {'new Event + record':32s} {_us(took)}", flush=True)
         # Python alone: replay each wrapper's last CachedLaunch call with the launcher a no-op.
         calls: dict = {}
@@ -229,11 +204,7 @@ def main() -> None:
             rec.noop = True
         print("CachedLaunch.__call__ with the launcher a no-op (our Python, the key, the lookup):", flush=True)
         for (_, name), (launch, a, kw) in sorted(calls.items(), key=lambda kv: kv[0][1]):
-            took = []
-            for _ in range(args.loop):
-                t0 = time.perf_counter()
-                real_call(launch, *a, **kw)
-                took.append(time.perf_counter() - t0)
+            took = host_times(lambda: real_call(launch, *a, **kw), args.loop)
             print(f"  {name:32s} {_us(took)}", flush=True)
         for launch, key, rec in recorders:
             launch._compiled[key] = rec.kernel
