@@ -143,7 +143,7 @@ def test_gpu_lane_sizes_are_those_of_its_buffers():
         assert sizes["claim_scratch"] == sum(t.nbytes for t in (ex._scores, ex._ublocks, ex._uheads, ex._counts,
                                                                  ex._tickets))
         assert ex._pick_plan is None, "no selection scratch before the first pick"
-        plan = ex._pick_scratch()
+        plan = ex._pick_select()
         assert sizes["pick_scratch"] == plan.scores.nbytes + plan.tickets.nbytes
         assert sizes["split_partials"] == ex._part_out.nbytes + ex._part_lse.nbytes
         assert sizes["ring"] == ex._ring.nbytes

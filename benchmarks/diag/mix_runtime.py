@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import time
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -24,3 +27,26 @@ def mix_runtime(name: str, layers: int, batch: int, context: int) -> tuple[Hybri
     torch.set_num_threads(os.cpu_count() or 1)
     rt = HybridRuntime(cfg, geo, head_planner=MixPlanner(geo, 0.5, (0.02, 0.08), (16, 32, 64), 0))
     return rt, geo, gen
+
+
+def mix_arguments(doc: str, batch: int, warmup: int, steps: int) -> argparse.ArgumentParser:
+    """A diagnostic's parser with the point (`--batch`, `--context`, `--layers`) and the steps
+    (`--warmup`, `--steps`), at its own defaults; the caller adds its own options."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap
+
+
+def host_times(fn: Callable[[], object], n: int) -> list[float]:
+    """Host seconds of each of `n` calls of `fn`, back to back; then waits for the device."""
+    took = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return took

@@ -13,7 +13,6 @@ step-inputs launch alone (`gpu_kernels/step_inputs.py`), back to back with the w
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 import hybrid_runtime.runtime as runtime_mod  # noqa: E402
-from benchmarks.diag.mix_runtime import mix_runtime  # noqa: E402
+from benchmarks.diag.mix_runtime import host_times, mix_arguments, mix_runtime  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
 
@@ -54,12 +53,7 @@ class Stamps:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=30)
+    ap = mix_arguments(__doc__, batch=4, warmup=8, steps=30)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--launch-loop", type=int, default=200,
                     help="then time this many step-inputs launches back to back, workers idle (0: skip)")
@@ -193,12 +187,7 @@ def main() -> None:
                     ("step-inputs launch alone, planned (decode's)", lambda: rt._step_inputs(
                         q, kv, kv, rt.scale, rt._qs_buf[:b], q_host=rt._q_host_uva[:n], lane=lane,
                         counts=rt._input_counts, stream=stream))):
-                took = []
-                for _ in range(args.launch_loop):
-                    t0 = time.perf_counter()
-                    launch()
-                    took.append(time.perf_counter() - t0)
-                torch.cuda.synchronize()
+                took = host_times(launch, args.launch_loop)
                 print(f"{label}: median {np.median(took) * 1e6:.1f} us, p90 "
                       f"{np.percentile(took, 90) * 1e6:.1f} us over {len(took)}", flush=True)
         from gpu_kernels import score_select as ss

@@ -218,7 +218,7 @@ class GpuUvaExecutor:
         g, d, dev = self.group_size, self.head_dim, self.dev
         self._scores = torch.empty((tasks, g, blocks), dtype=torch.float32, device=dev)
         # `pick`'s own scores and tickets (it runs on its own stream, beside the claims): made at its
-        # first use after a growth (`_pick_scratch`), so a runtime that never picks holds none.
+        # first use after a growth (`_pick_select`), so a runtime that never picks holds none.
         self._ublocks = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._uheads = torch.empty((tasks, blocks), dtype=torch.int32, device=dev)
         self._counts = torch.zeros(tasks, dtype=torch.int32, device=dev)
@@ -241,7 +241,7 @@ class GpuUvaExecutor:
             # them run on the lane's, after these.
             self.stream.wait_stream(torch.cuda.current_stream())
 
-    def _pick_scratch(self) -> ScoreSelectPlan:
+    def _pick_select(self) -> ScoreSelectPlan:
         """`pick`'s selection launch, planned over scores and tickets of its own at the claims'
         current capacity."""
         if self._pick_plan is None:
@@ -381,7 +381,7 @@ class GpuUvaExecutor:
             if self._upload_done is not None:
                 self._pick_stream.wait_event(self._upload_done)
             stream = self._pick_stream.cuda_stream
-        self._pick_scratch()(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
+        self._pick_select()(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
                              ublocks, uheads, counts, counts, stream, meta_layout=meta.layout, ready=ready,
                              stamp=stamp)
         meta_bytes = int(table.n_blocks[start:stop].sum()) * 2 * self.head_dim * self.esize
