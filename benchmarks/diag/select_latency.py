@@ -1,0 +1,131 @@
+"""Diagnostic (device): what a claim's GPU time is made of, launch by launch. Writes no results file.
+
+The layer probe's claims of one task take ~240 us of GPU time at 4 x 32K for ~3 MB (~60 us at the
+link's rate): a fixed ~180 us that every claim pays before its bytes. This splits it. Llama-3.1-8B
+heads, `--batch` sequences of `--context` CPU-resident tokens in a shuffled pinned arena
+(`gpu_attention.build_arena`), every head at (blk, bgt) = (16, 0.05). For claims of 1, 8 and all
+tasks, each launch alone between CUDA events, median of `--reps`:
+
+* `events`: the two events with nothing between them;
+* `score_uva` / `score_gpu`: `score_select` with every budget 0 (scores only, the select skipped),
+  metadata through the UVA view of the arena / from a GPU copy of the metadata rows;
+* `select_uva` / `select_gpu`: the same with the budgets (scores, then the last program's select);
+* `attend`: `sparse_attention_claim` after `select_gpu` (its unions);
+* `claim`: both, as the GPU lane queues them.
+
+Each is timed idle (a synchronize before, as the layer probe does) and warm (a ~50 us spin kernel
+queued right before the first event, as during decode where the window's kernels precede a claim).
+
+    python benchmarks/diag/select_latency.py [--batch 4 --context 32768 --reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.gpu_attention import build_arena  # noqa: E402
+from cpu_kernels import layout  # noqa: E402
+from gpu_kernels import score_select as ss  # noqa: E402
+from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, sparse_attention_claim  # noqa: E402
+from gpu_kernels.task_table import StepTableBuffer, pack_step_table  # noqa: E402
+from gpu_kernels.uva import uva_view  # noqa: E402
+
+
+def timed(fn, reps: int, warm: bool) -> float:
+    """Median microseconds between two events around `fn` (after a spin kernel when `warm`)."""
+    ts = []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if warm:
+            torch.cuda._sleep(100_000)  # ~50 us of one busy SM, then the launches under test
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    return float(np.median(ts[2:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--budget", type=float, default=0.05)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    hkv, g, d = 8, 4, 128
+    host, chunk_ids = build_arena(args.batch, hkv, d, args.context, seed=0)
+    arena = uva_view(host)
+    meta_gpu = host[:, layout.META_ROW:layout.META_ROW + layout.META_ROWS].cuda().contiguous()
+    t = args.batch * hkv
+    n_blocks = -(-args.context // args.block)
+    k = min(n_blocks, int(np.ceil(args.budget * args.context / args.block - 1e-9)))
+    bi = np.repeat(np.arange(args.batch), hkv)
+    kvh = np.tile(np.arange(hkv), args.batch)
+    blk = np.full(t, args.block)
+    clen = np.full(t, args.context)
+    per = chunk_ids.shape[2]
+    flat = chunk_ids.reshape(t, per)
+    tables = {}
+    for name, kk in (("k", k), ("zero", 0)):
+        nsel = np.full((t, g), kk, dtype=np.int32)
+        packed = pack_step_table(bi, kvh, blk, clen, np.arange(t) * per, np.full(t, per), nsel, host.shape[0],
+                                 flat.reshape(-1))
+        tables[name] = StepTableBuffer(torch.device("cuda")).upload(*packed, group_size=g)
+    torch.cuda.synchronize()
+    q = (torch.randn((args.batch, hkv * g, d), device="cuda") / np.sqrt(d)).float()
+    out = torch.zeros((args.batch, hkv * g, d), device="cuda")
+    lse = torch.zeros((args.batch, hkv * g), device="cuda")
+    scores = torch.empty((t, g, n_blocks), dtype=torch.float32, device="cuda")
+    ublocks = torch.empty((t, n_blocks), dtype=torch.int32, device="cuda")
+    uheads = torch.empty((t, n_blocks), dtype=torch.int32, device="cuda")
+    counts = torch.empty(t, dtype=torch.int32, device="cuda")
+    tickets = torch.zeros((2, t), dtype=torch.int32, device="cuda")
+    part_out = torch.empty((t, MAX_SPLITS, g, d), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((t, MAX_SPLITS, g), dtype=torch.float32, device="cuda")
+    gpu_layout = (layout.META_ROWS, 0)
+
+    def select(n, table, meta, meta_layout):
+        nb_max, _ = table.claim_shape(0, n)
+        ss.score_select(table.table, table.n_select, table.chunks, 0, n, nb_max, q, meta, scores, tickets[0],
+                        ublocks, uheads, counts, meta_layout=meta_layout)
+
+    def attend(n):
+        table = tables["k"]
+        _, pages_max = table.claim_shape(0, n)
+        sparse_attention_claim(table.table, table.chunks, 0, n, pages_max, q, arena, ublocks, uheads, counts,
+                               part_out, part_lse, tickets[1], out, lse, SparseConfig())
+
+    print(f"{args.batch} x {args.context}: {t} tasks of {n_blocks} blocks, {k} selected per head; "
+          f"GPU {torch.cuda.get_device_name()}", flush=True)
+    for n in sorted({1, 8, t}):
+        cases = {
+            "events": lambda: None,
+            "score_uva": lambda: select(n, tables["zero"], arena, (layout.CHUNK_ROWS, layout.META_ROW)),
+            "score_gpu": lambda: select(n, tables["zero"], meta_gpu, gpu_layout),
+            "select_uva": lambda: select(n, tables["k"], arena, (layout.CHUNK_ROWS, layout.META_ROW)),
+            "select_gpu": lambda: select(n, tables["k"], meta_gpu, gpu_layout),
+        }
+        for warm in (False, True):
+            line = [f"{n:3d} tasks {'warm' if warm else 'idle'}:"]
+            for name, fn in cases.items():
+                line.append(f"{name} {timed(fn, args.reps, warm):7.1f}")
+            select(n, tables["k"], meta_gpu, gpu_layout)
+            line.append(f"attend {timed(lambda: attend(n), args.reps, warm):7.1f}")
+            line.append(f"claim {timed(lambda: (select(n, tables['k'], meta_gpu, gpu_layout), attend(n)), args.reps, warm):7.1f}")
+            print("  ".join(line) + "  us", flush=True)
+    for key, kernel in ss._launch._compiled.items():
+        print(f"score_select variant {key[0]}: {kernel.n_regs} registers, {kernel.n_spills} spills", flush=True)
+
+
+if __name__ == "__main__":
+    main()
