@@ -152,7 +152,9 @@ def _score_select_item(
     kmax = tl.load(ptr + D, mask=valid[:, None], other=0.0).to(tl.float32)
     for h in tl.static_range(G):
         qh = tl.load(q_row + h * stride_qh + d)[None, :]
-        s = tl.sum(tl.maximum(qh * kmax, qh * kmin), axis=1)
+        # max(q*kmax, q*kmin) is the product with kmax where q > 0, with kmin otherwise: one
+        # product per element and one tile-sized temporary instead of two.
+        s = tl.sum(qh * tl.where(qh > 0, kmax, kmin), axis=1)
         tl.store(srow + h * NB_CAP + b, s, mask=valid)
 
     # ---- the last program of the task selects

@@ -15,8 +15,10 @@ tasks, each launch alone between CUDA events, median of `--reps`:
 
 Each is timed idle (a synchronize before, as the layer probe does) and warm (a ~50 us spin kernel
 queued right before the first event, as during decode where the window's kernels precede a claim).
+`--shapes`: also `score_gpu` / `select_gpu` (warm) for each `score_select` launch shape listed
+(blocks per program x warps), with each compiled variant's registers and spills.
 
-    python benchmarks/diag/select_latency.py [--batch 4 --context 32768 --reps 20]
+    python benchmarks/diag/select_latency.py [--batch 4 --context 32768 --reps 20] [--shapes 128x8,64x4]
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--budget", type=float, default=0.05)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default="", help="score_select launch shapes BLOCK_BxWARPS, comma-separated")
+    ap.add_argument("--no-claims", dest="claims", action="store_false", help="only the --shapes sweep")
     args = ap.parse_args()
     hkv, g, d = 8, 4, 128
     host, chunk_ids = build_arena(args.batch, hkv, d, args.context, seed=0)
@@ -107,7 +111,7 @@ def main() -> None:
 
     print(f"{args.batch} x {args.context}: {t} tasks of {n_blocks} blocks, {k} selected per head; "
           f"GPU {torch.cuda.get_device_name()}", flush=True)
-    for n in sorted({1, 8, t}):
+    for n in sorted({1, 8, t}) if args.claims else ():
         cases = {
             "events": lambda: None,
             "score_uva": lambda: select(n, tables["zero"], arena, (layout.CHUNK_ROWS, layout.META_ROW)),
@@ -123,8 +127,16 @@ def main() -> None:
             line.append(f"attend {timed(lambda: attend(n), args.reps, warm):7.1f}")
             line.append(f"claim {timed(lambda: (select(n, tables['k'], meta_gpu, gpu_layout), attend(n)), args.reps, warm):7.1f}")
             print("  ".join(line) + "  us", flush=True)
+    for shape in filter(None, args.shapes.split(",")):
+        block_b, warps = (int(x) for x in shape.split("x"))
+        ss.BLOCK_B, ss._OPTIONS = block_b, {"num_warps": warps}  # read at each call (grid, constexprs)
+        line = [f"shape {block_b:3d} x {warps} warps:"]
+        for n in sorted({1, t}):
+            for name, table in (("score_gpu", tables["zero"]), ("select_gpu", tables["k"])):
+                line.append(f"{n} tasks {name} {timed(lambda: select(n, table, meta_gpu, gpu_layout), args.reps, True):7.1f}")
+        print("  ".join(line) + "  us (warm)", flush=True)
     for key, kernel in ss._launch._compiled.items():
-        print(f"score_select variant {key[0]}: {kernel.n_regs} registers, {kernel.n_spills} spills", flush=True)
+        print(f"score_select variant {key[0]} {key[1]}: {kernel.n_regs} registers, {kernel.n_spills} spills", flush=True)
 
 
 if __name__ == "__main__":
