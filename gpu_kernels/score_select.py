@@ -8,9 +8,10 @@ program that takes the last ticket has every score of its task visible (release/
 counter) and selects:
 
 * per head g, the exact `n_select[g]` best blocks: a radix select on the scores' order-preserving
-  integer keys finds the k-th largest key (all G heads at once): 32 one-bit counting passes when
-  the row fits one tile in registers, else four passes of one 8-bit digit each (a histogram per
-  head) over the row re-read from L2; then keys above it plus the lowest-index ties make exactly k;
+  integer keys finds the k-th largest key: 32 one-bit counting passes over a tile in registers --
+  all G heads' rows at once when they fit one tile, else one head's row at a time when that fits
+  -- and otherwise four passes of one 8-bit digit each (a histogram per head) over the rows
+  re-read from L2; then keys above it plus the lowest-index ties make exactly k;
 * the union over the heads in ascending block order, each entry with a G-bit mask of the heads
   that chose it, and the union size.
 
@@ -61,7 +62,9 @@ def _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK: tl.constexpr):
 # significant first: four passes over the row (re-read from L2), each a per-head histogram of the
 # digit among the keys that match the digits fixed so far. One bit per pass took 32 passes over
 # the row: measured on the H200, a claim of one task at 128K tokens selected in 638 us that way
-# and 424 us this way (`benchmarks/gpu_lane_claims.py --breakdown`).
+# and 424 us this way (`benchmarks/gpu_lane_claims.py --breakdown`). Both re-read all G heads'
+# rows from L2 in every pass; a row of one head that fits the tile (up to SEL_ELEMS blocks: 128K
+# tokens at blk 16) now stays in registers for its 32 passes instead, a head at a time.
 RADIX_PASSES = tl.constexpr(4)  # a constexpr: compiled kernels read no plain globals
 
 
@@ -184,13 +187,28 @@ def _score_select_item(
                 eq_seen, base = _emit_union(u, m, bb, g, k, ans, k - n_gt, eq_seen, base, ub, uh)
             else:
                 n_chunks = tl.cdiv(n_blocks, SEL_CHUNK)
-                krem = k  # of each head's k, the keys still to be found below the digits fixed so far
-                for p in tl.static_range(RADIX_PASSES):
-                    hist = tl.zeros([BLOCK_G * 256], tl.int32)
-                    for c in range(0, n_chunks):
-                        bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)
-                        hist += _digit_counts(u, m, _as_key(ans), g, 24 - 8 * p, BLOCK_G, SEL_CHUNK)
-                    krem, ans = _fix_digit(hist, krem, ans, 24 - 8 * p, BLOCK_G)
+                if n_blocks <= SEL_CHUNK * BLOCK_G:
+                    # One head's row fits the tile: the one-bit passes in registers, a head at a
+                    # time (one read of each row from L2, no histograms).
+                    hb = tl.arange(0, SEL_CHUNK * BLOCK_G)
+                    hm = hb < n_blocks
+                    for h in range(G):
+                        hu = _order_key(tl.load(srow + h * NB_CAP + hb, mask=hm, other=0.0, cache_modifier=".cg"))
+                        kh = tl.load(nsel_ptr + r.to(tl.int64) * G + h)
+                        a = tl.full([], 0, tl.int64)
+                        for i in range(32):
+                            cand = a | (tl.full([], 1, tl.int64) << (31 - i))
+                            cnt = tl.sum((hm & (hu >= _as_key(cand))).to(tl.int32), axis=0)
+                            a = tl.where(cnt >= kh, cand, a)
+                        ans = tl.where(g == h, a, ans)
+                else:
+                    krem = k  # of each head's k, the keys still to be found below the digits fixed so far
+                    for p in tl.static_range(RADIX_PASSES):
+                        hist = tl.zeros([BLOCK_G * 256], tl.int32)
+                        for c in range(0, n_chunks):
+                            bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)
+                            hist += _digit_counts(u, m, _as_key(ans), g, 24 - 8 * p, BLOCK_G, SEL_CHUNK)
+                        krem, ans = _fix_digit(hist, krem, ans, 24 - 8 * p, BLOCK_G)
                 n_gt = tl.zeros([BLOCK_G], tl.int32)
                 for c in range(0, n_chunks):
                     bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)

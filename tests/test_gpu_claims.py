@@ -110,9 +110,11 @@ def test_score_select_exact_topk_and_union(dtype):
     check_selection(c, 0, len(c.tasks), sc)
 
 
-def test_score_select_rows_longer_than_one_selection_tile_and_ties():
-    # 2600 blocks of 16 tokens, more than one selection tile (SEL_ELEMS / BLOCK_G): the chunked path. Duplicated
-    # keys make equal scores, so the tie rule decides which blocks complete each head's k.
+@pytest.mark.parametrize("sel_elems", [4096, 1024])  # a head's row in registers; the radix path
+def test_score_select_rows_longer_than_one_selection_tile_and_ties(sel_elems):
+    # 2600 blocks of 16 tokens, more than one selection tile of both heads (SEL_ELEMS / BLOCK_G): a head's
+    # row at a time when it fits SEL_ELEMS, else the radix path. Duplicated keys make equal scores, so the
+    # tie rule decides which blocks complete each head's k.
     g = 2
     c = make_case(cpu_lens=[2600 * 16], hkv=1, g=g, d=16, dtype=torch.float32, blks=(16,), budget=0.1, seed=5)
     host = c.ar.host
@@ -121,7 +123,7 @@ def test_score_select_rows_longer_than_one_selection_tile_and_ties():
     host[torch.from_numpy(ids[1:]).long(), layout.META_ROW :] = host[int(ids[0]), layout.META_ROW :]
     sc = Scratch(1, g, 2600, 16)
     c.n_select[:] = [[37, 260]]
-    select_with_tile(c, sc, 1024)  # a smaller tile so the interpreter runs the chunked path quickly
+    select_with_tile(c, sc, sel_elems)  # smaller tiles than the GPU's, so the interpreter runs these paths quickly
     cnt = int(sc.counts[0])
     blocks, bits = sc.ublocks[0, :cnt].cpu(), sc.uheads[0, :cnt].cpu()
     for gg, k in enumerate((37, 260)):
@@ -134,7 +136,9 @@ def test_score_select_rows_longer_than_one_selection_tile_and_ties():
         assert torch.equal(mine[s32[mine.long()] == kth], ties[: mine.numel() - int((s32 > kth).sum())])
 
 
-@pytest.mark.parametrize("sel_elems", [8192, 1024])  # the row in registers; the chunked path
+# All heads' rows in registers (700 blocks x BLOCK_G 4 <= 8192); a head's row at a time (700 <= 1024);
+# the radix path (700 > 512).
+@pytest.mark.parametrize("sel_elems", [8192, 1024, 512])
 def test_score_select_scores_that_share_their_high_digits(sel_elems):
     # Every block's metadata is one vector plus a perturbation of 1e-5 relative: each head's scores
     # agree in their top 12-16 bits, so the k-th key is decided by the radix select's low digits.
