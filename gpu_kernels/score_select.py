@@ -192,15 +192,15 @@ def _score_select_item(
                     # time (one read of each row from L2, no histograms).
                     hb = tl.arange(0, SEL_CHUNK * BLOCK_G)
                     hm = hb < n_blocks
-                    for h in range(G):
-                        hu = _order_key(tl.load(srow + h * NB_CAP + hb, mask=hm, other=0.0, cache_modifier=".cg"))
-                        kh = tl.load(nsel_ptr + r.to(tl.int64) * G + h)
+                    for head in range(G):
+                        hu = _order_key(tl.load(srow + head * NB_CAP + hb, mask=hm, other=0.0, cache_modifier=".cg"))
+                        kh = tl.load(nsel_ptr + r.to(tl.int64) * G + head)
                         a = tl.full([], 0, tl.int64)
                         for i in range(32):
                             cand = a | (tl.full([], 1, tl.int64) << (31 - i))
                             cnt = tl.sum((hm & (hu >= _as_key(cand))).to(tl.int32), axis=0)
                             a = tl.where(cnt >= kh, cand, a)
-                        ans = tl.where(g == h, a, ans)
+                        ans = tl.where(g == head, a, ans)
                 else:
                     krem = k  # of each head's k, the keys still to be found below the digits fixed so far
                     for p in tl.static_range(RADIX_PASSES):
