@@ -36,9 +36,11 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     cpu_only_unplanned, (step inputs, selection, claims; `gpu_kernels.launch.LaunchPlan`) made through
     fluxion_host_selection_unplanned  `CachedLaunch` instead.
     fluxion_pinned_caller, fluxion and cpu_only with the thread that calls `generate` confined to the
-    cpu_only_pinned_caller core `plan_cores` leaves free of CPU workers, for the unit (restored after;
-                        threads started meanwhile inherit it, but the runtime's CPU workers pin
-                        themselves to their own cores).
+    cpu_only_pinned_caller core the runtime leaves free of CPU workers (`rt.scheduler.cores.caller`)
+                        from its first decode step on, after the runtime and every thread it starts
+                        exist and after prefill (restored when the measured `generate` returns).
+                        Confining it before the runtime was built (ec01fbe) made every thread started
+                        later inherit the one core: 3-4x (fluxion) and 20-38x (cpu_only) the TPOT.
 
 Points (batch, prompt tokens): (4, 32K), (8, 32K), (2, 96K), (4, 128K); 24 new tokens.
 
@@ -240,8 +242,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("cpu_only_unplanned", "hybrid", placement="cpu_only", launch_plans=False),
     Variant("fluxion_host_selection_unplanned", "hybrid", placement="fluxion",
             scheduler={"cpu_task_selection": "host"}, launch_plans=False),
-    # The thread that calls generate (and so decode) confined to the caller's core of `plan_cores`,
-    # the one no CPU worker is pinned to; by default the runtime leaves it where the OS puts it.
+    # The thread that calls generate confined, from its first decode step, to the core no CPU worker
+    # is pinned to; by default the runtime leaves it where the OS puts it.
     Variant("fluxion_pinned_caller", "hybrid", placement="fluxion", pin_caller=True),
     Variant("cpu_only_pinned_caller", "hybrid", placement="cpu_only", pin_caller=True),
 )}
@@ -475,9 +477,23 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         with cores_for_runtime(rt) as n_free, torch.no_grad():  # restores `saved` on exit
             torch.set_num_threads(saved)  # prefill: every core (the prompt's block metadata is torch CPU work)
             decode_threads = [lambda: torch.set_num_threads(n_free)]  # decode: the cores the workers leave free
+            caller_core = rt.scheduler.cores.caller if variant.pin_caller else None
+            pinned_from: list = []  # the thread's affinity before a first decode step confined it
+
+            def unpin_caller() -> None:  # prefill (the next generate's included) runs on every core
+                if pinned_from and (saved_affinity := pinned_from.pop()) is not None:
+                    os.sched_setaffinity(0, saved_affinity)
+
+            if caller_core is not None:
+                decode_threads.append(lambda: pinned_from or pinned_from.append(confine_current_thread([caller_core])))
+            if variant.pin_caller:
+                row["caller_core"] = caller_core  # None: too few cores to keep one free, not pinned
             row["torch_threads_prefill"], row["torch_threads_decode"] = saved, n_free
             if warmup_tokens:
-                row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, {}, on_first=decode_threads)
+                try:
+                    row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, {}, on_first=decode_threads)
+                finally:
+                    unpin_caller()
                 torch.set_num_threads(saved)
             gc.collect()  # the warm-up's cache releases its runtime sequences when collected
             if store.sequences():
@@ -486,7 +502,11 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             with GcWatch() as gcw:
                 gcw.label = variant.name
                 gen = {"prefill_chunk_size": prefill_chunk_tokens} if prefill_chunk_tokens else {}
-                row.update(timed_generate(model, ids, mask, new_tokens, gen, cap_s=cap_s, on_first=decode_threads))
+                try:
+                    row.update(timed_generate(model, ids, mask, new_tokens, gen, cap_s=cap_s,
+                                              on_first=decode_threads))
+                finally:
+                    unpin_caller()
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
         # Arenas are committed (and pinned) as prompts need them: what the run held at its end,
         # beside the address space reserved for the whole capacity.
@@ -945,8 +965,6 @@ def run(args, device: str | None = None) -> Path | None:
                         print(f"  floor {name} b={b} failed: {exc}", flush=True)
                     release_memory()
                 LaunchPlan.enabled = variant.launch_plans
-                saved_cores = confine_current_thread([cores.caller]) \
-                    if variant.pin_caller and cores.caller is not None else None
                 try:
                     row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens,
                                    warmup_tokens=args.warmup_tokens, cap_s=args.decode_cap_s, seed=args.seed,
@@ -954,10 +972,6 @@ def run(args, device: str | None = None) -> Path | None:
                                    attempt_all=args.attempt_all)
                 finally:
                     LaunchPlan.enabled = True
-                    if saved_cores is not None:
-                        os.sched_setaffinity(0, saved_cores)
-                if variant.pin_caller:
-                    row["caller_core"] = cores.caller  # None: too few cores to keep one free, not pinned
                 row["predicted_s"] = pred
                 costs.observe(cfg, row)
                 rows.append(row)

@@ -5,6 +5,8 @@ metric assembly (synthetic points) and the results files. The real measurements 
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -139,6 +141,30 @@ def test_floor_replaces_attention_with_a_no_op(model, monkeypatch):
     f = e2e.measure_floor(model, BATCH, NEW)
     assert f["batch"] == BATCH and f["noattn_step_ms"] > 0 and f["dense_ctx16_step_ms"] > 0
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs thread affinity and two cores")
+def test_pinned_caller_is_confined_from_its_first_decode_step_and_restored(model, monkeypatch):
+    # Confined before the runtime existed, every thread the runtime started inherited the one core
+    # (ec01fbe: 3-38x the TPOT). Now: after prefill, once per generate, and undone after each.
+    calls, affinity_before = [], os.sched_getaffinity(0)
+
+    def spy(cores):
+        calls.append((list(cores), len(threading.enumerate())))
+        return e2e_confine(cores)
+
+    e2e_confine = e2e.confine_current_thread
+    monkeypatch.setattr(e2e, "confine_current_thread", spy)
+    pinned = {"scheduler": {**CPU_RUNTIME["scheduler"], "pin_cores": True}}
+    row = e2e.run_unit(model, "tiny", e2e.VARIANTS["cpu_only_pinned_caller"], BATCH, CONTEXT, new_tokens=NEW,
+                       warmup_tokens=64, cpu_workers=1, hybrid_overrides={**CPU_RUNTIME, **pinned})
+    assert row["status"] == "ok", row.get("traceback") or row.get("reason")
+    assert os.sched_getaffinity(0) == affinity_before
+    assert isinstance(row["caller_core"], int)
+    # Once in the warm-up's generate and once in the measured one, each on the runtime's free core.
+    assert [c for c, _ in calls] == [[row["caller_core"]]] * 2
+    assert all(n_threads > 1 for _, n_threads in calls), "the runtime's threads exist before the caller is confined"
 
 
 # ---------------------------------------------------------------------------- records that are not measurements
