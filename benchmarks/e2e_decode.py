@@ -524,7 +524,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps", "cpu_trailed_steps",
                                                    "trailing_claims_gated", "launcher_slack_us", "window_graph_replays",
                                                    "window_graph_captures", "claim_graph_replays",
-                                                   "claim_graph_captures") if k in st}
+                                                   "claim_graph_captures", "gpu_selection_launches",
+                                                   "gpu_selection_skipped_steps") if k in st}
         return row
     finally:
         disable_hybrid_attention(model)  # closes the runtime it made

@@ -343,9 +343,9 @@ class SchedulerConfig:
     # driver's stream wait on host memory exists; true: required (an error where it does not).
     cpu_lane_trails: bool | str = field(default="auto", metadata=_check(_check_auto_bool))
     # Placement fluxion, a step that trails its CPU lane: the launcher thread is then the step's
-    # critical path, and a GPU claim adds host work to it. True: reserve no claim when the CPU lane
-    # alone ends within the launcher's measured time before the next step; false: claim as the
-    # lane rates size it.
+    # critical path, and a GPU claim adds host work to it. True: reserve no claim, and launch no
+    # GPU selection for the CPU lane (`cpu_task_selection`), when the CPU lane alone ends within
+    # the launcher's measured time before the next step; false: claim as the lane rates size it.
     gate_trailing_claims: bool = True
     # CUDA GPU lane: true replays each claim's two kernels from a CUDA graph (they read the claim
     # from a descriptor row and pull work items from a counter): one replay a claim instead of two

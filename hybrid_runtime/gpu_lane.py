@@ -192,18 +192,21 @@ class GpuLane:
         the step's critical path. A claim adds its host work to that path, so none is reserved
         when the CPU lane alone ends within it (measured: benchmarks/notes/e2e_overlap.md s. 6)."""
         gq = job.gpu_queue
-        if launcher_slack_s is not None:
-            rates = self.rates
-            cpu_s = rates.cpu_start.seconds + gq.total_bytes / rates.cpu_lane.bytes_per_s
-            if cpu_s + self.TRAILING_CHAIN_S <= launcher_slack_s:
-                job.gpu_gated = True
-                return
+        if launcher_slack_s is not None and self.cpu_lane_within(gq, launcher_slack_s, self.rates):
+            job.gpu_gated = True
+            return
         want = self.claim_bytes(job, gq, 0.0, idle_stream=True, bias=self.rates.balance * gq.total_bytes)
         if want <= 0 and self.skipped >= self.EXPLORE_AFTER:
             want = 1.0  # one task: re-measure the GPU lane
         if want > 0:
             job.gpu_first = gq.reserve_head(want)
             job.gpu_first_t = time.perf_counter()
+
+    def cpu_lane_within(self, queue: Any, launcher_slack_s: float, rates: Any) -> bool:
+        """Whether the CPU lane alone, at `rates`, is modeled to read all of `queue` and leave the
+        device chain after it (`TRAILING_CHAIN_S`) within `launcher_slack_s`."""
+        cpu_s = rates.cpu_start.seconds + queue.total_bytes / rates.cpu_lane.bytes_per_s
+        return cpu_s + self.TRAILING_CHAIN_S <= launcher_slack_s
 
     def drive(self, job: StepJob, deadline: float, timeout: float, side_work: Callable[[], None] | None,
               cpu_trails: bool = False, gpu_trails: bool = False) -> None:

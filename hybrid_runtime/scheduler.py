@@ -337,9 +337,15 @@ class Scheduler:
             self.await_workers()
             deadline += time.monotonic() - waited
         cpu_trails = cpu_trails and job.cpu_used and self.native is not None and self.placement in ("fluxion", "cpu_only")
+        slack = self.launcher_slack.seconds if job.shared and cpu_trails and self.cfg.gate_trailing_claims and \
+            self.launcher_slack is not None else None
+        # A trailing step whose CPU lane, selecting on the host, ends within the launcher's own time
+        # gets no GPU work at all: the launcher is then the step's critical path, and both a claim
+        # and the selection for the CPU lane would only add their host work to it.
+        gated = slack is not None and self.lane.cpu_lane_within(job.gpu_queue, slack, self.rates)
         # The GPU lane selects the CPU lane's blocks (published with the job: the workers then wait
         # for each position's selection, which `GpuLane.begin` below launches or refuses).
-        job.picks = bool(job.shared and self.picks is not None and self.picks.enabled and job.cpu_used
+        job.picks = bool(job.shared and not gated and self.picks is not None and self.picks.enabled and job.cpu_used
                          and self.picks.pays(job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s,
                                              self.selection_rates().cpu_first.seconds - self.rates.cpu_first.seconds))
         if job.picks:
@@ -348,9 +354,10 @@ class Scheduler:
         self.lane.rates = job.rates  # sizes this step's claims; learning goes to each job's own
         if job.shared:
             # Before any CPU worker can pop: the reserved head is the GPU's whatever the order below.
-            slack = self.launcher_slack.seconds if cpu_trails and self.cfg.gate_trailing_claims and \
-                self.launcher_slack is not None else None
-            self.lane.reserve_first(job, launcher_slack_s=slack)
+            if gated:
+                job.gpu_gated = True
+            else:  # (with the selection's rates the CPU lane may end within the slack after all)
+                self.lane.reserve_first(job, launcher_slack_s=slack)
             self.trailing_claims_gated += job.gpu_gated
         self.workers.job = job
         if job.picks:

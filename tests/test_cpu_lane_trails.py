@@ -181,12 +181,21 @@ def test_fluxion_trailing_step_keeps_the_gpu_to_its_reserved_claim():
 def test_a_trailing_step_whose_cpu_lane_ends_within_the_launchers_time_claims_nothing(gate):
     """`gate_trailing_claims`: the launcher's measured time from a trailing step's release to the
     next step's entry (`launcher_slack`) bounds what its CPU lane may take; a CPU lane modeled to
-    end within it leaves the GPU out (its claim would only add host work to the critical path)."""
+    end within it leaves the GPU out (its claim would only add host work to the critical path), and
+    so is the GPU's selection for the CPU lane (its launch would too): not even weighed."""
     import dataclasses
+
+    class Picks:  # the selection's decision only: it never pays, so nothing is launched
+        enabled, weighed = True, 0
+
+        def pays(self, *args) -> bool:
+            self.weighed += 1
+            return False
 
     gpu = CountingGpu()
     s, hits = scheduler("fluxion", gpu=gpu)
     s.cfg = dataclasses.replace(s.cfg, gate_trailing_claims=gate)
+    s.picks = picks = Picks()
     s.tp_cpu_worker = 1e9
     s.rates.cpu_lane.bytes_per_s = 2e9
     s.rates.cpu_start.seconds = 0.0
@@ -195,6 +204,7 @@ def test_a_trailing_step_whose_cpu_lane_ends_within_the_launchers_time_claims_no
         first = StepJob(0, id_tasks(N), batch=1)
         s.run(first, cpu_trails=True)
         assert s.launcher_slack is None and first.cpu_queue.reserved > 0  # nothing measured yet: claims as sized
+        assert picks.weighed == 1 and not first.picks
         time.sleep(0.05)
         s.note_entry(time.perf_counter())  # the caller's next step: 50 ms after the release
         assert s.launcher_slack.seconds >= 0.05
@@ -210,8 +220,10 @@ def test_a_trailing_step_whose_cpu_lane_ends_within_the_launchers_time_claims_no
         if gate:
             assert job.cpu_queue.reserved == 0 and len(gpu.batches) == launches and s.trailing_claims_gated == 1
             assert s.cpu_lane_target(job) == N
+            assert picks.weighed == 1  # the gated step did not consider the selection
         else:
             assert job.cpu_queue.reserved > 0 and len(gpu.batches) == launches + 1 and s.trailing_claims_gated == 0
+            assert picks.weighed == 2
         open_gate(hits)
         await_count(s, job)
         s.settle()
