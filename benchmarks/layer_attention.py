@@ -377,11 +377,20 @@ def probe_gpu_lane(rt, planner, batch: int, context: int) -> dict:
     claims = [{k: v.item() if isinstance(v, np.generic) else v for k, v in c.items()} for c in claims]
     probe = {"batch": batch, "context": context, "claims": claims,
              "fit_wall": fit_fixed_cost(claims, "wall_s"), "fit_gpu": fit_fixed_cost(claims, "gpu_s")}
+    if claims and "gpu_warm_s" in claims[0]:
+        # The same claims queued behind a spin kernel: the kernels' own time, and the launch call's
+        # host time alone (what the idle-stream figures above mix into their GPU time).
+        probe["fit_gpu_warm"] = fit_fixed_cost(claims, "gpu_warm_s")
+        probe["launch_host_us_median"] = float(np.median([c["launch_s"] for c in claims]) * 1e6)
     w, g = probe["fit_wall"], probe["fit_gpu"]
     if w and g:
         print(f"  gpu lane probe ({len(claims)} claims, {claims[0]['tasks']}..{claims[-1]['tasks']} tasks): fixed cost "
               f"{max(0.0, w['intercept_us']):.0f} us wall / {max(0.0, g['intercept_us']):.0f} us GPU, "
               f"{fmt(w['GBps'])} / {fmt(g['GBps'])} GB/s", flush=True)
+    gw = probe.get("fit_gpu_warm")
+    if gw:
+        print(f"  behind a spin kernel: fixed cost {max(0.0, gw['intercept_us']):.0f} us GPU ({fmt(gw['GBps'])} GB/s); "
+              f"launch call {probe['launch_host_us_median']:.0f} us of host time", flush=True)
     return probe
 
 
@@ -527,15 +536,17 @@ def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> di
         m["gc_gen2_collections"] = sum(p["gc_gen2_collections"] for p in points)
         m["gc_gen2_ms"] = sum(p["gc_gen2_ms"] for p in points)
     probe = next((p for p in probes if (p["batch"], p["context"]) == METRIC_POINT), None)
-    for fit, suffix in (("fit_wall", ""), ("fit_gpu", "_gpu")):
-        if probe and probe[fit]:
+    if probe and probe.get("launch_host_us_median") is not None:
+        m["gpu_lane_launch_host_us"] = probe["launch_host_us_median"]
+    for fit, suffix in (("fit_wall", ""), ("fit_gpu", "_gpu"), ("fit_gpu_warm", "_gpu_warm")):
+        if probe and probe.get(fit):
             m[f"gpu_lane_fixed_cost{suffix}_us"] = probe[fit]["intercept_us"]
             if probe[fit]["GBps"] is not None:
                 m[f"gpu_lane_fit{suffix}_GBps"] = probe[fit]["GBps"]
         # --other-claims, --other-metadata: the same probe on the other claim path or metadata source
         for path in ("direct", "claim_graphs", "host_metadata", "gpu_metadata"):
             again = probe.get(path) if probe else None
-            if again and again[fit]:
+            if again and again.get(fit):
                 m[f"gpu_lane_fixed_cost{suffix}_{path}_us"] = again[fit]["intercept_us"]
     return {k: v if isinstance(v, int) else float(v) for k, v in m.items()}
 
@@ -567,13 +578,17 @@ def markdown(result: dict) -> str:
     if result["gpu_lane_probes"]:
         lines += ["", "GPU lane alone (probe: claims of 1 .. all tasks of layer 0), fit time = fixed cost + bytes / bw; "
                   "fixed costs shown clipped at 0 (raw values in the JSON):", "",
-                  "| batch | context | claims | fixed cost us (wall) | GB/s (wall) | fixed cost us (GPU) | GB/s (GPU) |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| batch | context | claims | fixed cost us (wall) | GB/s (wall) | fixed cost us (GPU) | GB/s (GPU) "
+                  "| fixed cost us (GPU, behind a spin) | launch call host us |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for pr in result["gpu_lane_probes"]:
-            w, g = pr["fit_wall"] or {}, pr["fit_gpu"] or {}
+            fits = [pr["fit_wall"] or {}, pr["fit_gpu"] or {}, pr.get("fit_gpu_warm") or {}]
             cells = [f"{max(0.0, f['intercept_us']):.0f} | " + ("-" if f["GBps"] is None else f"{f['GBps']:.1f}")
-                     if f else "- | -" for f in (w, g)]
-            lines.append(f"| {pr['batch']} | {pr['context'] // 1024}K | {len(pr['claims'])} | {cells[0]} | {cells[1]} |")
+                     if f else "- | -" for f in fits[:2]]
+            warm = f"{max(0.0, fits[2]['intercept_us']):.0f}" if fits[2] else "-"
+            host = f"{pr['launch_host_us_median']:.0f}" if pr.get("launch_host_us_median") is not None else "-"
+            lines.append(f"| {pr['batch']} | {pr['context'] // 1024}K | {len(pr['claims'])} | {cells[0]} | {cells[1]} "
+                         f"| {warm} | {host} |")
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in m.items()]
     return "\n".join(lines) + "\n"
 

@@ -1053,6 +1053,12 @@ class HybridRuntime:
         claim; packing is once per task set and not timed). A benchmark fits
         `time = fixed cost + bytes / rate` over k. Uses the runtime's GPU-lane buffers: call it
         between decode steps, never during one.
+
+        The claims above start on an idle stream, so their events also time the host's submission
+        of the launches (the first event fires before the kernels are queued). On CUDA each claim
+        is also timed behind a spin kernel on the lane's stream, as a claim queued behind earlier
+        work runs: `launch_s`, the median host time of the launch call alone, and `gpu_warm_s`,
+        the median event time of the claim's kernels alone.
         """
         from hybrid_runtime.task_building import native_table, queue_order
 
@@ -1098,9 +1104,33 @@ class HybridRuntime:
                 if r:  # the first round warms caches
                     walls.append(t1 - t0)
                     gpus.append(t1 - t0 if isinstance(handle.end, float) else handle.start.elapsed_time(handle.end) * 1e-3)
-            rows.append({"tasks": k, "bytes": nbytes, "wall_s": float(np.median(walls)), "gpu_s": float(np.median(gpus)),
-                         "upload_s": float(np.median(uploads))})
+            row = {"tasks": k, "bytes": nbytes, "wall_s": float(np.median(walls)), "gpu_s": float(np.median(gpus)),
+                   "upload_s": float(np.median(uploads))}
+            if self.cuda:
+                row.update(self._probe_claim_warm(ex, packed, ordered, k, step, repeats))
+            rows.append(row)
         return rows
+
+    # Cycles of the spin kernel queued before a warm probe claim: ~50 us at the H100's and H200's
+    # clocks, longer than a launch call's host time, so the claim's kernels are queued when it ends.
+    PROBE_SPIN_CYCLES = 100_000
+
+    def _probe_claim_warm(self, ex, packed, ordered, k: int, step, repeats: int) -> dict:
+        """`launch_s` and `gpu_warm_s` of one claim of the first `k` positions (`probe_gpu_lane`)."""
+        launches, gpus = [], []
+        plan = ex.upload(packed, ordered)
+        for r in range(repeats + 1):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(ex.stream):
+                torch.cuda._sleep(self.PROBE_SPIN_CYCLES)
+            t0 = time.perf_counter()
+            handle = ex.launch(plan, 0, k, step)
+            t1 = time.perf_counter()
+            handle.wait()
+            if r:
+                launches.append(t1 - t0)
+                gpus.append(handle.start.elapsed_time(handle.end) * 1e-3)
+        return {"launch_s": float(np.median(launches)), "gpu_warm_s": float(np.median(gpus))}
 
     def stats(self) -> dict:
         """Scheduler estimates and placement, for reports; the GPU lane's only where there is one."""

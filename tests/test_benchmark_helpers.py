@@ -99,10 +99,13 @@ def test_metrics_at_all_points():
         points += [_row(b, c, "fluxion", 2.0, mean=3.0, gbps=55.0), _row(b, c, "cpu_only", 4.0, p99=12.0),
                    _row(b, c, "cpu_only_fixed", 8.0)]
     points[3]["attention_ms_median"] = 3.0  # fluxion at 8x32k: 3 / 4
-    claims = [{"tasks": k, "bytes": k * 10**6, "wall_s": 30e-6 + k * 1e-5, "gpu_s": 10e-6 + k * 1e-5} for k in (1, 2, 4)]
+    claims = [{"tasks": k, "bytes": k * 10**6, "wall_s": 30e-6 + k * 1e-5, "gpu_s": 10e-6 + k * 1e-5,
+               "gpu_warm_s": 4e-6 + k * 1e-5, "launch_s": (9 + k) * 1e-6} for k in (1, 2, 4)]
     probes = [{"batch": 8, "context": 32768, "claims": claims, "fit_wall": la.fit_fixed_cost(claims, "wall_s"),
-               "fit_gpu": la.fit_fixed_cost(claims, "gpu_s")}]
+               "fit_gpu": la.fit_fixed_cost(claims, "gpu_s"), "fit_gpu_warm": la.fit_fixed_cost(claims, "gpu_warm_s"),
+               "launch_host_us_median": 11.0}]
     m = _result(points, probes)
+    assert m["gpu_lane_fixed_cost_gpu_warm_us"] == pytest.approx(4.0) and m["gpu_lane_launch_host_us"] == 11.0
     assert m["fluxion_vs_cpu_only_time_ratio_max"] == pytest.approx(0.75)
     assert m["fluxion_vs_cpu_only_fixed_time_ratio_max"] == pytest.approx(3 / 8)
     assert m["fluxion_concurrent_bw_fraction_8x32k"] == pytest.approx(55 / 110)
@@ -148,4 +151,9 @@ def test_write_to_out_path_and_markdown(tmp_path, monkeypatch):
     assert rec["metrics"]["gpu_lane_fixed_cost_us"] == pytest.approx(-5.0)  # raw in the JSON
     md = la.markdown(rec)
     assert "| 8 | 32K | fluxion | 2.000 |" in md and "concurrent ceiling 110.0 GB/s" in md
-    assert "| 8 | 32K | 2 | 0 | " in md  # fixed cost clipped at 0 for display
+    assert "| 8 | 32K | 2 | 0 | " in md and md.count("| - | - |") == 1  # clipped at 0; no spin or launch figures
+    warm = [{**c, "gpu_warm_s": 3e-6 + c["tasks"] * 1e-5, "launch_s": 12e-6} for c in claims]
+    probes = [{**probes[0], "claims": warm, "fit_gpu_warm": la.fit_fixed_cost(warm, "gpu_warm_s"),
+               "launch_host_us_median": 12.0}]
+    md = la.markdown({**rec, "gpu_lane_probes": probes})
+    assert "| 8 | 32K | 2 | 0 | 100.0 | 1 | 100.0 | 3 | 12 |" in md

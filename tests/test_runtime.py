@@ -139,6 +139,20 @@ def test_every_placement_matches_the_reference_on_the_same_task_set(placement):
             torch.testing.assert_close(out, ref, **TOL)
 
 
+@pytest.mark.gpu
+def test_gpu_lane_probe_times_each_claim_on_an_idle_stream_and_behind_a_spin():
+    """`probe_gpu_lane`: per claim size, the idle-stream figures and, on CUDA, the launch call's host
+    time and the kernels' own time behind a spin kernel (what the layer benchmark splits the fixed
+    cost into)."""
+    with HybridRuntime(rt_config("fluxion", plan="fixed", block_size=16, budget=0.25)) as rt:
+        prefill_all(rt)
+        rows = rt.probe_gpu_lane(0, [0, 1, 2], claim_sizes=[1, 2], repeats=2)
+    assert [r["tasks"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["bytes"] > 0 and r["wall_s"] > 0 and r["gpu_s"] > 0 and r["upload_s"] > 0
+        assert 0 < r["launch_s"] < 0.1 and 0 < r["gpu_warm_s"] < 0.1
+
+
 def test_streaming_selection_attends_the_window_only():
     # On CUDA the whole output comes from the window kernel, whose dots over bf16 storage round q and
     # the softmax weights to tf32 (10-bit mantissa, `dot_precision`); where the CPU lane computes part
