@@ -77,6 +77,50 @@ def breakdown(args, table, q, arena, scores, tickets, ublocks, uheads, counts, p
         print(line, flush=True)
 
 
+class ClaimCase:
+    """One step's claims at Llama-3.1-8B heads (8 KV heads, G 4, D 128): `batch` sequences of
+    `context` CPU-resident tokens in a shuffled pinned arena (`gpu_attention.build_arena`), every
+    head at (`block`, `budget`): the task columns, the query, the outputs and the claim's scratch
+    buffers, shared by this benchmark and `benchmarks/diag/select_latency.py`."""
+
+    hkv, g, d = 8, 4, 128
+
+    def __init__(self, batch: int, context: int, block: int, budget: float):
+        hkv, g, d = self.hkv, self.g, self.d
+        self.host, chunk_ids = build_arena(batch, hkv, d, context, seed=0)
+        self.arena = uva_view(self.host)
+        self.t = t = batch * hkv
+        self.n_blocks = -(-context // block)
+        self.k = min(self.n_blocks, int(np.ceil(budget * context / block - 1e-9)))  # blocks each head selects
+        self.bi = np.repeat(np.arange(batch), hkv)
+        self.kvh = np.tile(np.arange(hkv), batch)
+        self.blk = np.full(t, block)
+        self.clen = np.full(t, context)
+        self.per = chunk_ids.shape[2]
+        self.flat = chunk_ids.reshape(t, self.per)
+        self.q = (torch.randn((batch, hkv * g, d), device="cuda") / np.sqrt(d)).float()
+        self.out = torch.zeros((batch, hkv * g, d), device="cuda")
+        self.lse = torch.zeros((batch, hkv * g), device="cuda")
+        self.scores = torch.empty((t, g, self.n_blocks), dtype=torch.float32, device="cuda")
+        self.ublocks = torch.empty((t, self.n_blocks), dtype=torch.int32, device="cuda")
+        self.uheads = torch.empty((t, self.n_blocks), dtype=torch.int32, device="cuda")
+        self.counts = torch.empty(t, dtype=torch.int32, device="cuda")
+        self.tickets = torch.zeros((2, t), dtype=torch.int32, device="cuda")
+        self.part_out = torch.empty((t, MAX_SPLITS, g, d), dtype=torch.float32, device="cuda")
+        self.part_lse = torch.empty((t, MAX_SPLITS, g), dtype=torch.float32, device="cuda")
+
+    def n_select(self, k: int | None = None) -> np.ndarray:
+        """Blocks per head `[T, G]`: `k` (default: the budget's) for every head."""
+        return np.full((self.t, self.g), self.k if k is None else k, dtype=np.int32)
+
+    def table(self, k: int | None = None):
+        """The step's table on the device, every head selecting `k` blocks (default: the budget's)."""
+        t, per = self.t, self.per
+        packed = pack_step_table(self.bi, self.kvh, self.blk, self.clen, np.arange(t) * per, np.full(t, per),
+                                 self.n_select(k), self.host.shape[0], self.flat.reshape(-1))
+        return StepTableBuffer(torch.device("cuda")).upload(*packed, group_size=self.g)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -87,34 +131,12 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--breakdown", action="store_true", help="also time each launch alone, and split lengths")
     args = ap.parse_args()
-    hkv, g, d = 8, 4, 128
-    hq = hkv * g
-    host, chunk_ids = build_arena(args.batch, hkv, d, args.context, seed=0)
-    arena = uva_view(host)
-    t = args.batch * hkv
-    n_blocks = -(-args.context // args.block)
-    k = min(n_blocks, int(np.ceil(args.budget * args.context / args.block - 1e-9)))
-    nsel = np.full((t, g), k, dtype=np.int32)
-    bi = np.repeat(np.arange(args.batch), hkv)
-    kvh = np.tile(np.arange(hkv), args.batch)
-    blk = np.full(t, args.block)
-    clen = np.full(t, args.context)
-    per = chunk_ids.shape[2]
-    flat = chunk_ids.reshape(t, per)
-    q = (torch.randn((args.batch, hq, d), device="cuda") / np.sqrt(d)).float()
-    out = torch.zeros((args.batch, hq, d), device="cuda")
-    lse = torch.zeros((args.batch, hq), device="cuda")
-
-    packed = pack_step_table(bi, kvh, blk, clen, np.arange(t) * per, np.full(t, per), nsel, host.shape[0], flat.reshape(-1))
-    tables = StepTableBuffer(torch.device("cuda"))
-    table = tables.upload(*packed, group_size=g)
-    scores = torch.empty((t, g, n_blocks), dtype=torch.float32, device="cuda")
-    ublocks = torch.empty((t, n_blocks), dtype=torch.int32, device="cuda")
-    uheads = torch.empty((t, n_blocks), dtype=torch.int32, device="cuda")
-    counts = torch.empty(t, dtype=torch.int32, device="cuda")
-    tickets = torch.zeros((2, t), dtype=torch.int32, device="cuda")
-    part_out = torch.empty((t, MAX_SPLITS, g, d), dtype=torch.float32, device="cuda")
-    part_lse = torch.empty((t, MAX_SPLITS, g), dtype=torch.float32, device="cuda")
+    case = ClaimCase(args.batch, args.context, args.block, args.budget)
+    d, t, host, arena, q, out, lse = case.d, case.t, case.host, case.arena, case.q, case.out, case.lse
+    bi, kvh, blk, clen, flat, nsel = case.bi, case.kvh, case.blk, case.clen, case.flat, case.n_select()
+    table = case.table()
+    scores, ublocks, uheads, counts, tickets = case.scores, case.ublocks, case.uheads, case.counts, case.tickets
+    part_out, part_lse = case.part_out, case.part_lse
     counts_host = torch.zeros(t, dtype=torch.int32, pin_memory=True)
     row_bytes = 2 * d * 2
 

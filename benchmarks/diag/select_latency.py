@@ -32,12 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu_attention import build_arena  # noqa: E402
+from benchmarks.gpu_lane_claims import ClaimCase  # noqa: E402
 from cpu_kernels import layout  # noqa: E402
 from gpu_kernels import score_select as ss  # noqa: E402
-from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig, sparse_attention_claim  # noqa: E402
-from gpu_kernels.task_table import StepTableBuffer, pack_step_table  # noqa: E402
-from gpu_kernels.uva import uva_view  # noqa: E402
+from gpu_kernels.sparse_attention import SparseConfig, sparse_attention_claim  # noqa: E402
 
 
 def timed(fn, reps: int, warm: bool) -> float:
@@ -66,36 +64,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="score_select launch shapes BLOCK_BxWARPS, comma-separated")
     ap.add_argument("--no-claims", dest="claims", action="store_false", help="only the --shapes sweep")
     args = ap.parse_args()
-    hkv, g, d = 8, 4, 128
-    host, chunk_ids = build_arena(args.batch, hkv, d, args.context, seed=0)
-    arena = uva_view(host)
+    case = ClaimCase(args.batch, args.context, args.block, args.budget)
+    host, arena, t, n_blocks, k, q, out, lse = (case.host, case.arena, case.t, case.n_blocks, case.k, case.q,
+                                                case.out, case.lse)
     meta_gpu = host[:, layout.META_ROW:layout.META_ROW + layout.META_ROWS].cuda().contiguous()
-    t = args.batch * hkv
-    n_blocks = -(-args.context // args.block)
-    k = min(n_blocks, int(np.ceil(args.budget * args.context / args.block - 1e-9)))
-    bi = np.repeat(np.arange(args.batch), hkv)
-    kvh = np.tile(np.arange(hkv), args.batch)
-    blk = np.full(t, args.block)
-    clen = np.full(t, args.context)
-    per = chunk_ids.shape[2]
-    flat = chunk_ids.reshape(t, per)
-    tables = {}
-    for name, kk in (("k", k), ("zero", 0)):
-        nsel = np.full((t, g), kk, dtype=np.int32)
-        packed = pack_step_table(bi, kvh, blk, clen, np.arange(t) * per, np.full(t, per), nsel, host.shape[0],
-                                 flat.reshape(-1))
-        tables[name] = StepTableBuffer(torch.device("cuda")).upload(*packed, group_size=g)
+    tables = {"k": case.table(), "zero": case.table(0)}
     torch.cuda.synchronize()
-    q = (torch.randn((args.batch, hkv * g, d), device="cuda") / np.sqrt(d)).float()
-    out = torch.zeros((args.batch, hkv * g, d), device="cuda")
-    lse = torch.zeros((args.batch, hkv * g), device="cuda")
-    scores = torch.empty((t, g, n_blocks), dtype=torch.float32, device="cuda")
-    ublocks = torch.empty((t, n_blocks), dtype=torch.int32, device="cuda")
-    uheads = torch.empty((t, n_blocks), dtype=torch.int32, device="cuda")
-    counts = torch.empty(t, dtype=torch.int32, device="cuda")
-    tickets = torch.zeros((2, t), dtype=torch.int32, device="cuda")
-    part_out = torch.empty((t, MAX_SPLITS, g, d), dtype=torch.float32, device="cuda")
-    part_lse = torch.empty((t, MAX_SPLITS, g), dtype=torch.float32, device="cuda")
+    scores, ublocks, uheads, counts, tickets = case.scores, case.ublocks, case.uheads, case.counts, case.tickets
+    part_out, part_lse = case.part_out, case.part_lse
     gpu_layout = (layout.META_ROWS, 0)
 
     def select(n, table, meta, meta_layout):
