@@ -1111,9 +1111,10 @@ class HybridRuntime:
             rows.append(row)
         return rows
 
-    # Cycles of the spin kernel queued before a warm probe claim: ~50 us at the H100's and H200's
-    # clocks, longer than a launch call's host time, so the claim's kernels are queued when it ends.
-    PROBE_SPIN_CYCLES = 100_000
+    # Cycles of the spin kernel queued before a warm probe claim: ~200 us at the H100's and H200's
+    # clocks, several times a launch call's host time with the workers idle (30-60 us), so the
+    # claim's first event and kernels are all queued before it ends.
+    PROBE_SPIN_CYCLES = 400_000
 
     def _probe_claim_warm(self, ex, packed, ordered, k: int, step, repeats: int) -> dict:
         """`launch_s` and `gpu_warm_s` of one claim of the first `k` positions (`probe_gpu_lane`)."""
