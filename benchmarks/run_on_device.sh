@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost select_latency runtime_tests e2e_decode predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost select_latency runtime_tests e2e_decode e2e_ab predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -43,6 +43,11 @@ for step in $steps; do
         runtime_tests) timeout 400 python -m pytest -v --tb=short -p no:cacheprovider tests/test_runtime.py \
             tests/test_warmup.py tests/test_cpu_lane_trails.py tests/test_step_inputs.py tests/test_deferred_input_check.py ;;
         e2e_decode) timeout 590 python benchmarks/e2e_decode.py --out "$out/e2e_decode-$dev.json" ;;
+        # fluxion against cpu_only with the caller pinned to the free core and the trailing gate off,
+        # interleaved twice at the two 32K points (a variant's single run moves 20-35% on one lease).
+        e2e_ab) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K --new-tokens 32 \
+            --variants fluxion,cpu_only,fluxion_pinned_caller,cpu_only_pinned_caller,fluxion_ungated,fluxion,cpu_only,fluxion_pinned_caller,cpu_only_pinned_caller,fluxion_ungated \
+            --budget-s 555 --out "$out/e2e_decode_ab-$dev.json" ;;
         predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --out-dir "$out" ;;
         tpot_grid) work=$(mktemp -d)
             timeout 590 python -m hybrid_runtime.cli run configs/tpot_grid.yaml --out "$work/tpot" \
