@@ -48,17 +48,23 @@ def fit(points: list[dict], key: str) -> tuple[float, float]:
     return float(icpt), float(1.0 / slope) if slope > 0 else float("inf")
 
 
-def event_ms(fn, reps: int = 7) -> float:
+def event_ms(fn, reps: int = 7, warmup: int = 1, spin_cycles: int = 0) -> float:
+    """Median milliseconds between two CUDA events around `fn` over `reps` calls, after `warmup`
+    unmeasured ones; each call from an idle device, or, with `spin_cycles`, queued behind a spin
+    kernel of that many cycles (the launches are then timed as the GPU runs them, not as the host
+    submits them)."""
     ts = []
-    for _ in range(reps + 1):
+    for _ in range(reps + warmup):
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
         e0.record()
         fn()
         e1.record()
         e1.synchronize()
         ts.append(e0.elapsed_time(e1))
-    return float(np.median(ts[1:]))
+    return float(np.median(ts[warmup:]))
 
 
 def breakdown(args, table, q, arena, scores, tickets, ublocks, uheads, counts, part_out, part_lse, out, lse) -> None:

@@ -27,31 +27,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu_lane_claims import ClaimCase  # noqa: E402
+from benchmarks.gpu_lane_claims import ClaimCase, event_ms  # noqa: E402
 from cpu_kernels import layout  # noqa: E402
 from gpu_kernels import score_select as ss  # noqa: E402
 from gpu_kernels.sparse_attention import SparseConfig, sparse_attention_claim  # noqa: E402
 
 
 def timed(fn, reps: int, warm: bool) -> float:
-    """Median microseconds between two events around `fn` (after a spin kernel when `warm`)."""
-    ts = []
-    for _ in range(reps + 2):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if warm:
-            torch.cuda._sleep(100_000)  # ~50 us of one busy SM, then the launches under test
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return float(np.median(ts[2:]))
+    """Median microseconds between two events around `fn` (after a ~50 us spin kernel when `warm`)."""
+    return event_ms(fn, reps, warmup=2, spin_cycles=100_000 if warm else 0) * 1e3
 
 
 def main() -> None:
