@@ -356,8 +356,10 @@ class Scheduler:
             # Before any CPU worker can pop: the reserved head is the GPU's whatever the order below.
             if gated:
                 job.gpu_gated = True
-            else:  # (with the selection's rates the CPU lane may end within the slack after all)
-                self.lane.reserve_first(job, launcher_slack_s=slack)
+            else:
+                # Checked again only on the selection's rates (its CPU lane reads less and may end
+                # within the slack after all); at the host-selection rates it was just checked.
+                self.lane.reserve_first(job, launcher_slack_s=slack if job.picks else None)
             self.trailing_claims_gated += job.gpu_gated
         self.workers.job = job
         if job.picks:
