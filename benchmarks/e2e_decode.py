@@ -480,12 +480,16 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             caller_core = rt.scheduler.cores.caller if variant.pin_caller else None
             pinned_from: list = []  # the thread's affinity before a first decode step confined it
 
+            def pin_caller() -> None:  # at a generate's first decode step: every runtime thread exists
+                if not pinned_from:
+                    pinned_from.append(confine_current_thread([caller_core]))
+
             def unpin_caller() -> None:  # prefill (the next generate's included) runs on every core
                 if pinned_from and (saved_affinity := pinned_from.pop()) is not None:
                     os.sched_setaffinity(0, saved_affinity)
 
             if caller_core is not None:
-                decode_threads.append(lambda: pinned_from or pinned_from.append(confine_current_thread([caller_core])))
+                decode_threads.append(pin_caller)
             if variant.pin_caller:
                 row["caller_core"] = caller_core  # None: too few cores to keep one free, not pinned
             row["torch_threads_prefill"], row["torch_threads_decode"] = saved, n_free
