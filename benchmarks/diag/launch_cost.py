@@ -41,10 +41,11 @@ from gpu_kernels.step_inputs import StepInputsPlan  # noqa: E402
 
 
 class Recorder:
-    """Stands in for a compiled kernel: records the launcher's arguments, then launches (or not)."""
+    """Stands in for a compiled kernel: records the launcher's arguments, then launches (or, with
+    `noop`, does nothing)."""
 
-    def __init__(self, kernel, name: str) -> None:
-        self.kernel, self.name, self.last, self.noop = kernel, name, None, False
+    def __init__(self, kernel, name: str, noop: bool = False) -> None:
+        self.kernel, self.name, self.last, self.noop = kernel, name, None, noop
 
     def __getattr__(self, attr):
         return getattr(self.kernel, attr)
@@ -53,19 +54,6 @@ class Recorder:
         self.last = args
         if not self.noop:
             self.kernel.run(*args)
-
-
-class _NoLaunch:
-    """A compiled kernel whose launcher does nothing."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-
-    def __getattr__(self, attr):
-        return getattr(self.kernel, attr)
-
-    def run(self, *args):
-        pass
 
 
 def _timed(fn, label: str, into: dict, recording: list):
@@ -178,7 +166,7 @@ def main() -> None:
             for label, noop in (("plan", False), ("plan_python", True)):
                 kernels = dict(plan._kernels)
                 if noop:
-                    plan._kernels = {k: _NoLaunch(kern) for k, kern in kernels.items()}
+                    plan._kernels = {k: Recorder(kern, plan._launch.fn.__name__, noop=True) for k, kern in kernels.items()}
                 took = host_times(lambda: real_plan_call(plan, grid, call_args, stream), args.loop)
                 plan._kernels = kernels
                 print(f"  {plan._launch.fn.__name__:32s} {label:11s} {_us(took)}", flush=True)
