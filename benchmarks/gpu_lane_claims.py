@@ -115,6 +115,22 @@ class ClaimCase:
         self.part_out = torch.empty((t, MAX_SPLITS, g, d), dtype=torch.float32, device="cuda")
         self.part_lse = torch.empty((t, MAX_SPLITS, g), dtype=torch.float32, device="cuda")
 
+    @staticmethod
+    def arguments(doc: str, batch: int, reps: int) -> argparse.ArgumentParser:
+        """A parser with the case's options (`--batch`, `--context`, `--block`, `--budget`) and
+        `--reps`, at the caller's defaults; `ClaimCase.from_args` builds the case from them."""
+        ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+        ap.add_argument("--batch", type=int, default=batch)
+        ap.add_argument("--context", type=int, default=32768)
+        ap.add_argument("--block", type=int, default=16)
+        ap.add_argument("--budget", type=float, default=0.05)
+        ap.add_argument("--reps", type=int, default=reps)
+        return ap
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ClaimCase":
+        return cls(args.batch, args.context, args.block, args.budget)
+
     def n_select(self, k: int | None = None) -> np.ndarray:
         """Blocks per head `[T, G]`: `k` (default: the budget's) for every head."""
         return np.full((self.t, self.g), self.k if k is None else k, dtype=np.int32)
@@ -128,16 +144,11 @@ class ClaimCase:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--budget", type=float, default=0.05)
-    ap.add_argument("--reps", type=int, default=7)
+    ap = ClaimCase.arguments(__doc__, batch=8, reps=7)
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--breakdown", action="store_true", help="also time each launch alone, and split lengths")
     args = ap.parse_args()
-    case = ClaimCase(args.batch, args.context, args.block, args.budget)
+    case = ClaimCase.from_args(args)
     d, t, host, arena, q, out, lse = case.d, case.t, case.host, case.arena, case.q, case.out, case.lse
     bi, kvh, blk, clen, flat, nsel = case.bi, case.kvh, case.blk, case.clen, case.flat, case.n_select()
     table = case.table()

@@ -23,7 +23,6 @@ queued right before the first event, as during decode where the window's kernels
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -43,16 +42,11 @@ def timed(fn, reps: int, warm: bool) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--budget", type=float, default=0.05)
-    ap.add_argument("--reps", type=int, default=20)
+    ap = ClaimCase.arguments(__doc__, batch=4, reps=20)
     ap.add_argument("--shapes", default="", help="score_select launch shapes BLOCK_BxWARPS, comma-separated")
     ap.add_argument("--no-claims", dest="claims", action="store_false", help="only the --shapes sweep")
     args = ap.parse_args()
-    case = ClaimCase(args.batch, args.context, args.block, args.budget)
+    case = ClaimCase.from_args(args)
     host, arena, t, n_blocks, k, q, out, lse = (case.host, case.arena, case.t, case.n_blocks, case.k, case.q,
                                                 case.out, case.lse)
     meta_gpu = host[:, layout.META_ROW:layout.META_ROW + layout.META_ROWS].cuda().contiguous()
