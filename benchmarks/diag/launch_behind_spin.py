@@ -1,0 +1,118 @@
+"""Diagnostic (device): does a claim's launch call wait for the lane's stream? Writes no results file.
+
+The layer probe timed `GpuUvaExecutor.launch` queued behind a ~200 us spin kernel and read 160-217 us
+of host time for the call: about the spin's length. This times the launch call, and each part of
+it, behind spins of several lengths on the lane's stream, with the workers idle. A part whose host
+time grows with the spin waits for the GPU.
+
+    python benchmarks/diag/launch_behind_spin.py [--batch 8 --context 32768]
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.diag.mix_runtime import mix_arguments, mix_runtime  # noqa: E402
+from benchmarks.layer_attention import prefill_random  # noqa: E402
+from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
+from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
+from hybrid_runtime.tasks import Step  # noqa: E402
+from hybrid_runtime.task_building import native_table, queue_order  # noqa: E402
+
+
+def main() -> None:
+    ap = mix_arguments(__doc__, batch=8, warmup=4, steps=0)
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    b, ctx = args.batch, args.context
+    rt, geo, gen = mix_runtime("launch_behind_spin", args.layers, b, ctx)
+    sch = rt.scheduler
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    timing = [False]
+    wrapped: list[tuple[object, str, object]] = []
+
+    def wrap(owner, name, label):
+        real = getattr(owner, name)
+        wrapped.append((owner, name, real))
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                if timing[0]:
+                    parts[label].append(time.perf_counter() - t0)
+
+        setattr(owner, name, wrapper)
+        return real
+
+    try:
+        prefill_random(rt, b, ctx, gen)
+        seq_ids = list(range(b))
+        sch.set_placement("fluxion")
+        for _ in range(args.warmup):
+            for layer in range(geo.layers):
+                q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+                kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+                rt.decode(layer, seq_ids, q, kv, kv)
+        torch.cuda.synchronize()
+        sch.settle()
+        ex = sch.lane.executor
+        tasks = rt._tasks(0, seq_ids, rt.planner(0, seq_ids, rt.store))
+        ordered, _ = queue_order(tasks)
+        tab, nsel, chunks, _ = native_table(ordered, geo.group_size)
+        step = Step(0, rt._gq[:b], rt._gout[:b], rt._glse[:b], geo.group_size)
+        step.q.normal_()
+        packed = ex.pack(tab, nsel, chunks)
+        plan = ex.upload(packed, ordered)
+        torch.cuda.synchronize()
+        wrap(ScoreSelectPlan, "__call__", "select plan call")
+        wrap(SparseAttentionClaimPlan, "__call__", "attend plan call")
+        wrap(torch.cuda.Event, "record", "event record")
+        wrap(type(plan), "claim_shape", "claim_shape")
+        wrap(type(ex), "_metadata_source", "metadata source")
+        wrap(type(ex), "_arena", "arena view")
+        small = torch.zeros(16, device="cuda")
+        for k in (1, len(ordered)):
+            for spin in (0, 50_000, 200_000, 800_000):
+                parts.clear()
+                launch, add = [], []
+                for r in range(args.reps + 1):
+                    torch.cuda.synchronize()
+                    with torch.cuda.stream(ex.stream):
+                        if spin:
+                            torch.cuda._sleep(spin)
+                    timing[0] = r > 0
+                    t0 = time.perf_counter()
+                    handle = ex.launch(plan, 0, k, step)
+                    t1 = time.perf_counter()
+                    with torch.cuda.stream(ex.stream):
+                        small.add_(1.0)  # control: a torch launch on the same busy stream
+                    t2 = time.perf_counter()
+                    timing[0] = False
+                    handle.wait()
+                    if r:
+                        launch.append(t1 - t0)
+                        add.append(t2 - t1)
+                row = f"{k:3d} tasks, spin {spin:7d} cycles: launch {np.median(launch) * 1e6:7.1f} us, torch add after it " \
+                      f"{np.median(add) * 1e6:6.1f} us"
+                for label, took in sorted(parts.items()):
+                    per_claim = np.sum(took) / args.reps
+                    row += f"; {label} {per_claim * 1e6:.1f}"
+                print(row, flush=True)
+    finally:
+        for owner, name, real in reversed(wrapped):
+            setattr(owner, name, real)
+        rt.close()
+
+
+if __name__ == "__main__":
+    main()
