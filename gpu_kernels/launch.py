@@ -137,8 +137,9 @@ class LaunchPlan:
 
     `args`, `constexprs`, `variant`, `options`: a complete call as `CachedLaunch` takes it.
     `per_call`: the positions in `args` of the arguments a call may change; every other argument
-    is packed once (the plan keeps its tensors alive) and must be the same in every call. A call
-    passes the complete argument tuple, and only the `per_call` positions are read. A call whose
+    is packed once (the plan keeps its tensors alive, and only those) and must be the same in every
+    call. A call passes the complete argument tuple; the planned path reads only the `per_call`
+    positions (a call through `CachedLaunch` reads them all). A call whose
     values there specialise as an earlier call's did goes straight to that call's compiled kernel;
     any other goes through `CachedLaunch` (which may compile) and is remembered. Under the
     interpreter, or with Triton's launch hooks set (a profiler), every call goes through
@@ -153,12 +154,18 @@ class LaunchPlan:
         if len(set(per_call)) != len(per_call) or not all(0 <= i < len(args) for i in per_call):
             raise ValueError(f"per_call {per_call} must be distinct positions of the {len(args)} arguments")
         self._launch = launch
-        self._args = args  # keeps the packed tensors alive
+        self._per_call = tuple(per_call)
+        # The fixed arguments only: the packed list holds their addresses, so the plan keeps those
+        # tensors alive. Not the per-call ones, which each call passes again: a plan holding the
+        # first call's (a layer's arena view, say) kept that arena referenced after the store was
+        # closed ("KVStore.close: 1 of N arenas are still referenced").
+        self._args = tuple(None if i in self._per_call else a for i, a in enumerate(args))
         self._constexprs = constexprs
         self._variant = variant
         self._options = options
-        self._per_call = tuple(per_call)
         self._argv = [*_pack(args)[1], *constexprs.values()]
+        for i in self._per_call:
+            self._argv[i] = None  # written by every call before its launch
         self._kernels: dict = {}  # specialisation of the per-call values -> compiled kernel
         self.fast_launches = 0
 

@@ -188,6 +188,25 @@ def test_plan_runs_with_only_its_per_call_arguments_changed():
         assert torch.equal(y[:n].cpu(), (x[:n] + 1.0).cpu()) and not y[n:].any()
 
 
+def test_plan_keeps_its_fixed_arguments_alive_and_not_the_per_call_ones():
+    """The plan holds the tensors it packed once; the per-call ones are passed again by every call,
+    and holding the first call's (a layer's arena view) kept a closed store's arena referenced."""
+    import gc
+    import weakref
+
+    launch = CachedLaunch(_add_kernel)
+    fixed = torch.zeros(64, device=DEV)
+    per_call = torch.randn(64, device=DEV)
+    plan = LaunchPlan(launch, (per_call, fixed, 64), {"BLOCK": 64}, (64,), {"num_warps": 1}, (0, 2))
+    fixed_ref, per_call_ref = weakref.ref(fixed), weakref.ref(per_call)
+    del fixed, per_call
+    gc.collect()
+    assert fixed_ref() is not None and per_call_ref() is None
+    x = torch.randn(64, device=DEV)
+    plan((1,), (x, fixed_ref(), 64))
+    assert torch.equal(fixed_ref().cpu(), (x + 1.0).cpu())
+
+
 def test_disabled_plans_launch_through_cached_launch():
     from gpu_kernels.launch import LaunchPlan as Plan
 
