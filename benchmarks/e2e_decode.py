@@ -157,6 +157,7 @@ from gpu_kernels.launch import LaunchPlan  # noqa: E402
 from hybrid_runtime.config import (  # noqa: E402
     Config,
     ConfigError,
+    PAGE_SIZE,
     GeometryConfig,
     SelectionConfig,
     config_from_dict,
@@ -274,7 +275,7 @@ def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: in
         resident, host = 0, kv
         if hybrid_cfg is not None:  # the GPU windows (sink, local, generated tokens and a page per slot) and the arenas
             kc = hybrid_cfg.kv_cache
-            resident = kv_bytes(cfg, kc.max_sequences, kc.sink + kc.local + kc.generated_cap + kc.page_size)
+            resident = kv_bytes(cfg, kc.max_sequences, kc.sink + kc.local + kc.generated_cap + PAGE_SIZE)
             host = arena_bytes(kc, model_geometry_of(cfg))[1]
     elif variant.name == "offloaded":
         resident = 2 * kv // layers  # the layer in use and the one prefetched

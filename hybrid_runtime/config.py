@@ -85,7 +85,6 @@ class KVCacheConfig:
     # Generated tokens kept on the GPU beyond the local window before the oldest whole pages
     # spill to the CPU store; bounds GPU memory for long generations.
     generated_cap: int = field(default=512, metadata=_range(PAGE_SIZE, None))
-    page_size: int = field(default=PAGE_SIZE, metadata=_choices(PAGE_SIZE))
     block_sizes: tuple[int, ...] = field(default=BLOCK_SIZES, metadata=_check(_check_block_sizes))
     dtype: str = field(default="bf16", metadata=_choices("bf16", "fp32"))
     # CPU-resident tokens per layer, summed over all sequences; sizes the pinned arenas.
@@ -123,6 +122,9 @@ def _even_channels(value: int) -> str | None:
     return None if 2 <= value <= 256 and value % 2 == 0 else "an even number from 2 to 256 (two INT4 codes a byte)"
 
 
+SELECTION_NAMES = ("fixed", "full", "streaming", "predicted", "nosa", "asynctls", "sparda", "evosparse")
+
+
 @dataclass(frozen=True)
 class SelectionConfig:
     """Which blocks each head reads: from config (fixed, full, streaming), per step by the
@@ -130,8 +132,7 @@ class SelectionConfig:
     token levels in its own executor (asynctls)."""
 
     # nosa: the NOSA executor picks each KV head's blocks itself (the `nosa` section).
-    name: str = field(default="fixed",
-                      metadata=_choices("fixed", "full", "streaming", "predicted", "nosa", "asynctls", "sparda", "evosparse"))
+    name: str = field(default="fixed", metadata=_choices(*SELECTION_NAMES))
     block_size: int = field(default=16, metadata=_choices(*BLOCK_SIZES))
     budget: float = field(default=0.05, metadata=_range(0.0, 1.0))
     # layer -> query heads treated as streaming (GPU window only, no CPU task).
@@ -624,11 +625,16 @@ def _join(path: str, key: Any) -> str:
 
 # Keys that were renamed or moved: where each setting lives now.
 MOVED_KEYS = {
-    "policy": "selection (which blocks each head reads: name fixed / full / streaming, block_size, "
+    "policy": f"selection (which blocks each head reads: name {' / '.join(SELECTION_NAMES)}, block_size, "
               "budget, streaming_heads)",
     "scheduler.policy": f"scheduler.placement (where tasks run: {', '.join(PLACEMENT_NAMES)})",
     "workload.layers": "geometry.layers (a runtime is built for the layers it decodes; e.g. "
                        "geometry: {name: llama-3.1-8b, layers: 4})",
+}
+# Keys that did nothing, and why they are gone.
+REMOVED_KEYS = {
+    "kv_cache.page_size": f"a page is {PAGE_SIZE} tokens, fixed by the store's layout and its kernels "
+                          "(cpu_kernels/layout.py); allowed: remove it",
 }
 
 
@@ -639,6 +645,8 @@ def _build(cls: type, data: Mapping, path: str) -> Any:
     for key in unknown:
         if _join(path, key) in MOVED_KEYS:
             raise ConfigError(f"{_join(path, key)}: replaced by {MOVED_KEYS[_join(path, key)]}")
+        if _join(path, key) in REMOVED_KEYS:
+            raise ConfigError(f"{_join(path, key)}: removed; {REMOVED_KEYS[_join(path, key)]}")
     if unknown:
         where = f"keys of {path}" if path else "top-level keys"
         raise ConfigError(f"{_join(path, unknown[0])}: unknown key; allowed {where}: {', '.join(fields)}")
@@ -734,6 +742,38 @@ def _validate_asynctls(selection: SelectionConfig, geometry: GeometryConfig, pat
             "repository root); allowed: a channel file written by python -m hybrid_runtime.experiments.asynctls_calibration")
 
 
+# Keys of the `selection` section that only `predicted` reads (its checkpoint and the selector's settings).
+PREDICTED_KEYS = ("checkpoint", "block_sizes", "streaming_threshold", "skip_streaming")
+
+
+def _validate_predicted_keys(cfg: Config) -> None:
+    """`selection`'s predicted-only keys set where no selection in use is 'predicted', and
+    `streaming_heads` set where every selection in use is (the predictor marks streaming heads
+    itself), would do nothing: refused. A variant's selection is the top-level one with the
+    variant's keys laid over it, so a key is checked where its value is set: at the top level
+    against every selection in use, in a variant where it differs from the top level's."""
+    default = SelectionConfig()
+    top = cfg.selection
+    variants = [(f"experiment.variants[{i}].selection", v.selection) for i, v in enumerate(cfg.experiment.variants)
+                if v.selection is not None]
+    names = {top.name} | {sel.name for _, sel in variants}
+    for key in PREDICTED_KEYS:
+        if getattr(top, key) != getattr(default, key) and "predicted" not in names:
+            raise ConfigError(f"selection.{key}: read only by selection.name 'predicted' (the selections in use are "
+                              f"{', '.join(repr(n) for n in sorted(names))}); allowed: remove it, or name: predicted")
+        for path, sel in variants:
+            if sel.name != "predicted" and getattr(sel, key) != getattr(top, key):
+                raise ConfigError(f"{path}.{key}: read only by selection.name 'predicted' (this variant's is "
+                                  f"{sel.name!r}); allowed: remove it")
+    if top.streaming_heads and names == {"predicted"}:
+        raise ConfigError("selection.streaming_heads: not read by the 'predicted' selection (the predictor marks each "
+                          "head streaming or not per step); allowed: remove it")
+    for path, sel in variants:
+        if sel.name == "predicted" and sel.streaming_heads and sel.streaming_heads != top.streaming_heads:
+            raise ConfigError(f"{path}.streaming_heads: not read by the 'predicted' selection (the predictor marks "
+                              "each head streaming or not per step); allowed: remove it")
+
+
 def _validate_selection(selection: SelectionConfig, kv: KVCacheConfig, geometry: GeometryConfig, path: str) -> None:
     _validate_asynctls(selection, geometry, path)
     if selection.name == "predicted":
@@ -741,7 +781,7 @@ def _validate_selection(selection: SelectionConfig, kv: KVCacheConfig, geometry:
         if missing:
             raise ConfigError(
                 f"{path}.block_sizes: {missing} are not in kv_cache.block_sizes={list(kv.block_sizes)}, the "
-                "granularities whose metadata the store keeps; allowed: a subset of them"
+                "block sizes this runtime allows; allowed: a subset of them"
             )
         if resolve_checkpoint(selection.checkpoint) is None:
             raise ConfigError(
@@ -841,12 +881,26 @@ def _check_nosa_keys(data: Mapping) -> None:
     if not isinstance(nosa, Mapping):
         return  # _build names the type error
     defaults = NosaConfig()
-    for key, (dep, wanted) in NOSA_KEYS_OF.items():
+    for key in NOSA_KEYS_OF:
         if key in nosa and nosa[key] != getattr(defaults, key):
-            has = nosa.get(dep, getattr(defaults, dep))
-            if has != wanted:
-                raise ConfigError(f"nosa.{key}: only read with nosa.{dep} {wanted!r} (nosa.{dep} is {has!r}); "
-                                  f"allowed: remove it, or set nosa.{dep}: {wanted}")
+            # The whole chain: `checkpoint` is read under score 'eviction_head', which is read only
+            # under selector 'nosa' (with selector 'query_aware' the default score reads nothing).
+            needs = _nosa_needs(key)
+            unmet = [(dep, nosa.get(dep, getattr(defaults, dep))) for dep, wanted in needs
+                     if nosa.get(dep, getattr(defaults, dep)) != wanted]
+            if unmet:
+                raise ConfigError(f"nosa.{key}: only read with " + " and ".join(f"nosa.{d} {w!r}" for d, w in needs)
+                                  + " (" + ", ".join(f"nosa.{d} is {h!r}" for d, h in unmet) + "); allowed: remove it, "
+                                  "or set " + ", ".join(f"nosa.{d}: {w}" for d, w in needs))
+
+
+def _nosa_needs(key: str) -> list[tuple[str, str]]:
+    """What `nosa.<key>` needs set to be read: (key, value) pairs along `NOSA_KEYS_OF`, nearest first."""
+    needs = []
+    while key in NOSA_KEYS_OF:
+        key, wanted = NOSA_KEYS_OF[key]
+        needs.append((key, wanted))
+    return needs
 
 
 def _check_evosparse_keys(data: Mapping) -> None:
@@ -876,7 +930,7 @@ def _check_unused_keys(data: Mapping) -> None:
     sel = data.get("selection") if isinstance(data.get("selection"), Mapping) else {}
     sp = data.get("sparda") if isinstance(data.get("sparda"), Mapping) else {}
     defaults = _to_plain(SpardaConfig())
-    changed = sorted(k for k, v in sp.items() if k not in defaults or v != defaults[k])
+    changed = sorted(k for k, v in sp.items() if k in defaults and v != defaults[k])  # unknown keys: _build names them
     if changed and sel.get("name") != "sparda":
         raise ConfigError(f"sparda.{changed[0]}: read only under selection.name 'sparda'; allowed: remove it or set "
                           "selection.name: sparda")
@@ -991,7 +1045,7 @@ def _validate_evosparse(cfg: Config) -> None:
                           "allowed: true, or 'auto' on a machine with CUDA")
     if evo.block_size not in kv.block_sizes:
         raise ConfigError(f"evosparse.block_size: {evo.block_size} is not one of kv_cache.block_sizes="
-                          f"{list(kv.block_sizes)}, the block sizes the store keeps metadata for; allowed: one of them")
+                          f"{list(kv.block_sizes)}, the block sizes this runtime allows; allowed: one of them")
     if evo.dense_layers > g.layers:
         raise ConfigError(f"evosparse.dense_layers: {evo.dense_layers} exceeds geometry.layers={g.layers}; allowed: "
                           f"0 .. {g.layers}")
@@ -1009,12 +1063,18 @@ def _validate_evosparse(cfg: Config) -> None:
 def _validate_cross(cfg: Config) -> None:
     kv = cfg.kv_cache
     _validate_selection(cfg.selection, kv, cfg.geometry, "selection")
+    _validate_predicted_keys(cfg)
     if cfg.nosa is not None:
         _validate_nosa(cfg)
     for i, v in enumerate(cfg.experiment.variants):
-        if v.selection is not None and v.selection.name == "nosa" and cfg.selection.name != "nosa":
-            raise ConfigError(f"experiment.variants[{i}].selection.name: 'nosa' selects the GPU lane's executor for the "
-                              "whole runtime; allowed: make it the top-level selection (selection.name: nosa)")
+        # Both select through an executor of their own for the whole runtime; a variant naming one
+        # under another top-level selection would run the config head planner instead (evosparse:
+        # every head at budget 1.0, full attention under that label).
+        for name in ("nosa", "evosparse"):
+            if v.selection is not None and v.selection.name == name and cfg.selection.name != name:
+                raise ConfigError(f"experiment.variants[{i}].selection.name: {name!r} selects the GPU lane's executor "
+                                  f"for the whole runtime; allowed: make it the top-level selection "
+                                  f"(selection.name: {name})")
     if cfg.selection.name == "asynctls":
         sc = cfg.scheduler
         if sc.placement != "gpu_only":

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_runtime.config import GEOMETRIES, ConfigError, config_from_dict, load_config, parse_override, resolved
+from hybrid_runtime.config import PAGE_SIZE, GEOMETRIES, ConfigError, config_from_dict, load_config, parse_override, resolved
 
 
 def test_defaults_match_design():
     cfg = config_from_dict({})
-    assert (cfg.kv_cache.sink, cfg.kv_cache.local, cfg.kv_cache.page_size) == (64, 256, 16)
+    assert (cfg.kv_cache.sink, cfg.kv_cache.local, PAGE_SIZE) == (64, 256, 16)
     assert cfg.kv_cache.block_sizes == (16, 32, 64, 128)
     assert (cfg.selection.block_size, cfg.selection.budget) == (16, 0.05)
     assert (cfg.scheduler.placement, cfg.scheduler.gpu_worker) == ("fluxion", "auto")
@@ -22,6 +22,13 @@ def test_keys_that_would_do_nothing_are_refused():
         config_from_dict({"selection": {"tau": 0.1}})
     with pytest.raises(ConfigError, match="executors"):
         config_from_dict({"executors": {"cpu": "numba"}})
+    with pytest.raises(ConfigError, match=r"kv_cache.page_size: removed; a page is 16 tokens"):
+        config_from_dict({"kv_cache": {"page_size": 16}})
+    with pytest.raises(ConfigError, match=r"sparda.foo: unknown key"):
+        config_from_dict({"sparda": {"foo": 1}})
+    with pytest.raises(ConfigError, match=r"policy: replaced by selection .*name fixed / full / streaming / predicted / "
+                                          r"nosa / asynctls / sparda / evosparse"):
+        config_from_dict({"policy": {"name": "fixed"}})
 
 
 def test_reference_geometry_by_name():
@@ -144,3 +151,34 @@ def test_bad_yaml_and_bad_override(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="key=value"):
         parse_override("scheduler.cpu_workers")
+
+
+def test_selection_keys_that_only_predicted_reads_are_refused_elsewhere():
+    """`checkpoint`, `block_sizes`, `streaming_threshold` and `skip_streaming` are read only by the
+    predicted selection, `streaming_heads` by every other config selection: set where nothing reads
+    them, they would do nothing. A variant's selection lays its keys over the top level's, so only
+    what the variant itself sets is checked against the variant's name."""
+    base = {"geometry": {"name": "llama-3.1-8b"}}
+    for key, value in (("checkpoint", "predictor/checkpoints/smollm2_t8p8.pt"), ("block_sizes", [16, 32]),
+                       ("streaming_threshold", 0.8), ("skip_streaming", False)):
+        with pytest.raises(ConfigError, match=rf"selection.{key}: read only by selection.name 'predicted'"):
+            config_from_dict({**base, "selection": {"name": "fixed", key: value}})
+        variant = {"name": "v", "selection": {"name": "full", key: value}}
+        with pytest.raises(ConfigError, match=rf"experiment.variants\[0\].selection.{key}: read only by"):
+            config_from_dict({**base, "experiment": {"variants": [variant]}})
+    assert config_from_dict({**base, "selection": {"name": "predicted", "streaming_threshold": 0.8}})
+    with pytest.raises(ConfigError, match="selection.streaming_heads: not read by the 'predicted' selection"):
+        config_from_dict({**base, "selection": {"name": "predicted", "streaming_heads": {0: [1]}}})
+    # Inherited by a variant that reads them: allowed.
+    cfg = config_from_dict({**base, "selection": {"name": "fixed", "streaming_heads": {0: [1]}},
+                            "experiment": {"variants": [{"name": "full", "selection": {"name": "full"}}]}})
+    assert cfg.experiment.variants[0].selection.streaming_heads == {0: (1,)}
+
+
+def test_a_variant_cannot_switch_to_an_executor_of_its_own():
+    """NOSA and EvoSparse select in the GPU lane's executor for the whole runtime: a variant naming
+    one under another top-level selection would run the config planner under that label."""
+    for name in ("nosa", "evosparse"):
+        with pytest.raises(ConfigError, match=rf"experiment.variants\[0\].selection.name: '{name}' selects"):
+            config_from_dict({"geometry": {"name": "llama-3.1-8b"},
+                              "experiment": {"variants": [{"name": "v", "selection": {"name": name}}]}})

@@ -287,6 +287,10 @@ BAD = [
     (with_nosa(nosa={"selector": "query_aware", "k_q_tokens": 512}), "nosa.k_q_tokens: only read with nosa.selector"),
     (with_nosa(nosa={"score": "decayed_attention", "checkpoint": "x.pt"}), "nosa.checkpoint: only read with nosa.score"),
     (with_nosa(nosa={"decay": 0.5}), "nosa.decay: only read with nosa.score 'decayed_attention'"),
+    # The default score reads nothing under selector query_aware, so neither does its checkpoint.
+    (with_nosa(nosa={"selector": "query_aware", "checkpoint": "x.pt"}),
+     r"nosa.checkpoint: only read with nosa.score 'eviction_head' and nosa.selector 'nosa' \(nosa.selector is "
+     r"'query_aware'\); allowed: remove it, or set nosa.score: eviction_head, nosa.selector: nosa"),
     (with_nosa(nosa={"checkpoint": "missing.pt"}), "nosa.checkpoint: 'missing.pt' is not a file"),
     (with_nosa(nosa={"pool_kernel_tokens": 24}), "sub-blocks must tile a block"),
     (with_nosa(nosa={"score": "decayed_attention", "decay": 1.0}), "nosa.decay: 1.0 is not allowed"),
