@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from hybrid_runtime.cli import main
-from hybrid_runtime.config import PointConfig, config_from_dict, load_config, resolved
+from hybrid_runtime.config import ConfigError, PointConfig, config_from_dict, load_config, resolved
 from hybrid_runtime.experiments import experiment, report
 from hybrid_runtime.experiments.points import point_runs
 from hybrid_runtime.experiments.summary import variant_rows
@@ -355,3 +355,15 @@ def test_gpu_idle_and_lane_shares_on_cuda(tmp_path, capsys):
     assert "](gpu_idle.png)" in md and "This run had no GPU" not in md and (out / "gpu_idle.png").exists()
     samples = json.loads((out / "results.json").read_text())["timeline_samples"]
     assert all({g[2] for g in s["gpu"]} == {"window", "merge"} for s in samples)
+
+
+def test_a_synthetic_sparda_run_refuses_a_lookahead_it_cannot_compute():
+    """`hybrid-runtime run` of kind attention has no model, so no next layer's query: only
+    `sparda.lookahead: same_layer` describes what it runs."""
+    data = {"geometry": {"name": "llama-3.1-8b", "layers": 2}, "selection": {"name": "sparda"},
+            "scheduler": {"pin_cores": False}, "workload": {"batch": 1, "context": 1024}}
+    with pytest.raises(ConfigError, match=r"sparda.lookahead: 'forecast', but experiment.kind 'attention' has no "
+                                          r"model.*allowed: same_layer, or experiment.kind: tpot"):
+        experiment.check(resolved(config_from_dict(data), cuda=False), cuda=False)
+    data["sparda"] = {"lookahead": "same_layer"}
+    experiment.check(resolved(config_from_dict(data), cuda=False), cuda=False)

@@ -37,6 +37,12 @@ def check(cfg: Config, cuda: bool) -> None:
         raise ConfigError("kv_cache.device: 'cuda', but this machine has no CUDA device; allowed here: 'auto' or 'cpu'")
     if ex.kind == "tpot":
         _check_model(cfg)
+    elif cfg.selection.name == "sparda" and cfg.sparda.lookahead != "same_layer":
+        # The next layer's query comes from a model's hidden state (forecast, proxy); the synthetic
+        # attention run has none, so every layer would select with its own query whatever this says.
+        raise ConfigError(f"sparda.lookahead: {cfg.sparda.lookahead!r}, but experiment.kind 'attention' has no model "
+                          "to compute a next layer's query from, so every layer selects with its own; allowed: "
+                          "same_layer, or experiment.kind: tpot")
     variants = experiment_variants(cfg)
     gpu_lane = sc.gpu_lane(cuda)
     from hybrid_runtime.scheduler import NEEDS
