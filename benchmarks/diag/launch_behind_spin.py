@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diag.mix_runtime import mix_arguments, mix_runtime  # noqa: E402
+from benchmarks.diag.mix_runtime import mix_arguments, mix_runtime, timed  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
@@ -42,17 +42,7 @@ def main() -> None:
     def wrap(owner, name, label):
         real = getattr(owner, name)
         wrapped.append((owner, name, real))
-
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return real(*a, **kw)
-            finally:
-                if timing[0]:
-                    parts[label].append(time.perf_counter() - t0)
-
-        setattr(owner, name, wrapper)
-        return real
+        setattr(owner, name, timed(real, label, parts, timing))
 
     try:
         prefill_random(rt, b, ctx, gen)

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
-from benchmarks.diag.mix_runtime import host_times, mix_arguments, mix_runtime  # noqa: E402
+from benchmarks.diag.mix_runtime import host_times, mix_arguments, mix_runtime, timed  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
 from gpu_kernels.launch import CachedLaunch, LaunchPlan  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
@@ -54,17 +54,6 @@ class Recorder:
         self.last = args
         if not self.noop:
             self.kernel.run(*args)
-
-
-def _timed(fn, label: str, into: dict, recording: list):
-    def wrapper(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            if recording[0]:
-                into[label].append(time.perf_counter() - t0)
-    return wrapper
 
 
 def _us(samples: list[float]) -> str:
@@ -135,7 +124,7 @@ def main() -> None:
         for owner, name in ((ScoreSelectPlan, "__call__"), (SparseAttentionClaimPlan, "__call__"),
                             (StepInputsPlan, "__call__"),
                             (gpu_uva.GpuUvaExecutor, "launch"), (gpu_uva.GpuUvaExecutor, "pick")):
-            setattr(owner, name, _timed(getattr(owner, name), f"{owner.__name__}.{name}", in_place, recording))
+            setattr(owner, name, timed(getattr(owner, name), f"{owner.__name__}.{name}", in_place, recording))
         recording[0] = True
         for _ in range(args.steps):
             for p in ("fluxion", "cpu_only"):

@@ -50,3 +50,15 @@ def host_times(fn: Callable[[], object], n: int) -> list[float]:
         took.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return took
+
+
+def timed(fn: Callable, label: str, into: dict, recording: list) -> Callable:
+    """`fn` wrapped to append each call's host seconds to `into[label]` while `recording[0]` is true."""
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            if recording[0]:
+                into[label].append(time.perf_counter() - t0)
+    return wrapper
