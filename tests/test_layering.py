@@ -73,3 +73,56 @@ print(path)
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert Path(run.stdout.strip().splitlines()[-1]).is_file()
+
+
+def _imports(path: Path, module_level_only: bool) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in `path`; with `module_level_only`, only those
+    executed at import time (not inside a function or class body)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    if module_level_only:  # also imports under a module-level `try` or `if`
+        nodes = [n for top in tree.body for n in ast.walk(top)
+                 if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_only_cli_and_experiments_import_cli_or_experiments():
+    """Nothing else in the package reaches up to the CLI or the experiments, even inside a function."""
+    hits = []
+    for f in sorted((ROOT / "hybrid_runtime").rglob("*.py")):
+        rel = f.relative_to(ROOT / "hybrid_runtime")
+        if rel.parts[0] == "experiments" or rel.name == "cli.py":
+            continue
+        hits += [f"{f.relative_to(ROOT)}:{line} {m}" for line, m in _imports(f, module_level_only=False)
+                 if m.startswith(("hybrid_runtime.cli", "hybrid_runtime.experiments"))]
+    assert hits == []
+
+
+def test_the_model_code_the_runtime_imports_does_not_import_the_runtime():
+    """`predictor/` and `forecast/` modules that `hybrid_runtime` imports at module level (the decode
+    path's model code) import nothing of `hybrid_runtime` when they load, directly or through each
+    other: their offline commands may reach back into the package only inside functions."""
+    wanted = set()
+    for f in sorted((ROOT / "hybrid_runtime").rglob("*.py")):
+        wanted |= {m for _, m in _imports(f, module_level_only=True) if m.split(".")[0] in ("predictor", "forecast")}
+    assert wanted, "hybrid_runtime imports no predictor or forecast module at module level any more"
+    seen, hits = set(), []
+    while wanted:
+        name = wanted.pop()
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if name in seen or not path.is_file():
+            seen.add(name)
+            continue
+        seen.add(name)
+        for line, m in _imports(path, module_level_only=True):
+            if m.split(".")[0] == "hybrid_runtime":
+                hits.append(f"{path.relative_to(ROOT)}:{line} {m}")
+            elif m.split(".")[0] in ("predictor", "forecast"):
+                wanted.add(m)
+    assert hits == []
