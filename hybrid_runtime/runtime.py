@@ -1060,26 +1060,10 @@ class HybridRuntime:
         work runs: `launch_s`, the median host time of the launch call alone, and `gpu_warm_s`,
         the median event time of the claim's kernels alone.
         """
-        from hybrid_runtime.task_building import native_table, queue_order
-
-        self._check_open()
-        self._warm_up.wait()
-        ex = self.scheduler.lane.executor
-        if ex is None:
-            raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker false, or 'auto' without CUDA)")
-        if getattr(self.planner, "uses_queries", False):
-            raise RuntimeError("probe_gpu_lane: the head planner plans from the step's queries (and keeps state per "
-                               "step); probe with a planner that does not, e.g. a fixed policy")
-        seq_ids = [int(s) for s in seq_ids]
-        self.scheduler.settle()  # the probe's launches use the lane's buffers and ring slots
-        tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
-        if not tasks:
+        probe = self._probe_claims(layer, seq_ids)
+        if probe is None:
             return []
-        ordered, _ = queue_order(tasks)
-        tab, nsel, chunks, _ = native_table(ordered, self.geometry.group_size)
-        b = len(seq_ids)
-        step = Step(layer, self._gq[:b], self._gout[:b], self._glse[:b], self.geometry.group_size)
-        step.q.normal_()
+        ex, ordered, packed, step = probe
         n = len(ordered)
         sizes = claim_sizes or sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)} | {n})
         rows = []
@@ -1087,7 +1071,6 @@ class HybridRuntime:
             if not 1 <= k <= n:
                 raise ValueError(f"claim size {k} outside 1..{n} (the step's tasks)")
             walls, gpus, uploads, nbytes = [], [], [], 0
-            packed = ex.pack(tab, nsel, chunks)
             for r in range(repeats + 1):
                 if self.cuda:
                     torch.cuda.synchronize()
@@ -1110,6 +1093,33 @@ class HybridRuntime:
                 row.update(self._probe_claim_warm(ex, packed, ordered, k, step, repeats))
             rows.append(row)
         return rows
+
+    def _probe_claims(self, layer: int, seq_ids: Sequence[int]) -> tuple | None:
+        """What a probe claims from (`probe_gpu_lane`, diagnostics): (GPU executor, this step's tasks
+        in queue order, their packed table, the step on the lane's buffers with random queries), or
+        None when the step has no task. Settles earlier steps first: the probe's launches use the
+        lane's buffers and ring slots."""
+        from hybrid_runtime.task_building import native_table, queue_order
+
+        self._check_open()
+        self._warm_up.wait()
+        ex = self.scheduler.lane.executor
+        if ex is None:
+            raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker false, or 'auto' without CUDA)")
+        if getattr(self.planner, "uses_queries", False):
+            raise RuntimeError("probe_gpu_lane: the head planner plans from the step's queries (and keeps state per "
+                               "step); probe with a planner that does not, e.g. a fixed policy")
+        seq_ids = [int(s) for s in seq_ids]
+        self.scheduler.settle()
+        tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
+        if not tasks:
+            return None
+        ordered, _ = queue_order(tasks)
+        tab, nsel, chunks, _ = native_table(ordered, self.geometry.group_size)
+        b = len(seq_ids)
+        step = Step(layer, self._gq[:b], self._gout[:b], self._glse[:b], self.geometry.group_size)
+        step.q.normal_()
+        return ex, ordered, ex.pack(tab, nsel, chunks), step
 
     # Cycles of the spin kernel queued before a warm probe claim: ~200 us at the H100's and H200's
     # clocks, several times a launch call's host time with the workers idle (30-60 us), so the

@@ -20,12 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diag.mix_runtime import mix_arguments, mix_runtime, timed  # noqa: E402
+from benchmarks.diag.mix_runtime import decode_random_step, mix_arguments, mix_runtime, timed  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
-from hybrid_runtime.tasks import Step  # noqa: E402
-from hybrid_runtime.task_building import native_table, queue_order  # noqa: E402
 
 
 def main() -> None:
@@ -49,19 +47,9 @@ def main() -> None:
         seq_ids = list(range(b))
         sch.set_placement("fluxion")
         for _ in range(args.warmup):
-            for layer in range(geo.layers):
-                q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
-                kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
-                rt.decode(layer, seq_ids, q, kv, kv)
+            decode_random_step(rt, geo, gen, seq_ids)
         torch.cuda.synchronize()
-        sch.settle()
-        ex = sch.lane.executor
-        tasks = rt._tasks(0, seq_ids, rt.planner(0, seq_ids, rt.store))
-        ordered, _ = queue_order(tasks)
-        tab, nsel, chunks, _ = native_table(ordered, geo.group_size)
-        step = Step(0, rt._gq[:b], rt._gout[:b], rt._glse[:b], geo.group_size)
-        step.q.normal_()
-        packed = ex.pack(tab, nsel, chunks)
+        ex, ordered, packed, step = rt._probe_claims(0, seq_ids)  # the layer probe's claims
         plan = ex.upload(packed, ordered)
         torch.cuda.synchronize()
         wrap(ScoreSelectPlan, "__call__", "select plan call")

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
-from benchmarks.diag.mix_runtime import host_times, mix_arguments, mix_runtime, timed  # noqa: E402
+from benchmarks.diag.mix_runtime import decode_random_step, host_times, mix_arguments, mix_runtime, timed  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
 from gpu_kernels.launch import CachedLaunch, LaunchPlan  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
@@ -100,10 +100,7 @@ def main() -> None:
 
         def one_step(policy: str) -> None:
             sch.set_placement(policy)
-            for layer in range(geo.layers):
-                q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
-                kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
-                rt.decode(layer, seq_ids, q, kv, kv)
+            decode_random_step(rt, geo, gen, seq_ids)
 
         for _ in range(args.warmup):
             for p in ("fluxion", "cpu_only"):

@@ -62,3 +62,12 @@ def timed(fn: Callable, label: str, into: dict, recording: list) -> Callable:
             if recording[0]:
                 into[label].append(time.perf_counter() - t0)
     return wrapper
+
+
+def decode_random_step(rt: HybridRuntime, geo, gen: torch.Generator, seq_ids: list[int]) -> None:
+    """One decode step over every layer of `rt` with random bf16 queries and keys/values on CUDA."""
+    b = len(seq_ids)
+    for layer in range(geo.layers):
+        q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+        rt.decode(layer, seq_ids, q, kv, kv)

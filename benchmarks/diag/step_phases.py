@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 import hybrid_runtime.runtime as runtime_mod  # noqa: E402
-from benchmarks.diag.mix_runtime import host_times, mix_arguments, mix_runtime  # noqa: E402
+from benchmarks.diag.mix_runtime import decode_random_step, host_times, mix_arguments, mix_runtime  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
 
@@ -131,10 +131,7 @@ def main() -> None:
             if picks is not None:
                 picks.enabled = gpu_selection
             torch.cuda.synchronize()
-            for layer in range(geo.layers):
-                q = torch.randn((b, geo.q_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
-                kv = torch.randn((b, geo.kv_heads, geo.head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
-                rt.decode(layer, seq_ids, q, kv, kv)
+            decode_random_step(rt, geo, gen, seq_ids)
 
         for _ in range(args.warmup):
             for p in args.policies:
