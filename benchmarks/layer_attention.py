@@ -222,13 +222,14 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         for v in args.claim_programs[1:]:
             runs[f"fluxion_cp{v}"] = ("fluxion", "mix")
             claim_cfg[f"fluxion_cp{v}"] = dataclasses.replace(gpu_ex.config, claim_programs=v)
-        # --other-claims: a fluxion run whose claims take the other path of scheduler.claim_graphs
-        # (replayed from CUDA graphs, or launched directly), named after it.
-        graphs_default = gpu_ex.claim_graphs
-        other = "fluxion_direct" if graphs_default else "fluxion_claim_graphs"
-        if args.other_claims:
-            runs[other] = ("fluxion", "mix")
-            claim_cfg[other] = claim_cfg["fluxion"]
+        # --other-claims: a fluxion run per other value of scheduler.claim_launch (native, plans,
+        # graphs), named after it, each with its own lane-rate estimates.
+        launch_default = gpu_ex.claim_launch
+        other_launches = {f"fluxion_{mode}": mode for mode in gpu_ex.CLAIM_LAUNCHES if mode != launch_default} \
+            if args.other_claims else {}
+        for name in other_launches:
+            runs[name] = ("fluxion", "mix")
+            claim_cfg[name] = claim_cfg["fluxion"]
         # --other-metadata: a fluxion run whose GPU lane scores blocks from the other metadata source
         # (the store's GPU copy, kv_cache.gpu_metadata, or the pinned arena over the link).
         meta_default = gpu_ex.use_gpu_metadata and rt.store.metadata_gpu(0) is not None
@@ -264,13 +265,14 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         def one_step(name: str) -> None:
             placement, plan = runs[name]
             # The placement's own lane-rate estimates; a claim-programs or --other-claims variant has its own.
-            own = name.startswith("fluxion_cp") or name in (other, other_meta, other_sel, "gpu_only_waits", *unplanned)
+            own = name.startswith("fluxion_cp") or name in (*other_launches, other_meta, other_sel, "gpu_only_waits",
+                                                           *unplanned)
             LaunchPlan.enabled = name not in unplanned
             rt.scheduler.set_placement(placement, estimates=name if own else None)
             rt.gpu_only_trails = trails_default and name != "gpu_only_waits"
             rt.finite_check = "sync" if name == "gpu_only_waits" else check_default
             gpu_ex.config = claim_cfg[name]
-            gpu_ex.claim_graphs = graphs_default != (name == other)
+            gpu_ex.claim_launch = other_launches.get(name, launch_default)
             gpu_ex.use_gpu_metadata = meta_default != (name == other_meta)
             if picks is not None:
                 picks.enabled = picks_default != (name == other_sel)
@@ -333,16 +335,18 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
             rt.timeline.write_chrome_trace(os.path.join(args.trace_dir, "layer_attention-trace-8x32k.json"))
         # After the measured steps: the probe's launches neither disturb nor teach the policies.
         gpu_ex.config = claim_cfg["fluxion"]
-        gpu_ex.claim_graphs = graphs_default
+        gpu_ex.claim_launch = launch_default
         gpu_ex.use_gpu_metadata = meta_default
         if picks is not None:
             picks.enabled = picks_default
         probe = probe_gpu_lane(rt, mix, batch, context) if args.gpu_probe else None
-        if probe is not None and args.other_claims:
-            gpu_ex.claim_graphs = not graphs_default
-            again = probe_gpu_lane(rt, mix, batch, context)
-            gpu_ex.claim_graphs = graphs_default
-            probe[other.removeprefix("fluxion_")] = {k: again[k] for k in ("claims", "fit_wall", "fit_gpu")}
+        if probe is not None:
+            probe["claim_launch"] = launch_default
+            for name, mode in other_launches.items():
+                gpu_ex.claim_launch = mode
+                again = probe_gpu_lane(rt, mix, batch, context)
+                gpu_ex.claim_launch = launch_default
+                probe[mode] = {k: again[k] for k in ("claims", "fit_wall", "fit_gpu", "launch_host_us_median")}
         if probe is not None and args.other_metadata:
             gpu_ex.use_gpu_metadata = not meta_default
             again = probe_gpu_lane(rt, mix, batch, context)
@@ -544,10 +548,12 @@ def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> di
             if probe[fit]["GBps"] is not None:
                 m[f"gpu_lane_fit{suffix}_GBps"] = probe[fit]["GBps"]
         # --other-claims, --other-metadata: the same probe on the other claim path or metadata source
-        for path in ("direct", "claim_graphs", "host_metadata", "gpu_metadata"):
+        for path in ("native", "plans", "graphs", "host_metadata", "gpu_metadata"):
             again = probe.get(path) if probe else None
             if again and again.get(fit):
                 m[f"gpu_lane_fixed_cost{suffix}_{path}_us"] = again[fit]["intercept_us"]
+            if again and suffix == "" and again.get("launch_host_us_median") is not None:
+                m[f"gpu_lane_launch_host_{path}_us"] = again["launch_host_us_median"]
     return {k: v if isinstance(v, int) else float(v) for k, v in m.items()}
 
 
@@ -616,9 +622,10 @@ def main() -> None:
                     help="programs of a GPU claim's attention launch (0: one per task split); the first value "
                          "for every policy, each further one adds a fluxion run with it (e.g. 0,132,66)")
     ap.add_argument("--other-claims", action="store_true",
-                    help="also run fluxion with its claims on the other path of scheduler.claim_graphs (the default "
-                         "launches their kernels directly: fluxion_claim_graphs replays them from CUDA graphs) and "
-                         "probe the GPU lane that way too (gpu_lane_fixed_cost*_claim_graphs_us)")
+                    help="also run fluxion with its claims launched each other way of scheduler.claim_launch (the "
+                         "default is native: fluxion_plans launches two planned Triton launches, fluxion_graphs "
+                         "replays them from CUDA graphs) and probe the GPU lane those ways too "
+                         "(gpu_lane_fixed_cost*_<way>_us, gpu_lane_launch_host_<way>_us)")
     ap.add_argument("--other-metadata", action="store_true",
                     help="also run fluxion with its GPU lane scoring blocks from the pinned arena's metadata over the "
                          "link (fluxion_host_metadata; the default scores from the store's GPU copy, "

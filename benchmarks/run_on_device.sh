@@ -35,7 +35,7 @@ for step in $steps; do
             tests/test_gpu_lane_trails.py tests/test_deferred_input_check.py tests/test_step_inputs.py tests/test_gpu_picks.py ;;
         gpu_attention) timeout 150 python benchmarks/gpu_attention.py --rounds 7 --out-dir "$out" ;;
         cpu_attention) timeout 150 python benchmarks/cpu_attention.py --out "$out" ;;
-        layer_attention) timeout 400 python benchmarks/layer_attention.py --steps 16 --other-selection --unplanned --out "$out/layer_attention-$dev.json" ;;
+        layer_attention) timeout 590 python benchmarks/layer_attention.py --steps 16 --other-selection --other-claims --out "$out/layer_attention-$dev.json" ;;
         step_phases) timeout 300 python benchmarks/diag/step_phases.py --batch 4 --context 32768 --steps 30 ;;
         launch_cost) timeout 200 python benchmarks/diag/launch_cost.py --batch 8 --context 32768 --steps 20 ;;
         launch_behind_spin) timeout 200 python benchmarks/diag/launch_behind_spin.py --batch 8 --context 32768 ;;

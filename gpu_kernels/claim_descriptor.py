@@ -6,7 +6,8 @@ host time on the launcher thread during a step (benchmarks/notes/gpu_lane.md, se
 which is the step's critical path once the CPU lane trails it. Here the same work reads its
 inputs from one int64 row (`DESC_*` below) that the host writes before the launch, and a fixed
 number of programs pull the claim's work items from a counter, so the grids and every argument
-are fixed: the two launches can be captured once into a CUDA graph and a claim is one replay.
+are fixed: the two launches can be captured once into a CUDA graph and a claim is one replay, or
+issued with parameters packed once by one native call (`native_claim`).
 
 Why pulled from a counter, not dealt round-robin (item p, p + P, ...): items differ in length --
 the program that takes a task's last score ticket runs its whole selection, ~0.1 ms, and unions
@@ -25,6 +26,8 @@ tensors only give the compiled kernel its dtypes.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -158,37 +161,69 @@ def claim_programs(device: torch.device, config: SparseConfig) -> tuple[int, int
     return 4 * sms, config.claim_programs if config.claim_programs > 0 else 4 * sms
 
 
-def launch_claim_descriptor(
+class DescriptorLaunch(NamedTuple):
+    """One of a claim's two descriptor launches, complete: what `CachedLaunch` takes."""
+
+    launch: CachedLaunch
+    grid: tuple[int]
+    args: tuple
+    constexprs: dict
+    options: dict
+
+    def __call__(self) -> None:
+        self.launch(self.grid, self.args, self.constexprs, tuple(self.constexprs.values()), self.options)
+
+    def compiled(self) -> Any:
+        """The compiled kernel this launch runs, once a launch compiled it (None before)."""
+        return self.launch.compiled(self.args, tuple(self.constexprs.values()), self.options)
+
+
+def claim_descriptor_launches(
     desc: torch.Tensor, q_carrier: torch.Tensor, arena_carrier: torch.Tensor, table_carrier: torch.Tensor,
     scores: torch.Tensor, tickets: torch.Tensor, ublocks: torch.Tensor, uheads: torch.Tensor, counts: torch.Tensor,
     part_out: torch.Tensor, part_lse: torch.Tensor, work: torch.Tensor, programs: tuple[int, int],
     config: SparseConfig, meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW),
-) -> None:
-    """Queue both launches of the claim `desc` (`[DESC_WORDS]` int64, on the device) names, on
-    the current stream. Everything else is fixed between claims (capturable): the scratch of
-    `GpuUvaExecutor` (scores `[T, G, NB_CAP]` fp32, tickets `[2, T]` int32 zero, ublocks/uheads
-    `[T, NB_CAP]`, counts `[T]` int32, part_out `[T, MAX_SPLITS, G, D]`, part_lse
-    `[T, MAX_SPLITS, G]`, work `[4]` int32 zero: the two launches' item counters), the carriers'
-    dtypes (q fp32, the arena's, the table's int32), the program counts and `meta_layout`, the
-    `(rows per chunk, first metadata row)` of what `DESC_META` points at (`score_select`'s)."""
+) -> tuple[DescriptorLaunch, DescriptorLaunch]:
+    """Both launches of the claim `desc` (`[DESC_WORDS]` int64, on the device) names, in order.
+    Everything else is fixed between claims (capturable): the scratch of `GpuUvaExecutor` (scores
+    `[T, G, NB_CAP]` fp32, tickets `[2, T]` int32 zero, ublocks/uheads `[T, NB_CAP]`, counts `[T]`
+    int32, part_out `[T, MAX_SPLITS, G, D]`, part_lse `[T, MAX_SPLITS, G]`, work `[4]` int32 zero:
+    the two launches' item counters), the carriers' dtypes (q fp32, the arena's, the table's
+    int32), the program counts and `meta_layout`, the `(rows per chunk, first metadata row)` of
+    what `DESC_META` points at (`score_select`'s)."""
     g, d = part_out.shape[2], part_out.shape[3]
     block_g = max(2, next_pow2(g))
     nb_cap = scores.shape[2]
     n_score, n_attend = programs
     sel = dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=d, BLOCK_B=BLOCK_B, SEL_CHUNK=SEL_ELEMS // block_g,
                CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1])
-    _select_launch((n_score,), (desc, q_carrier, arena_carrier, table_carrier, scores, tickets[0], ublocks, uheads,
-                                counts, work[0:2], nb_cap, n_score),
-                   sel, tuple(sel.values()), {"num_warps": NUM_WARPS})
     att = dict(
         N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
         BLOCK_N=config.block_n, CHUNK_ROWS=layout.CHUNK_ROWS, V_ROW=layout.V_ROW,
         CHUNK_TOKENS=layout.CHUNK_TOKENS, PAGE=layout.PAGE_SIZE, NUM_STAGES=config.num_stages,
         DOT_PRECISION=dot_precision(arena_carrier.dtype), GC=max(2, next_pow2(g)), MAX_S=MAX_SPLITS, SB=8,
     )
-    _attend_launch((n_attend,), (desc, q_carrier, arena_carrier, table_carrier, ublocks, uheads, counts, part_out,
-                                 part_lse, tickets[1], work[2:4], nb_cap, n_attend),
-                   att, tuple(att.values()), {"num_warps": config.num_warps})
+    return (
+        DescriptorLaunch(_select_launch, (n_score,),
+                         (desc, q_carrier, arena_carrier, table_carrier, scores, tickets[0], ublocks, uheads, counts,
+                          work[0:2], nb_cap, n_score), sel, {"num_warps": NUM_WARPS}),
+        DescriptorLaunch(_attend_launch, (n_attend,),
+                         (desc, q_carrier, arena_carrier, table_carrier, ublocks, uheads, counts, part_out, part_lse,
+                          tickets[1], work[2:4], nb_cap, n_attend), att, {"num_warps": config.num_warps}),
+    )
+
+
+def launch_claim_descriptor(
+    desc: torch.Tensor, q_carrier: torch.Tensor, arena_carrier: torch.Tensor, table_carrier: torch.Tensor,
+    scores: torch.Tensor, tickets: torch.Tensor, ublocks: torch.Tensor, uheads: torch.Tensor, counts: torch.Tensor,
+    part_out: torch.Tensor, part_lse: torch.Tensor, work: torch.Tensor, programs: tuple[int, int],
+    config: SparseConfig, meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW),
+) -> None:
+    """Queue both launches of the claim `desc` names on the current stream (arguments as
+    `claim_descriptor_launches` takes them)."""
+    for launch in claim_descriptor_launches(desc, q_carrier, arena_carrier, table_carrier, scores, tickets, ublocks,
+                                            uheads, counts, part_out, part_lse, work, programs, config, meta_layout):
+        launch()
 
 
 _select_launch = CachedLaunch(_score_select_desc_kernel)

@@ -82,6 +82,13 @@ class CachedLaunch:
 
     fast_launches = 0
 
+    def compiled(self, args: tuple, variant: tuple, options: dict) -> object | None:
+        """The compiled kernel a call with these arguments runs, once a call compiled it; None
+        before that, under the interpreter, or where the JIT launches every call."""
+        if self._broken or interpreted():
+            return None
+        return self._compiled.get((variant, tuple(options.items()), _specialization(args)))
+
 
 def _launch_hooks() -> tuple:
     """Triton's launch hooks (enter, exit), or (None, None) when none is set. Newer Tritons keep an

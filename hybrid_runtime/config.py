@@ -348,12 +348,14 @@ class SchedulerConfig:
     # GPU selection for the CPU lane (`cpu_task_selection`), when the CPU lane alone ends within
     # the launcher's measured time before the next step; false: claim as the lane rates size it.
     gate_trailing_claims: bool = True
-    # CUDA GPU lane: true replays each claim's two kernels from a CUDA graph (they read the claim
-    # from a descriptor row and pull work items from a counter): one replay a claim instead of two
-    # launches on the launcher thread. Off by default: on the H100 the replayed claims cost
-    # 50-100 us more GPU time a claim than the direct launches and no layer-step got faster
-    # (benchmarks/notes/gpu_lane.md section 15).
-    claim_graphs: bool = False
+    # How the CUDA GPU lane launches a claim's two kernels. "native": one numba call writes the
+    # claim's descriptor row and issues its copy, both launches and both events through the CUDA
+    # driver (gpu_kernels/native_claim.py; where the driver or a kernel does not allow it, claims
+    # launch as planned and `stats()["claim_native_error"]` says why); "plans": two planned Triton
+    # launches (`LaunchPlan`); "graphs": the descriptor kernels replayed from a CUDA graph per
+    # landing slot (measured slower on the H100, benchmarks/notes/gpu_lane.md section 15). Without
+    # CUDA a GPU lane runs under Triton's interpreter, native claims as their descriptor kernels.
+    claim_launch: str = field(default="native", metadata=_choices("native", "plans", "graphs"))
     # When NaN/inf in decode's q, k, v (or lookahead) is reported (hybrid_runtime/input_check.py):
     # "sync" by that call, before anything changes; "deferred" by a later call (the check runs on
     # the device, the host does not wait for it; the bad step itself ran); "auto": deferred on CUDA
@@ -403,7 +405,7 @@ IDLE_SCHEDULER_VALUES = {
     "spin_us": (SchedulerConfig.spin_us,),
     "cpu_lane_trails": ("auto", False),
     "gate_trailing_claims": (SchedulerConfig.gate_trailing_claims, False),
-    "claim_graphs": (SchedulerConfig.claim_graphs, False),
+    "claim_launch": (SchedulerConfig.claim_launch,),
     "cpu_task_selection": ("auto", "host"),
 }
 
@@ -628,6 +630,8 @@ MOVED_KEYS = {
     "policy": f"selection (which blocks each head reads: name {' / '.join(SELECTION_NAMES)}, block_size, "
               "budget, streaming_heads)",
     "scheduler.policy": f"scheduler.placement (where tasks run: {', '.join(PLACEMENT_NAMES)})",
+    "scheduler.claim_graphs": "scheduler.claim_launch (how GPU-lane claims launch: native, plans, or graphs "
+                              "for claims replayed from CUDA graphs)",
     "workload.layers": "geometry.layers (a runtime is built for the layers it decodes; e.g. "
                        "geometry: {name: llama-3.1-8b, layers: 4})",
 }
@@ -1135,7 +1139,8 @@ def resolved(cfg: Config, cuda: bool) -> Config:
         scheduler=dataclasses.replace(sc, gpu_worker=lanes and sc.gpu_lane(cuda),
                                       cpu_workers=sc.cpu_worker_count() if lanes else 0,
                                       cpu_lane_trails=trails, gate_trailing_claims=trails and sc.gate_trailing_claims,
-                                      claim_graphs=lanes and cuda and sc.gpu_lane(cuda) and sc.claim_graphs,
+                                      claim_launch=sc.claim_launch if lanes and sc.gpu_lane(cuda) else
+                                      SchedulerConfig.claim_launch,
                                       # Applied on the fluxion placement's steps only.
                                       cpu_task_selection="gpu" if selects_cpu_tasks_on_gpu(cfg, cuda) and
                                       sc.placement == "fluxion" else "host"),

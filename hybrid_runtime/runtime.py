@@ -235,7 +235,7 @@ class HybridRuntime:
 
                 if uses_gpu_metadata(cfg, True):
                     store.enable_gpu_metadata()  # before any prefill: the copy is written with the chunks
-                gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream(), claim_graphs=sc.claim_graphs)
+                gpu_executor = GpuUvaExecutor(store, stream=torch.cuda.Stream(), claim_launch=sc.claim_launch)
                 # The link is measured now (the scheduler reads it); the claim kernels compile on
                 # the background warm-up thread, before the first decode step (warmup.py).
                 gpu_executor.measure_link()
@@ -1197,9 +1197,13 @@ class HybridRuntime:
             # Window parts replayed from a CUDA graph, and the graphs captured (kv_cache.window_graphs).
             "window_graph_replays": self._window_graphs.replays if self._window_graphs is not None else 0,
             "window_graph_captures": self._window_graphs.captures if self._window_graphs is not None else 0,
-            # GPU-lane claims replayed from a CUDA graph, and the graphs captured (scheduler.claim_graphs).
+            # GPU-lane claims replayed from a CUDA graph, and the graphs captured (scheduler.claim_launch
+            # graphs); claims issued by the native launcher, and why it could not be built (None: it
+            # could, or was not asked for).
             "claim_graph_replays": getattr(self.gpu_executor, "graph_replays", 0),
             "claim_graph_captures": getattr(self.gpu_executor, "graph_captures", 0),
+            "claim_native_launches": getattr(self.gpu_executor, "native_launches", 0),
+            "claim_native_error": getattr(self.gpu_executor, "native_error", None),
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
             "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }

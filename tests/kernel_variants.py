@@ -178,16 +178,16 @@ def decode_step(geometry: GeometryConfig, dtype: str) -> None:
 
 def gpu_lane(geometry: GeometryConfig, dtype: str) -> None:
     """The GPU lane's claim launches (score+select, attention+combine): the executor's warm-up,
-    with the claims launched directly and from descriptors (`scheduler.claim_graphs`), scoring
+    with the claims as planned launches and from descriptors (`scheduler.claim_launch`), scoring
     from the arena and from the store's GPU copy of the metadata (`kv_cache.gpu_metadata`)."""
     from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
 
     _, store = _store(geometry, dtype)
-    GpuUvaExecutor(store).warm_up()
-    GpuUvaExecutor(store, claim_graphs=True).warm_up()
+    GpuUvaExecutor(store, claim_launch="plans").warm_up()
+    GpuUvaExecutor(store, claim_launch="native").warm_up()
     store.enable_gpu_metadata()  # the variants that score from the store's copy of the metadata
-    GpuUvaExecutor(store).warm_up()
-    GpuUvaExecutor(store, claim_graphs=True).warm_up()
+    GpuUvaExecutor(store, claim_launch="plans").warm_up()
+    GpuUvaExecutor(store, claim_launch="native").warm_up()
     store.close()
 
 

@@ -50,16 +50,20 @@ def test_gpu_worker_auto_means_a_gpu_lane_only_with_cuda():
     assert resolved(config_from_dict({}), cuda=True).scheduler.gpu_worker is True
     # The CUDA-only switches resolve to what they do: nothing on the host.
     sc, kv = ran.scheduler, ran.kv_cache
-    assert (sc.cpu_lane_trails, sc.gate_trailing_claims, sc.claim_graphs, kv.window_graphs) == (False,) * 4
+    assert (sc.cpu_lane_trails, sc.gate_trailing_claims, kv.window_graphs) == (False,) * 3
     on_cuda = resolved(config_from_dict({}), cuda=True)
     assert (on_cuda.scheduler.cpu_lane_trails, on_cuda.scheduler.gate_trailing_claims,
             on_cuda.kv_cache.window_graphs) == (True,) * 3
-    assert on_cuda.scheduler.claim_graphs is False  # off by default
-    # Claim graphs are the CUDA GPU lane's: without the lane they do nothing.
-    graphs = {"scheduler": {"claim_graphs": True}}
-    assert resolved(config_from_dict(graphs), cuda=True).scheduler.claim_graphs is True
-    no_lane = resolved(config_from_dict({"scheduler": {"gpu_worker": False, "claim_graphs": True}}), cuda=True)
-    assert no_lane.scheduler.claim_graphs is False and resolved(config_from_dict(graphs), cuda=False).scheduler.claim_graphs is False
+    assert on_cuda.scheduler.claim_launch == "native"  # the default
+    # How claims launch is the GPU lane's: without the lane the key keeps its default.
+    graphs = {"scheduler": {"claim_launch": "graphs"}}
+    assert resolved(config_from_dict(graphs), cuda=True).scheduler.claim_launch == "graphs"
+    no_lane = resolved(config_from_dict({"scheduler": {"gpu_worker": False, "claim_launch": "plans"}}), cuda=True)
+    assert no_lane.scheduler.claim_launch == "native" and resolved(config_from_dict(graphs), cuda=False).scheduler.claim_launch == "native"
+    with pytest.raises(ConfigError, match=r"scheduler.claim_launch.*native.*plans.*graphs"):
+        config_from_dict({"scheduler": {"claim_launch": "eager"}})
+    with pytest.raises(ConfigError, match=r"scheduler.claim_graphs: replaced by scheduler.claim_launch"):
+        config_from_dict({"scheduler": {"claim_graphs": True}})
     assert config_from_dict(ran.to_dict()) == ran and config_from_dict(on_cuda.to_dict()) == on_cuda
 
 

@@ -330,7 +330,7 @@ def test_fresh_task_sets_are_staged_not_made_resident():
     assert made == [] and not ex._resident
 
 
-def _claims_through_executor(claim_graphs: bool, bounds, budget: float = 0.3, gpu_metadata: bool = False):
+def _claims_through_executor(claim_launch: str, bounds, budget: float = 0.3, gpu_metadata: bool = False):
     """Claims of `bounds` over one step's tasks (two sequences, every KV head, block 16) through a
     `GpuUvaExecutor`; returns (out, lse, bytes per task). `gpu_metadata`: the store keeps a copy
     of the metadata on its device (`KVStore.enable_gpu_metadata`), made after the first prompt
@@ -359,7 +359,7 @@ def _claims_through_executor(claim_graphs: bool, bounds, budget: float = 0.3, gp
         for h in range(2):
             nsel = np.array([blocks_for_budget(budget * (1 + j), cl, 16) for j in range(g)], dtype=np.int32)
             tasks.append(Task(i, 0, h, i, 16, np.full(g, budget, np.float32), nsel, cl, table[h]))
-    ex = GpuUvaExecutor(store, claim_graphs=claim_graphs)
+    ex = GpuUvaExecutor(store, claim_launch=claim_launch)
     ex.compile_kernels()
     tab, nsel, chunks, _ = native_table(tasks, g)
     step = Step.empty(0, q, g)
@@ -372,28 +372,32 @@ def _claims_through_executor(claim_graphs: bool, bounds, budget: float = 0.3, gp
     return step.out.cpu(), step.lse.cpu(), per_task, ex
 
 
+@pytest.mark.parametrize("launch", ["graphs", "native"])
 @pytest.mark.parametrize("bounds", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]])
-def test_descriptor_claims_equal_direct_launches(bounds):
-    """Claims read from a descriptor row (captured into CUDA graphs on CUDA, launched directly
-    here) give what the two direct launches give, claim by claim, on every landing slot."""
-    out_d, lse_d, bytes_d, _ = _claims_through_executor(False, bounds)
-    out_g, lse_g, bytes_g, ex = _claims_through_executor(True, bounds)
+def test_descriptor_claims_equal_planned_launches(bounds, launch):
+    """Claims read from a descriptor row -- replayed from CUDA graphs, or issued by the native
+    launcher through the CUDA driver (both launched as descriptor kernels here, without CUDA) --
+    give what the two planned launches give, claim by claim, on every landing slot."""
+    out_d, lse_d, bytes_d, _ = _claims_through_executor("plans", bounds)
+    out_g, lse_g, bytes_g, ex = _claims_through_executor(launch, bounds)
     assert torch.equal(out_g, out_d) and torch.equal(lse_g, lse_d)
     assert np.array_equal(bytes_g, bytes_d)
     assert torch.isfinite(lse_d).all()  # every head attended something
     assert not ex._work.any()  # the launches' item counters are back at zero for the next claim
-    if CUDA:
+    if CUDA and launch == "graphs":
         assert ex.capture_error is None and ex.graph_captures >= ex.RING and ex.graph_replays == len(bounds)
+    if CUDA and launch == "native":
+        assert ex.native_error is None and ex.native_launches == len(bounds)
 
 
-@pytest.mark.parametrize("claim_graphs", [False, True])
-def test_claims_score_from_the_gpu_copy_of_the_metadata(claim_graphs):
+@pytest.mark.parametrize("claim_launch", ["plans", "graphs", "native"])
+def test_claims_score_from_the_gpu_copy_of_the_metadata(claim_launch):
     """Scored from the store's GPU copy of the metadata (`kv_cache.gpu_metadata`), claims attend
     exactly what they attend when scoring from the arena; only the metadata's bytes move from
     the host count (`bytes_read`) to the device count (`device_bytes_read`)."""
     bounds = [(0, 1), (1, 4)]
-    out_a, lse_a, bytes_a, ex_a = _claims_through_executor(claim_graphs, bounds)
-    out_m, lse_m, bytes_m, ex_m = _claims_through_executor(claim_graphs, bounds, gpu_metadata=True)
+    out_a, lse_a, bytes_a, ex_a = _claims_through_executor(claim_launch, bounds)
+    out_m, lse_m, bytes_m, ex_m = _claims_through_executor(claim_launch, bounds, gpu_metadata=True)
     assert torch.equal(out_m, out_a) and torch.equal(lse_m, lse_a)
     meta = np.array([-(-n // 16) * 2 * 32 * 2 for n in (700 - 48, 700 - 48, 420 - 48, 420 - 48)])  # blocks x (min, max) x D x bf16
     assert np.array_equal(bytes_a - bytes_m, meta) and (bytes_m > 0).all()

@@ -10,13 +10,17 @@ Python, no allocation: scratch buffers grow only at `upload`, when a step needs 
 step before it. Every kernel variant is compiled by `warm_up` (or `compile_kernels`), before the first
 decode step.
 
-With `claim_graphs` (`scheduler.claim_graphs`, off by default: measured slower on the GPU, see
-benchmarks/notes/gpu_lane.md section 15) the two launches read the claim -- its rows, grids, table,
-step buffers and landing slot -- from a pinned descriptor row (`gpu_kernels/claim_descriptor.py`)
-and are captured once per landing slot into a CUDA graph: a claim is then one row write and one
-replay, not two launches with their argument handling (~0.2-0.3 ms of host time on the launcher
-thread during a step, benchmarks/notes/gpu_lane.md). Without CUDA the descriptor kernels launch
-directly (tests), and if a capture fails they do so on CUDA too.
+How a claim launches is `claim_launch` (`scheduler.claim_launch`). "native" (the default): the two
+launches read the claim -- its rows, grids, table, step buffers and landing slot -- from a pinned
+descriptor row (`gpu_kernels/claim_descriptor.py`), so every kernel argument is fixed per landing
+slot, and one nogil numba call writes the row and issues the row's copy, both launches and the two
+timing events through the CUDA driver (`gpu_kernels/native_claim.py`): a claim's host side is that
+call and its handle, not ~15 Python-level operations (107-265 us a claim on the GPU machine,
+benchmarks/notes/gpu_lane.md section 21). Where the launcher cannot be built (`native_error` says
+why) claims launch as "plans": two planned Triton launches (`LaunchPlan`). "graphs": the descriptor
+kernels captured once per landing slot into a CUDA graph, a claim one row write and one replay
+(measured slower on the GPU, section 15). Without CUDA the descriptor kernels of "native" and
+"graphs" run directly under the interpreter (tests), as on CUDA if a capture fails.
 
 Block metadata is scored from the store's GPU copy of it when the store keeps one
 (`kv_cache.gpu_metadata`, `KVStore.enable_gpu_metadata`): a task then reads only the K and V of
@@ -39,7 +43,12 @@ import torch
 
 from cpu_kernels import layout
 from gpu_kernels._checks import cdiv
-from gpu_kernels.claim_descriptor import DESC_WORDS, claim_programs, launch_claim_descriptor
+from gpu_kernels.claim_descriptor import (
+    DESC_COUNTS_HOST, DESC_PARTS, DESC_PPS, DESC_ROW0, DESC_SPLITS, DESC_TASKS, DESC_WORDS, claim_descriptor_launches,
+    claim_programs,
+)
+from gpu_kernels.cuda_driver import DriverEvent, check, driver_api, driver_error, free_event_count, reserve_events
+from gpu_kernels.native_claim import NativeClaim
 from gpu_kernels.score_select import BLOCK_B, ScoreSelectPlan
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseAttentionClaimPlan, SparseConfig, claim_splits
 from gpu_kernels.streams import capture_graph, use_stream
@@ -58,14 +67,16 @@ class GpuLaunch:
 
     `start`/`end` are CUDA events on CUDA (host floats under the interpreter). `wait` blocks until
     the claim finished and returns the bytes each of its tasks read from host memory, in claim
-    order: K and V of its union, plus the metadata unless it was scored from the GPU copy.
+    order: K and V of its union, plus the metadata unless it was scored from the GPU copy. The
+    byte arrays are made there, not at launch: the launch is on the lane's critical path.
     """
 
     executor: "GpuUvaExecutor"
+    table: StepTable  # the step's table; the claim is its rows [row0, row0 + n_tasks)
+    row0: int
     n_tasks: int
-    meta_bytes: np.ndarray  # [n] bytes of metadata the scoring read
-    kv_bytes_per_block: np.ndarray  # [n] bytes of K+V per selected block
-    counts_host: torch.Tensor  # [n] union sizes, landing in pinned memory
+    ring: np.ndarray  # the executor's pinned landing slots when it launched (`_grow` may replace them)
+    slot: int  # the claim's union sizes arrive in this row of `ring`
     start: object
     end: object
     # The metadata came from the store's GPU copy: not host bytes (counted in `device_bytes_read`).
@@ -79,13 +90,16 @@ class GpuLaunch:
         if self.bytes_read is None:
             if not isinstance(self.end, float):
                 self.end.synchronize()
-            counts = self.counts_host.numpy().astype(np.int64)
-            self.bytes_read = counts * self.kv_bytes_per_block
+            ex, rows = self.executor, slice(self.row0, self.row0 + self.n_tasks)
+            row_bytes = 2 * ex.head_dim * ex.esize  # K+V (or min+max) of one token-row of a head
+            counts = self.ring[self.slot, :self.n_tasks].astype(np.int64)
+            self.bytes_read = counts * (self.table.block_size[rows] * row_bytes)
+            meta_bytes = self.table.n_blocks[rows] * row_bytes
             if self.meta_on_device:
-                self.executor.device_bytes_read += int(self.meta_bytes.sum())
+                ex.device_bytes_read += int(meta_bytes.sum())
             else:
-                self.bytes_read += self.meta_bytes
-            self.executor.bytes_read += int(self.bytes_read.sum())
+                self.bytes_read += meta_bytes
+            ex.bytes_read += int(self.bytes_read.sum())
         return self.bytes_read
 
 
@@ -105,8 +119,14 @@ class GpuUvaExecutor:
     # the GPU lane may return from a step before the claim ended and retire it later (`GpuLane.trails`).
     retire_later = True
 
+    # How a claim's kernels are launched (`scheduler.claim_launch`): "native" -- the descriptor
+    # kernels issued by one numba call through the CUDA driver (`gpu_kernels/native_claim.py`);
+    # "plans" -- two planned Triton launches (`LaunchPlan`); "graphs" -- the descriptor kernels
+    # replayed from a CUDA graph per landing slot. Without CUDA, native claims launch as planned.
+    CLAIM_LAUNCHES = ("native", "plans", "graphs")
+
     def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None,
-                 claim_graphs: bool = False):
+                 claim_launch: str = "native"):
         self.store = store
         self.cuda = torch.cuda.is_available()
         self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
@@ -129,12 +149,19 @@ class GpuUvaExecutor:
         self._resident: dict[int, tuple] = {}
         # Packed tables passed as `resident` once so far (id -> table): a second use makes them resident.
         self._seen_once: dict[int, np.ndarray] = {}
-        self.claim_graphs = bool(claim_graphs)
+        self._claim_launch = "plans"
+        self.claim_launch = claim_launch
         self._graphs: list = [None] * self.RING  # per landing slot, captured by `_capture`
         self.graph_replays = 0
         self.graph_captures = 0
         self.capture_error: str | None = None  # after a failed capture the descriptor kernels launch directly
-        # One descriptor row per landing slot (made whatever `claim_graphs`, which may be switched):
+        # Native launchers per metadata layout (None: not possible, `native_error` says why), and
+        # the step words of the step being claimed (`_native_step`).
+        self._native: dict = {}
+        self._step_words: tuple | None = None
+        self.native_launches = 0
+        self.native_error: str | None = None
+        # One descriptor row per landing slot (made whatever `claim_launch`, which may be switched):
         # a claim's row is rewritten only after the claim that last used the slot was retired
         # (the ring's rule), so never while a kernel reads it.
         self._desc = torch.zeros((self.RING, DESC_WORDS), dtype=torch.int64, pin_memory=self.cuda)
@@ -150,6 +177,9 @@ class GpuUvaExecutor:
                           torch.empty(1, dtype=torch.int32, device=self.dev))
         self._programs = claim_programs(self.dev, self._config)
         self._work = torch.zeros(4, dtype=torch.int32, device=self.dev)  # the descriptor launches' item counters
+        # A descriptor row no claim uses: compiling a variant for the native launcher runs a claim
+        # of no tasks from it (all zeros), beside claims in flight.
+        self._desc_idle = torch.zeros(DESC_WORDS, dtype=torch.int64, device=self.dev)
         self._capture_stream = torch.cuda.Stream() if self.cuda else None
         # `pick` launches here, not on the lane's stream: there it would queue behind the previous
         # layer's trailing claims while the CPU workers wait for it (0.3 ms of the workers' start
@@ -175,6 +205,16 @@ class GpuUvaExecutor:
         self._programs = claim_programs(self.dev, config)
 
     @property
+    def claim_launch(self) -> str:
+        return self._claim_launch
+
+    @claim_launch.setter
+    def claim_launch(self, mode: str) -> None:
+        if mode not in self.CLAIM_LAUNCHES:
+            raise ValueError(f"claim_launch {mode!r}; allowed: {', '.join(self.CLAIM_LAUNCHES)}")
+        self._claim_launch = mode
+
+    @property
     def use_gpu_metadata(self) -> bool:
         """Score blocks from the store's GPU copy of the metadata when it keeps one
         (`KVStore.enable_gpu_metadata`); false reads it from the arena over the link (benchmarks
@@ -194,10 +234,14 @@ class GpuUvaExecutor:
         return MetadataSource(meta, (layout.META_ROWS, 0), True)
 
     def _drop_graphs(self) -> None:
-        """Forget the claim graphs (recaptured on their next use), once none is being replayed."""
+        """Forget the claim graphs (recaptured on their next use), once none is being replayed, and
+        the native launchers (their parameters point at the buffers being replaced; rebuilt at
+        their next use)."""
         if self.cuda and any(gr is not None for gr in self._graphs):
             self.stream.synchronize()
         self._graphs = [None] * self.RING
+        self._native = {}
+        self._step_words = None
 
     # ------------------------------------------------------------------ buffers
     # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
@@ -228,6 +272,7 @@ class GpuUvaExecutor:
         self._ring = torch.zeros((self.RING, tasks), dtype=torch.int32, pin_memory=self.cuda)
         # The select kernel writes union sizes straight into these pinned slots through a UVA view.
         self._ring_dev = uva_view(self._ring) if self.cuda else self._ring
+        self._ring_np = self._ring.numpy()
         self._ring_users: list[GpuLaunch | None] = [None] * self.RING
         # The claim's two launches planned over this scratch (`LaunchPlan`): a few microseconds of
         # host time each instead of tens, on the launcher's path during a step.
@@ -330,10 +375,13 @@ class GpuUvaExecutor:
         prev = self._ring_users[slot]
         if prev is not None and prev.bytes_read is None:
             raise RuntimeError(f"more than {self.RING} launches in flight; wait for earlier launches first")
+        if self._claim_launch == "native" and self.cuda:
+            handle = self._launch_native(table, start, stop, step, slot)
+            if handle is not None:
+                return handle
         nb_max, pages_max = table.claim_shape(start, stop)
         arena = self._arena(step.layer)
         meta = self._metadata_source(step.layer, arena)
-        counts_host = self._ring[slot, :n]
         if self.cuda:
             # Fresh events: the timeline resolves them after later launches have run. Everything is
             # issued on the lane's stream by handle: no stream switch, no copy to queue.
@@ -347,13 +395,74 @@ class GpuUvaExecutor:
             ev0 = time.perf_counter()
             self._kernels(table, start, n, nb_max, pages_max, step, arena, meta, slot)
             ev1 = time.perf_counter()
-        blk = table.block_size[start:stop]
-        row_bytes = 2 * self.head_dim * self.esize
-        handle = GpuLaunch(self, n, table.n_blocks[start:stop] * row_bytes, blk * row_bytes, counts_host, ev0, ev1,
-                           meta_on_device=meta.on_device)
+        handle = GpuLaunch(self, table, start, n, self._ring_np, slot, ev0, ev1, meta_on_device=meta.on_device)
         self._ring_users[slot] = handle
         self.launches += 1
         return handle
+
+    def _launch_native(self, table: StepTable, start: int, stop: int, step: Step, slot: int) -> GpuLaunch | None:
+        """The claim issued by one native call (`gpu_kernels/native_claim.py`); None where this
+        step's kernel variant has no native launcher (the caller launches it another way)."""
+        words = self._step_words
+        if words is None or words[0] is not table or words[1] is not step:
+            words = self._step_words = self._native_step(table, step)
+        native, template, on_device = words[2], words[3], words[4]
+        if native is None:
+            return None
+        ev0, ev1 = DriverEvent(), DriverEvent()
+        code = native(table.n_blocks, table.union_pages, start, stop, slot, self._desc_np, template, ev0.cuda_event,
+                      ev1.cuda_event)
+        if code:
+            check(code, f"the GPU lane's native launch of claim [{start}, {stop})")
+        handle = GpuLaunch(self, table, start, stop - start, self._ring_np, slot, ev0, ev1, meta_on_device=on_device)
+        self._ring_users[slot] = handle
+        self.launches += 1
+        self.native_launches += 1
+        return handle
+
+    def _native_step(self, table: StepTable, step: Step) -> tuple:
+        """(table, step, launcher, descriptor words of the step, metadata on the device): what every
+        native claim of this step shares, made at its first claim."""
+        arena = self._arena(step.layer)
+        meta = self._metadata_source(step.layer, arena)
+        native = self._native.get(meta.layout)
+        if native is None and meta.layout not in self._native:
+            native = self._build_native(meta.layout)
+        return table, step, native, self._step_template(table, step, arena, meta.tensor), meta.on_device
+
+    @staticmethod
+    def _step_template(table: StepTable, step: Step, arena: torch.Tensor, meta: torch.Tensor) -> np.ndarray:
+        """The descriptor words every claim of a step shares (`_write_descriptor` writes the same
+        words, and the claim's own, per claim); the claim's words are left zero."""
+        q = step.q
+        return np.array((table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), 0, 0, 0, 0, 0,
+                         arena.data_ptr(), 0, q.data_ptr(), q.stride(0), q.stride(1), step.out.data_ptr(),
+                         step.lse.data_ptr(), q.shape[1], meta.data_ptr()), dtype=np.int64)
+
+    def _build_native(self, meta_layout: tuple[int, int]) -> "NativeClaim | None":
+        """The native launcher of `meta_layout`'s kernel variant over the current buffers (compiling
+        the variant first if no claim did yet), or None -- with the reason in `native_error` --
+        where the driver or the kernels do not allow it. Off the hot path: at warm-up, and after
+        `_grow` replaced the buffers (a step larger than any before)."""
+        api = driver_api()
+        result = driver_error() or "no CUDA driver" if api is None else None
+        if result is None:
+            slot_launches = [self._descriptor_launches(self._desc_dev[slot], meta_layout) for slot in range(self.RING)]
+            if slot_launches[0][0].compiled() is None or slot_launches[0][1].compiled() is None:
+                # Compile the variant with a claim of no tasks, from a row no claim uses.
+                with use_stream(self.stream):
+                    for launch in self._descriptor_launches(self._desc_idle, meta_layout):
+                        launch()
+            result = NativeClaim.build(api, slot_launches, self._stream_handle, self._desc, self._desc_dev,
+                                       self._ring_dev, self._config)
+        if isinstance(result, str):
+            if self.native_error is None:
+                log.warning("GPU lane: claims cannot be launched natively (%s); they launch as planned Triton launches",
+                            result)
+            self.native_error = result
+            result = None
+        self._native[meta_layout] = result
+        return result
 
     def pick(self, table: StepTable, start: int, stop: int, step: Step, ublocks: torch.Tensor, uheads: torch.Tensor,
              counts: torch.Tensor, ready: torch.Tensor, stamp: int, after: object = None) -> object:
@@ -399,9 +508,11 @@ class GpuUvaExecutor:
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
                  meta: MetadataSource, slot: int) -> None:
         meta_layout = meta.layout
-        if self.claim_graphs:
+        # Without CUDA, native claims run the descriptor kernels they would launch (under the
+        # interpreter); on CUDA, a claim the native launcher cannot issue is launched as planned.
+        if self._claim_launch == "graphs" or (self._claim_launch == "native" and not self.cuda):
             self._write_descriptor(table, start, n, nb_max, pages_max, step, arena, meta.tensor, slot)
-            graph = self._graphs[slot]
+            graph = self._graphs[slot] if self._claim_launch == "graphs" else None
             if graph is not None:
                 with use_stream(self.stream):
                     graph.replay()
@@ -410,7 +521,7 @@ class GpuUvaExecutor:
             if self.cuda:
                 with use_stream(self.stream):
                     self._descriptor_kernels(slot, meta_layout)  # compiles a missing variant
-                if self.capture_error is None:
+                if self.capture_error is None and self._claim_launch == "graphs":
                     self._capture(slot, meta_layout)
             else:
                 self._descriptor_kernels(slot, meta_layout)
@@ -425,21 +536,23 @@ class GpuUvaExecutor:
     def _write_descriptor(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step,
                           arena, meta, slot: int) -> None:
         n_splits, pps = claim_splits(pages_max, self.config)
-        q = step.q
-        self._desc_np[slot] = (
-            table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), start, n,
-            cdiv(max(1, nb_max), BLOCK_B), n_splits, pps, arena.data_ptr(), self._ring_dev[slot].data_ptr(),
-            q.data_ptr(), q.stride(0), q.stride(1), step.out.data_ptr(), step.lse.data_ptr(), q.shape[1],
-            meta.data_ptr(),
-        )
+        row = self._step_template(table, step, arena, meta)
+        row[[DESC_ROW0, DESC_TASKS, DESC_PARTS, DESC_SPLITS, DESC_PPS, DESC_COUNTS_HOST]] = (
+            start, n, cdiv(max(1, nb_max), BLOCK_B), n_splits, pps, self._ring_dev[slot].data_ptr())
+        self._desc_np[slot] = row
 
     def _descriptor_kernels(self, slot: int, meta_layout: tuple[int, int]) -> None:
         """The claim of descriptor row `slot`, on the current stream."""
         if self.cuda:
             self._desc_dev[slot].copy_(self._desc[slot], non_blocking=True)
-        launch_claim_descriptor(self._desc_dev[slot], *self._carriers, self._scores, self._tickets, self._ublocks,
-                                self._uheads, self._counts, self._part_out, self._part_lse, self._work, self._programs,
-                                self.config, meta_layout=meta_layout)
+        for launch in self._descriptor_launches(self._desc_dev[slot], meta_layout):
+            launch()
+
+    def _descriptor_launches(self, desc: torch.Tensor, meta_layout: tuple[int, int]) -> tuple:
+        """The two descriptor launches of a claim whose row is `desc` (on the device)."""
+        return claim_descriptor_launches(desc, *self._carriers, self._scores, self._tickets, self._ublocks,
+                                         self._uheads, self._counts, self._part_out, self._part_lse, self._work,
+                                         self._programs, self.config, meta_layout=meta_layout)
 
     def _capture(self, slot: int, meta_layout: tuple[int, int]) -> None:
         """Capture slot `slot`'s two launches (their kernels compiled already) into a CUDA graph."""
@@ -509,14 +622,20 @@ class GpuUvaExecutor:
             if self.cuda:
                 self._pick_stream.synchronize()
             self.picks = 0
-        if self.claim_graphs and self.cuda:
+        if self._claim_launch == "graphs" and self.cuda:
             meta_layout = self._metadata_source(0, self._arena(0)).layout
             for slot in range(self.RING):  # now, not on a step's critical path
                 if self._graphs[slot] is None and self.capture_error is None:
                     self._capture(slot, meta_layout)
+        if self._claim_launch == "native" and self.cuda:
+            # Now, not at the first claim: the launcher (a numba compile), and events for claims.
+            self._build_native(self._metadata_source(0, self._arena(0)).layout)
+            if driver_api() is not None:
+                reserve_events(max(0, 4 * self.RING - free_event_count()))
         self.bytes_read = 0
         self.device_bytes_read = 0
         self.launches = 0
+        self.native_launches = 0
 
     def measure_link(self) -> None:
         """Measure the host-to-GPU link (CUDA only), which bounds the scheduler's model of this

@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from gpu_kernels.cuda_driver import elapsed_ms
+
 LANE_CPU = 0
 LANE_GPU = 1
 
@@ -76,7 +78,8 @@ class CudaClock:
         """Host time of a completed event (floats pass through: host-timed intervals)."""
         if isinstance(ev, float):
             return ev
-        return self.t_ref + self.ref.elapsed_time(ev) * 1e-3 * self.rate
+        # Either kind of event: the GPU lane's native claims record driver events (`DriverEvent`).
+        return self.t_ref + elapsed_ms(self.ref, ev) * 1e-3 * self.rate
 
 
 @dataclass
