@@ -5,7 +5,12 @@ of host time for the call: about the spin's length. This times the launch call, 
 it, behind spins of several lengths on the lane's stream, with the workers idle. A part whose host
 time grows with the spin waits for the GPU.
 
-    python benchmarks/diag/launch_behind_spin.py [--batch 8 --context 32768]
+    python benchmarks/diag/launch_behind_spin.py [--batch 8 --context 32768] [--claim-launch native,plans]
+        [--spins 0,50000,200000,800000] [--fresh-table]
+
+Each way of `scheduler.claim_launch` in turn (`--claim-launch`). `--fresh-table`: upload the task
+table before every claim, as the layer probe does (a native claim then builds its step's descriptor
+words: `_native_step`), instead of once.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.diag.mix_runtime import decode_random_step, mix_arguments, mix_runtime, timed  # noqa: E402
 from benchmarks.layer_attention import prefill_random  # noqa: E402
+from gpu_kernels.cuda_driver import DriverEvent  # noqa: E402
+from gpu_kernels.native_claim import NativeClaim  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
 
@@ -29,6 +36,9 @@ from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
 def main() -> None:
     ap = mix_arguments(__doc__, batch=8, warmup=4, steps=0)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--claim-launch", default="native,plans", help="ways of scheduler.claim_launch, in turn")
+    ap.add_argument("--spins", default="0,50000,200000,800000", help="spin kernel cycles before each claim")
+    ap.add_argument("--fresh-table", action="store_true", help="upload the task table before every claim")
     args = ap.parse_args()
     b, ctx = args.batch, args.context
     rt, geo, gen = mix_runtime("launch_behind_spin", args.layers, b, ctx)
@@ -58,34 +68,41 @@ def main() -> None:
         wrap(type(plan), "claim_shape", "claim_shape")
         wrap(type(ex), "_metadata_source", "metadata source")
         wrap(type(ex), "_arena", "arena view")
+        wrap(type(ex), "_native_step", "native step words")
+        wrap(NativeClaim, "__call__", "native call")
+        wrap(DriverEvent, "__init__", "driver event")
+        wrap(type(ex), "_launch_native", "native launch")
         small = torch.zeros(16, device="cuda")
-        for k in (1, len(ordered)):
-            for spin in (0, 50_000, 200_000, 800_000):
-                parts.clear()
-                launch, add = [], []
-                for r in range(args.reps + 1):
-                    torch.cuda.synchronize()
-                    with torch.cuda.stream(ex.stream):
-                        if spin:
-                            torch.cuda._sleep(spin)
-                    timing[0] = r > 0
-                    t0 = time.perf_counter()
-                    handle = ex.launch(plan, 0, k, step)
-                    t1 = time.perf_counter()
-                    with torch.cuda.stream(ex.stream):
-                        small.add_(1.0)  # control: a torch launch on the same busy stream
-                    t2 = time.perf_counter()
-                    timing[0] = False
-                    handle.wait()
-                    if r:
-                        launch.append(t1 - t0)
-                        add.append(t2 - t1)
-                row = f"{k:3d} tasks, spin {spin:7d} cycles: launch {np.median(launch) * 1e6:7.1f} us, torch add after it " \
-                      f"{np.median(add) * 1e6:6.1f} us"
-                for label, took in sorted(parts.items()):
-                    per_claim = np.sum(took) / args.reps
-                    row += f"; {label} {per_claim * 1e6:.1f}"
-                print(row, flush=True)
+        for mode, k, spin in ((m, k, s) for m in args.claim_launch.split(",") for k in (1, len(ordered))
+                          for s in (int(x) for x in args.spins.split(","))):
+            ex.claim_launch = mode
+            parts.clear()
+            launch, add = [], []
+            for r in range(args.reps + 1):
+                if args.fresh_table:
+                    plan = ex.upload(packed, ordered)
+                torch.cuda.synchronize()
+                with torch.cuda.stream(ex.stream):
+                    if spin:
+                        torch.cuda._sleep(spin)
+                timing[0] = r > 0
+                t0 = time.perf_counter()
+                handle = ex.launch(plan, 0, k, step)
+                t1 = time.perf_counter()
+                with torch.cuda.stream(ex.stream):
+                    small.add_(1.0)  # control: a torch launch on the same busy stream
+                t2 = time.perf_counter()
+                timing[0] = False
+                handle.wait()
+                if r:
+                    launch.append(t1 - t0)
+                    add.append(t2 - t1)
+            row = f"{mode:6s} {k:3d} tasks, spin {spin:7d} cycles: launch {np.median(launch) * 1e6:7.1f} us, torch add after it " \
+                  f"{np.median(add) * 1e6:6.1f} us"
+            for label, took in sorted(parts.items()):
+                per_claim = np.sum(took) / args.reps
+                row += f"; {label} {per_claim * 1e6:.1f}"
+            print(row, flush=True)
     finally:
         for owner, name, real in reversed(wrapped):
             setattr(owner, name, real)
