@@ -59,6 +59,10 @@ DESC_LSE = 14  # address of the step's lse (fp32 [B, Hq], contiguous)
 DESC_HQ = 15  # query heads of the step
 DESC_META = 16  # address the block metadata is scored from: the arena's view, or the store's GPU copy
 DESC_WORDS = 17
+# Words between consecutive rows of a table of descriptors: rows start 16-byte aligned, so every
+# landing slot's row specialises the launches alike (Triton keys its compiled kernels on argument
+# alignment, and a launch cache on it too: 17-word rows left every other slot's launch uncompiled).
+DESC_ROW_STRIDE = 18
 
 
 @triton.jit

@@ -41,10 +41,11 @@ from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig
 S_STREAM = 0  # the lane's stream
 S_DESC_HOST = 1  # address of descriptor row 0 in pinned memory
 S_DESC_DEV = 2  # address of descriptor row 0 on the device
-S_RING_DEV = 3  # device address of landing slot 0's union sizes (a UVA view of pinned memory)
-S_RING_STRIDE = 4  # bytes between landing slots
-S_PPS_MIN = 5  # fewest pages per attention split (`claim_splits`)
-S_KERNELS = 6  # then per launch: function, grid, threads per program, dynamic shared memory bytes
+S_DESC_STRIDE = 3  # bytes between descriptor rows (the same on the host and the device)
+S_RING_DEV = 4  # device address of landing slot 0's union sizes (a UVA view of pinned memory)
+S_RING_STRIDE = 5  # bytes between landing slots
+S_PPS_MIN = 6  # fewest pages per attention split (`claim_splits`)
+S_KERNELS = 7  # then per launch: function, grid, threads per program, dynamic shared memory bytes
 KERNEL_WORDS = 4
 N_LAUNCHES = 2
 STATE_WORDS = S_KERNELS + KERNEL_WORDS * N_LAUNCHES
@@ -91,8 +92,9 @@ def _make_claim_launch(launch_kernel, event_record, memcpy_htod_async):
         rc = event_record(np.uint64(ev0), stream)
         if rc != 0:
             return rc
-        rc = memcpy_htod_async(np.uint64(state[S_DESC_DEV] + slot * desc_bytes),
-                               np.uint64(state[S_DESC_HOST] + slot * desc_bytes), np.uint64(desc_bytes), stream)
+        offset = slot * state[S_DESC_STRIDE]
+        rc = memcpy_htod_async(np.uint64(state[S_DESC_DEV] + offset), np.uint64(state[S_DESC_HOST] + offset),
+                               np.uint64(desc_bytes), stream)
         if rc != 0:
             return rc
         for k in range(N_LAUNCHES):
@@ -182,17 +184,21 @@ class NativeClaim:
               desc_host: torch.Tensor, desc_dev: torch.Tensor, ring_dev: torch.Tensor,
               config: SparseConfig) -> "NativeClaim | str":
         """`slot_launches[s]`: the descriptor launches of landing slot `s` (compiled already);
-        `desc_host`/`desc_dev`: the `[slots, DESC_WORDS]` int64 descriptor rows (pinned, device);
+        `desc_host`/`desc_dev`: the `[slots, DESC_WORDS]` int64 descriptor rows (pinned, device; rows
+        `DESC_ROW_STRIDE` words apart in the executor's, any equal spacing here);
         `ring_dev`: the `[slots, tasks]` int32 landing slots' device view. Returns the launcher, or
         why it cannot be built."""
         slots = len(slot_launches)
-        if desc_host.shape != (slots, DESC_WORDS) or desc_dev.shape != (slots, DESC_WORDS) or ring_dev.shape[0] != slots:
-            raise ValueError(f"descriptor rows {tuple(desc_host.shape)} / {tuple(desc_dev.shape)} and landing slots "
-                             f"{tuple(ring_dev.shape)} for {slots} slots of {DESC_WORDS} words")
+        if desc_host.shape != (slots, DESC_WORDS) or desc_dev.shape != (slots, DESC_WORDS) or ring_dev.shape[0] != slots \
+                or desc_host.stride() != desc_dev.stride() or desc_host.stride(1) != 1:
+            raise ValueError(f"descriptor rows {tuple(desc_host.shape)} / {tuple(desc_dev.shape)} (strides "
+                             f"{desc_host.stride()} / {desc_dev.stride()}) and landing slots {tuple(ring_dev.shape)} for "
+                             f"{slots} slots of {DESC_WORDS} contiguous words, rows equally spaced on both sides")
         state = np.zeros(STATE_WORDS, dtype=np.int64)
         state[S_STREAM] = stream
         state[S_DESC_HOST] = desc_host.data_ptr()
         state[S_DESC_DEV] = desc_dev.data_ptr()
+        state[S_DESC_STRIDE] = desc_host.stride(0) * 8
         state[S_RING_DEV] = ring_dev.data_ptr()
         state[S_RING_STRIDE] = ring_dev.stride(0) * ring_dev.element_size()
         state[S_PPS_MIN] = max(config.pages_per_split, config.block_n // layout.PAGE_SIZE)

@@ -359,6 +359,13 @@ def _claims_through_executor(claim_launch: str, bounds, budget: float = 0.3, gpu
         for h in range(2):
             nsel = np.array([blocks_for_budget(budget * (1 + j), cl, 16) for j in range(g)], dtype=np.int32)
             tasks.append(Task(i, 0, h, i, 16, np.full(g, budget, np.float32), nsel, cl, table[h]))
+    if claim_launch == "native":
+        # As in a fresh process: the descriptor launches' cache holds nothing another test compiled
+        # (the native launcher must find every landing slot's variant compiled by its own warm-up).
+        from gpu_kernels import claim_descriptor
+
+        claim_descriptor._select_launch._compiled.clear()
+        claim_descriptor._attend_launch._compiled.clear()
     ex = GpuUvaExecutor(store, claim_launch=claim_launch)
     ex.compile_kernels()
     tab, nsel, chunks, _ = native_table(tasks, g)

@@ -150,6 +150,8 @@ def test_the_native_row_is_the_executors_descriptor_row():
     store = KVStore(kv, geom)
     try:
         ex = GpuUvaExecutor(store, claim_launch="native")
+        # Every landing slot's row starts 16-byte aligned: the launches specialise alike.
+        assert all(ex._desc[s].data_ptr() % 16 == 0 == ex._desc_dev[s].data_ptr() % 16 for s in range(ex.RING))
         rng = np.random.default_rng(0)
         n = 6
         tab = np.zeros((n, native_pool.T_COLS), dtype=np.int64)

@@ -44,7 +44,8 @@ import torch
 from cpu_kernels import layout
 from gpu_kernels._checks import cdiv
 from gpu_kernels.claim_descriptor import (
-    DESC_COUNTS_HOST, DESC_PARTS, DESC_PPS, DESC_ROW0, DESC_SPLITS, DESC_TASKS, DESC_WORDS, claim_descriptor_launches,
+    DESC_COUNTS_HOST, DESC_PARTS, DESC_PPS, DESC_ROW0, DESC_ROW_STRIDE, DESC_SPLITS, DESC_TASKS, DESC_WORDS,
+    claim_descriptor_launches,
     claim_programs,
 )
 from gpu_kernels.cuda_driver import DriverEvent, check, driver_api, driver_error, free_event_count, reserve_events
@@ -164,12 +165,12 @@ class GpuUvaExecutor:
         # One descriptor row per landing slot (made whatever `claim_launch`, which may be switched):
         # a claim's row is rewritten only after the claim that last used the slot was retired
         # (the ring's rule), so never while a kernel reads it.
-        self._desc = torch.zeros((self.RING, DESC_WORDS), dtype=torch.int64, pin_memory=self.cuda)
+        self._desc = torch.zeros((self.RING, DESC_ROW_STRIDE), dtype=torch.int64, pin_memory=self.cuda)[:, :DESC_WORDS]
         self._desc_np = self._desc.numpy()
         # Each claim's row is copied to the device first (one 128-byte copy, in the graph too): read
         # through UVA by every program of both launches it cost ~0.13 ms of GPU time a claim
         # (measured on the H100 at b09f43e: fixed cost 255 us against the direct launches' 126).
-        self._desc_dev = torch.zeros((self.RING, DESC_WORDS), dtype=torch.int64, device=self.dev) \
+        self._desc_dev = torch.zeros((self.RING, DESC_ROW_STRIDE), dtype=torch.int64, device=self.dev)[:, :DESC_WORDS] \
             if self.cuda else self._desc
         # Only their dtypes matter (the kernels take the addresses from the descriptor).
         self._carriers = (torch.empty(1, dtype=torch.float32, device=self.dev),
