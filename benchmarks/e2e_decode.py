@@ -28,8 +28,9 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         instead of replayed from a CUDA graph per (layer, batch size).
     fluxion_ungated     fluxion with `scheduler.gate_trailing_claims: false`: a trailing step's GPU claim
                         sized by the lane rates even where its CPU lane ends within the launcher's time.
-    fluxion_plans,      fluxion with `scheduler.claim_launch` plans / graphs: each GPU claim is two
-    fluxion_graphs      planned Triton launches, or a CUDA graph replay, instead of one native call.
+    fluxion_native,     fluxion with `scheduler.claim_launch` native / graphs: each GPU claim is one
+    fluxion_graphs      native call through the CUDA driver, or a CUDA graph replay, instead of two
+                        planned Triton launches.
     fluxion_host_selection fluxion with `scheduler.cpu_task_selection: host`: the CPU workers score
                         their tasks' metadata themselves instead of attending the GPU lane's selection.
     fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
@@ -232,9 +233,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Trailing steps claim GPU work as the lane rates size it, even where the CPU lane ends within the
     # launcher's own time (the default reserves none there).
     Variant("fluxion_ungated", "hybrid", placement="fluxion", scheduler={"gate_trailing_claims": False}),
-    # The GPU lane's claims as two planned Triton launches, or replayed from CUDA graphs (the default
-    # issues both kernels from one native call through the CUDA driver).
-    Variant("fluxion_plans", "hybrid", placement="fluxion", scheduler={"claim_launch": "plans"}),
+    # The GPU lane's claims issued by one native call through the CUDA driver, or replayed from CUDA
+    # graphs (the default launches their two kernels as planned Triton launches).
+    Variant("fluxion_native", "hybrid", placement="fluxion", scheduler={"claim_launch": "native"}),
     Variant("fluxion_graphs", "hybrid", placement="fluxion", scheduler={"claim_launch": "graphs"}),
     # The CPU workers select their own blocks from the arena's metadata (the default has the GPU lane
     # select them from its copy of the metadata where that pays: scheduler.cpu_task_selection).

@@ -348,14 +348,16 @@ class SchedulerConfig:
     # GPU selection for the CPU lane (`cpu_task_selection`), when the CPU lane alone ends within
     # the launcher's measured time before the next step; false: claim as the lane rates size it.
     gate_trailing_claims: bool = True
-    # How the CUDA GPU lane launches a claim's two kernels. "native": one numba call writes the
-    # claim's descriptor row and issues its copy, both launches and both events through the CUDA
-    # driver (gpu_kernels/native_claim.py; where the driver or a kernel does not allow it, claims
-    # launch as planned and `stats()["claim_native_error"]` says why); "plans": two planned Triton
-    # launches (`LaunchPlan`); "graphs": the descriptor kernels replayed from a CUDA graph per
-    # landing slot (measured slower on the H100, benchmarks/notes/gpu_lane.md section 15). Without
-    # CUDA a GPU lane runs under Triton's interpreter, native claims as their descriptor kernels.
-    claim_launch: str = field(default="native", metadata=_choices("native", "plans", "graphs"))
+    # How the CUDA GPU lane launches a claim's two kernels. "plans" (the default): two planned Triton
+    # launches (`LaunchPlan`). "native": one numba call writes the claim's descriptor row and issues
+    # its copy, both launches and both events through the CUDA driver (gpu_kernels/native_claim.py):
+    # ~27 us of host time a claim against ~99 as planned, but on the H200 its layer-steps and
+    # end-to-end TPOT were slower in most same-run comparisons (benchmarks/notes/gpu_lane.md
+    # section 22); where it cannot be built claims launch as planned and
+    # `stats()["claim_native_error"]` says why. "graphs": the descriptor kernels replayed from a CUDA
+    # graph per landing slot (section 15). Without CUDA a GPU lane runs under Triton's interpreter,
+    # native and graph claims as their descriptor kernels.
+    claim_launch: str = field(default="plans", metadata=_choices("plans", "native", "graphs"))
     # When NaN/inf in decode's q, k, v (or lookahead) is reported (hybrid_runtime/input_check.py):
     # "sync" by that call, before anything changes; "deferred" by a later call (the check runs on
     # the device, the host does not wait for it; the bad step itself ran); "auto": deferred on CUDA

@@ -10,17 +10,18 @@ Python, no allocation: scratch buffers grow only at `upload`, when a step needs 
 step before it. Every kernel variant is compiled by `warm_up` (or `compile_kernels`), before the first
 decode step.
 
-How a claim launches is `claim_launch` (`scheduler.claim_launch`). "native" (the default): the two
-launches read the claim -- its rows, grids, table, step buffers and landing slot -- from a pinned
-descriptor row (`gpu_kernels/claim_descriptor.py`), so every kernel argument is fixed per landing
-slot, and one nogil numba call writes the row and issues the row's copy, both launches and the two
-timing events through the CUDA driver (`gpu_kernels/native_claim.py`): a claim's host side is that
-call and its handle, not ~15 Python-level operations (107-265 us a claim on the GPU machine,
-benchmarks/notes/gpu_lane.md section 21). Where the launcher cannot be built (`native_error` says
-why) claims launch as "plans": two planned Triton launches (`LaunchPlan`). "graphs": the descriptor
-kernels captured once per landing slot into a CUDA graph, a claim one row write and one replay
-(measured slower on the GPU, section 15). Without CUDA the descriptor kernels of "native" and
-"graphs" run directly under the interpreter (tests), as on CUDA if a capture fails.
+How a claim launches is `claim_launch` (`scheduler.claim_launch`). "plans" (the default): two
+planned Triton launches (`LaunchPlan`). "native": the two launches read the claim -- its rows,
+grids, table, step buffers and landing slot -- from a pinned descriptor row
+(`gpu_kernels/claim_descriptor.py`), so every kernel argument is fixed per landing slot, and one
+nogil numba call writes the row and issues the row's copy, both launches and the two timing events
+through the CUDA driver (`gpu_kernels/native_claim.py`): 25-27 us of host time a claim on the
+H200 against 99 as planned, yet slower layer-steps and TPOT in most same-run comparisons there
+(benchmarks/notes/gpu_lane.md section 22). Where its launcher cannot be built (`native_error` says
+why) claims launch as planned. "graphs": the descriptor kernels captured once per landing slot into
+a CUDA graph, a claim one row write and one replay (section 15). Without CUDA the descriptor
+kernels of "native" and "graphs" run directly under the interpreter (tests), as on CUDA if a
+capture fails.
 
 Block metadata is scored from the store's GPU copy of it when the store keeps one
 (`kv_cache.gpu_metadata`, `KVStore.enable_gpu_metadata`): a task then reads only the K and V of
@@ -120,14 +121,14 @@ class GpuUvaExecutor:
     # the GPU lane may return from a step before the claim ended and retire it later (`GpuLane.trails`).
     retire_later = True
 
-    # How a claim's kernels are launched (`scheduler.claim_launch`): "native" -- the descriptor
-    # kernels issued by one numba call through the CUDA driver (`gpu_kernels/native_claim.py`);
-    # "plans" -- two planned Triton launches (`LaunchPlan`); "graphs" -- the descriptor kernels
-    # replayed from a CUDA graph per landing slot. Without CUDA, native claims launch as planned.
-    CLAIM_LAUNCHES = ("native", "plans", "graphs")
+    # How a claim's kernels are launched (`scheduler.claim_launch`): "plans" -- two planned Triton
+    # launches (`LaunchPlan`); "native" -- the descriptor kernels issued by one numba call through
+    # the CUDA driver (`gpu_kernels/native_claim.py`); "graphs" -- the descriptor kernels replayed
+    # from a CUDA graph per landing slot.
+    CLAIM_LAUNCHES = ("plans", "native", "graphs")
 
     def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None,
-                 claim_launch: str = "native"):
+                 claim_launch: str = "plans"):
         self.store = store
         self.cuda = torch.cuda.is_available()
         self.dev = torch.device("cuda") if self.cuda else torch.device("cpu")
