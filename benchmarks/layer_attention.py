@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import write_results  # noqa: E402
 from benchmarks.machine_limits import concurrent_ceiling, h2d_bandwidth, host_read_bandwidth  # noqa: E402
 from gpu_kernels.launch import LaunchPlan  # noqa: E402
-from hybrid_runtime.config import GEOMETRIES, config_from_dict  # noqa: E402
+from hybrid_runtime.config import GEOMETRIES, SchedulerConfig, config_from_dict  # noqa: E402
 from hybrid_runtime.profiling import LANE_CPU, LANE_GPU  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 from hybrid_runtime.scheduler import HeadPlan, plan_cores  # noqa: E402
@@ -669,7 +669,9 @@ def main() -> None:
               "other_metadata": args.other_metadata, "other_selection": args.other_selection,
               "gpu_only_waits": args.gpu_only_waits,
               "streaming": args.streaming, "budget_range": list(args.budget_range), "blocks": list(args.blocks),
-              "seed": args.seed, "torch": torch.__version__, "pinning": cores.note}
+              "seed": args.seed, "torch": torch.__version__, "pinning": cores.note,
+              # How the policies' GPU claims launched (the --other-claims rows name theirs).
+              "claim_launch": SchedulerConfig.claim_launch}
     path = write(metrics, points_out, {"config": config, "machine_limits": measured, "gpu_lane_probes": probes}, args.out)
     md = markdown(json.loads(path.read_text()))
     path.with_suffix(".md").write_text(md)
