@@ -632,7 +632,7 @@ MOVED_KEYS = {
     "policy": f"selection (which blocks each head reads: name {' / '.join(SELECTION_NAMES)}, block_size, "
               "budget, streaming_heads)",
     "scheduler.policy": f"scheduler.placement (where tasks run: {', '.join(PLACEMENT_NAMES)})",
-    "scheduler.claim_graphs": "scheduler.claim_launch (how GPU-lane claims launch: native, plans, or graphs "
+    "scheduler.claim_graphs": "scheduler.claim_launch (how GPU-lane claims launch: plans, native, or graphs "
                               "for claims replayed from CUDA graphs)",
     "workload.layers": "geometry.layers (a runtime is built for the layers it decodes; e.g. "
                        "geometry: {name: llama-3.1-8b, layers: 4})",
