@@ -12,6 +12,9 @@ Modules, one concept each:
     split_combine       log-sum-exp reduction of split-K partials into `[B, Hq]` rows
     lse_merge           merge of two partial `(out, lse)` results
     launch              `CachedLaunch`: a compiled kernel launched without the JIT's per-call work
+    claim_descriptor    the claim kernels reading their claim from a descriptor row (fixed arguments)
+    native_claim        a claim issued by one numba call through the CUDA driver (those kernels)
+    cuda_driver         the driver calls made directly (ctypes) and `DriverEvent`
     _checks             argument checks shared by the wrappers
 
 On a machine without CUDA, Triton kernels can only run under Triton's interpreter. Triton reads
