@@ -126,6 +126,13 @@ class GpuUvaExecutor:
     # the CUDA driver (`gpu_kernels/native_claim.py`); "graphs" -- the descriptor kernels replayed
     # from a CUDA graph per landing slot.
     CLAIM_LAUNCHES = ("plans", "native", "graphs")
+    # Events created for native claims at warm-up. A claim's two events stay alive until the
+    # runtime's timeline resolves its step (every 256 steps, `Timeline.RESOLVE_EVERY`), so with a
+    # few claims a step a few thousand are in use before the first handles come back to the free
+    # list; a dry list creates `cuda_driver.EVENT_BATCH` at once (32 driver calls) on the launcher's path.
+    # Before this the warm-up made 32: the measured native runs (benchmarks/notes/gpu_lane.md
+    # section 22) paid such a batch every 16 claims until the timeline's first resolution.
+    NATIVE_EVENTS = 4096
 
     def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None,
                  claim_launch: str = "plans"):
@@ -633,7 +640,7 @@ class GpuUvaExecutor:
             # Now, not at the first claim: the launcher (a numba compile), and events for claims.
             self._build_native(self._metadata_source(0, self._arena(0)).layout)
             if driver_api() is not None:
-                reserve_events(max(0, 4 * self.RING - free_event_count()))
+                reserve_events(max(0, self.NATIVE_EVENTS - free_event_count()))
         self.bytes_read = 0
         self.device_bytes_read = 0
         self.launches = 0
