@@ -57,9 +57,13 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--launch-loop", type=int, default=200,
                     help="then time this many step-inputs launches back to back, workers idle (0: skip)")
+    ap.add_argument("--claim-launch", choices=("plans", "native", "graphs"), default=None,
+                    help="how the GPU lane's claims launch (scheduler.claim_launch; default: the config's)")
     args = ap.parse_args()
     b, ctx = args.batch, args.context
     rt, geo, gen = mix_runtime("step_phases", args.layers, b, ctx)
+    if args.claim_launch is not None:
+        rt.gpu_executor.claim_launch = args.claim_launch
     stamps = Stamps()
     real_select = ScoreSelectPlan.__call__
     sch = rt.scheduler

@@ -126,12 +126,12 @@ class GpuUvaExecutor:
     # the CUDA driver (`gpu_kernels/native_claim.py`); "graphs" -- the descriptor kernels replayed
     # from a CUDA graph per landing slot.
     CLAIM_LAUNCHES = ("plans", "native", "graphs")
-    # Events created for native claims at warm-up. A claim's two events stay alive until the
-    # runtime's timeline resolves its step (every 256 steps, `Timeline.RESOLVE_EVERY`), so with a
-    # few claims a step a few thousand are in use before the first handles come back to the free
-    # list; a dry list creates `cuda_driver.EVENT_BATCH` at once (32 driver calls) on the launcher's path.
-    # Before this the warm-up made 32: the measured native runs (benchmarks/notes/gpu_lane.md
-    # section 22) paid such a batch every 16 claims until the timeline's first resolution.
+    # Driver events kept ready for native claims, topped up whenever `claim_launch` is set to native.
+    # A claim's two events stay alive until the runtime's timeline resolves its step (every 256
+    # steps, `Timeline.RESOLVE_EVERY`), so with a few claims a step a few thousand are in use before
+    # the first handles come back to the free list; a dry list creates `cuda_driver.EVENT_BATCH` at
+    # once (32 driver calls) on the launcher's path. The measured native runs (benchmarks/notes/
+    # gpu_lane.md section 22) had 32 ready, and so paid such a batch every 16 claims until then.
     NATIVE_EVENTS = 4096
 
     def __init__(self, store, stream: "torch.cuda.Stream | None" = None, config: SparseConfig | None = None,
@@ -219,9 +219,13 @@ class GpuUvaExecutor:
 
     @claim_launch.setter
     def claim_launch(self, mode: str) -> None:
+        """Switching to native claims on CUDA tops the driver events up to `NATIVE_EVENTS` now (on
+        the caller's thread, whose CUDA context they join), not inside claims."""
         if mode not in self.CLAIM_LAUNCHES:
             raise ValueError(f"claim_launch {mode!r}; allowed: {', '.join(self.CLAIM_LAUNCHES)}")
         self._claim_launch = mode
+        if mode == "native" and self.cuda and driver_api() is not None:
+            reserve_events(max(0, self.NATIVE_EVENTS - free_event_count()))
 
     @property
     def use_gpu_metadata(self) -> bool:
@@ -637,10 +641,9 @@ class GpuUvaExecutor:
                 if self._graphs[slot] is None and self.capture_error is None:
                     self._capture(slot, meta_layout)
         if self._claim_launch == "native" and self.cuda:
-            # Now, not at the first claim: the launcher (a numba compile), and events for claims.
+            # Now, not at the first claim: the launcher (a numba compile). Its events were made when
+            # `claim_launch` was set.
             self._build_native(self._metadata_source(0, self._arena(0)).layout)
-            if driver_api() is not None:
-                reserve_events(max(0, self.NATIVE_EVENTS - free_event_count()))
         self.bytes_read = 0
         self.device_bytes_read = 0
         self.launches = 0
