@@ -54,15 +54,19 @@ STATE_WORDS = S_KERNELS + KERNEL_WORDS * N_LAUNCHES
 # (Triton 3.3 the first, 3.5 the second); a kernel ignores parameters it does not declare.
 SCRATCH_PARAMS = 2
 
-_launchers: dict = {}
+_launchers: list = []  # (DriverApi, compiled claim_launch)
 
 
 def claim_launcher(api: DriverApi):
     """The compiled `claim_launch` calling `api`'s functions (compiled once per `api`: numba takes
     the ctypes functions as constants, so it cannot be cached on disk)."""
-    fn = _launchers.get(id(api))
-    if fn is None:
-        fn = _launchers[id(api)] = _make_claim_launch(api.launch_kernel, api.event_record, api.memcpy_htod_async)
+    # Matched by identity with the api held here (ctypes functions are unhashable): a dict keyed by
+    # id() could hand a later api whose id was reused a launcher calling freed callbacks.
+    for held, fn in _launchers:
+        if held is api:
+            return fn
+    fn = _make_claim_launch(api.launch_kernel, api.event_record, api.memcpy_htod_async)
+    _launchers.append((api, fn))
     return fn
 
 
