@@ -217,18 +217,5 @@ def claim_descriptor_launches(
     )
 
 
-def launch_claim_descriptor(
-    desc: torch.Tensor, q_carrier: torch.Tensor, arena_carrier: torch.Tensor, table_carrier: torch.Tensor,
-    scores: torch.Tensor, tickets: torch.Tensor, ublocks: torch.Tensor, uheads: torch.Tensor, counts: torch.Tensor,
-    part_out: torch.Tensor, part_lse: torch.Tensor, work: torch.Tensor, programs: tuple[int, int],
-    config: SparseConfig, meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW),
-) -> None:
-    """Queue both launches of the claim `desc` names on the current stream (arguments as
-    `claim_descriptor_launches` takes them)."""
-    for launch in claim_descriptor_launches(desc, q_carrier, arena_carrier, table_carrier, scores, tickets, ublocks,
-                                            uheads, counts, part_out, part_lse, work, programs, config, meta_layout):
-        launch()
-
-
 _select_launch = CachedLaunch(_score_select_desc_kernel)
 _attend_launch = CachedLaunch(_claim_desc_kernel)

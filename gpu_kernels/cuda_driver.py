@@ -58,6 +58,8 @@ _api_lock = threading.Lock()
 def driver_api() -> DriverApi | None:
     """The driver's entry points, or None where libcuda cannot be loaded (`driver_error` says why)."""
     global _api, _api_error
+    if _api is not None:  # set once, never unset: no lock on the events' calls
+        return _api
     with _api_lock:
         if _api is None and _api_error is None:
             try:
