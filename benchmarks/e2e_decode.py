@@ -282,7 +282,7 @@ def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: in
             host = arena_bytes(kc, model_geometry_of(cfg))[1]
     elif variant.name == "offloaded":
         resident = 2 * kv // layers  # the layer in use and the one prefetched
-        host = kv
+        host = offloaded_host_bytes(cfg, batch, context)
     else:
         resident = kv
     chunk = prefill_chunk(cfg, batch, context, weights + resident, gpu_bytes)
@@ -296,6 +296,24 @@ def memory_estimate(cfg, variant: Variant, batch: int, context: int, weights: in
         "gpu_lower_bound_bytes": weights + resident + act,
         "needed_host_bytes_est": host,
     }
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def offloaded_host_bytes(cfg, batch: int, context: int) -> int:
+    """Pinned host memory HF's offloaded cache holds by its first decode step. Each layer's K and V
+    go to the host with a non-blocking `.to("cpu")`, which allocates from torch's caching pinned
+    allocator; it rounds every block up to a power of two and keeps freed blocks for reuse at the
+    same size. So the prompt's tensors (context tokens) stay cached while the first decode step's
+    (context + 1 tokens, the next power of two) are allocated beside them. At 4 x 128K of
+    Llama-3.1-8B that is 64 + 128 GiB: the kernel's OOM killer ended the process there on a host with
+    125 GiB (H200 machine, 0f05cec, at 127.5 GB of pinned memory), where `kv_bytes` said 64 GiB."""
+    layers = _dims(cfg)[0]
+    prompt = kv_bytes(cfg, batch, context) // (2 * layers)  # one layer's K (or V)
+    step = kv_bytes(cfg, batch, context + 1) // (2 * layers)
+    return 2 * layers * (_pow2_ceil(prompt) + _pow2_ceil(step))
 
 
 # Margin on `prefill_activation_bytes` when sizing prompt chunks: the caching allocator's
@@ -742,21 +760,32 @@ def _num(x, spec: str = ".2f") -> str:
 
 
 def markdown(result: dict) -> str:
-    lim = result.get("limits") or {}
+    def ceiling(lim: dict | None) -> str:
+        return (f"{lim['concurrent_ceiling_GBps']:.1f} GB/s = CPU {lim['cpu_concurrent_GBps']:.1f} + "
+                f"GPU {lim['gpu_concurrent_GBps']:.1f}" if lim else "not measured (no floor)")
+
+    parts = result.get("parts") or []
     lines = [
         f"# e2e_decode on {result['device']}",
         "",
         f"host: {result['host_cpu']}; commit {result['commit']}; {result['created']}; "
         f"{'complete' if result.get('complete') else 'INCOMPLETE (cut short)'}",
         "",
-        (f"concurrent ceiling (same run): {lim['concurrent_ceiling_GBps']:.1f} GB/s = "
-         f"CPU {lim['cpu_concurrent_GBps']:.1f} + GPU {lim['gpu_concurrent_GBps']:.1f}"
-         if lim else "concurrent ceiling: not measured (no floor)"),
+    ]
+    if parts:  # benchmarks/e2e_merge.py: each row's floor and ratios are its own call's
+        lines += [f"{len(parts)} calls at this commit (benchmarks/e2e_merge.py); each row's floor uses the concurrent "
+                  "ceiling measured in its own call:", ""]
+        lines += [f"- part {d['part']} ({', '.join(d['points'])}; {d['created']}; "
+                  f"{'complete' if d['complete'] else 'INCOMPLETE (cut short)'}): ceiling {ceiling(d['limits'])}; "
+                  f"`{d['command']}`" for d in parts]
+    else:
+        lines.append(f"concurrent ceiling (same run): {ceiling(result.get('limits'))}")
+    lines += [
         "",
         "| model | batch | context | variant | status | TTFT s | TPOT med ms | mean | p99 | n | floor ms "
         "| TPOT/floor | TTFT/dense | peak GPU GiB | decode peak GiB | pinned host GiB | construct s "
-        "| kernel wait s | worker wait s | MB/step | GPU bytes | note |",
-        "|" + " --- |" * 22,
+        "| kernel wait s | worker wait s | MB/step | GPU bytes | note |" + (" part |" if parts else ""),
+        "|" + " --- |" * (23 if parts else 22),
     ]
     for p in result["points"]:
         note = p.get("reason") or ""
@@ -776,7 +805,8 @@ def markdown(result: dict) -> str:
             f"{_num(p.get('runtime_construction_s'))} | {_num(p.get('kernel_warmup_wait_s'))} | "
             f"{_num(p.get('worker_start_wait_s'))} | "
             f"{_num(None if p.get('bytes_per_step') is None else p['bytes_per_step'] / 1e6, '.1f')} | "
-            f"{'-' if share is None else f'{share:.0%}'} | {note.strip().replace('|', '/')} |")
+            f"{'-' if share is None else f'{share:.0%}'} | {note.strip().replace('|', '/')} |"
+            + (f" {p.get('part', '-')} |" if parts else ""))
     repeats = repeat_spread(result["points"])
     if repeats:
         lines += ["", "repeats (a variant run more than once at a point, in run order; one variant's TPOT moves "
@@ -788,9 +818,10 @@ def markdown(result: dict) -> str:
                   for r in repeats]
     if result.get("floors"):
         lines += ["", "floors (decode step without attention, and dense at a 16-token context):", "",
-                  "| model | batch | no-attention step ms | dense ctx16 step ms |", "| --- | --- | --- | --- |"]
+                  "| model | batch | no-attention step ms | dense ctx16 step ms |" + (" part |" if parts else ""),
+                  "|" + " --- |" * (5 if parts else 4)]
         lines += [f"| {f['model']} | {f['batch']} | {f['noattn_step_ms']:.2f} | {f['dense_ctx16_step_ms']:.2f} |"
-                  for f in result["floors"]]
+                  + (f" {f.get('part', '-')} |" if parts else "") for f in result["floors"]]
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
     return "\n".join(lines) + "\n"
 

@@ -94,7 +94,10 @@ class PredictedHeadPlanner:
     of `PATHS` (module docstring); default `fused` on CUDA, `eager` on the CPU, where `fused` runs
     only under Triton's interpreter (tests) and the graph paths not at all. `capture` false leaves
     the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly) and keeps the
-    fused path on plain launches (`capture_fused` graphs it later). `fused_options`:
+    fused path on plain launches (`capture_fused` graphs it later). The constructor compiles the
+    step's kernels and captures its graphs (`warm_up`) unless `defer_warm_up`: then the first step
+    does, or whoever calls `warm_up` first (the runtime, on its background warm-up thread while the
+    caller prefills: that took 4.7-13 s of the constructor at 8B geometry). `fused_options`:
     launch choices passed to `FusedHeadPredictor` (`parts`, `block_w`, `features_warps`,
     `features_pack`, `dot_precision`, ...; benchmarks compare them), defaults otherwise. `fused_queries`: `reference` or
     `static`, how the fused kernels get the step's queries (module docstring). `on_selection`, when
@@ -106,7 +109,8 @@ class PredictedHeadPlanner:
 
     def __init__(self, policy: SelectionConfig, geometry: GeometryConfig, store: Any, *,
                  checkpoint: Checkpoint | None = None, path: str | None = None, capture: bool = True,
-                 fused_options: Mapping[str, Any] | None = None, fused_queries: str = "reference"):
+                 fused_options: Mapping[str, Any] | None = None, fused_queries: str = "reference",
+                 defer_warm_up: bool = False):
         kv = store.cfg
         cuda = store.device.type == "cuda"
         path = ("fused" if cuda else "eager") if path is None else path
@@ -172,22 +176,36 @@ class PredictedHeadPlanner:
         self._ready_rows: set[tuple[int, ...]] = set()
         self._fused = None
         self.fused_queries = fused_queries
+        self._capture = capture
+        self.warmed_up = False  # `warm_up` ran
         if path == "fused":
-            self._setup_fused(policy, dict(fused_options or {}), capture)
+            self._setup_fused(policy, dict(fused_options or {}))
         if self.cuda:
             self._done = torch.cuda.Event()
-            if path.startswith("graph") and capture:
-                self.capture_all()
+        if not defer_warm_up:
+            self.warm_up()
 
-    def _setup_fused(self, policy: SelectionConfig, options: dict, capture: bool) -> None:
+    def warm_up(self) -> None:
+        """Compile the kernels a step launches and, with `capture` on CUDA, capture the step's graphs
+        (fused path: per layer, batch bucket and queries' dtype; graph paths: per layer and bucket);
+        idempotent. Reads only the planner's own buffers, the statistics' scratch row and window
+        slot 0 of layer 0 (results discarded), so a prefill may run meanwhile on another thread."""
+        if self.warmed_up:
+            return
+        if self._fused is not None:
+            self._warm_fused()
+            if self.cuda and self._capture:
+                self.capture_fused()
+        elif self.cuda and self.path.startswith("graph") and self._capture:
+            self.capture_all()
+        self.warmed_up = True
+
+    def _setup_fused(self, policy: SelectionConfig, options: dict) -> None:
         """The fused kernels, planned once; their index and output buffers pinned on the host and
-        read / written by the kernels through CUDA views; one warm-up run per query dtype compiles them."""
-        import time
-
+        read / written by the kernels through CUDA views (compiled by `_warm_fused`)."""
         from gpu_kernels.head_predictor import INDEX_ROWS, FusedHeadPredictor
         from gpu_kernels.uva import uva_view
 
-        t0 = time.perf_counter()
         g, m = self.geometry, self.store.cfg.max_sequences
         model = self.model
         self._fused = FusedHeadPredictor(
@@ -229,8 +247,19 @@ class PredictedHeadPlanner:
         hq, hkv, n = g.q_heads, g.kv_heads, m * g.q_heads
         self._fused_plan_views = {b: (self._fused_out_np[3 * n : 3 * n + b * hq].reshape(b, hq),
                                       self._fused_out_np[4 * n : 4 * n + b * hkv].reshape(b, hkv)) for b in range(1, m + 1)}
-        # Warm-up on the scratch row (what padding rows use): compiles the kernels for the
-        # queries' usual dtypes, so no decode step stops to compile.
+        self._fused_graphs: dict[tuple[int, int, torch.dtype], torch.cuda.CUDAGraph] = {}
+        self._fused_bucket = self.buckets[-1]  # the staged step's graph bucket
+        self._fused_dtype = torch.float32  # and its queries' dtype
+        # A padding row: window slot 0, the statistics' scratch row, one window token, no CPU segment.
+        self._fused_pad = np.array([0, self.statistics.scratch, 1, 0], dtype=np.int64)
+
+    def _warm_fused(self) -> None:
+        """One run per usual queries' dtype on the scratch row (what padding rows use): the kernels
+        compile here, so no decode step stops to compile."""
+        import time
+
+        t0 = time.perf_counter()
+        g = self.geometry
         scratch = self.statistics.scratch
         self._fused_idx_np[:, 0] = (0, scratch, 1, 0)
         win_k, win_v = self.store.window(0)
@@ -245,13 +274,6 @@ class PredictedHeadPlanner:
             if self.cuda:
                 torch.cuda.synchronize(self.device)  # q is freed next
         self.capture_seconds += time.perf_counter() - t0
-        self._fused_graphs: dict[tuple[int, int, torch.dtype], torch.cuda.CUDAGraph] = {}
-        self._fused_bucket = self.buckets[-1]  # the staged step's graph bucket
-        self._fused_dtype = torch.float32  # and its queries' dtype
-        # A padding row: window slot 0, the statistics' scratch row, one window token, no CPU segment.
-        self._fused_pad = np.array([0, scratch, 1, 0], dtype=np.int64)
-        if self.cuda and capture:
-            self.capture_fused()
 
     @property
     def model(self) -> HeadPropertyNet:
@@ -505,6 +527,8 @@ class PredictedHeadPlanner:
     def step_features(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor) -> torch.Tensor:
         """The features `[B * Hq, 41]` a step with queries `q` would see now, computed eagerly by the
         torch reference and changing no state (tests and reports; a step runs `__call__`)."""
+        if not self.warmed_up:
+            self.warm_up()
         bucket, _ = self._stage(layer, seq_ids, self.store, q, torch_path=True)
         features = self._features(*self._layer_inputs(layer, bucket))[: len(seq_ids) * self.geometry.q_heads].clone()
         if self.cuda:  # the staging buffers are reused by the next call
@@ -513,6 +537,8 @@ class PredictedHeadPlanner:
 
     def __call__(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> HeadPlan:
         """The plan of one step at one layer for `seq_ids`, whose queries are `q [B, Hq, D]` (unscaled)."""
+        if not self.warmed_up:
+            self.warm_up()
         bucket, cpu_len = self._stage(layer, seq_ids, store, q)
         self._launch(layer, bucket)
         if self.cuda:

@@ -256,8 +256,11 @@ class HybridRuntime:
         if head_planner is None and cfg.selection.name == "predicted":
             from hybrid_runtime.predicted_plans import PredictedHeadPlanner
 
-            # On CUDA its graphs are captured here, before the first step.
-            head_planner = PredictedHeadPlanner(cfg.selection, geometry, store)
+            # Its kernels compile, and on CUDA its graphs are captured, on the background warm-up
+            # thread while the caller prefills (warmup.py), not here: 4.7-13 s at 8B geometry.
+            head_planner = PredictedHeadPlanner(cfg.selection, geometry, store, defer_warm_up=True)
+            warm_jobs.append(("predicted head planner (features and predictor kernels; CUDA graphs per layer, batch "
+                              "bucket and queries' dtype)", head_planner.warm_up))
         self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.selection, geometry)
         # selection.name sparda: the CPU segment's blocks are chosen one layer ahead and prefetched
         # into a block cache on the window's device (executors/sparda.py); no tasks, no planner.

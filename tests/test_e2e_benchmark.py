@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,6 +212,49 @@ def test_memory_estimates_of_the_reference_geometries():
     hyb = e2e.memory_estimate(llama, e2e.VARIANTS["fluxion"], 4, 131072, w, hcfg)
     assert hyb["needed_host_bytes_est"] > hyb["kv_bytes_est"]  # the arenas hold the KV and block metadata
     assert not e2e.fit_problems(hyb, e2e.H100_BYTES, e2e.H100_HOST_BYTES)
+    # HF's offloaded cache: the prompt's pinned blocks stay cached beside the first decode step's,
+    # rounded up to powers of two (context + 1 tokens: twice the prompt's at 128K).
+    off = e2e.memory_estimate(llama, e2e.VARIANTS["offloaded"], 4, 131072, w, None)
+    assert off["needed_host_bytes_est"] == 3 * off["kv_bytes_est"]  # 192 GiB: killed on a 125 GiB host
+    assert any(p.startswith("host:") for p in e2e.fit_problems(off, e2e.H100_BYTES, 125 * 2**30))
+    off32 = e2e.memory_estimate(llama, e2e.VARIANTS["offloaded"], 8, 32768, w, None)
+    assert not e2e.fit_problems(off32, e2e.H100_BYTES, 125 * 2**30)  # 96 GiB: it ran there
+
+
+def test_parts_of_one_commit_merge_into_one_table(tmp_path, monkeypatch):
+    from benchmarks import e2e_merge
+
+    limits = {"concurrent_ceiling_GBps": 100.0, "cpu_concurrent_GBps": 60.0, "gpu_concurrent_GBps": 40.0}
+    paths = []
+    for i, (b, c) in enumerate(((4, 32768), (4, 131072))):
+        monkeypatch.setenv("HYBRID_COMMIT", "abc1234")
+        pts = [_pt("m", b, c, "dense", med=50.0), _pt("m", b, c, "fluxion", med=60.0 + i, bytes_per_step=1e9),
+               _pt("m", b, c, "offloaded", med=900.0)]
+        floors = {("m", b): {"noattn_step_ms": 20.0 + i, "dense_ctx16_step_ms": 21.0}}
+        e2e.annotate_points(pts, floors, limits["concurrent_ceiling_GBps"] + 10 * i)
+        extra = {"limits": {**limits, "concurrent_ceiling_GBps": 100.0 + 10 * i}, "complete": i == 0,
+                 "floors": [{"model": "m", "batch": b, **floors[("m", b)]}]}
+        paths.append(str(e2e.write(pts, extra, str(tmp_path / f"part{i}.json"))))
+    out = e2e_merge.main(paths + ["--out", str(tmp_path / "merged.json")])
+    r = json.loads(out.read_text())
+    assert r["commit"] == "abc1234" and not r["complete"] and [d["part"] for d in r["parts"]] == [0, 1]
+    assert [d["points"] for d in r["parts"]] == [["4x32K"], ["4x128K"]]
+    # Rows keep their own call's floor: 20 ms + 1 GB over 100 GB/s, and 21 ms + 1 GB over 110 GB/s.
+    flux = {p["context"]: p for p in r["points"] if p["variant"] == "fluxion"}
+    assert flux[32768]["floor_ms"] == pytest.approx(30.0) and flux[131072]["floor_ms"] == pytest.approx(21 + 1e3 / 110)
+    assert flux[131072]["part"] == 1 and len(r["points"]) == 6
+    assert r["metrics"]["fluxion_tpot_over_floor_max"] == pytest.approx(61 / (21 + 1e3 / 110))
+    assert r["metrics"]["offloaded_over_fluxion_tpot_min"] == pytest.approx(900 / 61)
+    md = out.with_suffix(".md").read_text()
+    assert "2 calls at this commit" in md and "part 1 (4x128K;" in md and "INCOMPLETE" in md
+    # Parts of two commits (or machines) do not make one table; nor does a merged file.
+    other = json.loads(Path(paths[1]).read_text())
+    other["commit"] = "def5678"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(e2e_merge.MergeError, match="commit 'def5678' differs"):
+        e2e_merge.load_parts([paths[0], str(tmp_path / "other.json")])
+    with pytest.raises(e2e_merge.MergeError, match="already a merged file"):
+        e2e_merge.load_parts([str(out)])
 
 
 def test_prompts_whose_prefill_does_not_fit_are_chunked():

@@ -216,6 +216,34 @@ def test_a_network_swapped_after_construction_is_refused_where_it_would_not_run(
         store.close()
 
 
+def test_the_runtime_warms_the_planner_up_on_its_background_thread():
+    """The planner's kernels compile (and on CUDA its graphs are captured) on the runtime's warm-up
+    thread, not in the constructor; the first decode step waits for it like for every other kernel."""
+    with HybridRuntime(config()) as rt:
+        assert any(name.startswith("predicted head planner") for name in rt._warm_up.kernels)
+        prefill(rt, rt.store, 0, 600, seed=21)
+        q, k, v = step_inputs(1, torch.Generator().manual_seed(22))
+        assert torch.isfinite(rt.decode(0, [0], q, k, v)).all()
+        assert rt._warm_up.ready and rt.planner.warmed_up
+        if rt.planner.cuda and rt.planner._fused is not None:  # every (layer, bucket, dtype) graph captured
+            assert len(rt.planner._fused_graphs) == 2 * len(rt.planner.buckets) * len(rt.planner._graph_q_dtypes)
+
+
+def test_a_deferred_planner_warms_up_at_its_first_step():
+    store = KVStore(config(device="cpu").kv_cache, config().geometry)
+    try:
+        planner = PredictedHeadPlanner(config().selection, config().geometry, store, path="eager", defer_warm_up=True)
+        assert not planner.warmed_up
+        prefill(planner, store, 0, 500, seed=23)
+        q, k, v = step_inputs(1, torch.Generator().manual_seed(24))
+        store.append(0, [0], k, v)
+        plan = planner(0, [0], store, q)
+        assert planner.warmed_up and plan.budgets.shape == (1, HQ)
+        planner.warm_up()  # idempotent
+    finally:
+        store.close()
+
+
 def test_buckets_and_released_slots():
     assert batch_buckets(1) == (1,) and batch_buckets(8) == (1, 2, 4, 8) and batch_buckets(6) == (1, 2, 4, 6)
     with HybridRuntime(config()) as rt:

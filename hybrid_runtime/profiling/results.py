@@ -23,14 +23,16 @@ from hybrid_runtime.profiling.machine import device_name, git_commit, host_cpu
 _KNOWN_GPUS = ("h100", "h200", "a100", "l40", "b200")
 
 
+def gpu_slug(name: str) -> str:
+    """`h200` for "NVIDIA H200": a GPU's name as results files are named after it."""
+    name = name.lower()
+    return next((slug for slug in _KNOWN_GPUS if slug in name), name.split()[-1])
+
+
 def device_slug() -> str:
     """`h100`, `h200`, ... for GPU machines, `cpu<N>` (host cores) otherwise."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        for slug in _KNOWN_GPUS:
-            if slug in name:
-                return slug
-        return name.split()[-1]
+        return gpu_slug(torch.cuda.get_device_name())
     return f"cpu{os.cpu_count()}"
 
 
@@ -76,4 +78,4 @@ def write_results(benchmark: str, metrics: dict, points: list, *, out_dir: str |
     return path
 
 
-__all__ = ["device_kind_slug", "device_slug", "write_results"]
+__all__ = ["device_kind_slug", "device_slug", "gpu_slug", "write_results"]
