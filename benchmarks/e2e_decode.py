@@ -115,7 +115,8 @@ model by model, point by point, variants in `--variants` order (dense, fluxion, 
 cpu_only, static). The default run (predicted, ~9 minutes) covers Llama-8B at 4x32K with every
 variant and at 8x32K with dense, fluxion and offloaded, then cheap leftovers (dense rows); the
 rest takes further calls, each with its own `--out`, e.g. `--models llama-3.1-8b --points 2x96K`,
-`--models qwen2.5-7b --points 4x32K,8x32K`. `--quick` (Llama-8B at 4x32K: dense, offloaded,
+`--models qwen2.5-7b --points 4x32K,8x32K`; `benchmarks/e2e_merge.py` joins such calls of one
+commit on one machine into one results file (each row keeps its own call's floor). `--quick` (Llama-8B at 4x32K: dense, offloaded,
 cpu_only, fluxion) is predicted at ~3.5 minutes.
 
     python benchmarks/e2e_decode.py                          # default run, ~9 minutes on an H100 host
@@ -159,6 +160,7 @@ from hybrid_runtime.config import (  # noqa: E402
     Config,
     ConfigError,
     PAGE_SIZE,
+    SELECTION_KEY_READERS,
     GeometryConfig,
     SelectionConfig,
     config_from_dict,
@@ -485,7 +487,10 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
     row: dict = {}
     if variant.selection is not None:
         merged = cfg.to_dict()
-        merged["selection"] = {**merged.get("selection", {}), "name": variant.selection}
+        # The fixed selection's keys that the variant's selection does not read are dropped (config refuses them).
+        merged["selection"] = {**{k: v for k, v in merged.get("selection", {}).items()
+                                  if variant.selection in SELECTION_KEY_READERS.get(k, (variant.selection,))},
+                               "name": variant.selection}
         cfg = config_from_dict(merged)
     t = time.perf_counter()
     rt = enable_hybrid_attention(model, cfg)
@@ -807,6 +812,17 @@ def markdown(result: dict) -> str:
             f"{_num(None if p.get('bytes_per_step') is None else p['bytes_per_step'] / 1e6, '.1f')} | "
             f"{'-' if share is None else f'{share:.0%}'} | {note.strip().replace('|', '/')} |"
             + (f" {p.get('part', '-')} |" if parts else ""))
+    split = [p for p in result["points"] if p.get("status") == "ok" and p.get("step_lead_ms_median") is not None]
+    if split:
+        lines += ["", "where a hybrid token's time went (ms per token, medians over tokens, summed over layers; "
+                  "attention = lead (q produced to the first task) + tasks (first task to the last one's end) + tail "
+                  "(to the merged output); `generate_timing.layer_time_split`):", "",
+                  "| model | batch | context | variant | attention | lead | tasks | tail | CPU task busy | decode host "
+                  "| between layers | q wait | merge after return |", "|" + " --- |" * 13]
+        lines += [f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | "
+                  + " | ".join(_num(p.get(f"step_{k}_ms_median"), ".1f") for k in (
+                      "attention", "lead", "tasks", "tail", "cpu_task_busy", "decode_host", "between_layers_host",
+                      "q_wait", "merge_after_return")) + " |" for p in split]
     repeats = repeat_spread(result["points"])
     if repeats:
         lines += ["", "repeats (a variant run more than once at a point, in run order; one variant's TPOT moves "

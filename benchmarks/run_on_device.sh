@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake select_latency runtime_tests e2e_decode e2e_ab predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake select_latency runtime_tests e2e_decode e2e_part32k e2e_part96k e2e_part128k e2e_ab predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -45,6 +45,17 @@ for step in $steps; do
         runtime_tests) timeout 400 python -m pytest -v --tb=short -p no:cacheprovider tests/test_runtime.py \
             tests/test_warmup.py tests/test_cpu_lane_trails.py tests/test_step_inputs.py tests/test_deferred_input_check.py ;;
         e2e_decode) timeout 590 python benchmarks/e2e_decode.py --out "$out/e2e_decode-$dev.json" ;;
+        # The full Llama-3.1-8B table in three calls (one step per call, made one after another so
+        # the machine stays the same); then, here: python benchmarks/e2e_merge.py <the three files>.
+        e2e_part32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K \
+            --variants dense,fluxion,offloaded,cpu_only,fluxion_predictor,static --budget-s 545 \
+            --out "$out/e2e_decode_part32k-$dev.json" ;;
+        e2e_part96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
+            --variants dense,fluxion,offloaded,cpu_only,fluxion_predictor,static --budget-s 545 \
+            --out "$out/e2e_decode_part96k-$dev.json" ;;
+        e2e_part128k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x128K \
+            --variants dense,fluxion,offloaded,cpu_only,fluxion_predictor,static --budget-s 545 \
+            --out "$out/e2e_decode_part128k-$dev.json" ;;
         # fluxion against cpu_only with the caller pinned to the free core and the trailing gate off,
         # interleaved twice at the two 32K points (a variant's single run moves 20-35% on one lease).
         e2e_ab) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K --new-tokens 32 \

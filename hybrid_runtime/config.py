@@ -748,28 +748,43 @@ def _validate_asynctls(selection: SelectionConfig, geometry: GeometryConfig, pat
             "repository root); allowed: a channel file written by python -m hybrid_runtime.experiments.asynctls_calibration")
 
 
-# Keys of the `selection` section that only `predicted` reads (its checkpoint and the selector's settings).
-PREDICTED_KEYS = ("checkpoint", "block_sizes", "streaming_threshold", "skip_streaming")
+# Keys of the `selection` section and the selections that read them; set where none of those is
+# in use they would do nothing. `budget`: the others set their own (full 1.0, streaming 0, the
+# executors' selections every block of a task, predicted per head). `block_size`: the predicted
+# selection picks from `block_sizes`, SparDA reads `sparda.block_size`, streaming heads read none.
+SELECTION_KEY_READERS = {
+    "checkpoint": ("predicted",),
+    "block_sizes": ("predicted",),
+    "streaming_threshold": ("predicted",),
+    "skip_streaming": ("predicted",),
+    "budget": ("fixed",),
+    "block_size": ("fixed", "full", "nosa", "asynctls", "evosparse"),
+}
 
 
-def _validate_predicted_keys(cfg: Config) -> None:
-    """`selection`'s predicted-only keys set where no selection in use is 'predicted', and
-    `streaming_heads` set where every selection in use is (the predictor marks streaming heads
-    itself), would do nothing: refused. A variant's selection is the top-level one with the
-    variant's keys laid over it, so a key is checked where its value is set: at the top level
-    against every selection in use, in a variant where it differs from the top level's."""
+def _readers(names: tuple[str, ...]) -> str:
+    return " or ".join(repr(n) for n in names)
+
+
+def _validate_selection_keys(cfg: Config) -> None:
+    """`selection` keys set where no selection in use reads them (`SELECTION_KEY_READERS`), and
+    `streaming_heads` set where every selection in use is 'predicted' (the predictor marks
+    streaming heads itself), would do nothing: refused. A variant's selection is the top-level one
+    with the variant's keys laid over it, so a key is checked where its value is set: at the top
+    level against every selection in use, in a variant where it differs from the top level's."""
     default = SelectionConfig()
     top = cfg.selection
     variants = [(f"experiment.variants[{i}].selection", v.selection) for i, v in enumerate(cfg.experiment.variants)
                 if v.selection is not None]
     names = {top.name} | {sel.name for _, sel in variants}
-    for key in PREDICTED_KEYS:
-        if getattr(top, key) != getattr(default, key) and "predicted" not in names:
-            raise ConfigError(f"selection.{key}: read only by selection.name 'predicted' (the selections in use are "
-                              f"{', '.join(repr(n) for n in sorted(names))}); allowed: remove it, or name: predicted")
+    for key, readers in SELECTION_KEY_READERS.items():
+        if getattr(top, key) != getattr(default, key) and not names & set(readers):
+            raise ConfigError(f"selection.{key}: read only by selection.name {_readers(readers)} (the selections in use "
+                              f"are {', '.join(repr(n) for n in sorted(names))}); allowed: remove it"
+                              + (f", or name: {readers[0]}" if len(readers) == 1 else ""))
         for path, sel in variants:
-            if sel.name != "predicted" and getattr(sel, key) != getattr(top, key):
-                raise ConfigError(f"{path}.{key}: read only by selection.name 'predicted' (this variant's is "
+            if sel.name not in readers and getattr(sel, key) != getattr(top, key):
+                raise ConfigError(f"{path}.{key}: read only by selection.name {_readers(readers)} (this variant's is "
                                   f"{sel.name!r}); allowed: remove it")
     if top.streaming_heads and names == {"predicted"}:
         raise ConfigError("selection.streaming_heads: not read by the 'predicted' selection (the predictor marks each "
@@ -1066,10 +1081,27 @@ def _validate_evosparse(cfg: Config) -> None:
                               f"variants that keep the top-level selection and placement {sc.placement!r}")
 
 
+# The placements that split a step's tasks by `scheduler.gpu_share` (the others never read it).
+STATIC_PLACEMENTS = ("uniform", "length")
+
+
+def _validate_gpu_share(cfg: Config) -> None:
+    sc = cfg.scheduler
+    if sc.gpu_share == SchedulerConfig().gpu_share:
+        return
+    placements = {sc.placement} | {v.placement for v in cfg.experiment.variants if v.placement is not None}
+    if not placements & set(STATIC_PLACEMENTS):
+        raise ConfigError(f"scheduler.gpu_share: {sc.gpu_share!r} is read only by the static placements "
+                          f"{_readers(STATIC_PLACEMENTS)} (the placements in use are "
+                          f"{', '.join(repr(p) for p in sorted(placements))}; fluxion sizes the GPU's share from the "
+                          "lanes' measured rates); allowed: remove it, or placement: uniform / length")
+
+
 def _validate_cross(cfg: Config) -> None:
     kv = cfg.kv_cache
     _validate_selection(cfg.selection, kv, cfg.geometry, "selection")
-    _validate_predicted_keys(cfg)
+    _validate_selection_keys(cfg)
+    _validate_gpu_share(cfg)
     if cfg.nosa is not None:
         _validate_nosa(cfg)
     for i, v in enumerate(cfg.experiment.variants):

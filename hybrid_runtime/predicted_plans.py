@@ -24,7 +24,7 @@ How the device part runs (`path`):
   rows, window lengths and CPU lengths into a pinned buffer the kernels read through its CUDA
   view, and the plan lands in a pinned buffer the kernels write the same way. On CUDA the two
   launches are captured once per (layer, batch bucket, queries' dtype) into a CUDA graph (at
-  warm-up, with `capture`) and a step replays one, since two Triton launches cost the host about
+  `warm_up`, with `capture`; the runtime runs it on its background warm-up thread) and a step replays one, since two Triton launches cost the host about
   as much as the kernels take; a batch of `b` sequences runs the smallest bucket holding it.
   The step's queries reach the kernels by `fused_queries`:
   `reference` (default): the host writes their address, strides and row count into a pinned
@@ -36,7 +36,7 @@ How the device part runs (`path`):
   on the reference (`reference`) or on the caller's queries (`static`). Either way: no per-step
   allocation, and the host's one wait.
 * `graph` / `graph_compiled`: the torch ops (plain, or through `torch.compile`) in one CUDA graph
-  per (layer, batch bucket), captured when the planner is built (warm-up) and replayed per step,
+  per (layer, batch bucket), captured at the planner's warm-up (`warm_up`) and replayed per step,
   followed by the copy of step 3: a batch of `b` sequences runs the graph of the smallest bucket
   (powers of two up to `kv_cache.max_sequences`) holding it, its extra rows pointing at a scratch
   row. Static input buffers per bucket take this step's queries (one copy) and the rows' slots

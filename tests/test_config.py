@@ -179,6 +179,38 @@ def test_selection_keys_that_only_predicted_reads_are_refused_elsewhere():
     assert cfg.experiment.variants[0].selection.streaming_heads == {0: (1,)}
 
 
+def test_budget_and_block_size_are_refused_where_no_selection_reads_them():
+    base = {"geometry": {"name": "llama-3.1-8b"}}
+    for name in ("full", "streaming", "predicted", "nosa", "evosparse"):
+        with pytest.raises(ConfigError, match=r"selection.budget: read only by selection.name 'fixed'"):
+            config_from_dict({**base, "selection": {"name": name, "budget": 0.1}})
+    for name in ("streaming", "predicted"):
+        with pytest.raises(ConfigError, match=r"selection.block_size: read only by selection.name 'fixed' or 'full'"):
+            config_from_dict({**base, "selection": {"name": name, "block_size": 32}})
+    assert config_from_dict({**base, "selection": {"name": "full", "block_size": 32}}).selection.block_size == 32
+    # Read by one selection in use: allowed at the top level; a variant of another name may not set its own.
+    cfg = config_from_dict({**base, "selection": {"name": "fixed", "budget": 0.1},
+                            "experiment": {"variants": [{"name": "full", "selection": {"name": "full"}}]}})
+    assert cfg.experiment.variants[0].selection.budget == 0.1
+    with pytest.raises(ConfigError, match=r"experiment.variants\[0\].selection.budget: read only by selection.name 'fixed' "
+                                          r"\(this variant's is 'streaming'\)"):
+        config_from_dict({**base, "experiment": {"variants": [{"name": "s", "selection": {"name": "streaming",
+                                                                                           "budget": 0.2}}]}})
+
+
+def test_gpu_share_is_refused_where_no_static_placement_reads_it():
+    base = {"geometry": {"name": "llama-3.1-8b"}}
+    for placement in ("fluxion", "cpu_only", "gpu_only"):
+        with pytest.raises(ConfigError, match=r"scheduler.gpu_share: 0.3 is read only by the static placements "
+                                              r"'uniform' or 'length'"):
+            config_from_dict({**base, "scheduler": {"placement": placement, "gpu_share": 0.3}})
+    assert config_from_dict({**base, "scheduler": {"placement": "length", "gpu_share": 0.3}}).scheduler.gpu_share == 0.3
+    # A variant with a static placement reads the top-level share.
+    cfg = config_from_dict({**base, "scheduler": {"placement": "fluxion", "gpu_share": 0.3},
+                            "experiment": {"variants": [{"name": "u", "placement": "uniform"}]}})
+    assert cfg.scheduler.gpu_share == 0.3
+
+
 def test_a_variant_cannot_switch_to_an_executor_of_its_own():
     """NOSA and EvoSparse select in the GPU lane's executor for the whole runtime: a variant naming
     one under another top-level selection would run the config planner under that label."""

@@ -119,6 +119,30 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert split["decode_host_ms"] + split["between_layers_host_ms"] <= max(row["tpot_ms"]) + 1e-6
     # Without a GPU, attention ends when decode returns: nothing lags the return.
     assert split["merge_after_return_ms"] == 0.0
+    phases = {k: row[f"step_{k}_median"] for k in ("lead_ms", "tasks_ms", "tail_ms", "cpu_task_busy_ms")}
+    assert phases["tasks_ms"] > 0 and phases["cpu_task_busy_ms"] > 0 and phases["lead_ms"] >= 0
+
+
+def test_attention_splits_into_lead_tasks_and_tail():
+    from hybrid_runtime.profiling.timeline import StepRecord
+
+    def rec(t_start, t_end, starts=(), ends=(), lanes=(), t_entry=0.0, t_return=0.0):
+        n = len(starts)
+        return StepRecord(index=0, layer=0, batch=1, placement="fluxion", t_start=t_start, t_end=t_end,
+                          worker=np.zeros(n, np.int16), lane=np.array(lanes, np.int8), seq_id=np.zeros(n, np.int64),
+                          kv_head=np.zeros(n, np.int16), start=np.array(starts, float), end=np.array(ends, float),
+                          bytes_read=np.zeros(n, np.int64), modeled_bytes=np.zeros(n, np.int64),
+                          overhead=np.zeros(n), gpu_intervals=np.zeros((0, 2)), t_entry=t_entry, t_return=t_return)
+
+    # One step of two layers: a CPU and a GPU task, then a layer-step without tasks (all tail).
+    recs = [rec(1.000, 1.010, starts=(1.002, 1.001), ends=(1.008, 1.007), lanes=(0, 1), t_entry=0.999, t_return=1.004),
+            rec(1.020, 1.023, t_entry=1.019, t_return=1.021)]
+    split = gt.layer_time_split(recs, layers=2)
+    assert split["step_lead_ms_median"] == pytest.approx(1.0)  # q at 1.000, first task at 1.001
+    assert split["step_tasks_ms_median"] == pytest.approx(7.0)  # 1.001 .. 1.008
+    assert split["step_tail_ms_median"] == pytest.approx(2.0 + 3.0)  # 1.008 .. 1.010, and 1.020 .. 1.023
+    assert split["step_cpu_task_busy_ms_median"] == pytest.approx(6.0)  # the CPU task only
+    assert split["step_attention_ms_median"] == pytest.approx(1.0 + 7.0 + 5.0)
 
 
 def test_the_model_is_left_as_it_was(model, measured):
@@ -388,6 +412,7 @@ def test_results_json_and_markdown_follow_the_contract(tmp_path, monkeypatch, me
     assert "| m | 4 | 128K | dense | oom |" in md and "needs 80.0 GiB" in md
     assert "predictor not implemented" in md and "| tiny | 2 | 300 | cpu_only | ok |" in md
     assert "concurrent ceiling (same run): 100.0 GB/s" in md
+    assert "where a hybrid token's time went" in md and "| tiny | 2 | 300 | cpu_only | " in md.split("time went")[1]
 
 
 def test_default_results_path_uses_the_device_slug(tmp_path, monkeypatch):

@@ -58,7 +58,8 @@ def config(placement: str, timeout: float = 30.0, capacity: int = 8192, gpu_work
         # uniform at share 0.5 gives the GPU lane the first three tasks (sequence 0, sequence 1's
         # first KV head) and the CPU workers the rest: both lanes run, the target's on each.
         "scheduler": {"placement": placement, "cpu_workers": 2, "gpu_worker": gpu_worker, "step_timeout_s": timeout,
-                      "gpu_share": 0.5, "gc_freeze": False},  # (its full collection per start: 0.5 s here)
+                      "gc_freeze": False,  # (its full collection per start: 0.5 s here)
+                      **({"gpu_share": 0.5} if placement in ("uniform", "length") else {})},
         "profiling": {"enabled": False},
     })
 

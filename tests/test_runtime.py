@@ -33,7 +33,9 @@ def rt_config(placement="fluxion", plan="full", block_size=32, budget=0.05, time
     return config_from_dict({
         "geometry": GEOM,
         "kv_cache": kv_cache,
-        "selection": {"name": plan, "block_size": block_size, "budget": budget},
+        # Only the keys the selection reads (config refuses the others).
+        "selection": {"name": plan, **({"block_size": block_size} if plan != "streaming" else {}),
+                      **({"budget": budget} if plan == "fixed" else {})},
         # A GPU lane on every host (the torch reference without CUDA): every placement splits tasks.
         "scheduler": {"placement": placement, "cpu_workers": 2, "gpu_worker": True, "step_timeout_s": timeout},
     })

@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError('timing generate needs transformers >= 5: pip install "hybrid-runtime[models]"') from exc
 
 from hybrid_runtime.config import GeometryConfig
-from hybrid_runtime.profiling import LANE_GPU
+from hybrid_runtime.profiling import LANE_CPU, LANE_GPU
 
 # The published configs of the random-weight models: (transformers config class, its arguments).
 MODELS: dict[str, tuple[str, dict]] = {
@@ -252,7 +252,11 @@ def layer_time_split(recs: list, layers: int) -> dict:
     next layer's call (the model's own Python and launches); `q_wait_ms` -- how long after the call
     the GPU produced q (the host ran ahead of the device by that much); `attention_ms` -- q produced
     to merged output (the timeline's attention time); `merge_after_return_ms` -- how long the merged
-    output lagged the call's return. Empty when the records do not split into whole steps.
+    output lagged the call's return. The attention time in three parts: `lead_ms` -- q produced to
+    the first task's start (either lane), `tasks_ms` -- first task's start to the last task's end,
+    `tail_ms` -- last task's end to the merged output (a layer-step without tasks: all tail); and
+    `cpu_task_busy_ms` -- the CPU lane's task durations summed (over workers too). Empty when the
+    records do not split into whole steps.
     """
     n = len(recs) // layers if layers else 0
     if not n or len(recs) != n * layers:
@@ -263,7 +267,14 @@ def layer_time_split(recs: list, layers: int) -> dict:
     t_end = np.array([r.t_end for r in recs]).reshape(n, layers)
     if np.isnan(t_entry).any() or np.isnan(t_return).any():
         return {}
+    first = np.array([r.start.min() if r.n_tasks else r.t_start for r in recs]).reshape(n, layers)
+    last = np.array([r.end.max() if r.n_tasks else r.t_start for r in recs]).reshape(n, layers)
+    cpu_busy = np.array([float((r.end - r.start)[r.lane == LANE_CPU].sum()) for r in recs]).reshape(n, layers)
     parts = {
+        "lead_ms": (first - t_start).sum(axis=1),
+        "tasks_ms": (last - first).sum(axis=1),
+        "tail_ms": (t_end - last).sum(axis=1),
+        "cpu_task_busy_ms": cpu_busy.sum(axis=1),
         "decode_host_ms": (t_return - t_entry).sum(axis=1),
         "between_layers_host_ms": (t_entry[:, 1:] - t_return[:, :-1]).sum(axis=1),
         "q_wait_ms": np.maximum(t_start - t_entry, 0.0).sum(axis=1),
