@@ -116,8 +116,8 @@ cpu_only, static). The default run (predicted, ~9 minutes) covers Llama-8B at 4x
 variant and at 8x32K with dense, fluxion and offloaded, then cheap leftovers (dense rows); the
 rest takes further calls, each with its own `--out`, e.g. `--models llama-3.1-8b --points 2x96K`,
 `--models qwen2.5-7b --points 4x32K,8x32K`; `benchmarks/e2e_merge.py` joins such calls of one
-commit on one machine into one results file (each row keeps its own call's floor). `--quick` (Llama-8B at 4x32K: dense, offloaded,
-cpu_only, fluxion) is predicted at ~3.5 minutes.
+commit on one machine into one results file (each row keeps its own call's floor). `--quick`
+(Llama-8B at 4x32K: dense, offloaded, cpu_only, fluxion) is predicted at ~3.5 minutes.
 
     python benchmarks/e2e_decode.py                          # default run, ~9 minutes on an H100 host
     python benchmarks/e2e_decode.py --quick

@@ -24,8 +24,9 @@ How the device part runs (`path`):
   rows, window lengths and CPU lengths into a pinned buffer the kernels read through its CUDA
   view, and the plan lands in a pinned buffer the kernels write the same way. On CUDA the two
   launches are captured once per (layer, batch bucket, queries' dtype) into a CUDA graph (at
-  `warm_up`, with `capture`; the runtime runs it on its background warm-up thread) and a step replays one, since two Triton launches cost the host about
-  as much as the kernels take; a batch of `b` sequences runs the smallest bucket holding it.
+  `warm_up`, with `capture`; the runtime runs it on its background warm-up thread) and a step
+  replays one, since two Triton launches cost the host about as much as the kernels take; a batch
+  of `b` sequences runs the smallest bucket holding it.
   The step's queries reach the kernels by `fused_queries`:
   `reference` (default): the host writes their address, strides and row count into a pinned
   reference the kernels read (no copy; a graph per dtype of the store's and fp32, any other
