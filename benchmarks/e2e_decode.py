@@ -488,9 +488,9 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
     if variant.selection is not None:
         merged = cfg.to_dict()
         # The fixed selection's keys that the variant's selection does not read are dropped (config refuses them).
-        merged["selection"] = {**{k: v for k, v in merged.get("selection", {}).items()
-                                  if variant.selection in SELECTION_KEY_READERS.get(k, (variant.selection,))},
-                               "name": variant.selection}
+        kept = {k: v for k, v in merged.get("selection", {}).items()
+                if k not in SELECTION_KEY_READERS or variant.selection in SELECTION_KEY_READERS[k]}
+        merged["selection"] = {**kept, "name": variant.selection}
         cfg = config_from_dict(merged)
     t = time.perf_counter()
     rt = enable_hybrid_attention(model, cfg)

@@ -51,6 +51,7 @@ is refused with an error saying so.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -179,6 +180,7 @@ class PredictedHeadPlanner:
         self.fused_queries = fused_queries
         self._capture = capture
         self.warmed_up = False  # `warm_up` ran
+        self._warm_lock = threading.Lock()  # the runtime's warm-up thread and a caller's first step may race
         if path == "fused":
             self._setup_fused(policy, dict(fused_options or {}))
         if self.cuda:
@@ -190,16 +192,18 @@ class PredictedHeadPlanner:
         """Compile the kernels a step launches and, with `capture` on CUDA, capture the step's graphs
         (fused path: per layer, batch bucket and queries' dtype; graph paths: per layer and bucket);
         idempotent. Reads only the planner's own buffers, the statistics' scratch row and window
-        slot 0 of layer 0 (results discarded), so a prefill may run meanwhile on another thread."""
-        if self.warmed_up:
-            return
-        if self._fused is not None:
-            self._warm_fused()
-            if self.cuda and self._capture:
-                self.capture_fused()
-        elif self.cuda and self.path.startswith("graph") and self._capture:
-            self.capture_all()
-        self.warmed_up = True
+        slot 0 of layer 0 (results discarded), so a prefill may run meanwhile on another thread. A
+        second caller waits for the first one's warm-up."""
+        with self._warm_lock:
+            if self.warmed_up:
+                return
+            if self._fused is not None:
+                self._warm_fused()
+                if self.cuda and self._capture:
+                    self.capture_fused()
+            elif self.cuda and self.path.startswith("graph") and self._capture:
+                self.capture_all()
+            self.warmed_up = True
 
     def _setup_fused(self, policy: SelectionConfig, options: dict) -> None:
         """The fused kernels, planned once; their index and output buffers pinned on the host and

@@ -272,10 +272,7 @@ class Scheduler:
             job.gpu_queue = job.cpu_queue if has_gpu else None
             job.shared = has_gpu
         elif pol in ("fluxion", "gpu_only"):
-            # A TaskList's priorities and bytes as arrays: no pass over its task objects (11.7 -> 7.5 us
-            # a queue of 64 tasks on the 2-core CI host).
-            arrays = (tasks.priority, tasks.modeled_bytes) if isinstance(tasks, TaskList) else (None, None)
-            job.cpu_queue, job.gpu_queue = None, TaskQueue(tasks, *arrays)
+            job.cpu_queue, job.gpu_queue = None, TaskQueue(tasks)
         elif pol == "cpu_only":
             job.cpu_queue, job.gpu_queue = self.workers.queue(tasks, whole=True), None
         else:

@@ -124,7 +124,12 @@ class TaskQueue:
 
     def __init__(self, tasks: "Sequence[Task]", priorities: np.ndarray | None = None, nbytes: np.ndarray | None = None):
         """`priorities`/`nbytes` (the tasks' `priority` and `modeled_bytes` as arrays) may be
-        given when the caller already has them; they save a pass over the task objects."""
+        given when the caller already has them; they save a pass over the task objects. A
+        `TaskList` (task_building.py) carries them as its own `priority` and `modeled_bytes`."""
+        if priorities is None:
+            priorities = getattr(tasks, "priority", None)
+        if nbytes is None:
+            nbytes = getattr(tasks, "modeled_bytes", None)
         tasks = list(tasks)
         if priorities is None:
             priorities = np.fromiter((t.priority for t in tasks), dtype=np.float64, count=len(tasks))

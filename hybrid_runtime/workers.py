@@ -157,8 +157,6 @@ class CpuWorkers:
         """The CPU lane's queue of `tasks`; `whole`: they are the step's whole task list, whose
         queue order and native table are then cached on it (a reused `TaskList`)."""
         if self.native is None:
-            if whole and isinstance(tasks, TaskList) and getattr(tasks, "priority", None) is not None:
-                return TaskQueue(tasks, tasks.priority, tasks.modeled_bytes)
             return TaskQueue(tasks)
         ordered, order = queue_order(tasks)
         table = getattr(tasks, "_native", None) if whole else None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_runtime.config import PLACEMENT_NAMES, ConfigError, config_from_dict
+from hybrid_runtime.config import PLACEMENT_NAMES, SELECTION_KEY_READERS, ConfigError, config_from_dict
 from hybrid_runtime.executors.cpu import CpuExecutor
 from hybrid_runtime.executors.torch_ref import TorchRefExecutor
 from hybrid_runtime.reference import dense_attention, merge_attention, sparse_reference
@@ -34,8 +34,8 @@ def rt_config(placement="fluxion", plan="full", block_size=32, budget=0.05, time
         "geometry": GEOM,
         "kv_cache": kv_cache,
         # Only the keys the selection reads (config refuses the others).
-        "selection": {"name": plan, **({"block_size": block_size} if plan != "streaming" else {}),
-                      **({"budget": budget} if plan == "fixed" else {})},
+        "selection": {"name": plan, **{k: x for k, x in (("block_size", block_size), ("budget", budget))
+                                       if plan in SELECTION_KEY_READERS[k]}},
         # A GPU lane on every host (the torch reference without CUDA): every placement splits tasks.
         "scheduler": {"placement": placement, "cpu_workers": 2, "gpu_worker": True, "step_timeout_s": timeout},
     })

@@ -288,20 +288,24 @@ def main(argv=None):
                           "fn_ops": {k: dict(v) for k, v in fn_ops.items()}, "regions": {k: dict(v) for k, v in regions.items()},
                           "op_names": dict(op_names), "leaf_names": dict(leaf_names), "totals": dict(totals)})
 
+    def cprofiled_calls() -> tuple[pstats.Stats, int]:
+        """cProfile of `args.steps` more decode steps (every layer), and how many calls that was."""
+        pr = cProfile.Profile()
+
+        def hook(fn):
+            pr.enable()
+            try:
+                fn()
+            finally:
+                pr.disable()
+
+        for _ in range(args.steps):
+            for layer in range(g.layers):
+                one(layer, hook)
+        return pstats.Stats(pr), args.steps * g.layers
+
     # (b) cProfile of more decode calls.
-    pr = cProfile.Profile()
-    n_cprof = 0
-    for _ in range(args.steps):
-        for layer in range(g.layers):
-            def cprof_hook(fn):
-                pr.enable()
-                try:
-                    fn()
-                finally:
-                    pr.disable()
-            one(layer, cprof_hook)
-            n_cprof += 1
-    st = pstats.Stats(pr)
+    st, n_cprof = cprofiled_calls()
     cp_rows, total_calls, builtin_rows = [], 0, []
     for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
         total_calls += nc
@@ -329,22 +333,12 @@ def main(argv=None):
     for layer in range(g.layers):
         one(layer)
     skel = [one(layer)[0] for _ in range(max(10, args.steps * 4)) for layer in range(g.layers)]
-    pr2 = cProfile.Profile()
-    for _ in range(args.steps):
-        for layer in range(g.layers):
-            def cprof_hook2(fn):
-                pr2.enable()
-                try:
-                    fn()
-                finally:
-                    pr2.disable()
-            one(layer, cprof_hook2)
-    st2 = pstats.Stats(pr2)
+    st2, n_skel = cprofiled_calls()
     skel_rows = []
     for (file, line, fn), (cc, nc, tt, ct, _) in st2.stats.items():
         m = _IN_ROOT.search(file)
         name = f"{m.group(1)}:{fn}" if m else f"{file}:{fn}" if file != "~" else fn
-        skel_rows.append({"fn": name, "calls": nc / n_cprof, "tottime_us": tt / n_cprof * 1e6, "cumtime_us": ct / n_cprof * 1e6})
+        skel_rows.append({"fn": name, "calls": nc / n_skel, "tottime_us": tt / n_skel * 1e6, "cumtime_us": ct / n_skel * 1e6})
     skel_rows.sort(key=lambda r: -r["tottime_us"])
     ex._claim_ops, ex._fetch = claim_ops, fetch
     rt.close()
