@@ -12,8 +12,9 @@ a microsecond per call: the absolute times are inflated, the ranking is what thi
 
     python benchmarks/diag/e2e_host_profile.py [--batch 4 --context 32768 --tokens 16 --variant fluxion --out DIR]
 
-Writes `host_profile-<variant>-<batch>x<context>.txt` (and the no-attention profile) into --out
-(default: the working directory); no results file.
+Writes `host_profile-<variant>-<batch>x<context>.txt` (with the no-attention profile) and the
+hybrid run's raw profile (`.prof`, for `pstats`) into --out (default: the working directory); no
+results file.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def main() -> None:
             disable_hybrid_attention(model)
     path = out_dir / f"host_profile-{args.variant}-{args.batch}x{args.context}.txt"
     path.write_text(text)
+    stats.dump_stats(path.with_suffix(".prof"))  # the hybrid run's, for callers / callees: pstats.Stats(path)
     print(text)
     print(f"wrote {path}")
 
