@@ -242,6 +242,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The CPU workers select their own blocks from the arena's metadata (the default has the GPU lane
     # select them from its copy of the metadata where that pays: scheduler.cpu_task_selection).
     Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),
+    # ... on every step with CPU tasks (the default, "auto", decides step by step: `GpuPicks.pays` and the gate).
+    Variant("fluxion_gpu_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "gpu"}),
     # The step's planned launches (step inputs, selection, claims) through CachedLaunch, as before
     # LaunchPlan: the comparison of the launcher thread's host time.
     Variant("fluxion_unplanned", "hybrid", placement="fluxion", launch_plans=False),

@@ -364,11 +364,13 @@ class SchedulerConfig:
     # steps without a CPU lane (where a synchronous check would make the host wait for the GPU
     # every layer), sync everywhere else.
     finite_check: str = field(default="auto", metadata=_choices("auto", "sync", "deferred"))
-    # Who selects the blocks of the CPU lane's tasks under the fluxion placement: "gpu" -- the GPU
-    # lane scores and selects every task of a step from the store's GPU copy of the metadata in one
-    # launch and the CPU workers read only K and V of each union (hybrid_runtime/gpu_picks.py);
-    # "host" -- each CPU worker scores its task's metadata in host memory; "auto": gpu wherever it
-    # can run (the GPU lane's UVA executor on CUDA with kv_cache.gpu_metadata, native CPU workers).
+    # Who selects the blocks of the CPU lane's tasks under the fluxion placement: "gpu" -- on every
+    # step with CPU tasks the GPU lane scores and selects them all from the store's GPU copy of the
+    # metadata in one launch and the CPU workers read only K and V of each union
+    # (hybrid_runtime/gpu_picks.py); "host" -- each CPU worker scores its task's metadata in host
+    # memory; "auto": where the GPU selection can run (the GPU lane's UVA executor on CUDA with
+    # kv_cache.gpu_metadata, native CPU workers), on the steps where it is modeled to pay
+    # (`GpuPicks.pays`) and the trailing gate (`gate_trailing_claims`) leaves it in.
     cpu_task_selection: str = field(default="auto", metadata=_choices("auto", "gpu", "host"))
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
@@ -1175,9 +1177,10 @@ def resolved(cfg: Config, cuda: bool) -> Config:
                                       cpu_lane_trails=trails, gate_trailing_claims=trails and sc.gate_trailing_claims,
                                       claim_launch=sc.claim_launch if lanes and sc.gpu_lane(cuda) else
                                       SchedulerConfig.claim_launch,
-                                      # Applied on the fluxion placement's steps only.
-                                      cpu_task_selection="gpu" if selects_cpu_tasks_on_gpu(cfg, cuda) and
-                                      sc.placement == "fluxion" else "host"),
+                                      # Applied on the fluxion placement's steps only ("auto" stays: it is
+                                      # decided step by step).
+                                      cpu_task_selection=sc.cpu_task_selection if selects_cpu_tasks_on_gpu(cfg, cuda)
+                                      and sc.placement == "fluxion" else "host"),
     )
 
 

@@ -118,6 +118,8 @@ class Scheduler:
         # The GPU lane selects the CPU lane's blocks on shared steps (gpu_picks.py).
         self.picks = picks if (picks is not None and self.native is not None and self.native.has_picks
                                and self.workers.stock_kernel and hasattr(self.gpu_executor, "pick")) else None
+        # cpu_task_selection "gpu": on every shared step, whatever `GpuPicks.pays` and the trailing gate say.
+        self.picks_always = cfg.cpu_task_selection == "gpu"
         self.lane = GpuLane(
             as_launch_executor(self.gpu_executor) if has_gpu else None,
             rates=self.rates,
@@ -344,10 +346,12 @@ class Scheduler:
         # and the selection for the CPU lane would only add their host work to it.
         gated = slack is not None and self.lane.cpu_lane_within(job.gpu_queue, slack, self.rates)
         # The GPU lane selects the CPU lane's blocks (published with the job: the workers then wait
-        # for each position's selection, which `GpuLane.begin` below launches or refuses).
-        job.picks = bool(job.shared and not gated and self.picks is not None and self.picks.enabled and job.cpu_used
-                         and self.picks.pays(job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s,
-                                             self.selection_rates().cpu_first.seconds - self.rates.cpu_first.seconds))
+        # for each position's selection, which `GpuLane.begin` below launches or refuses): on every
+        # such step under cpu_task_selection "gpu", else where the gate leaves it in and it pays.
+        job.picks = bool(job.shared and self.picks is not None and self.picks.enabled and job.cpu_used and (
+            self.picks_always or not gated and self.picks.pays(
+                job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s,
+                self.selection_rates().cpu_first.seconds - self.rates.cpu_first.seconds)))
         if job.picks:
             job.cpu_queue.picks = True
         job.rates = self.selection_rates() if job.picks else self.rates

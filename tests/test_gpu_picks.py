@@ -245,11 +245,28 @@ def test_steps_on_the_gpu_selection_size_and_teach_estimates_of_their_own():
         assert rt.stats()["cpu_tasks_gpu_selected"] > 0
         assert learned(plain) == plain0 and learned(sel) != sel0
         sel1 = learned(sel)
+        sch.picks_always = False  # from here "auto"'s step-by-step rule ("gpu" selects on every step)
         sch.picks.meta_block_bytes = 0  # no step uses it (no exploring step within these)
         sch.picks.EXPLORE_AFTER = 10**6
         decode_steps(rt, steps=2)
         assert learned(sel) == sel1 and learned(plain) != plain0
         assert sch.rates is plain
+
+
+def test_cpu_task_selection_gpu_selects_on_every_step_that_auto_would_not():
+    """"gpu": every shared step gets the GPU's selection, whatever `pays` would say; "auto" asks it."""
+    for mode, expect_all in (("gpu", True), ("auto", False)):
+        gpu = HostPickingGpu(delay_s=0.0)
+        with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
+            gpu.store = rt.store
+            sch = rt.scheduler
+            sch.picks_always = mode == "gpu"  # "auto" itself needs CUDA: its rule, on this lane
+            prefilled(rt)
+            sch.picks.meta_block_bytes = 0  # the metadata costs the CPU lane nothing: `pays` says no
+            sch.picks.EXPLORE_AFTER = 10**6
+            decode_steps(rt, steps=2)
+            launches = rt.stats()["gpu_selection_launches"]
+            assert (launches == 2 * GEOM["layers"]) if expect_all else launches == 0, (mode, launches)
 
 
 @host_lane
@@ -326,7 +343,8 @@ def test_cpu_task_selection_config():
     # "auto" needs the metadata on the GPU: CUDA, with the UVA executor.
     assert not selects_cpu_tasks_on_gpu(cfg, cuda=False)
     assert selects_cpu_tasks_on_gpu(cfg, cuda=True)
-    assert resolved(cfg, cuda=True).scheduler.cpu_task_selection == "gpu"
+    assert resolved(cfg, cuda=True).scheduler.cpu_task_selection == "auto"  # decided step by step
+    assert resolved(picks_config("gpu"), cuda=True).scheduler.cpu_task_selection == "gpu"
     assert resolved(cfg, cuda=False).scheduler.cpu_task_selection == "host"
     assert resolved(picks_config("auto", placement="cpu_only"), cuda=True).scheduler.cpu_task_selection == "host"
     assert not selects_cpu_tasks_on_gpu(picks_config("host"), cuda=True)
