@@ -244,6 +244,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),
     # ... on every step with CPU tasks (the default, "auto", decides step by step: `GpuPicks.pays` and the gate).
     Variant("fluxion_gpu_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "gpu"}),
+    # Idle CPU workers sleep on their doorbells at once (the default spins up to 20 ms, i.e. through
+    # the model's work between layers): whether spinning workers slow the generating thread's Python.
+    Variant("fluxion_no_spin", "hybrid", placement="fluxion", scheduler={"spin_us": 0.0}),
     # The step's planned launches (step inputs, selection, claims) through CachedLaunch, as before
     # LaunchPlan: the comparison of the launcher thread's host time.
     Variant("fluxion_unplanned", "hybrid", placement="fluxion", launch_plans=False),

@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake select_latency runtime_tests e2e_decode e2e_part32k e2e_part96k e2e_part128k e2e_ab predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake select_latency runtime_tests e2e_decode e2e_part32k e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -61,6 +61,15 @@ for step in $steps; do
         e2e_ab) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K --new-tokens 32 \
             --variants fluxion,cpu_only,fluxion_pinned_caller,cpu_only_pinned_caller,fluxion_ungated,fluxion,cpu_only,fluxion_pinned_caller,cpu_only_pinned_caller,fluxion_ungated \
             --budget-s 555 --out "$out/e2e_decode_ab-$dev.json" ;;
+        # The GPU selection on every step and workers that sleep at once, each against the default,
+        # interleaved three times (a variant's single run moves 20-35% with the host's speed):
+        # benchmarks/notes/e2e_overlap.md section 12.
+        e2e_selection_ab32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K \
+            --new-tokens 32 --no-limits --budget-s 2000 --variants fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin \
+            --out "$out/e2e_decode_selection_ab32k-$dev.json" ;;
+        e2e_selection_ab96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
+            --new-tokens 32 --no-limits --budget-s 2000 --variants fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin \
+            --out "$out/e2e_decode_selection_ab96k-$dev.json" ;;
         predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --out-dir "$out" ;;
         tpot_grid) work=$(mktemp -d)
             timeout 590 python -m hybrid_runtime.cli run configs/tpot_grid.yaml --out "$work/tpot" \

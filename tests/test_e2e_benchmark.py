@@ -431,7 +431,8 @@ def test_options_and_points():
     assert a.points == e2e.POINTS and a.models == ["llama-3.1-8b", "qwen2.5-7b"] and a.new_tokens == 24
     assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
-                          "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection", "fluxion_unplanned",
+                          "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
+                          "fluxion_gpu_selection", "fluxion_no_spin", "fluxion_unplanned",
                           "cpu_only_unplanned", "fluxion_host_selection_unplanned",
                           "fluxion_pinned_caller", "cpu_only_pinned_caller"]
     q = e2e.parse_args(["--quick"])

@@ -253,6 +253,7 @@ def test_steps_on_the_gpu_selection_size_and_teach_estimates_of_their_own():
         assert sch.rates is plain
 
 
+@host_lane
 def test_cpu_task_selection_gpu_selects_on_every_step_that_auto_would_not():
     """"gpu": every shared step gets the GPU's selection, whatever `pays` would say; "auto" asks it."""
     for mode, expect_all in (("gpu", True), ("auto", False)):
