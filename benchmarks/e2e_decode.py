@@ -33,6 +33,9 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         planned Triton launches.
     fluxion_host_selection fluxion with `scheduler.cpu_task_selection: host`: the CPU workers score
                         their tasks' metadata themselves instead of attending the GPU lane's selection.
+    fluxion_gpu_selection fluxion with `scheduler.cpu_task_selection: gpu`: the GPU lane's selection on every
+                        step with CPU tasks (the default decides step by step).
+    fluxion_no_spin     fluxion with `scheduler.spin_us: 0`: idle CPU workers sleep on their doorbells at once.
     fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
     cpu_only_unplanned, (step inputs, selection, claims; `gpu_kernels.launch.LaunchPlan`) made through
     fluxion_host_selection_unplanned  `CachedLaunch` instead.

@@ -6,9 +6,10 @@ score every block) and the K and V of the blocks its heads select. At the Fluxio
 GPU copy of the metadata (`kv_cache.gpu_metadata`), the GPU can score and select every task of a
 step from device memory in one launch; the CPU workers then read only the K and V of each union.
 That is what this module hands over, per step under the fluxion placement
-(`scheduler.cpu_task_selection`), on steps where it pays (`GpuPicks.pays`: the CPU lane's time to
-read the step's metadata against the selection's measured latency; with it the first CPU task
-started 0.23-0.27 ms later than without on the H200, benchmarks/notes/gpu_lane.md section 17):
+(`scheduler.cpu_task_selection`): under "auto" on steps where it pays (`GpuPicks.pays`: the CPU
+lane's time to read the step's metadata against the selection's measured latency; with it the
+first CPU task started 0.23-0.27 ms later than without on the H200, benchmarks/notes/gpu_lane.md
+section 17), under "gpu" on every step:
 
 1. the GPU lane launches `score_select` over the queue positions the CPU workers may pop (after
    its table upload, on a stream of its own, before the workers are woken), writing each task's union -- block

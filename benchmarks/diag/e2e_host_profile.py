@@ -65,6 +65,30 @@ def report(stats: pstats.Stats, steps: int, title: str, top: int) -> str:
     return out.getvalue()
 
 
+def callees(stats: pstats.Stats, steps: int, names: tuple[str, ...], top: int = 25) -> str:
+    """Per function named in `names` (its `name`, or `file:name`): what it calls, by cumulative
+    time per step (the raw profile does not come back from the device when $OUT holds too many
+    files; this does, in the text)."""
+    out = io.StringIO()
+    stats.calc_callees()
+    for key, callee_map in stats.all_callees.items():
+        label = f"{Path(key[0]).name}:{key[2]}"
+        if key[2] not in names and label not in names:
+            continue
+        out.write(f"### callees of {label} (line {key[1]}): cumulative ms per step, calls per step\n\n")
+        rows = sorted(((v[3] if isinstance(v, tuple) else 0.0, v[1] if isinstance(v, tuple) else v, k)
+                       for k, v in callee_map.items()), key=lambda r: -r[0])
+        for cum, calls, k in rows[:top]:
+            out.write(f"  {cum / steps * 1e3:8.3f} {calls / steps:8.1f}  {Path(k[0]).name}:{k[1]}({k[2]})\n")
+        out.write("\n")
+    return out.getvalue()
+
+
+CALLEES_OF = ("runtime.py:decode", "scheduler.py:run", "gpu_lane.py:drive", "gpu_lane.py:begin",
+              "transformers.py:hybrid_attention_forward", "transformers.py:_attend", "timeline.py:record",
+              "scheduler.py:collect", "runtime.py:window_part")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -121,6 +145,7 @@ def main() -> None:
                 f"TPOT median {plain['tpot_ms_median']:.2f} ms unprofiled, {row['tpot_ms_median']:.2f} ms profiled "
                 f"(config overrides: {overrides or 'none'})\n\n"
                 + report(stats, steps, f"{args.variant}: TPOT median {row['tpot_ms_median']:.2f} ms (profiled)", args.top)
+                + callees(stats, steps, CALLEES_OF)
                 + text)
     finally:
         with contextlib.suppress(Exception):
