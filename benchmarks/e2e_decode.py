@@ -564,7 +564,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                                    "trailing_claims_gated", "launcher_slack_us", "window_graph_replays",
                                                    "window_graph_captures", "claim_graph_replays",
                                                    "claim_graph_captures", "gpu_selection_launches",
-                                                   "gpu_selection_skipped_steps") if k in st}
+                                                   "gpu_selection_skipped_steps", "gpu_selection_tp_gpu_GBps",
+                                                   "gpu_selection_cpu_lane_GBps") if k in st}
         return row
     finally:
         disable_hybrid_attention(model)  # closes the runtime it made

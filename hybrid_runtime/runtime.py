@@ -1217,11 +1217,13 @@ class HybridRuntime:
                 stats.update(executor.stats())
         if sch.picks is not None:
             # What the steps on the GPU's selection learned (their own estimates,
-            # `Scheduler.selection_rates`): the CPU lane's rate and start, the claim's delay, the
-            # first claim's correction.
+            # `Scheduler.selection_rates`): the CPU lane's rate and start, the GPU lane's rate, the
+            # claim's delay, the first claim's correction. Under cpu_task_selection "gpu" every
+            # shared step is such a step, and the placement's own estimates below keep their priors.
             sel = sch.selection_rates()
             stats.update({
                 "gpu_selection_cpu_lane_GBps": sel.cpu_lane.bytes_per_s / 1e9,
+                "gpu_selection_tp_gpu_GBps": sel.gpu.bytes_per_s / 1e9,
                 "gpu_selection_cpu_lane_start_us": sel.cpu_start.seconds * 1e6,
                 "gpu_selection_claim_delay_us": sel.delay.seconds * 1e6,
                 "gpu_selection_share_balance": sel.balance,
