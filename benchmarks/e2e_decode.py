@@ -86,10 +86,13 @@ Per point and variant (`measure_variant`; runs on the CPU too, which the CI test
 
 Floor. What a step would cost if attention cost nothing but reading its selected KV at the
 machine's best concurrent rate: floor = t_noattn(model, batch) + selected bytes per step /
-concurrent ceiling. t_noattn is measured, per (model, batch), with the same generate loop and
-StepClock and the attention function replaced by a no-op registered in transformers'
-AttentionInterface (the query passed through as the output; no mask is built) over a 16-token
-prompt with the dense cache. The no-op rather than "dense at context ~16": even a tiny sdpa call
+concurrent ceiling. t_noattn is measured with the same generate loop and StepClock and the
+attention function replaced by a no-op registered in transformers' AttentionInterface (the query
+passed through as the output; no mask is built) over a 16-token prompt with the dense cache, just
+before and just after every hybrid unit: a row's floor uses the mean of its two
+(`floor_noattn_paired_ms`; `floors[].noattn_samples_ms` keeps them all). That step is the host's
+Python, and the host's speed moves by tens of percent between units on one machine, so a floor
+measured once per (model, batch) at the start of a run does not fit a unit run minutes later. The no-op rather than "dense at context ~16": even a tiny sdpa call
 is a kernel launch per layer that the floor should not contain; the tiny-context dense step is
 measured beside it (`floors[].dense_ctx16_step_ms`) so the difference is visible. The concurrent
 ceiling (benchmarks/machine_limits.py: CPU threads pinned like the runtime's workers and a GPU
@@ -409,18 +412,48 @@ def attention_replaced(model, name: str = NOOP_ATTENTION, fn: Callable = _noop_a
         model.config._attn_implementation_internal = saved
 
 
-def measure_floor(model, batch: int, new_tokens: int, seed: int = 0) -> dict:
+def measure_floor(model, batch: int, new_tokens: int, seed: int = 0, dense: bool = True) -> dict:
     """The model's decode step without attention (no-op attention, 16-token prompt, dense cache)
-    and, beside it, the dense step at that tiny context; medians over the generated tokens."""
+    and, beside it with `dense`, the dense step at that tiny context; medians over the generated tokens."""
     ids, mask = random_prompt(model.config.vocab_size, batch, FLOOR_PROMPT, seed, model.device)
     row = {"batch": batch, "prompt_tokens": FLOOR_PROMPT}
-    for key, ctx in (("noattn", attention_replaced(model)), ("dense_ctx16", contextlib.nullcontext())):
+    kinds = (("noattn", attention_replaced(model)),) + ((("dense_ctx16", contextlib.nullcontext()),) if dense else ())
+    for key, ctx in kinds:
         with ctx, torch.no_grad():
             timed_generate(model, ids, mask, 3, {}, measure_memory=False)  # warm-up
             r = timed_generate(model, ids, mask, new_tokens, {}, measure_memory=False)
         row[f"{key}_step_ms"] = r["tpot_ms_median"]
         row[f"{key}_step_ms_mean"] = r["tpot_ms_mean"]
     return row
+
+
+def sample_floor(floors: dict, model, name: str, batch: int, new_tokens: int, seed: int, when: str) -> float | None:
+    """The no-attention step measured now, appended to `floors[(name, batch)]["noattn_samples_ms"]`
+    (the first of a (model, batch) makes that entry, with the dense tiny-context step beside it);
+    None when the measurement failed (the row then has no floor of its own)."""
+    first = (name, batch) not in floors
+    try:
+        f = measure_floor(model, batch, new_tokens, seed, dense=first)
+    except Exception as exc:  # noqa: BLE001 - no floor: the floor metric is left out
+        print(f"  floor {name} b={batch} ({when}) failed: {exc}", flush=True)
+        return None
+    finally:
+        release_memory()
+    if first:
+        floors[(name, batch)] = {**f, "noattn_samples_ms": []}
+        print(f"  floor {name} b={batch}: {f}", flush=True)
+    floors[(name, batch)]["noattn_samples_ms"].append(f["noattn_step_ms"])
+    return f["noattn_step_ms"]
+
+
+def paired_noattn(before: float | None, after: float | None) -> float | None:
+    """A hybrid row's own no-attention step: the mean of the one measured just before its unit and
+    the one just after (either alone when the other failed). The model's step without attention is
+    the generating thread's host time, and the host's speed moves by tens of percent between units
+    on one machine (benchmarks/notes/e2e_overlap.md section 12): a floor measured once per (model,
+    batch) at the start of a run is not the floor of a unit run minutes later."""
+    got = [x for x in (before, after) if x is not None]
+    return sum(got) / len(got) if got else None
 
 
 # ---------------------------------------------------------------------------- one (model, point, variant)
@@ -705,14 +738,16 @@ class CostModel:
 
 # ---------------------------------------------------------------------------- metrics and report
 def annotate_points(points: list[dict], floors: dict, ceiling_GBps: float | None) -> None:
-    """Add the floor (hybrid rows, where the (model, batch) floor and the ceiling exist) and each
-    row's TTFT / TPOT against the point's dense row."""
+    """Add the floor (hybrid rows, where the ceiling exists and either the row's own no-attention
+    step, `floor_noattn_paired_ms`, or the (model, batch) floor does) and each row's TTFT / TPOT
+    against the point's dense row."""
     ok = {(p["model"], p["batch"], p["context"], p["variant"]): p for p in points if p.get("status") == "ok"}
     # Every row, repeats of a variant included (`ok` keeps a point's last row of each variant).
     for p in (p for p in points if p.get("status") == "ok"):
         f = floors.get((p["model"], p["batch"]))
-        if p["kind"] == "hybrid" and f and ceiling_GBps and p.get("bytes_per_step") is not None:
-            p["floor_noattn_ms"] = f["noattn_step_ms"]
+        noattn = p.get("floor_noattn_paired_ms") or (f["noattn_step_ms"] if f else None)
+        if p["kind"] == "hybrid" and noattn and ceiling_GBps and p.get("bytes_per_step") is not None:
+            p["floor_noattn_ms"] = noattn
             p["selected_bytes_ms"] = p["bytes_per_step"] / (ceiling_GBps * 1e9) * 1e3
             p["floor_ms"] = p["floor_noattn_ms"] + p["selected_bytes_ms"]
             if p.get("tpot_ms_median") is not None:
@@ -842,11 +877,16 @@ def markdown(result: dict) -> str:
                   f"{', '.join(f'{t:.1f}' for t in r['tpot_ms_medians'])} | {r['median_ms']:.1f} | {r['spread']:.2f} |"
                   for r in repeats]
     if result.get("floors"):
-        lines += ["", "floors (decode step without attention, and dense at a 16-token context):", "",
-                  "| model | batch | no-attention step ms | dense ctx16 step ms |" + (" part |" if parts else ""),
-                  "|" + " --- |" * (5 if parts else 4)]
-        lines += [f"| {f['model']} | {f['batch']} | {f['noattn_step_ms']:.2f} | {f['dense_ctx16_step_ms']:.2f} |"
-                  + (f" {f.get('part', '-')} |" if parts else "") for f in result["floors"]]
+        lines += ["", "floors (decode step without attention, and dense at a 16-token context; a hybrid row's floor "
+                  "uses the mean of the no-attention steps measured just before and after it, `floor_noattn_paired_ms`):", "",
+                  "| model | batch | no-attention step ms (first) | samples: median (min - max, n) | dense ctx16 step ms |"
+                  + (" part |" if parts else ""),
+                  "|" + " --- |" * (6 if parts else 5)]
+        for f in result["floors"]:
+            xs = sorted(f.get("noattn_samples_ms") or [])
+            spread = f"{xs[len(xs) // 2]:.2f} ({xs[0]:.2f} - {xs[-1]:.2f}, {len(xs)})" if xs else "-"
+            lines.append(f"| {f['model']} | {f['batch']} | {f['noattn_step_ms']:.2f} | {spread} | "
+                         f"{_num(f.get('dense_ctx16_step_ms'))} |" + (f" {f.get('part', '-')} |" if parts else ""))
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
     return "\n".join(lines) + "\n"
 
@@ -889,13 +929,14 @@ def units(models: list[str], points: list, variants: list[str]) -> list[tuple[st
 
 def unit_cost(costs: CostModel, cfg, variant: Variant, batch: int, context: int, new_tokens: int, cap_s,
               weights: int, model_built: bool, floor_known: bool, fits: bool = True) -> float:
-    """Predicted seconds of a unit, with the model build and the (model, batch) floor it may need;
+    """Predicted seconds of a unit, with the model build and the floor measurements it needs;
     a unit the memory estimate rules out costs nothing (it is recorded, not run)."""
     if variant.unavailable() or not fits:
         return 0.0
     t = costs.predict(cfg, variant, batch, context, new_tokens, cap_s, weights)
     t += 0.0 if model_built else costs.build_s
-    t += costs.floor_s if variant.kind == "hybrid" and not floor_known else 0.0
+    # The no-attention step before and after every hybrid unit; the dense tiny-context step once.
+    t += (2 + (not floor_known)) * costs.floor_s / 2 if variant.kind == "hybrid" else 0.0
     return t
 
 
@@ -1022,13 +1063,9 @@ def run(args, device: str | None = None) -> Path | None:
                     weights[name] = sum(p.numel() * p.element_size() for p in model.parameters())
                     print(f"{name}: built in {time.perf_counter() - t:.1f} s "
                           f"({weights[name] / 1e9:.1f} GB of weights)", flush=True)
-                if variant.kind == "hybrid" and variant.unavailable() is None and (name, b) not in floors:
-                    try:
-                        floors[(name, b)] = measure_floor(model, b, args.new_tokens, args.seed)
-                        print(f"  floor {name} b={b}: {floors[(name, b)]}", flush=True)
-                    except Exception as exc:  # noqa: BLE001 - no floor: the floor metric is left out
-                        print(f"  floor {name} b={b} failed: {exc}", flush=True)
-                    release_memory()
+                paired = variant.kind == "hybrid" and variant.unavailable() is None and fits
+
+                before = sample_floor(floors, model, name, b, args.new_tokens, args.seed, "before") if paired else None
                 LaunchPlan.enabled = variant.launch_plans
                 try:
                     row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens,
@@ -1037,6 +1074,10 @@ def run(args, device: str | None = None) -> Path | None:
                                    attempt_all=args.attempt_all)
                 finally:
                     LaunchPlan.enabled = True
+                if paired and row["status"] == "ok":
+                    after = sample_floor(floors, model, name, b, args.new_tokens, args.seed, "after")
+                    row.update(floor_noattn_before_ms=before, floor_noattn_after_ms=after,
+                               floor_noattn_paired_ms=paired_noattn(before, after))
                 row["predicted_s"] = pred
                 costs.observe(cfg, row)
                 rows.append(row)

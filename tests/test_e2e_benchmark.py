@@ -330,6 +330,18 @@ def synthetic_points():
     ]
 
 
+def test_a_rows_own_no_attention_step_makes_its_floor():
+    pts = synthetic_points()
+    pts[3]["floor_noattn_paired_ms"] = 30.0  # measured around the unit: the host was slower then
+    pts[7]["floor_noattn_paired_ms"] = 25.0  # batch 8 has no (model, batch) floor, but a row of its own
+    e2e.annotate_points(pts, {("m", 4): {"noattn_step_ms": 20.0, "dense_ctx16_step_ms": 21.0}}, ceiling_GBps=100.0)
+    assert pts[3]["floor_ms"] == pytest.approx(50.0) and pts[3]["tpot_over_floor"] == pytest.approx(1.2)
+    assert pts[6]["floor_ms"] == pytest.approx(100.0)  # no sample of its own: the (model, batch) floor
+    assert pts[7]["floor_ms"] == pytest.approx(65.0)  # 25 ms + 4 GB at 100 GB/s
+    assert e2e.paired_noattn(20.0, 30.0) == 25.0 and e2e.paired_noattn(None, 30.0) == 30.0
+    assert e2e.paired_noattn(None, None) is None
+
+
 def test_metrics_are_computed_from_the_points():
     pts = synthetic_points()
     floors = {("m", 4): {"noattn_step_ms": 20.0, "dense_ctx16_step_ms": 21.0}}
@@ -507,6 +519,12 @@ def test_run_writes_every_unit_and_the_floor(tmp_path, monkeypatch, capsys):
     assert pred["runtime_stats"]["placement"] == "fluxion" and pred["tpot_ms_median"] > 0
     floor = r["floors"][0]
     assert floor["model"] == "tiny" and floor["batch"] == BATCH and floor["noattn_step_ms"] > 0
+    # The no-attention step just before and after each hybrid unit; its mean is the row's own.
+    assert len(floor["noattn_samples_ms"]) == 4 and floor["noattn_samples_ms"][0] == floor["noattn_step_ms"]
+    for hyb in (r["points"][1], pred):
+        b_, a_ = hyb["floor_noattn_before_ms"], hyb["floor_noattn_after_ms"]
+        assert b_ > 0 and a_ > 0 and hyb["floor_noattn_paired_ms"] == pytest.approx((b_ + a_) / 2)
+    assert "floor_noattn_paired_ms" not in r["points"][0]  # dense rows have no floor
     assert r["config"]["runtime_overrides"]["scheduler"] == {"gpu_worker": False, "pin_cores": False}
     assert r["limits"] is None and "fluxion_tpot_over_floor_max" not in r["metrics"]  # no ceiling measured: no floor
     assert r["metrics"]["runtime_construction_s_max"] == max(r["points"][i]["runtime_construction_s"] for i in (1, 3))
