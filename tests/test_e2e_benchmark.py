@@ -494,6 +494,18 @@ def test_cost_model_learns_from_measured_rows():
     before = c.compile_s
     c.observe(cfg, {"status": "oom", "batch": 4, "context": 32768, "variant": "static", "kind": "hf"})
     assert c.compile_s == before
+    # No dense row: a hybrid row's TTFT is the prefill's (the handoff hides behind it); its runtime's
+    # construction and the process's one kernel warm-up are learned too.
+    h = e2e.CostModel()
+    assert h.kernel_warmup_s > 0
+    h.observe(cfg, {"status": "ok", "batch": 4, "context": 32768, "variant": "fluxion", "kind": "hybrid", "ttft_s": 6.0,
+                    "runtime_construction_s": 0.5, "kernel_warmup_wait_s": 40.0})
+    assert h.prefill_flops == pytest.approx(flops / 6.0) and h.store_Bps >= kv / 0.2
+    assert h.construct_s == 0.5 and h.kernel_warmup_s == 0.0
+    first = e2e.unit_cost(e2e.CostModel(), cfg, e2e.VARIANTS["fluxion"], 4, 32768, 32, None, 16 * 10**9, True, True,
+                          first_hybrid=True)
+    later = e2e.unit_cost(e2e.CostModel(), cfg, e2e.VARIANTS["fluxion"], 4, 32768, 32, None, 16 * 10**9, True, True)
+    assert first - later == pytest.approx(e2e.CostModel.kernel_warmup_s)
 
 
 # ---------------------------------------------------------------------------- the whole loop, on the host
