@@ -115,6 +115,28 @@ def _check_tensor(name: str, x: Any) -> None:
         raise ValueError(f"{name} has dtype {x.dtype}; expected a floating-point tensor (float32, bfloat16, float16, float64)")
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepViews:
+    """Views of the runtime's step buffers for one batch size: q for the CPU workers and their
+    results (pinned host; `cpu_arrays` as numpy), the GPU lane's q / out / lse, and on CUDA the
+    scaled queries, q's UVA view the step-inputs kernel writes, and the CPU lane's results as the
+    merge reads them (through UVA, or after the trailing step's copy to the device)."""
+
+    cpu_q: torch.Tensor
+    cpu_out: torch.Tensor
+    cpu_lse: torch.Tensor
+    cpu_arrays: tuple
+    gq: torch.Tensor
+    gout: torch.Tensor
+    glse: torch.Tensor
+    qs: torch.Tensor | None
+    q_host_uva: torch.Tensor | None
+    res_uva_parts: tuple | None
+    res_host_flat: torch.Tensor
+    res_dev_flat: torch.Tensor | None
+    res_dev_parts: tuple | None
+
+
 class HybridRuntime:
     """Embeddable decode-time sparse attention over a CPU-resident KV cache.
 
@@ -291,6 +313,7 @@ class HybridRuntime:
         self._gq = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
         self._gout = torch.zeros((s, hq, d), dtype=torch.float32, device=dev)
         self._glse = torch.full((s, hq), float("-inf"), dtype=torch.float32, device=dev)
+        self._step_views: dict[int, _StepViews] = {}  # batch size -> views of the buffers above (`_make_step_views`)
 
         self._window_graphs = None
         if self.cuda:
@@ -645,6 +668,30 @@ class HybridRuntime:
         if counts.any():
             raise nonfinite_error({name: (int(c), x.numel()) for (name, x), c in zip(inputs.items(), counts)})
 
+    def _make_step_views(self, b: int) -> "_StepViews":
+        """The views of the step buffers a batch of `b` sequences uses, made once per batch size
+        (a dozen slicing and view ops that cost ~15-30 us of host time a layer when made per step)."""
+        hq, d = self.geometry.q_heads, self.geometry.head_dim
+        n, m = b * hq * d, b * hq * (d + 1)
+        cpu_q = self._q_host[:n].view(b, hq, d)
+        res = self._res_host[:m]
+        cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
+        uva = getattr(self, "_res_uva", None)
+        dev = getattr(self, "_res_dev", None)
+        views = _StepViews(
+            cpu_q=cpu_q, cpu_out=cpu_out, cpu_lse=cpu_lse,
+            cpu_arrays=(cpu_q.numpy(), cpu_out.numpy(), cpu_lse.numpy()),
+            gq=self._gq[:b], gout=self._gout[:b], glse=self._glse[:b],
+            qs=self._qs_buf[:b] if self.cuda else None,
+            q_host_uva=self._q_host_uva[:n] if self.cuda else None,
+            res_uva_parts=(uva[:n].view(b, hq, d), uva[n:m].view(b, hq)) if uva is not None else None,
+            res_host_flat=res,
+            res_dev_flat=dev[:m] if dev is not None else None,
+            res_dev_parts=(dev[:n].view(b, hq, d), dev[n:m].view(b, hq)) if dev is not None else None,
+        )
+        self._step_views[b] = views
+        return views
+
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
         """A timing event recorded on `stream` (callers pass the stream they looked up once)."""
@@ -821,13 +868,11 @@ class HybridRuntime:
             if sparda is not None:
                 sparda.spilled(layer, seq_ids, old_lens)
 
-        b, hq, d = len(seq_ids), geo.q_heads, geo.head_dim
-        n = b * hq * d
-        cpu_q = self._q_host[:n].view(b, hq, d)
-        res = self._res_host[: b * hq * (d + 1)]
-        cpu_out, cpu_lse = res[:n].view(b, hq, d), res[n:].view(b, hq)
+        b, hq = len(seq_ids), geo.q_heads
+        views = self._step_views.get(b) or self._make_step_views(b)
+        cpu_q, cpu_out, cpu_lse = views.cpu_q, views.cpu_out, views.cpu_lse
         if has_gpu:
-            gq, gout, glse = self._gq[:b], self._gout[:b], self._glse[:b]
+            gq, gout, glse = views.gq, views.gout, views.glse
         # On CUDA one launch makes the step's inputs ready (gpu_kernels/step_inputs.py): scaled q
         # on the device, on the host for the CPU workers and in the GPU lane's buffer, the lane's
         # results cleared, and q, k, v's NaN/inf counts for the check that rides on q's copy. Not
@@ -837,12 +882,12 @@ class HybridRuntime:
         fused = cuda and lookahead is None and not self.scheduler.has_orphan and (
             not has_gpu or self.gpu_lane_device.type == "cuda") and q.device == k.device == v.device == self.device
         if fused:
-            qs = self._qs_buf[:b]
-            self._step_inputs(q, k, v, self.scale, qs, q_host=self._q_host_uva[:n] if cpu_lane else None,
+            qs = views.qs
+            self._step_inputs(q, k, v, self.scale, qs, q_host=views.q_host_uva if cpu_lane else None,
                               lane=(gq, gout, glse) if has_gpu else None,
                               counts=self._input_counts if q_copy_check else None, stream=caller.cuda_stream)
         elif cuda:
-            qs = self._qs_buf[:b]
+            qs = views.qs
             qs.copy_(q)
             qs.mul_(self.scale)
         else:
@@ -935,7 +980,7 @@ class HybridRuntime:
                 layer,
                 tasks,
                 batch=b,
-                cpu_arrays=(cpu_q.numpy(), cpu_out.numpy(), cpu_lse.numpy()) if has_cpu else None,
+                cpu_arrays=views.cpu_arrays if has_cpu else None,
                 gpu_step=Step(layer, gq, gout, glse, geo.group_size) if has_gpu else None,
                 record=prof,
             )
@@ -980,11 +1025,10 @@ class HybridRuntime:
                 # one copy brings their results over (a DMA read of host memory at that point: the
                 # merge's UVA loads, issued before the workers wrote, read stale lines now and then).
                 self._wait_for_count(self._done_address, self.scheduler.cpu_lane_target(job), caller.cuda_stream)
-                m = n + b * hq
-                self._res_dev[:m].copy_(self._res_host[:m], non_blocking=True)
-                parts.append((self._res_dev[:n].view(b, hq, d), self._res_dev[n:m].view(b, hq)))
+                views.res_dev_flat.copy_(views.res_host_flat, non_blocking=True)
+                parts.append(views.res_dev_parts)
             elif cpu_used:
-                parts.append((self._res_uva[:n].view(b, hq, d), self._res_uva[n : n + b * hq].view(b, hq)))
+                parts.append(views.res_uva_parts)
             if gpu_used and job.gpu_batches:
                 last_end = job.gpu_batches[-1][1]
                 if not isinstance(last_end, float):

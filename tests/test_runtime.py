@@ -191,6 +191,21 @@ def test_output_follows_q_dtype_and_batch_order():
         torch.testing.assert_close(out.float(), dense_reference(rt, 0, [1, 0], q), atol=1e-2, rtol=1e-2)
 
 
+def test_step_buffer_views_are_made_once_per_batch_size_and_alias_the_buffers():
+    with HybridRuntime(rt_config("fluxion", plan="full")) as rt:
+        prefill_all(rt, layers=(0,))
+        outs = {}
+        for ids in ([1, 0], [0, 1], [0, 1, 2]):
+            q = torch.randn(len(ids), 8, 32)
+            outs[tuple(ids)] = rt.decode(0, ids, q, torch.randn(len(ids), 2, 32), torch.randn(len(ids), 2, 32))
+            torch.testing.assert_close(outs[tuple(ids)], dense_reference(rt, 0, ids, q), atol=1e-4, rtol=1e-4)
+        assert sorted(rt._step_views) == [2, 3]  # two batch sizes, one set of views each
+        v = rt._step_views[3]
+        assert v.cpu_q.data_ptr() == rt._q_host.data_ptr() and v.cpu_q.shape == (3, 8, 32)
+        assert v.cpu_lse.data_ptr() == rt._res_host.data_ptr() + 3 * 8 * 32 * 4 and v.cpu_lse.shape == (3, 8)
+        assert v.cpu_arrays[0].ctypes.data == rt._q_host.data_ptr() and v.gq.shape == (3, 8, 32)
+
+
 # ---------------------------------------------------------------------------- failures
 class FlakyCpu(CpuExecutor):
     def __init__(self, store):
