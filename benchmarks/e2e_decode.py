@@ -92,9 +92,10 @@ passed through as the output; no mask is built) over a 16-token prompt with the 
 before and just after every hybrid unit: a row's floor uses the mean of its two
 (`floor_noattn_paired_ms`; `floors[].noattn_samples_ms` keeps them all). That step is the host's
 Python, and the host's speed moves by tens of percent between units on one machine, so a floor
-measured once per (model, batch) at the start of a run does not fit a unit run minutes later. The no-op rather than "dense at context ~16": even a tiny sdpa call
-is a kernel launch per layer that the floor should not contain; the tiny-context dense step is
-measured beside it (`floors[].dense_ctx16_step_ms`) so the difference is visible. The concurrent
+measured once per (model, batch) at the start of a run does not fit a unit run minutes later.
+The no-op rather than "dense at context ~16": even a tiny sdpa call is a kernel launch per layer
+that the floor should not contain; the tiny-context dense step is measured beside it, once per
+(model, batch) (`floors[].dense_ctx16_step_ms`), so the difference is visible. The concurrent
 ceiling (benchmarks/machine_limits.py: CPU threads pinned like the runtime's workers and a GPU
 UVA page gather reading host memory at once) is measured in the same run, before the first
 model and again at the end when time is left; the best is the denominator.
@@ -681,6 +682,7 @@ class CostModel:
     from every measured row (so predictions follow the machine after its first points)."""
 
     prefill_flops: float = 4.0e14  # FLOP/s of HF's dense prefill (sdpa, bf16)
+    prefill_from_dense: bool = False  # `prefill_flops` measured on a dense row (else a hybrid row's TTFT stands in)
     # Prompt KV bytes/s the runtime stores beyond the prefill itself: the GPU hands each layer's KV
     # to the store while the next layer computes (hybrid TTFT 0.33-0.36 s over dense for 17-26 GB
     # on an H200, 0f05cec).
@@ -721,8 +723,6 @@ class CostModel:
         if cap_s is not None:
             decode = min(decode, max(cap_s + per, 3 * per))
         return t + decode
-
-    prefill_from_dense: bool = False  # `prefill_flops` measured on a dense row (else a hybrid row's TTFT stands in)
 
     def observe(self, cfg, row: dict) -> None:
         if row.get("status") != "ok" or "ttft_s" not in row:
