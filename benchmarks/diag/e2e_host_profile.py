@@ -26,6 +26,7 @@ import gc
 import io
 import pstats
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -140,10 +141,21 @@ def main() -> None:
             plain = timed_generate(model, ids, mask, args.tokens, {}, on_first=decode_threads, measure_memory=False)
             torch.set_num_threads(saved)
             gc.collect()
-            row, stats = profiled_generate(model, ids, mask, args.tokens, decode_threads)
+            seen: dict = {}
+
+            def threads_now() -> None:
+                # Python threads alive at the first decode step: one running Python code beside the
+                # generating thread takes the GIL from it (a wait of up to the switch interval that
+                # cProfile books to whatever the generating thread was in).
+                seen["threads"] = sorted(t.name for t in threading.enumerate())
+                seen["store_committing"] = bool(getattr(rt.store, "_bg_running", False))
+
+            row, stats = profiled_generate(model, ids, mask, args.tokens, [*decode_threads, threads_now])
         text = (f"# host profile: {args.variant}, {args.batch} x {args.context}, {steps} decode steps\n\n"
                 f"TPOT median {plain['tpot_ms_median']:.2f} ms unprofiled, {row['tpot_ms_median']:.2f} ms profiled "
                 f"(config overrides: {overrides or 'none'})\n\n"
+                f"at the first profiled decode step: threads {seen.get('threads')}, the store's background "
+                f"commit running: {seen.get('store_committing')}, switch interval {sys.getswitchinterval() * 1e3:.1f} ms\n\n"
                 + report(stats, steps, f"{args.variant}: TPOT median {row['tpot_ms_median']:.2f} ms (profiled)", args.top)
                 + callees(stats, steps, CALLEES_OF)
                 + text)
