@@ -346,15 +346,15 @@ class Scheduler:
         # and the selection for the CPU lane would only add their host work to it. A step that takes
         # the selection whatever this says (cpu_task_selection "gpu") is gated at the selection's
         # rates instead, by `reserve_first` below: the host-selection rates are then never learned.
-        picks_always = self.picks_always and self.picks is not None and self.picks.enabled and job.shared and job.cpu_used
+        may_pick = job.shared and job.cpu_used and self.picks is not None and self.picks.enabled
+        picks_always = may_pick and self.picks_always
         gated = slack is not None and not picks_always and self.lane.cpu_lane_within(job.gpu_queue, slack, self.rates)
         # The GPU lane selects the CPU lane's blocks (published with the job: the workers then wait
         # for each position's selection, which `GpuLane.begin` below launches or refuses): on every
         # such step under cpu_task_selection "gpu", else where the gate leaves it in and it pays.
-        job.picks = bool(picks_always or job.shared and self.picks is not None and self.picks.enabled and job.cpu_used and (
-            not gated and self.picks.pays(
-                job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s,
-                self.selection_rates().cpu_first.seconds - self.rates.cpu_first.seconds)))
+        job.picks = bool(may_pick and (picks_always or not gated and self.picks.pays(
+            job.cpu_queue.meta_blocks(), self.rates.cpu_lane.bytes_per_s,
+            self.selection_rates().cpu_first.seconds - self.rates.cpu_first.seconds)))
         if job.picks:
             job.cpu_queue.picks = True
         job.rates = self.selection_rates() if job.picks else self.rates
