@@ -198,7 +198,7 @@ def test_step_buffer_views_are_made_once_per_batch_size_and_alias_the_buffers():
         for ids in ([1, 0], [0, 1], [0, 1, 2]):
             q = torch.randn(len(ids), 8, 32)
             outs[tuple(ids)] = rt.decode(0, ids, q, torch.randn(len(ids), 2, 32), torch.randn(len(ids), 2, 32))
-            torch.testing.assert_close(outs[tuple(ids)], dense_reference(rt, 0, ids, q), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(outs[tuple(ids)], dense_reference(rt, 0, ids, q), **TOL)
         assert sorted(rt._step_views) == [2, 3]  # two batch sizes, one set of views each
         v = rt._step_views[3]
         assert v.cpu_q.data_ptr() == rt._q_host.data_ptr() and v.cpu_q.shape == (3, 8, 32)
