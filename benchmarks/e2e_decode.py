@@ -36,6 +36,7 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_gpu_selection fluxion with `scheduler.cpu_task_selection: gpu`: the GPU lane's selection on every
                         step with CPU tasks (the default decides step by step).
     fluxion_no_spin     fluxion with `scheduler.spin_us: 0`: idle CPU workers sleep on their doorbells at once.
+    fluxion_short_spin  fluxion with `scheduler.spin_us: 500`: they spin half a millisecond, then sleep.
     fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
     cpu_only_unplanned, (step inputs, selection, claims; `gpu_kernels.launch.LaunchPlan`) made through
     fluxion_host_selection_unplanned  `CachedLaunch` instead.
@@ -254,6 +255,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Idle CPU workers sleep on their doorbells at once (the default spins up to 20 ms, i.e. through
     # the model's work between layers): whether spinning workers slow the generating thread's Python.
     Variant("fluxion_no_spin", "hybrid", placement="fluxion", scheduler={"spin_us": 0.0}),
+    # ... after half a millisecond: through a short gap between two layers' CPU lanes, not a long one.
+    Variant("fluxion_short_spin", "hybrid", placement="fluxion", scheduler={"spin_us": 500.0}),
     # The step's planned launches (step inputs, selection, claims) through CachedLaunch, as before
     # LaunchPlan: the comparison of the launcher thread's host time.
     Variant("fluxion_unplanned", "hybrid", placement="fluxion", launch_plans=False),

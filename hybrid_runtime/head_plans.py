@@ -21,6 +21,10 @@ class HeadPlan:
 
     block_size: np.ndarray  # [B, Hkv] int
     budgets: np.ndarray  # [B, Hq] float32
+    # True: the planner hands out this object again, unchanged, whenever its plan is the same
+    # (its arrays are read-only), so a consumer may keep the object and compare by identity;
+    # False: the planner may reuse and overwrite the arrays, so a consumer keeps a copy.
+    frozen: bool = False
 
 
 class ConfigHeadPlanner:
@@ -37,6 +41,7 @@ class ConfigHeadPlanner:
         self.selection = selection
         self.geometry = geometry
         self._per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._plans: dict[tuple[int, int], HeadPlan] = {}  # (layer, batch size) -> its plan
 
     def _layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         cached = self._per_layer.get(layer)
@@ -54,10 +59,15 @@ class ConfigHeadPlanner:
         return cached
 
     def __call__(self, layer: int, seq_ids: Sequence[int], store: Any) -> HeadPlan:
-        blk, budgets = self._layer(layer)
         b = len(seq_ids)
-        # Read-only broadcasts of the cached per-layer rows: no per-step allocation.
-        return HeadPlan(np.broadcast_to(blk, (b, blk.shape[0])), np.broadcast_to(budgets, (b, budgets.shape[0])))
+        plan = self._plans.get((layer, b))
+        if plan is None:
+            blk, budgets = self._layer(layer)
+            # Read-only broadcasts of the cached per-layer rows, made once per (layer, batch size):
+            # the same object every step, which the runtime's task cache recognises by identity.
+            plan = self._plans[(layer, b)] = HeadPlan(np.broadcast_to(blk, (b, blk.shape[0])),
+                                                      np.broadcast_to(budgets, (b, budgets.shape[0])), frozen=True)
+        return plan
 
 
 __all__ = ["ConfigHeadPlanner", "HeadPlan"]

@@ -423,6 +423,20 @@ class KVStore:
     def seq_len(self, seq_id: int, layer: int) -> int:
         return self._layer_state(seq_id, layer).tokens
 
+    def first_unready(self, layer: int, seq_ids: Sequence[int]) -> tuple[int, bool] | None:
+        """The first of `seq_ids` (ints) a decode step at `layer` (in range) cannot read, with
+        whether it is in the store at all (False) or has no KV at that layer (True); None when
+        every one has KV there. One pass for the per-step input check."""
+        self._check_open()
+        state = self._state
+        for s in seq_ids:
+            per_layer = state.get(s)
+            if per_layer is None or s not in self._slots:
+                return s, False
+            if not per_layer[layer].tokens:
+                return s, True
+        return None
+
     def step_rows(self, layer: int, seq_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
         """Slots, window lengths and CPU lengths of `seq_ids` at a layer, in one pass (per-step callers)."""
         self._check_layer(layer)

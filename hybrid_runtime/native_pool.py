@@ -711,6 +711,50 @@ def set_stop(ctrl, value):
     atomic_store(ctrl, C_STOP, value)
 
 
+@numba.njit(nogil=True, cache=True)
+def collect_records(rec, total, cum, rows, worker, start, end, nbytes, overhead, help_busy_ns, out):
+    """A finished job's records in one pass (the host's per-step `CpuWorkers.collect`): for each
+    of the first `total` queue positions a CPU worker ran (`rec[i, R_WORKER] >= 0`; the GPU
+    lane's stay -1), its record into the timeline columns at row `rows[i]` (`rows` empty: no
+    columns), and the totals into `out`: busy seconds (plus the workers' help on others' ranges,
+    which is taken and zeroed), modeled bytes (`cum` differences), first start and last end in
+    seconds (0 when no position is a worker's), bytes read. A dozen numpy calls over ~30 rows
+    cost ~120 us of host time a layer on the GPU machine's host; this costs a few."""
+    busy = 0.0
+    modeled = 0.0
+    first = np.inf
+    last = -np.inf
+    read = 0
+    cols = rows.shape[0] > 0
+    for i in range(total):
+        w = rec[i, R_WORKER]
+        if w < 0:
+            continue
+        s = rec[i, R_START] * 1e-9
+        e = rec[i, R_END] * 1e-9
+        busy += e - s
+        modeled += cum[i + 1] - cum[i]
+        first = min(first, s)
+        last = max(last, e)
+        read += rec[i, R_BYTES]
+        if cols:
+            r = rows[i]
+            worker[r] = w
+            start[r] = s
+            end[r] = e
+            nbytes[r] = rec[i, R_BYTES]
+            overhead[r] = rec[i, R_OVERHEAD] * 1e-9
+    helped = 0
+    for j in range(help_busy_ns.shape[0]):
+        helped += help_busy_ns[j]
+        help_busy_ns[j] = 0
+    out[0] = busy + helped * 1e-9
+    out[1] = modeled
+    out[2] = first if last >= first else 0.0
+    out[3] = last if last >= first else 0.0
+    out[4] = read
+
+
 def running(cur: np.ndarray, job: int) -> list[tuple[int, int]]:
     """`(worker, queue position)` of every native worker inside a task of job `job` (from
     `cur`; a snapshot for error messages, read while the workers run)."""
@@ -743,6 +787,9 @@ def warm_up() -> None:
     done(c)
     add_done(c, 0)
     set_stop(c, 0)
+    i64, f64 = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
+    collect_records(np.zeros((1, R_COLS), dtype=np.int64), 0, np.zeros(2), i64[:0], i64, f64, f64, i64, f64,
+                    np.zeros(1, dtype=np.int64), np.zeros(5))
     _ring(np.zeros(0, dtype=np.uint64), np.zeros(1, dtype=np.int32))
 
 
@@ -799,6 +846,7 @@ class NativeJobBuffers:
         self.help_words = np.zeros(w * LINE, dtype=np.int64)
         self.help_done = np.zeros(w * LINE, dtype=np.int64)
         self.help_busy_ns = np.zeros(w * LINE, dtype=np.int64)  # time spent on others' ranges
+        self.collected = np.zeros(5)  # `collect_records`' totals of the last collected job
         self.bounds = np.zeros((w, parts + 1), dtype=np.int64)
         self.part_out = np.zeros((w, parts, group_size, max(1, head_dim)), dtype=np.float32)
         self.part_lse = np.zeros((w, parts, group_size), dtype=np.float32)
@@ -846,18 +894,12 @@ class NativeJobBuffers:
             workspace = Workspace(self.part_lse.shape[2], max(1, self.part_out.shape[3]), 1)
         return (*self.picks, workspace.block_heads, workspace.state, self.picked_tasks)
 
-    def take_help_busy_s(self) -> float:
-        """Seconds workers spent on other workers' ranges since the last call."""
-        ns = int(self.help_busy_ns.sum())
-        self.help_busy_ns[:] = 0
-        return ns * 1e-9
-
 
 __all__ = [
     "C_DONE", "C_MAX_BLOCKS", "C_PICK_AT", "C_PICK_NS_PER_BLOCK", "C_PICKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
     "LOOP_WARM", "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "PICK_HOST", "PICK_READY", "PICK_STOP", "R_BYTES",
     "R_COLS", "R_END", "R_OVERHEAD", "R_START", "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_PICKS", "S_WORKSPACE",
-    "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS", "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close",
+    "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS", "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close", "collect_records",
     "done", "failed_task_error", "head", "monotonic_ns", "publish", "running", "scratch_of", "serve", "set_stop",
     "stock_worker_loop", "task_status", "warm_up", "worker_loop",
 ]

@@ -103,11 +103,13 @@ def _input_devices() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-def _check_tensor(name: str, x: Any) -> None:
-    """A floating-point torch tensor on a device the runtime can read (the shape is checked by the caller)."""
+def _check_tensor(name: str, x: Any, allowed: tuple[str, ...] | None = None) -> None:
+    """A floating-point torch tensor on a device the runtime can read (`allowed`, default
+    `_input_devices()`; the shape is checked by the caller)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} is a {type(x).__name__}; expected a torch.Tensor")
-    allowed = _input_devices()
+    if allowed is None:
+        allowed = _input_devices()
     if x.device.type not in allowed:
         where = " or ".join(a.upper() for a in allowed)
         raise ValueError(f"{name} is on device {x.device}; expected a tensor on {where}")
@@ -635,28 +637,31 @@ class HybridRuntime:
             raise IndexError(f"layer {layer!r} out of range; the runtime has layers 0..{self.store.layers - 1}")
         if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
             raise TypeError(f"seq_ids is {seq_ids!r}; expected a sequence of integer sequence ids")
-        seq_ids = [_as_int(s, "a sequence id in seq_ids") for s in seq_ids]
+        # Plain ints (the common case) skip `_as_int`'s call: its checks are for other types.
+        seq_ids = [s if type(s) is int else _as_int(s, "a sequence id in seq_ids") for s in seq_ids]
         if not seq_ids:
             raise ValueError("seq_ids is empty; decode needs at least one sequence")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids {seq_ids} repeat a sequence; each sequence may appear once per step")
-        _check_tensor("q", q)
-        if q.dim() != 3 or tuple(q.shape) != (len(seq_ids), g.q_heads, g.head_dim):
+        b, devices = len(seq_ids), _input_devices()
+        _check_tensor("q", q, devices)
+        if q.dim() != 3 or tuple(q.shape) != (b, g.q_heads, g.head_dim):
             raise ValueError(
-                f"q has shape {tuple(q.shape)}; expected [{len(seq_ids)}, {g.q_heads}, {g.head_dim}] ([B, q_heads, head_dim])"
+                f"q has shape {tuple(q.shape)}; expected [{b}, {g.q_heads}, {g.head_dim}] ([B, q_heads, head_dim])"
             )
         for name, x in (("k", k), ("v", v)):
-            _check_tensor(name, x)
-            if tuple(x.shape) != (len(seq_ids), g.kv_heads, g.head_dim):
+            _check_tensor(name, x, devices)
+            if tuple(x.shape) != (b, g.kv_heads, g.head_dim):
                 raise ValueError(
-                    f"{name} has shape {tuple(x.shape)}; expected [{len(seq_ids)}, {g.kv_heads}, {g.head_dim}] ([B, kv_heads, head_dim])"
+                    f"{name} has shape {tuple(x.shape)}; expected [{b}, {g.kv_heads}, {g.head_dim}] ([B, kv_heads, head_dim])"
                 )
-        known = self.store.sequences()
-        for s in seq_ids:
-            if s not in known:
-                raise KeyError(f"sequence {s} is not in the store; prefill it first (sequences in the store: {sorted(known)})")
-            if not self.store.seq_len(s, layer):
-                raise ValueError(f"sequence {s} has no KV at layer {layer}; prefill every layer of it before decoding")
+        unready = self.store.first_unready(layer, seq_ids)
+        if unready is not None:
+            s, known = unready
+            if not known:
+                raise KeyError(f"sequence {s} is not in the store; prefill it first (sequences in the store: "
+                               f"{sorted(self.store.sequences())})")
+            raise ValueError(f"sequence {s} has no KV at layer {layer}; prefill every layer of it before decoding")
         if check_finite:
             _check_finite({"q": q, "k": k, "v": v})
         return layer, seq_ids
@@ -751,9 +756,8 @@ class HybridRuntime:
         entries = self._task_cache.get(key)
         if entries is not None:
             for c_plan, c_lens, c_tasks in entries:
-                if c_lens == cpu_lens and np.array_equal(c_plan.block_size, plan.block_size) and np.array_equal(
-                    c_plan.budgets, plan.budgets
-                ):
+                if c_lens == cpu_lens and (c_plan is plan or np.array_equal(c_plan.block_size, plan.block_size) and
+                                           np.array_equal(c_plan.budgets, plan.budgets)):
                     return c_tasks
         tasks = build_tasks(store, layer, seq_ids, plan, cpu_len=cpu_lens)
         if len(self._task_cache) >= 4 * store.layers:
@@ -761,8 +765,9 @@ class HybridRuntime:
         entries = self._task_cache.setdefault(key, [])
         if len(entries) >= self.TASK_CACHE_PLANS:
             entries.pop(0)
-        # The plan's arrays are copied: a planner may reuse and overwrite its buffers.
-        entries.append((HeadPlan(np.array(plan.block_size), np.array(plan.budgets)), cpu_lens, tasks))
+        # The plan's arrays are copied unless it is frozen: a planner may reuse and overwrite its buffers.
+        kept = plan if plan.frozen else HeadPlan(np.array(plan.block_size), np.array(plan.budgets))
+        entries.append((kept, cpu_lens, tasks))
         return tasks
 
     def _forget_tasks(self, seq_id: int) -> None:

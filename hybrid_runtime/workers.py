@@ -53,6 +53,12 @@ def _stand_ins(args: tuple) -> tuple:
     return tuple(out)
 
 
+# Stand-ins for `collect_records`' timeline columns when a step records none (typed as the columns).
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_INTS = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+_NO_FLOATS = (np.zeros(1), np.zeros(1), np.zeros(1))
+
+
 class CpuWorkers:
     """The CPU lane: worker threads, the job they serve and the native job buffers.
 
@@ -330,26 +336,24 @@ class CpuWorkers:
         q = job.cpu_queue
         if not (isinstance(q, NativeQueue) and q.total):
             return
-        rec = self.native.rec[: q.total]
-        mine = rec[:, native_pool.R_WORKER] >= 0  # positions a CPU worker ran (the GPU lane's stay -1)
-        start = rec[:, native_pool.R_START] * 1e-9
-        end = rec[:, native_pool.R_END] * 1e-9
-        nbytes = rec[:, native_pool.R_BYTES]
-        if job.columns is not None:
-            cols = job.columns
-            r = job.queue_rows(q)[mine]
-            cols["worker"][r] = rec[mine, native_pool.R_WORKER]
-            cols["start"][r] = start[mine]
-            cols["end"][r] = end[mine]
-            cols["bytes"][r] = nbytes[mine]
-            cols["overhead"][r] = rec[mine, native_pool.R_OVERHEAD] * 1e-9
-        job.cpu_busy = float((end - start)[mine].sum()) + self.native.take_help_busy_s()
-        job.cpu_bytes = float(np.diff(q._cum)[mine].sum())
-        if mine.any():
-            job.cpu_first_start = float(start[mine].min())
-            job.cpu_last_end = float(end[mine].max())
+        buf = self.native
+        cols = job.columns
+        if cols is not None:
+            rows = job.queue_rows(q)
+            worker, start, end, nbytes, overhead = (cols["worker"], cols["start"], cols["end"], cols["bytes"],
+                                                    cols["overhead"])
+        else:
+            rows, (worker, nbytes), (start, end, overhead) = _NO_ROWS, _NO_INTS, _NO_FLOATS
+        out = buf.collected
+        native_pool.collect_records(buf.rec, q.total, q._cum, rows, worker, start, end, nbytes, overhead,
+                                    buf.help_busy_ns, out)
+        job.cpu_busy = float(out[0])
+        job.cpu_bytes = float(out[1])
+        if out[3] > 0.0:
+            job.cpu_first_start = float(out[2])
+            job.cpu_last_end = float(out[3])
         if self.executor is not None:
-            self.executor.bytes_read += int(nbytes[mine].sum())
+            self.executor.bytes_read += int(out[4])
 
     # ------------------------------------------------------------------ Python workers
     def _python_main(self, wid: int, core: int | None) -> None:

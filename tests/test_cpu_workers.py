@@ -102,3 +102,49 @@ def test_the_cached_stock_loop_is_dropped_when_a_kernel_file_changes(monkeypatch
     stamp_file.write_text("[(0, 0), (0, 0)]")  # a kernel file changed since the loop was cached
     native_pool._drop_stale_loop_cache()
     assert flushed == [True, True] and stamp_file.read_text() != "[(0, 0), (0, 0)]"
+
+
+def test_collect_records_matches_the_vectorised_reference():
+    """`native_pool.collect_records` (one numba pass) writes what the numpy code it replaced did:
+    the worker-run positions' records into the timeline rows, the totals, and takes the help time."""
+    from hybrid_runtime import native_pool as npool
+
+    rng = np.random.default_rng(3)
+    total, n = 9, 12
+    rec = np.zeros((16, npool.R_COLS), dtype=np.int64)
+    rec[:total, npool.R_WORKER] = rng.integers(-1, 4, total)  # -1: the GPU lane's positions
+    rec[:total, npool.R_START] = rng.integers(1_000_000, 2_000_000, total)
+    rec[:total, npool.R_END] = rec[:total, npool.R_START] + rng.integers(1, 50_000, total)
+    rec[:total, npool.R_BYTES] = rng.integers(1, 1 << 20, total)
+    rec[:total, npool.R_OVERHEAD] = rng.integers(0, 900, total)
+    rec[total:] = 7  # past the job: never read
+    cum = np.concatenate([[0.0], np.cumsum(rng.random(total) * 1e6)])
+    rows = rng.permutation(n)[:total].astype(np.int64)
+    cols = {"worker": np.full(n, -1, np.int64), "start": np.zeros(n), "end": np.zeros(n),
+            "bytes": np.zeros(n, np.int64), "overhead": np.zeros(n)}
+    help_ns = np.array([5_000, 0, 2_000], dtype=np.int64)
+    out = np.zeros(5)
+    npool.collect_records(rec, total, cum, rows, cols["worker"], cols["start"], cols["end"], cols["bytes"],
+                          cols["overhead"], help_ns, out)
+
+    r = rec[:total]
+    mine = r[:, npool.R_WORKER] >= 0
+    start, end = r[:, npool.R_START] * 1e-9, r[:, npool.R_END] * 1e-9
+    want = {"worker": np.full(n, -1, np.int64), "start": np.zeros(n), "end": np.zeros(n),
+            "bytes": np.zeros(n, np.int64), "overhead": np.zeros(n)}
+    want["worker"][rows[mine]] = r[mine, npool.R_WORKER]
+    want["start"][rows[mine]] = start[mine]
+    want["end"][rows[mine]] = end[mine]
+    want["bytes"][rows[mine]] = r[mine, npool.R_BYTES]
+    want["overhead"][rows[mine]] = r[mine, npool.R_OVERHEAD] * 1e-9
+    for name in want:
+        np.testing.assert_array_equal(cols[name], want[name], err_msg=name)
+    np.testing.assert_allclose(out, [(end - start)[mine].sum() + 7e-6, np.diff(cum)[mine].sum(), start[mine].min(),
+                                     end[mine].max(), r[mine, npool.R_BYTES].sum()], rtol=1e-12)
+    assert not help_ns.any()  # taken
+
+    # No timeline columns (empty rows): only the totals; no worker position: first / last stay 0.
+    rec[:total, npool.R_WORKER] = -1
+    npool.collect_records(rec, total, cum, rows[:0], cols["worker"][:1], cols["start"][:1], cols["end"][:1],
+                          cols["bytes"][:1], cols["overhead"][:1], help_ns, out)
+    np.testing.assert_array_equal(out, [0.0, 0.0, 0.0, 0.0, 0.0])
