@@ -846,8 +846,9 @@ class HybridRuntime:
             self._check_lookahead(layer, seq_ids, lookahead)
         store, geo = self.store, self.geometry
         prof = self._timeline.enabled
+        timing = self._timeline.events.record  # the timeline's events, reused once it has read them
         caller = current_stream() if cuda else None  # looked up once: each lookup costs host time
-        ev_entry = self._event(caller) if cuda and prof else None
+        ev_entry = timing(caller) if cuda and prof else None
         # A spill moves window pages into the CPU segment the tasks read: it must come first; so
         # must the append when the planner reads the window (its features include this token).
         # Otherwise the append only touches the GPU window and runs while the tasks do.
@@ -940,11 +941,11 @@ class HybridRuntime:
             with use_stream(side, caller):
                 if graphs is None and not append_first:
                     store.append(layer, seq_ids, k, v)
-                window["ev0"] = self._event(side) if prof else None
+                window["ev0"] = timing(side) if prof else None
                 # From a graph, append and window are replayed together into the graph's own out, lse.
                 out, lse = graphs.run(layer, seq_ids, qs, k, v, side) if graphs is not None else \
                     self._window(layer, seq_ids, qs)
-                window["ev1"] = self._event(side) if prof else None
+                window["ev1"] = timing(side) if prof else None
             caller.wait_stream(side)  # the merges below run on the caller's stream
             if graphs is None:
                 out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's
@@ -1019,7 +1020,7 @@ class HybridRuntime:
         cpu_used = job is not None and job.cpu_used
         gpu_used = job is not None and job.gpu_used
 
-        ev_m0 = self._event(caller) if cuda and prof else None
+        ev_m0 = timing(caller) if cuda and prof else None
         out = None
         if cuda:
             # One kernel merges the window with the lanes' parts -- the CPU lane's read through UVA
@@ -1068,7 +1069,7 @@ class HybridRuntime:
             merged = getattr(executor, "merged", None) if job is not None else None
             if merged is not None:
                 merged(layer, seq_ids, lse_w)  # each head's final lse (EvoSparse's heat, on the device)
-        ev_end = self._event(caller) if cuda and prof else None
+        ev_end = timing(caller) if cuda and prof else None
         if out is None:
             # On the host, or from a window graph, the window's result lives in a buffer the next
             # step rewrites: the caller gets a copy.

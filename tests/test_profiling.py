@@ -298,3 +298,25 @@ def test_gpu_idle_is_measured_on_cuda():
             assert 0.0 <= r.gpu_idle_ratio() <= 1.0
     finally:
         rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_timing_events_are_reused_after_their_steps_resolve(monkeypatch):
+    from hybrid_runtime.profiling.timeline import Timeline
+
+    monkeypatch.setattr(Timeline, "RESOLVE_EVERY", 4)
+    rt, _ = run_steps("fluxion", steps=20)  # 40 layer-steps, five timing events each
+    try:
+        recs = rt.timeline.records
+        assert len(recs) == 40
+        # Made at most for the steps held unresolved at once (4, plus the one kept for its claims, plus
+        # the steps recorded before the first resolution), not 200.
+        assert rt.timeline.events.made <= 5 * 6
+        ends = [r.t_end for r in recs]
+        assert all(r.t_start <= r.t_end for r in recs) and ends == sorted(ends)  # re-recorded events time their own step
+        for r in recs:
+            for a, b in r.gpu_intervals:
+                assert recs[0].t_start - 1e-3 <= a <= b <= recs[-1].t_end + 1e-3
+    finally:
+        rt.close()

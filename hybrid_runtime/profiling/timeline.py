@@ -167,6 +167,47 @@ class _Pending:
     has_gpu: bool
 
 
+class TimingEvents:
+    """CUDA timing events for a timeline's steps, reused once their steps are resolved.
+
+    The decode path records five timing events per layer-step (entry, window start and end, merge
+    start, end); made new each time, each is a Python object plus a driver event created at its
+    first record and destroyed when collected, ~5 us of host time a layer on the GPU machine's
+    host beyond the record itself. Events handed out by `record` go back to the free list once
+    the timeline has read them (`give_back`: only after the step's end event completed, so every
+    earlier event of the step has too), and a later step records them again.
+    """
+
+    def __init__(self) -> None:
+        self._free: list = []
+        self._cls = None
+        self.made = 0  # events created: bounded by the steps a timeline holds unresolved
+
+    def record(self, stream: Any) -> Any:
+        """A timing event recorded on `stream` now."""
+        free = self._free
+        if free:
+            ev = free.pop()
+        else:
+            if self._cls is None:
+                import torch
+
+                class _PooledEvent(torch.cuda.Event):  # marks events this pool may take back
+                    pass
+
+                self._cls = _PooledEvent
+            ev = self._cls(enable_timing=True)
+            self.made += 1
+        ev.record(stream)
+        return ev
+
+    def give_back(self, events: Sequence[Any]) -> None:
+        """Events the caller has finished reading; those this pool made are reused."""
+        cls = self._cls
+        if cls is not None:
+            self._free.extend(ev for ev in events if type(ev) is cls)
+
+
 class Timeline:
     """All recorded steps of a runtime. `records` resolves and returns them."""
 
@@ -194,6 +235,8 @@ class Timeline:
         # columns after the step returned (the GPU lane's trailing claims); returns True while
         # the last recorded step still has such work outstanding.
         self.before_resolve: Callable[[bool], bool] | None = None
+        # Timing events for the recording side's steps; taken back once their step is converted.
+        self.events = TimingEvents()
         self.resolve_s = 0.0  # host time spent converting pending steps into records
 
     # ------------------------------------------------------------------ hot path
@@ -245,6 +288,7 @@ class Timeline:
             if p.ev_end is not None and block:
                 p.ev_end.synchronize()
             self._records.append(self._convert(p))
+            self.events.give_back([p.ev_entry, p.ev_end, *(e for _, a, b in p.gpu_events for e in (a, b))])
         self._pending = keep
         excess = len(self._records) - self.max_steps
         if excess > 0:
