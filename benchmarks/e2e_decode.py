@@ -824,6 +824,10 @@ def _num(x, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _share(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def markdown(result: dict) -> str:
     def ceiling(lim: dict | None) -> str:
         return (f"{lim['concurrent_ceiling_GBps']:.1f} GB/s = CPU {lim['cpu_concurrent_GBps']:.1f} + "
@@ -876,13 +880,17 @@ def markdown(result: dict) -> str:
     if split:
         lines += ["", "where a hybrid token's time went (ms per token, medians over tokens, summed over layers; "
                   "attention = lead (q produced to the first task) + tasks (first task to the last one's end) + tail "
-                  "(to the merged output); `generate_timing.layer_time_split`):", "",
+                  "(to the merged output); `generate_timing.layer_time_split`; the host's cores over the decode "
+                  "phase: busy share, and the share of their time a hypervisor gave to something else, from "
+                  "/proc/stat):", "",
                   "| model | batch | context | variant | attention | lead | tasks | tail | CPU task busy | decode host "
-                  "| between layers | q wait | merge after return |", "|" + " --- |" * 13]
+                  "| between layers | q wait | merge after return | host cores busy / steal |", "|" + " --- |" * 14]
         lines += [f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | "
                   + " | ".join(_num(p.get(f"step_{k}_ms_median"), ".1f") for k in (
                       "attention", "lead", "tasks", "tail", "cpu_task_busy", "decode_host", "between_layers_host",
-                      "q_wait", "merge_after_return")) + " |" for p in split]
+                      "q_wait", "merge_after_return"))
+                  + f" | {_share(p.get('decode_host_busy_share'))} / {_share(p.get('decode_host_steal_share'))} |"
+                  for p in split]
     repeats = repeat_spread(result["points"])
     if repeats:
         lines += ["", "repeats (a variant run more than once at a point, in run order; one variant's TPOT moves "

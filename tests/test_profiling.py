@@ -320,3 +320,18 @@ def test_timing_events_are_reused_after_their_steps_resolve(monkeypatch):
                 assert recs[0].t_start - 1e-3 <= a <= b <= recs[-1].t_end + 1e-3
     finally:
         rt.close()
+
+
+def test_cpu_shares_from_proc_stat_counters():
+    from hybrid_runtime.profiling.machine import cpu_jiffies, cpu_shares
+
+    #                      user nice sys idle iowait irq softirq steal
+    before = {0: np.array([100, 0, 10, 500, 0, 0, 0, 5]), 1: np.array([0, 0, 0, 1000, 0, 0, 0, 0])}
+    after = {0: np.array([160, 0, 20, 520, 0, 0, 0, 15]), 1: np.array([0, 0, 0, 1100, 0, 0, 0, 0])}
+    # core 0: 100 ticks, 20 idle, 10 stolen; core 1: 100 ticks, all idle
+    assert cpu_shares(before, after, [0]) == {"busy": 0.8, "steal": 0.1}
+    assert cpu_shares(before, after) == {"busy": 0.4, "steal": 0.05}
+    nan = cpu_shares(before, before)  # no tick passed
+    assert math.isnan(nan["busy"]) and math.isnan(nan["steal"])
+    snap = cpu_jiffies()  # this machine's counters, where it has /proc/stat
+    assert all(v.shape == (8,) and (v >= 0).all() for v in snap.values())

@@ -10,7 +10,10 @@ torch ops launched on the GPU) timed while `--workers` other threads, each pinne
 core, either do nothing (no threads), spin on a flag (a numba loop with no memory traffic, as idle workers spin),
 or read a large array again and again (as workers running tasks do).
 
-    python benchmarks/diag/neighbour_load.py [--workers 15] [--reps 300] [--array-mb 256]
+    python benchmarks/diag/neighbour_load.py [--workers 15] [--reps 300] [--array-mb 256] [--rounds 3] [--seconds 1.5]
+
+Also per case: the steal time of /proc/stat (a virtual machine's vCPUs that share fewer physical
+cores lose time to each other when busy, which a spinning neighbour is and a sleeping one is not).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hybrid_runtime.native_pool import atomic_load  # noqa: E402  (a load the loop cannot hoist)
+from hybrid_runtime.profiling.machine import cpu_jiffies, cpu_shares  # noqa: E402
 
 
 @numba.njit(nogil=True, cache=True)
@@ -59,13 +63,15 @@ def _work(small_np, small_t) -> None:
             small_t.add_(1.0)
 
 
-def _time_work(reps: int, small_np, small_t) -> np.ndarray:
-    out = np.empty(reps)
-    for r in range(reps):
+def _time_work(reps: int, small_np, small_t, seconds: float = 0.0) -> np.ndarray:
+    """Per-piece times in us: `reps` pieces, and more until `seconds` have passed."""
+    out = []
+    end = time.perf_counter() + seconds
+    while len(out) < reps or time.perf_counter() < end:
         t0 = time.perf_counter()
         _work(small_np, small_t)
-        out[r] = time.perf_counter() - t0
-    return out * 1e6
+        out.append(time.perf_counter() - t0)
+    return np.array(out) * 1e6
 
 
 def main() -> None:
@@ -73,6 +79,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None, help="neighbour threads (default: every core but this one)")
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--array-mb", type=int, default=256, help="array each streaming neighbour reads")
+    ap.add_argument("--seconds", type=float, default=1.5, help="least time per case (steal is counted in 10 ms ticks)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the three cases (the host's speed drifts)")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     me = cores[0]
@@ -100,25 +108,32 @@ def main() -> None:
             _stream(stop, arr)
 
     print(f"calling thread on core {me}; {len(others)} neighbours on cores {others}; "
-          f"{'CUDA' if small_t is not None else 'no CUDA'}; {args.reps} reps per case")
-    print(f"{'neighbours':<12} {'median us':>10} {'p10':>8} {'p90':>8} {'p99':>8}")
+          f"{'CUDA' if small_t is not None else 'no CUDA'}; at least {args.reps} reps and {args.seconds} s per case, {args.rounds} rounds")
+    print("steal: the share of a core's time the hypervisor gave to something else while it wanted to run "
+          "(/proc/stat); `mine`: the calling thread's core, `all`: every core of the process")
+    print(f"{'round':<6} {'neighbours':<11} {'median us':>10} {'p10':>8} {'p90':>8} {'p99':>8} "
+          f"{'steal mine':>11} {'steal all':>10} {'busy all':>9}")
     _time_work(50, small_np, small_t)  # warm
-    # "none" again last: the host's speed drifts, and the two bracket the loaded cases.
-    for kind in ("none", "spin", "stream", "none"):
-        stop[0] = 0
-        threads = []
-        if kind != "none":
-            for c, arr in zip(others, arrays):
-                t = threading.Thread(target=neighbour, args=(c, kind, arr), daemon=True)
-                t.start()
-                threads.append(t)
-            time.sleep(0.2)  # every neighbour running
-        t_us = _time_work(args.reps, small_np, small_t)
-        stop[0] = 1
-        for t in threads:
-            t.join()
-        p10, p50, p90, p99 = np.percentile(t_us, [10, 50, 90, 99])
-        print(f"{kind:<12} {p50:>10.1f} {p10:>8.1f} {p90:>8.1f} {p99:>8.1f}")
+    for rnd in range(args.rounds):
+        for kind in ("none", "spin", "stream"):
+            stop[0] = 0
+            threads = []
+            if kind != "none":
+                for c, arr in zip(others, arrays):
+                    t = threading.Thread(target=neighbour, args=(c, kind, arr), daemon=True)
+                    t.start()
+                    threads.append(t)
+                time.sleep(0.2)  # every neighbour running
+            before = cpu_jiffies()
+            t_us = _time_work(args.reps, small_np, small_t, args.seconds)
+            after = cpu_jiffies()
+            stop[0] = 1
+            for t in threads:
+                t.join()
+            p10, p50, p90, p99 = np.percentile(t_us, [10, 50, 90, 99])
+            mine, every = cpu_shares(before, after, [me]), cpu_shares(before, after, [me, *others])
+            print(f"{rnd:<6} {kind:<11} {p50:>10.1f} {p10:>8.1f} {p90:>8.1f} {p99:>8.1f} "
+                  f"{mine['steal']:>11.3f} {every['steal']:>10.3f} {every['busy']:>9.3f}")
 
 
 if __name__ == "__main__":

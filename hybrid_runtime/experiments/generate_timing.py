@@ -26,6 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from hybrid_runtime.config import GeometryConfig
 from hybrid_runtime.profiling import LANE_CPU, LANE_GPU
+from hybrid_runtime.profiling.machine import cpu_jiffies, cpu_shares
 
 # The published configs of the random-weight models: (transformers config class, its arguments).
 MODELS: dict[str, tuple[str, dict]] = {
@@ -193,7 +194,13 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
         mem["prefill"] = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
 
-    clock = StepClock(cuda, ([prefill_peak] if cuda and measure_memory else []) + list(on_first), on_token)
+    jiffies: dict = {}
+
+    def decode_start() -> None:
+        jiffies["first"] = cpu_jiffies()
+
+    clock = StepClock(cuda, ([prefill_peak] if cuda and measure_memory else []) + [decode_start] + list(on_first),
+                      on_token)
     rule = StopRule(clock, max_tokens=max_tokens, cap_s=cap_s)
     _sync(cuda)
     if cuda and measure_memory:
@@ -210,6 +217,11 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
         raise RuntimeError(f"generate made {generated} tokens but the clock saw {len(clock.stamps)}")
     row = timing_fields(t0, clock.stamps, t_end)
     row["stopped_by_time_cap"] = rule.capped
+    if "first" in jiffies:
+        # The host's cores from the first token on: how busy, and how much time the hypervisor took.
+        shares = cpu_shares(jiffies["first"], cpu_jiffies())
+        row["decode_host_busy_share"], row["decode_host_steal_share"] = (
+            None if v != v else v for v in (shares["busy"], shares["steal"]))  # NaN (no /proc/stat): None
     if cuda and measure_memory:
         decode = torch.cuda.max_memory_allocated()
         row.update(prefill_peak_gpu_bytes=mem.get("prefill"), decode_peak_gpu_bytes=decode,

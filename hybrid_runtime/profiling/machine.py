@@ -7,6 +7,7 @@ import platform
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hybrid_runtime.pinning import usable_cores
@@ -32,6 +33,35 @@ def gpu_name() -> str | None:
 def device_name() -> str:
     """The GPU's name, or `cpu (<host cpu>)` without one."""
     return gpu_name() or f"cpu ({host_cpu()})"
+
+
+def cpu_jiffies() -> dict[int, np.ndarray]:
+    """Per core, its time counters from /proc/stat (user, nice, system, idle, iowait, irq,
+    softirq, steal, in ticks); empty where there is no /proc/stat."""
+    out = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *vals = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    out[int(name[3:])] = np.array([int(v) for v in vals[:8]], dtype=np.int64)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def cpu_shares(before: dict[int, np.ndarray], after: dict[int, np.ndarray],
+               cores: list[int] | None = None) -> dict[str, float]:
+    """Between two `cpu_jiffies` snapshots, over `cores` (default: every core in both): `busy`,
+    the share of their time not idle, and `steal`, the share a virtual machine's hypervisor ran
+    something else while they wanted to run (vCPUs sharing fewer physical cores lose time to each
+    other when busy). NaN where /proc/stat was missing or no tick passed (ticks are ~10 ms)."""
+    keys = [c for c in (before if cores is None else cores) if c in before and c in after]
+    tot = np.sum([after[c] - before[c] for c in keys], axis=0) if keys else None
+    total = 0 if tot is None else int(tot.sum())
+    if total <= 0:
+        return {"busy": float("nan"), "steal": float("nan")}
+    return {"busy": (total - int(tot[3] + tot[4])) / total, "steal": int(tot[7]) / total}
 
 
 def fingerprint() -> dict:

@@ -202,7 +202,7 @@ class TimingEvents:
         return ev
 
     def give_back(self, events: Sequence[Any]) -> None:
-        """Events the caller has finished reading; those this pool made are reused."""
+        """Events the caller has finished reading, each once; those this pool made are reused."""
         cls = self._cls
         if cls is not None:
             self._free.extend(ev for ev in events if type(ev) is cls)
@@ -288,7 +288,9 @@ class Timeline:
             if p.ev_end is not None and block:
                 p.ev_end.synchronize()
             self._records.append(self._convert(p))
-            self.events.give_back([p.ev_entry, p.ev_end, *(e for _, a, b in p.gpu_events for e in (a, b))])
+            # Each event once: the merge interval ends at the step's end event.
+            self.events.give_back(list({id(e): e for e in (p.ev_entry, p.ev_end, *(e for _, a, b in p.gpu_events
+                                                                                 for e in (a, b)))}.values()))
         self._pending = keep
         excess = len(self._records) - self.max_steps
         if excess > 0:
