@@ -1,0 +1,104 @@
+"""Diagnostic (device): host time of one CUDA graph replay, through torch and through the driver. Writes no results file.
+
+In the host profile of a 4 x 32K decode (`e2e_host_profile.py`) the window part's
+`torch.cuda.CUDAGraph.replay` took 139-223 us of host time a call (32 a token), 36-55 of it in
+its Python wrapper. This times a replay of a small graph (`--kernels` tiny kernels, as the window
+graph's append and attention) three ways: `CUDAGraph.replay()`, the C method under it
+(`torch._C._CUDAGraph.replay`, skipping the wrapper's pool check), and the driver's
+`cuGraphLaunch` on the graph's executable (`raw_cuda_graph_exec`, where this torch has it); each
+in a tight loop and as single calls between pieces of other host work (a cold cache, as on the
+decode path). A plain launch of the same kernels is timed beside them.
+
+    python benchmarks/diag/graph_replay_cost.py [--kernels 4] [--reps 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import numpy as np
+import torch
+
+
+def _other_work(buf: list) -> None:
+    # Some Python and numpy between two replays: evicts what a tight loop keeps warm.
+    arr = np.arange(4096.0)
+    buf.append(float(arr[::7].sum()) + sum(i * i for i in range(200)))
+    buf.clear()
+
+
+def _time(fn, reps: int, between: bool) -> np.ndarray:
+    out = np.empty(reps)
+    scratch: list = []
+    for r in range(reps):
+        if between:
+            _other_work(scratch)
+        t0 = time.perf_counter()
+        fn()
+        out[r] = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return out * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=2000)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    x = torch.zeros(1024, device="cuda")
+    stream = torch.cuda.Stream()
+
+    def kernels() -> None:
+        for _ in range(args.kernels):
+            x.add_(1.0)
+
+    with torch.cuda.stream(stream):
+        kernels()  # warm the kernels before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        kernels()
+    torch.cuda.synchronize()
+    cur = torch.cuda.current_stream()
+    ways = {"torch CUDAGraph.replay": graph.replay,
+            "torch._C._CUDAGraph.replay": lambda: torch._C._CUDAGraph.replay(graph),
+            f"{args.kernels} plain launches": kernels}
+    exec_handle = getattr(graph, "raw_cuda_graph_exec", None)
+    if exec_handle is not None:
+        try:
+            handle = exec_handle()
+            lib = ctypes.CDLL("libcuda.so.1")
+            launch = lib.cuGraphLaunch
+            launch.argtypes, launch.restype = [ctypes.c_uint64, ctypes.c_uint64], ctypes.c_int
+            raw_stream = cur.cuda_stream
+
+            def driver() -> None:
+                status = launch(handle, raw_stream)
+                if status:
+                    raise RuntimeError(f"cuGraphLaunch failed with CUDA driver error {status}")
+
+            ways["driver cuGraphLaunch"] = driver
+        except (OSError, RuntimeError, AttributeError) as exc:
+            print(f"(driver launch unavailable: {type(exc).__name__}: {exc})")
+    else:
+        print("(this torch has no CUDAGraph.raw_cuda_graph_exec)")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; a graph of {args.kernels} kernels; "
+          f"{args.reps} calls per row; host us per call")
+    print(f"{'way':<30} {'loop med':>9} {'p90':>7} {'between med':>12} {'p90':>7}")
+    for name, fn in ways.items():
+        fn()
+        torch.cuda.synchronize()
+        tight = _time(fn, args.reps, between=False)
+        cold = _time(fn, args.reps, between=True)
+        print(f"{name:<30} {np.median(tight):>9.1f} {np.percentile(tight, 90):>7.1f} "
+              f"{np.median(cold):>12.1f} {np.percentile(cold, 90):>7.1f}")
+    expect = float(x[0].item())
+    print(f"(every way ran the kernels: x = {expect:.0f})")
+
+
+if __name__ == "__main__":
+    main()
