@@ -9,7 +9,12 @@ graph's append and attention) three ways: `CUDAGraph.replay()`, the C method und
 in a tight loop and as single calls between pieces of other host work (a cold cache, as on the
 decode path). A plain launch of the same kernels is timed beside them.
 
-    python benchmarks/diag/graph_replay_cost.py [--kernels 4] [--reps 2000]
+`--blocked`: the same while another stream is held by a device-side wait on a word in pinned host
+memory (`cuStreamWaitValue64`, as a trailing CPU lane's merge holds the caller's stream) with a
+queued kernel behind it, the replays going to a high-priority side stream as the window part's do.
+If the host's calls slow down only then, the stream wait is what the decode path's replays pay.
+
+    python benchmarks/diag/graph_replay_cost.py [--kernels 4] [--reps 2000] [--blocked]
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ import argparse
 import ctypes
 import time
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _other_work(buf: list) -> None:
@@ -38,7 +48,7 @@ def _time(fn, reps: int, between: bool) -> np.ndarray:
         t0 = time.perf_counter()
         fn()
         out[r] = time.perf_counter() - t0
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()  # not the device: under --blocked another stream is held
     return out * 1e6
 
 
@@ -46,6 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--blocked", action="store_true", help="another stream held by a host-memory wait meanwhile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -64,6 +75,18 @@ def main() -> None:
         kernels()
     torch.cuda.synchronize()
     cur = torch.cuda.current_stream()
+    word = held = None
+    if args.blocked:
+        from gpu_kernels.host_count_wait import device_address, wait_for_count
+
+        side = torch.cuda.Stream(priority=-1)  # the replays' stream, high priority as the window part's
+        held = torch.cuda.Stream()
+        word = torch.zeros(1, dtype=torch.int64).pin_memory()
+        wait_for_count(device_address(word), 1, held.cuda_stream)  # held until the host writes 1
+        with torch.cuda.stream(held):
+            torch.zeros(1024, device="cuda").add_(1.0)  # work queued behind the wait
+        torch.cuda.set_stream(side)
+        cur = side
     ways = {"torch CUDAGraph.replay": graph.replay,
             "torch._C._CUDAGraph.replay": lambda: torch._C._CUDAGraph.replay(graph),
             f"{args.kernels} plain launches": kernels}
@@ -87,15 +110,19 @@ def main() -> None:
     else:
         print("(this torch has no CUDAGraph.raw_cuda_graph_exec)")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; a graph of {args.kernels} kernels; "
-          f"{args.reps} calls per row; host us per call")
+          f"{args.reps} calls per row; host us per call"
+          + ("; another stream held by a host-memory wait throughout" if args.blocked else ""))
     print(f"{'way':<30} {'loop med':>9} {'p90':>7} {'between med':>12} {'p90':>7}")
     for name, fn in ways.items():
         fn()
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         tight = _time(fn, args.reps, between=False)
         cold = _time(fn, args.reps, between=True)
         print(f"{name:<30} {np.median(tight):>9.1f} {np.percentile(tight, 90):>7.1f} "
               f"{np.median(cold):>12.1f} {np.percentile(cold, 90):>7.1f}")
+    if word is not None:
+        word[0] = 1  # release the held stream
+        torch.cuda.synchronize()
     expect = float(x[0].item())
     print(f"(every way ran the kernels: x = {expect:.0f})")
 
