@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake select_latency runtime_tests e2e_decode e2e_part32k e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_latency runtime_tests e2e_decode e2e_part32k e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -40,6 +40,11 @@ for step in $steps; do
         launch_cost) timeout 200 python benchmarks/diag/launch_cost.py --batch 8 --context 32768 --steps 20 ;;
         launch_behind_spin) timeout 200 python benchmarks/diag/launch_behind_spin.py --batch 8 --context 32768 ;;
         host_wake) timeout 60 python benchmarks/diag/host_wake.py && timeout 200 python benchmarks/diag/host_wake.py --with-runtime ;;
+        # The host's speed beside busy cores (and the hypervisor's steal), and a graph replay's host time
+        # alone and behind a stream held by a host-memory wait (benchmarks/notes/e2e_overlap.md section 13).
+        host_diag) timeout 90 python benchmarks/diag/neighbour_load.py --rounds 3 &&
+            timeout 60 python benchmarks/diag/graph_replay_cost.py --blocked &&
+            timeout 60 python benchmarks/diag/graph_replay_cost.py ;;
         select_latency) timeout 100 python benchmarks/diag/select_latency.py --batch 4 --context 32768 &&
             timeout 150 python benchmarks/diag/select_latency.py --batch 4 --context 131072 --reps 10 ;;
         runtime_tests) timeout 400 python -m pytest -v --tb=short -p no:cacheprovider tests/test_runtime.py \
