@@ -219,7 +219,8 @@ def native_job_bytes(max_tasks: int, group_size: int, max_chunks: int, n_workers
     team += w * parts * group_size * (max(1, head_dim) + 1) * _F32 + w * (max(1, max_blocks) if split else 1) * 4
     doorbells = max(1, n_workers) * (native_pool.SEM_BYTES + _I64) + 4
     picked = native_pool.LINE * _I64  # the picked-task count (the GPU selection's rows are a part of their own)
-    return fixed + team + doorbells + picked
+    collected = native_pool.COLLECTED * 8  # `collect_records`' totals (float64)
+    return fixed + team + doorbells + picked + collected
 
 
 def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int]:

@@ -127,6 +127,8 @@ T_COLS = 6
 # Record columns (queue order): worker, kernel start ns, kernel end ns, bytes, overhead ns.
 R_WORKER, R_START, R_END, R_BYTES, R_OVERHEAD = range(5)
 R_COLS = 5
+# `collect_records`' totals: busy seconds, modeled bytes, first start, last end, bytes read.
+COLLECTED = 5
 
 LOOP_STOPPED, LOOP_IDLE, LOOP_WARM, LOOP_FAILED = 0, 1, 2, 3
 # Negative task statuses of the loop's own row check (`task_status`); a kernel may return others.
@@ -789,7 +791,7 @@ def warm_up() -> None:
     set_stop(c, 0)
     i64, f64 = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
     collect_records(np.zeros((1, R_COLS), dtype=np.int64), 0, np.zeros(2), i64[:0], i64, f64, f64, i64, f64,
-                    np.zeros(1, dtype=np.int64), np.zeros(5))
+                    np.zeros(1, dtype=np.int64), np.zeros(COLLECTED))
     _ring(np.zeros(0, dtype=np.uint64), np.zeros(1, dtype=np.int32))
 
 
@@ -846,7 +848,7 @@ class NativeJobBuffers:
         self.help_words = np.zeros(w * LINE, dtype=np.int64)
         self.help_done = np.zeros(w * LINE, dtype=np.int64)
         self.help_busy_ns = np.zeros(w * LINE, dtype=np.int64)  # time spent on others' ranges
-        self.collected = np.zeros(5)  # `collect_records`' totals of the last collected job
+        self.collected = np.zeros(COLLECTED)  # `collect_records`' totals of the last collected job
         self.bounds = np.zeros((w, parts + 1), dtype=np.int64)
         self.part_out = np.zeros((w, parts, group_size, max(1, head_dim)), dtype=np.float32)
         self.part_lse = np.zeros((w, parts, group_size), dtype=np.float32)
@@ -896,7 +898,7 @@ class NativeJobBuffers:
 
 
 __all__ = [
-    "C_DONE", "C_MAX_BLOCKS", "C_PICK_AT", "C_PICK_NS_PER_BLOCK", "C_PICKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
+    "COLLECTED", "C_DONE", "C_MAX_BLOCKS", "C_PICK_AT", "C_PICK_NS_PER_BLOCK", "C_PICKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
     "LOOP_WARM", "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "PICK_HOST", "PICK_READY", "PICK_STOP", "R_BYTES",
     "R_COLS", "R_END", "R_OVERHEAD", "R_START", "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_PICKS", "S_WORKSPACE",
     "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS", "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close", "collect_records",
