@@ -126,10 +126,11 @@ class StepJob:
         rows = getattr(q, "rows", None)
         if rows is None:
             order = getattr(q, "order", None)
+            # Contiguous int64: `native_pool.collect_records` was compiled for that layout at warm-up.
             if order is not None and len(q.tasks) == len(self.tasks):
-                rows = np.asarray(order, dtype=np.int64)  # a queue over the whole task list
+                rows = np.ascontiguousarray(order, dtype=np.int64)  # a queue over the whole task list
             else:
-                rows = np.asarray(self.rows(q.tasks), dtype=np.int64)
+                rows = np.ascontiguousarray(self.rows(q.tasks), dtype=np.int64)
             q.rows = rows
         return rows
 
