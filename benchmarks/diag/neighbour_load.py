@@ -7,8 +7,10 @@ spin keep the package's power budget busy (a busy core lowers the others' clocks
 stream host memory slow the launcher's cache misses. This separates them: one fixed piece of
 host work on the calling thread (a pure-Python loop, small numpy ops and, where CUDA is, small
 torch ops launched on the GPU) timed while `--workers` other threads, each pinned to its own
-core, either do nothing (no threads), spin on a flag (a numba loop with no memory traffic, as idle workers spin),
-or read a large array again and again (as workers running tasks do).
+core, either do nothing (no threads), spin on a flag (a numba loop with no memory traffic, as
+idle workers spin), or read a large array again and again (as workers running tasks do). The
+three cases alternate in rounds, since the host's speed drifts between them (on the H200 machine
+the idle case itself read 95-139 us per piece within one minute: notes/e2e_overlap.md section 13).
 
     python benchmarks/diag/neighbour_load.py [--workers 15] [--reps 300] [--array-mb 256] [--rounds 3] [--seconds 1.5]
 
