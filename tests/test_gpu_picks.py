@@ -265,9 +265,20 @@ def test_cpu_task_selection_gpu_selects_on_every_step_that_auto_would_not():
             prefilled(rt)
             sch.picks.meta_block_bytes = 0  # the metadata costs the CPU lane nothing: `pays` says no
             sch.picks.EXPLORE_AFTER = 10**6
+            issued = []
+            real_issue = sch.lane._issue_picks
+
+            def counting_issue(job, plan, _real=real_issue):
+                issued.append(job.layer)
+                _real(job, plan)
+
+            sch.lane._issue_picks = counting_issue
             decode_steps(rt, steps=2)
             launches = rt.stats()["gpu_selection_launches"]
-            assert (launches == 2 * GEOM["layers"]) if expect_all else launches == 0, (mode, launches)
+            # The decision is per step; a launch also needs positions the GPU's first claim left to the
+            # CPU lane, which the lane rates decide (all of a step's 6 tasks now and then on a loaded host).
+            assert len(issued) == (2 * GEOM["layers"] if expect_all else 0), (mode, issued)
+            assert launches <= len(issued) if expect_all else launches == 0, (mode, launches)
 
 
 @host_lane
