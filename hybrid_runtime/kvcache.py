@@ -428,12 +428,11 @@ class KVStore:
         whether it is in the store at all (False) or has no KV at that layer (True); None when
         every one has KV there. One pass for the per-step input check."""
         self._check_open()
-        state = self._state
+        slots, state = self._slots, self._state
         for s in seq_ids:
-            per_layer = state.get(s)
-            if per_layer is None or s not in self._slots:
+            if s not in slots:  # what `_check_seq` asks
                 return s, False
-            if not per_layer[layer].tokens:
+            if not state[s][layer].tokens:
                 return s, True
         return None
 

@@ -202,10 +202,12 @@ class TimingEvents:
         return ev
 
     def give_back(self, events: Sequence[Any]) -> None:
-        """Events the caller has finished reading, each once; those this pool made are reused."""
+        """Events the caller has finished reading; those this pool made are reused. An event listed
+        more than once goes back once (a step's intervals may share one: the merge ends at the end
+        event), so that no two later steps are handed the same event."""
         cls = self._cls
         if cls is not None:
-            self._free.extend(ev for ev in events if type(ev) is cls)
+            self._free.extend({id(ev): ev for ev in events if type(ev) is cls}.values())
 
 
 class Timeline:
@@ -288,9 +290,7 @@ class Timeline:
             if p.ev_end is not None and block:
                 p.ev_end.synchronize()
             self._records.append(self._convert(p))
-            # Each event once: the merge interval ends at the step's end event.
-            self.events.give_back(list({id(e): e for e in (p.ev_entry, p.ev_end, *(e for _, a, b in p.gpu_events
-                                                                                 for e in (a, b)))}.values()))
+            self.events.give_back([p.ev_entry, p.ev_end, *(e for _, a, b in p.gpu_events for e in (a, b))])
         self._pending = keep
         excess = len(self._records) - self.max_steps
         if excess > 0:
