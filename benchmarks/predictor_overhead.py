@@ -56,7 +56,12 @@ buffer, padding rows run); `--fused-variant
 old:dot_precision=tf32x3,features_lean=0,predict_out_width=16` the kernels as they were before the
 "split" dots, the merged tile reductions and the 32 padded output columns; `--fused-variant
 pack:features_pack=1` the features kernel with the queries' and weights' tf32 halves packed into
-one MMA operand's 16 rows; the row `fused` the default.
+one MMA operand's 16 rows; the row `fused` the default. `--fused-variant lag1:lag=1`: the fused
+path with `selection.plan_lag` 1 (a step runs on the plan of its layer's step before and launches
+its own for the next step without waiting): its `wall` is then the host's staging and replay, the
+device part overlapping what follows; it is measured in situ too (`decode_in_situ_fused_lag1`), and
+reported beside the same-step paths, never as the best of them (its plans are a step old:
+`predictor_lagged_*` metrics).
 
 Writes `benchmarks/results/predictor_overhead-<device>.json` (results contract in
 docs/architecture.md) and a markdown table beside it.
@@ -97,7 +102,8 @@ def modes_of(row: dict) -> list[str]:
             + [f"fused_{name}" for name in row.get("fused_variants", {}) if f"fused_{name}" in row])
 
 
-PLANNER_KEYS = {"queries": "fused_queries", "capture": "capture"}  # --fused-variant keys of the planner itself
+# --fused-variant keys of the planner itself; `lag` is selection.plan_lag
+PLANNER_KEYS = {"queries": "fused_queries", "capture": "capture", "lag": "plan_lag"}
 FUSED_OPTION_KEYS = ("parts", "block_w", "features_warps", "features_stages", "features_lean", "features_pack",
                      "predict_warps",
                      "predict_groups", "predict_block_n", "predict_stages", "predict_out_width",
@@ -349,8 +355,14 @@ def run_point(args, batch: int, context: int) -> dict:
         fixed = ConfigHeadPlanner(SelectionConfig(name="fixed", block_size=16, budget=0.05), rt.geometry)
         row["decode_fixed"] = decode_layer_times(rt, fixed, batch, args.steps, args.warmup, gen)
         row["decode_in_situ"] = decode_layer_times(rt, InSituPlanner(predicted, fixed), batch, args.steps, args.warmup, gen)
+        lagged = [m for m in modes if getattr(planners[m], "plan_lag", 0)]
+        for mode in lagged:
+            row[f"decode_in_situ_{mode}"] = decode_layer_times(rt, InSituPlanner(planners[mode], fixed), batch,
+                                                               args.steps, args.warmup, gen)
         rt.planner = predicted
-        graph_modes = [m for m in modes if m != "eager"] or ["eager"]  # fused and the graph paths
+        row["lagged_modes"] = lagged
+        # Same-step plans only: a lagged path's plans are a step old (a different policy), reported apart.
+        graph_modes = [m for m in modes if m != "eager" and m not in lagged] or ["eager"]  # fused and the graph paths
         best = min(graph_modes, key=lambda m: row[m]["wall"]["median_us"])
         base = row["decode_fixed"]["median_us"]
         row["path"] = best
@@ -359,6 +371,11 @@ def run_point(args, batch: int, context: int) -> dict:
         print(f"  decode layer: fixed (16, 0.05) {base:8.1f} us, with the planner in situ "
               f"{row['decode_in_situ']['median_us']:8.1f} us; planner ({best}) / step = {row['overhead_fraction']:.2%}, "
               f"in situ {row['in_situ_fraction']:+.2%}", flush=True)
+        for mode in lagged:
+            situ = row[f"decode_in_situ_{mode}"]["median_us"]
+            row[f"in_situ_fraction_{mode}"] = (situ - base) / base
+            print(f"  lagged {mode}: planner / step = {row[mode]['wall']['median_us'] / base:.2%}, in situ {situ:8.1f} us "
+                  f"({row[f'in_situ_fraction_{mode}']:+.2%})", flush=True)
         return row
     finally:
         rt.close()
@@ -389,6 +406,11 @@ def metrics_of(row: dict) -> dict:
             m[f"predictor_{mode}_device_us_median_{tag}"] = row[mode]["gpu"]["median_us"]
             m[f"predictor_{mode}_stage_us_median_{tag}"] = row[mode]["stage"]["median_us"]
             m[f"predictor_{mode}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]
+    for mode in row.get("lagged_modes", ()):
+        name = mode[len("fused_"):] if mode.startswith("fused_") else mode
+        m[f"predictor_lagged_{name}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]
+        m[f"predictor_in_situ_lagged_{name}_fraction_{tag}"] = row[f"in_situ_fraction_{mode}"]
+        m[f"decode_in_situ_lagged_{name}_layer_us_median_{tag}"] = row[f"decode_in_situ_{mode}"]["median_us"]
     m[f"predictor_best_path_is_fused_{tag}"] = int(best == "fused")
     m[f"predictor_best_path_is_compiled_{tag}"] = int(best == "graph_compiled")
     return m

@@ -146,6 +146,12 @@ class SelectionConfig:
     streaming_threshold: float = field(default=0.5, metadata=_check(_open_unit_interval))
     # predicted: false gives every head its predicted budget (the ablation without streaming heads).
     skip_streaming: bool = True
+    # predicted: steps a plan lags its queries. 0: a step's plan comes from its own queries, and the
+    # host waits for the features, network and selector on the device before it builds the tasks.
+    # 1: a step runs on the plan its layer computed one step earlier for the same sequences, and
+    # this step's plan is computed on the device meanwhile, for the next one (no wait; the first
+    # step of a batch, and one whose sequences changed, computes its own and waits).
+    plan_lag: int = field(default=0, metadata=_choices(0, 1))
     # asynctls: blocks of `block_size` the block level keeps per KV group and step (k_b; 'all': every
     # block, Double Sparsity alone); the resident cache holds this many blocks per sequence and KV head.
     blocks: int | str = field(default=128, metadata=_check(_count_or_all))
@@ -759,6 +765,7 @@ SELECTION_KEY_READERS = {
     "block_sizes": ("predicted",),
     "streaming_threshold": ("predicted",),
     "skip_streaming": ("predicted",),
+    "plan_lag": ("predicted",),
     "budget": ("fixed",),
     "block_size": ("fixed", "full", "nosa", "asynctls", "evosparse"),
 }

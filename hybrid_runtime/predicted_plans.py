@@ -14,7 +14,12 @@ built):
    **one synchronisation** of the policy. The host needs the plan to build the step's tasks
    (which blocks of which chunks each CPU worker and the GPU lane read), and the plan depends on
    values computed on the device, so the wait cannot be avoided -- only made short, which is
-   what the fused kernels (or the CUDA graphs) are for.
+   what the fused kernels (or the CUDA graphs) are for -- or moved off the step: with
+   `selection.plan_lag` 1 a step builds its tasks from the plan its layer computed one step
+   earlier for the same sequences (already in host memory) and launches its own plan's
+   computation for the next step without waiting for it. On the fused CUDA path that takes the
+   device part and the wait off the host's path; elsewhere the plan is computed at once as before
+   and only handed out a step later (the same plans, for quality runs on the CPU).
 
 How the device part runs (`path`):
 
@@ -103,7 +108,8 @@ class PredictedHeadPlanner:
     launch choices passed to `FusedHeadPredictor` (`parts`, `block_w`, `features_warps`,
     `features_pack`, `dot_precision`, ...; benchmarks compare them), defaults otherwise. `fused_queries`: `reference` or
     `static`, how the fused kernels get the step's queries (module docstring). `on_selection`, when
-    set, is called with `(layer, seq_ids, selection)` after every step's selection (reports).
+    set, is called with `(layer, seq_ids, selection)` after every step's selection (reports), when
+    its plan is read. `plan_lag` overrides `selection.plan_lag` (0 or 1; module docstring).
     """
 
     uses_queries = True  # the runtime passes the step's queries `[B, Hq, D]`
@@ -112,7 +118,7 @@ class PredictedHeadPlanner:
     def __init__(self, policy: SelectionConfig, geometry: GeometryConfig, store: Any, *,
                  checkpoint: Checkpoint | None = None, path: str | None = None, capture: bool = True,
                  fused_options: Mapping[str, Any] | None = None, fused_queries: str = "reference",
-                 defer_warm_up: bool = False):
+                 defer_warm_up: bool = False, plan_lag: int | None = None):
         kv = store.cfg
         cuda = store.device.type == "cuda"
         path = ("fused" if cuda else "eager") if path is None else path
@@ -120,6 +126,9 @@ class PredictedHeadPlanner:
             raise ValueError(f"path {path!r} is not one of {list(PATHS)}")
         if fused_queries not in FUSED_QUERIES:
             raise ValueError(f"fused_queries {fused_queries!r} is not one of {list(FUSED_QUERIES)}")
+        plan_lag = policy.plan_lag if plan_lag is None else plan_lag
+        if plan_lag not in (0, 1) or isinstance(plan_lag, bool):
+            raise ValueError(f"plan_lag {plan_lag!r}: allowed 0 (a step's own plan) or 1 (the plan of the step before)")
         if path.startswith("graph") and not cuda:
             raise ValueError(f"path {path!r} captures CUDA graphs; the store's window is on {store.device}")
         if path == "fused" and not cuda:
@@ -178,6 +187,17 @@ class PredictedHeadPlanner:
         self._ready_rows: set[tuple[int, ...]] = set()
         self._fused = None
         self.fused_queries = fused_queries
+        self.plan_lag = plan_lag
+        # plan_lag 1, per layer: the sequences of the plan the next step of that layer may run on, and
+        # that plan -- a HeadPlan, or (bucket, CPU lengths) while the fused path computes it on the
+        # device into the layer's own output rows. Forgotten on every prefill and release.
+        self._lagged: dict[int, tuple[tuple[int, ...], Any]] = {}
+        # The fused path's replays the host did not wait for, per layer: their index and output rows
+        # are rewritten only after them.
+        self._in_flight: dict[int, torch.cuda.Event] = {}
+        self._free_events: list = []
+        self._last_layer = 0  # whose output `predictions` reads (the fused path's rows are per layer)
+        self.lagged_steps = 0  # steps that ran on the plan of the step before
         self._capture = capture
         self.warmed_up = False  # `warm_up` ran
         self._warm_lock = threading.Lock()  # the runtime's warm-up thread and a caller's first step may race
@@ -221,8 +241,11 @@ class PredictedHeadPlanner:
             target_std=model.target_std.tolist(), tau=self.tau, block_sizes=policy.block_sizes,
             streaming_threshold=policy.streaming_threshold, skip_streaming=policy.skip_streaming, device=self.device,
             **options)
-        self._fused_idx = torch.zeros(INDEX_ROWS, m, dtype=torch.int64, pin_memory=self.cuda)
-        self._fused_out = torch.zeros(self._fused.out_size, pin_memory=self.cuda)
+        # Index rows, query reference and output per layer: a layer's graph reads and writes its own,
+        # so a replay the host does not wait for (plan_lag 1) is not overwritten by the next layer's.
+        layers = self.store.layers
+        self._fused_idx = torch.zeros(layers, INDEX_ROWS, m, dtype=torch.int64, pin_memory=self.cuda)
+        self._fused_out = torch.zeros(layers, self._fused.out_size, pin_memory=self.cuda)
         if self.cuda:
             self._fused_idx_dev = uva_view(self._fused_idx, self.device.index)
             self._fused_out_dev = uva_view(self._fused_out, self.device.index)
@@ -236,7 +259,7 @@ class PredictedHeadPlanner:
         # `reference`: the queries' address, row and head strides and row count, written per step into
         # pinned memory the kernels read through its CUDA view; the launch's q is a template that
         # carries only the dtype and the bucket's grid (d elements of storage, expanded).
-        self._fused_ref = torch.zeros(4, dtype=torch.int64, pin_memory=self.cuda)
+        self._fused_ref = torch.zeros(layers, 4, dtype=torch.int64, pin_memory=self.cuda)
         self._fused_ref_dev = uva_view(self._fused_ref, self.device.index) if self.cuda else self._fused_ref
         self._fused_ref_np = self._fused_ref.numpy()
         templates = {dtype: torch.zeros(1, 1, g.head_dim, dtype=dtype, device=self.device).expand(m, g.q_heads, g.head_dim)
@@ -248,10 +271,11 @@ class PredictedHeadPlanner:
         # `static`: fp32 only, the static buffer every step copies its queries into.
         self._graph_q_dtypes = tuple(dict.fromkeys((self.store.dtype, torch.float32))) if self._fused_by_ref \
             else (torch.float32,)
-        # The plan's rows in the output (bucket max_sequences on the fused path), by batch size.
+        # The plan's rows in a layer's output (bucket max_sequences on the fused path), by (layer, batch size).
         hq, hkv, n = g.q_heads, g.kv_heads, m * g.q_heads
-        self._fused_plan_views = {b: (self._fused_out_np[3 * n : 3 * n + b * hq].reshape(b, hq),
-                                      self._fused_out_np[4 * n : 4 * n + b * hkv].reshape(b, hkv)) for b in range(1, m + 1)}
+        self._fused_plan_views = {(layer, b): (self._fused_out_np[layer, 3 * n : 3 * n + b * hq].reshape(b, hq),
+                                               self._fused_out_np[layer, 4 * n : 4 * n + b * hkv].reshape(b, hkv))
+                                  for layer in range(layers) for b in range(1, m + 1)}
         self._fused_graphs: dict[tuple[int, int, torch.dtype], torch.cuda.CUDAGraph] = {}
         self._fused_bucket = self.buckets[-1]  # the staged step's graph bucket
         self._fused_dtype = torch.float32  # and its queries' dtype
@@ -266,16 +290,16 @@ class PredictedHeadPlanner:
         t0 = time.perf_counter()
         g = self.geometry
         scratch = self.statistics.scratch
-        self._fused_idx_np[:, 0] = (0, scratch, 1, 0)
+        self._fused_idx_np[0, :, 0] = (0, scratch, 1, 0)
         win_k, win_v = self.store.window(0)
         for dtype in dict.fromkeys((self.store.dtype, torch.float32)):
             zeros = torch.zeros(1, g.q_heads, g.head_dim, dtype=dtype, device=self.device)
             q, q_ref = zeros, None
             if self._fused_by_ref:  # the reference names the one query row
-                self._fused_ref_np[:] = (zeros.data_ptr(), zeros.stride(0), zeros.stride(1), 1)
-                q, q_ref = self._q_template[(dtype, 1)], self._fused_ref_dev
-            self._fused.run(q, self._fused_idx_dev, self.statistics.layer_rows(0), self.statistics.previous_queries(0),
-                            win_k, win_v, 0.0, self._fused_out_dev, q_ref=q_ref)
+                self._fused_ref_np[0] = (zeros.data_ptr(), zeros.stride(0), zeros.stride(1), 1)
+                q, q_ref = self._q_template[(dtype, 1)], self._fused_ref_dev[0]
+            self._fused.run(q, self._fused_idx_dev[0], self.statistics.layer_rows(0), self.statistics.previous_queries(0),
+                            win_k, win_v, 0.0, self._fused_out_dev[0], q_ref=q_ref)
             if self.cuda:
                 torch.cuda.synchronize(self.device)  # q is freed next
         self.capture_seconds += time.perf_counter() - t0
@@ -306,7 +330,8 @@ class PredictedHeadPlanner:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        self._fused_idx_np[:] = self._fused_pad[:, None]
+        self.settle()  # replays still in flight read the rows rewritten here
+        self._fused_idx_np[:] = self._fused_pad[None, :, None]
         self._fused_ref_np[:] = (self._q[self.buckets[-1]].data_ptr(), 0, 0, 0)  # no rows: the kernels do nothing
         for layer in range(self.store.layers):
             for bucket in self.buckets:
@@ -330,9 +355,10 @@ class PredictedHeadPlanner:
     def _run_fused(self, layer: int, q: torch.Tensor) -> None:
         """Launch the fused kernels of one layer for the rows of `q` (the index rows staged; with
         `fused_queries` `reference`, q is a template and the kernels read the staged reference)."""
-        self._fused.run(q, self._fused_idx_dev, self.statistics.layer_rows(layer), self.statistics.previous_queries(layer),
-                        *self.store.window(layer), layer / max(self.store.layers - 1, 1), self._fused_out_dev,
-                        validate=False, q_ref=self._fused_ref_dev if self._fused_by_ref else None)
+        self._fused.run(q, self._fused_idx_dev[layer], self.statistics.layer_rows(layer),
+                        self.statistics.previous_queries(layer), *self.store.window(layer),
+                        layer / max(self.store.layers - 1, 1), self._fused_out_dev[layer], validate=False,
+                        q_ref=self._fused_ref_dev[layer] if self._fused_by_ref else None)
 
     # ------------------------------------------------------------------ prefill and release
     def prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor,
@@ -342,13 +368,17 @@ class PredictedHeadPlanner:
         holds of the sequence at the layer (read once, on k's device)."""
         if extend:
             k, v = self.store.full_kv(seq_id, layer, device=k.device)
+        self.settle()  # a replay not waited for may still read the rows this rewrites
         self.statistics.store_prompt(layer, self.store.slot(seq_id), k, v, q_last)
         self._ready_rows.clear()
+        self._lagged.clear()
 
     def release(self, seq_id: int) -> None:
         """Before the store frees the sequence's slot: its statistics are stale from now on."""
+        self.settle()
         self.statistics.forget(self.store.slot(seq_id))
         self._ready_rows.clear()
+        self._lagged.clear()
 
     def absorb_spill(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The store's spill listener: window tokens `[Hkv, n, D]` of a slot move into its CPU segment."""
@@ -467,7 +497,11 @@ class PredictedHeadPlanner:
             if q.device != self.device or q.stride(-1) != 1 or q.dtype not in self._fused_q_dtypes:
                 raise ValueError(f"q must be a float32/bf16/fp16 tensor on {self.device} with a unit last stride, got "
                                  f"{q.dtype} on {q.device} with strides {q.stride()}")
-            host = self._fused_idx_np
+            event = self._in_flight.pop(layer, None)
+            if event is not None:  # the layer's replay of a step ago (plan_lag 1): long done in practice
+                event.synchronize()
+                self._free_events.append(event)
+            host = self._fused_idx_np[layer]
             host[:, :b] = (slots, slots, window_len, cpu_len)
             bucket = self._fused_bucket = self._bucket_of[b]
             if self._fused_by_ref:
@@ -477,7 +511,7 @@ class PredictedHeadPlanner:
                     static.copy_(q)
                     q, dtype = static, torch.float32
                 strides = q.stride()
-                ref = self._fused_ref_np
+                ref = self._fused_ref_np[layer]
                 ref[0] = q.data_ptr()
                 ref[1] = strides[0]
                 ref[2] = strides[1]
@@ -526,8 +560,8 @@ class PredictedHeadPlanner:
             # Outside the graph: a copy into pinned memory records an event for the host allocator.
             self._out_host[bucket].copy_(self._out[bucket], non_blocking=True)
 
-    def _output(self, bucket: int) -> np.ndarray:
-        return self._fused_out_np if self._fused is not None else self._out_host[bucket].numpy()
+    def _output(self, bucket: int, layer: int) -> np.ndarray:
+        return self._fused_out_np[layer] if self._fused is not None else self._out_host[bucket].numpy()
 
     def step_features(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor) -> torch.Tensor:
         """The features `[B * Hq, 41]` a step with queries `q` would see now, computed eagerly by the
@@ -541,24 +575,65 @@ class PredictedHeadPlanner:
         return features
 
     def __call__(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> HeadPlan:
-        """The plan of one step at one layer for `seq_ids`, whose queries are `q [B, Hq, D]` (unscaled)."""
+        """The plan of one step at one layer for `seq_ids`, whose queries are `q [B, Hq, D]` (unscaled):
+        computed from `q` (plan_lag 0, or no plan of the step before for these sequences), or the
+        plan of the layer's step before for the same sequences (plan_lag 1)."""
         if not self.warmed_up:
             self.warm_up()
+        lagged = None
+        if self.plan_lag:
+            key = tuple(seq_ids)
+            before = self._lagged.get(layer)
+            if before is not None and before[0] == key:
+                lagged = before[1]
+                if not isinstance(lagged, HeadPlan):  # computed on the device a step ago: read it first,
+                    lagged = self._finish(layer, seq_ids, *lagged)  # the launch below rewrites its rows
         bucket, cpu_len = self._stage(layer, seq_ids, store, q)
         self._launch(layer, bucket)
+        self._last_layer = layer
+        if lagged is not None and self._fused is not None and self.cuda:
+            # Not waited for: the next step of this layer reads it (`_finish`), after its event.
+            event = self._free_events.pop() if self._free_events else torch.cuda.Event()
+            event.record()
+            self._in_flight[layer] = event
+            self._lagged[layer] = (key, (bucket, cpu_len.copy()))
+            self.lagged_steps += 1
+            return lagged
         if self.cuda:
             # The one wait: the host builds the step's tasks from this plan (module docstring).
             self._done.record()
             self._done.synchronize()
+        plan = self._plan(layer, seq_ids, bucket, cpu_len)
+        if not self.plan_lag:
+            return plan
+        self._lagged[layer] = (key, plan)
+        if lagged is None:
+            return plan
+        self.lagged_steps += 1
+        return lagged
+
+    def _finish(self, layer: int, seq_ids: Sequence[int], bucket: int, cpu_len: np.ndarray) -> HeadPlan:
+        """The plan a replay the host did not wait for wrote into the layer's output rows."""
+        event = self._in_flight.pop(layer, None)
+        if event is not None:
+            event.synchronize()  # a step of this layer ago: long done in practice
+            self._free_events.append(event)
         return self._plan(layer, seq_ids, bucket, cpu_len)
+
+    def settle(self) -> None:
+        """Wait for the replays the host did not wait for (plan_lag 1); their plans stay for the next step."""
+        for event in self._in_flight.values():
+            event.synchronize()
+            self._free_events.append(event)
+        self._in_flight.clear()
 
     def _plan(self, layer: int, seq_ids: Sequence[int], bucket: int, cpu_len: np.ndarray) -> HeadPlan:
         """The plan of a step whose device part has finished, from the output in host memory."""
         b, hq = len(seq_ids), self.geometry.q_heads
-        out = self._output(bucket)
+        out = self._output(bucket, layer)
         n = bucket * hq
-        if self._fused is not None:  # the plan's rows of the pinned output, as views made once
-            budgets, block_size = self._fused_plan_views[b]
+        if self._fused is not None:  # the plan's rows of the layer's pinned output, as views made once
+            budgets, block_size = self._fused_plan_views[(layer, b)]
         else:
             budgets = out[3 * n : 3 * n + b * hq].reshape(b, hq)
             block_size = out[4 * n : 4 * n + b * self.geometry.kv_heads].reshape(b, -1)
@@ -572,9 +647,9 @@ class PredictedHeadPlanner:
 
     def predictions(self, bucket: int, b: int) -> np.ndarray:
         """`[3, b, Hq]` (bgt0, k, p_streaming) of the last step run for `b` rows of `bucket` (host copy;
-        on the fused path the bucket is `max_sequences`)."""
+        on the fused path the bucket is `max_sequences`; with plan_lag 1 call `settle` first)."""
         n = bucket * self.geometry.q_heads
-        return self._output(bucket)[: 3 * n].reshape(3, bucket, -1)[:, :b]
+        return self._output(bucket, self._last_layer)[: 3 * n].reshape(3, bucket, -1)[:, :b]
 
 
 __all__ = ["PATHS", "PredictedHeadPlanner", "batch_buckets", "network_linears"]

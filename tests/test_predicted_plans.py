@@ -298,14 +298,111 @@ def test_bad_input_is_refused_before_anything_changes():
         planner(0, [0], store, torch.randn(2, HQ, D))
 
 
+def query_checkpoint() -> Checkpoint:
+    """A predictor whose budgets follow the query: bgt0 = 0.01 * SiLU(q_norm) (about 0.05 at D 32,
+    different at every step), k 0.01, no streaming heads."""
+    net = HeadPropertyNet(len(FEATURE_NAMES), hidden=(1,))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+        net.backbone[0].weight[0, FEATURE_NAMES.index("q_norm")] = 1.0
+        net.bgt0_head.weight.fill_(0.01)
+        net.k_head.bias.fill_(0.01)
+        net.streaming_head.bias.fill_(-30.0)
+    return Checkpoint(net.eval(), list(FEATURE_NAMES), tau=0.1)
+
+
+def lag_steps(store, lagged, own, batches, gen, device="cpu"):
+    """Decode steps over `batches` (one list of sequence ids per step) at both layers, each appending a
+    token and planning with both planners: yields `(step, layer, ids, lagged plan, own plan)`."""
+    for step, ids in enumerate(batches):
+        for layer in (0, 1):
+            q = torch.randn(len(ids), HQ, D, generator=gen).to(device)
+            store.append(layer, ids, *(torch.randn(len(ids), HKV, D, generator=gen).to(device) for _ in range(2)))
+            yield step, layer, ids, lagged(layer, ids, store, q), own(layer, ids, store, q)
+
+
+def check_lagged_plans(store, lagged, own, batches, gen, device="cpu", atol=0.0):
+    """A plan_lag 1 planner hands each step the plan its plan_lag 0 twin made at the layer's step
+    before when that step had the same sequences, else the step's own plan; returns the lagged steps."""
+    before: dict = {}
+    lagged_steps = 0
+    for step, layer, ids, a, b in lag_steps(store, lagged, own, batches, gen, device):
+        prev = before.get(layer)
+        expected = prev[1] if prev is not None and prev[0] == ids else b
+        lagged_steps += expected is not b
+        if expected is not b:  # the two plans differ: the check below tells them apart
+            assert np.abs(expected.budgets - b.budgets).max() > 1e-4
+        np.testing.assert_array_equal(a.block_size, expected.block_size)
+        np.testing.assert_allclose(a.budgets, expected.budgets, atol=atol)
+        before[layer] = (ids, b)
+    assert lagged.lagged_steps == lagged_steps
+    return lagged_steps
+
+
+def test_a_lagged_planner_runs_each_step_on_the_plan_of_the_step_before():
+    """plan_lag 1 (eager, on the host): the plan of the layer's step before for the same sequences; the
+    first step, a step whose sequences changed and the first after a prefill plan for themselves. The
+    budgets follow each step's query norms (`query_checkpoint`), so a wrong lag shows."""
+    cfg = config(device="cpu")
+    store = KVStore(cfg.kv_cache, cfg.geometry)
+    lagged, own = (PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=query_checkpoint(), plan_lag=lag)
+                   for lag in (1, 0))
+    assert (lagged.plan_lag, own.plan_lag) == (1, 0)
+    for s, n in ((0, 900), (1, 1300), (2, 600)):
+        for layer in (0, 1):
+            k, v = random_kv(n, HKV, D, seed=60 + s + layer)
+            q_last = torch.randn(HQ, D, generator=torch.Generator().manual_seed(160 + s + layer))
+            store.prefill(s, layer, k, v)
+            lagged.prefill(s, layer, k, v, q_last)
+            own.prefill(s, layer, k, v, q_last)
+    gen = torch.Generator().manual_seed(61)
+    # Per layer: steps 1, 2, 4 and 6 have the sequences of the step before.
+    batches = [[0, 1], [0, 1], [0, 1], [1], [1], [2, 0, 1], [2, 0, 1]]
+    assert check_lagged_plans(store, lagged, own, batches, gen) == 8
+    # A prefill forgets the plans of the step before: the next step plans for itself.
+    k, v = random_kv(300, HKV, D, seed=70)
+    store.prefill(3, 0, k, v)
+    lagged.prefill(3, 0, k, v, torch.randn(HQ, D))
+    own.prefill(3, 0, k, v, torch.randn(HQ, D))
+    q = torch.randn(3, HQ, D, generator=gen)
+    store.append(0, [2, 0, 1], *(torch.randn(3, HKV, D, generator=gen) for _ in range(2)))
+    steps = lagged.lagged_steps
+    a, b = lagged(0, [2, 0, 1], store, q), own(0, [2, 0, 1], store, q)
+    assert lagged.lagged_steps == steps
+    np.testing.assert_allclose(a.budgets, b.budgets)
+    store.close()
+
+
+def test_a_runtime_with_lagged_plans_attends_the_plan_of_the_step_before():
+    with HybridRuntime(config({"plan_lag": 1}, device="cpu")) as rt:
+        assert rt.planner.plan_lag == 1
+        rt.planner.model = query_checkpoint().model  # budgets that change with each step's queries
+        prefill(rt, rt.store, 0, 900, seed=8)
+        prefill(rt, rt.store, 1, 500, seed=9)
+        made: dict = {0: [], 1: []}
+        rt.planner.on_selection = lambda layer, ids, sel: made[layer].append(sel.plan)
+        gen = torch.Generator().manual_seed(10)
+        for step in range(3):
+            for layer in (0, 1):
+                q, k, v = step_inputs(2, gen)
+                out = rt.decode(layer, [0, 1], q, k, v)
+                used = made[layer][-1] if step == 0 else made[layer][-2]
+                if step:
+                    assert np.abs(made[layer][-1].budgets - used.budgets).max() > 1e-4
+                torch.testing.assert_close(out, sparse_step_reference(rt, layer, [0, 1], q, used), **TOL)
+        assert rt.planner.lagged_steps == 4
+
+
 # ---------------------------------------------------------------------------- CUDA graphs
-def cuda_planner_pair(first: dict, second: dict) -> tuple[KVStore, PredictedHeadPlanner, PredictedHeadPlanner]:
-    """Two planners (keyword arguments `first`, `second`) with the shipped checkpoint over one bf16
-    store of 4 sequences on CUDA, three prompts prefilled into the store and both planners."""
+def cuda_planner_pair(first: dict, second: dict,
+                      checkpoint: Checkpoint | None = None) -> tuple[KVStore, PredictedHeadPlanner, PredictedHeadPlanner]:
+    """Two planners (keyword arguments `first`, `second`) with the shipped checkpoint (or `checkpoint`)
+    over one bf16 store of 4 sequences on CUDA, three prompts prefilled into the store and both planners."""
     cfg = config()
     cfg = dataclasses.replace(cfg, kv_cache=dataclasses.replace(cfg.kv_cache, dtype="bf16", max_sequences=4))
     store = KVStore(cfg.kv_cache, cfg.geometry)
-    shipped = load_checkpoint(resolve_checkpoint(cfg.selection.checkpoint))
+    shipped = checkpoint or load_checkpoint(resolve_checkpoint(cfg.selection.checkpoint))
     a, b = (PredictedHeadPlanner(cfg.selection, cfg.geometry, store, checkpoint=shipped, **kw) for kw in (first, second))
     for s, n in ((0, 700), (1, 1500), (2, 400)):
         for layer in (0, 1):
@@ -337,6 +434,22 @@ def test_graph_replay_equals_eager():
     for ids, a, b in cuda_planner_steps(store, graphed, eager, seed=41):
         np.testing.assert_array_equal(a.block_size, b.block_size)
         np.testing.assert_allclose(a.budgets, b.budgets, atol=1e-4)
+    store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capture", [True, False])
+def test_fused_lagged_plans_are_the_fused_plans_of_the_step_before(capture):
+    """plan_lag 1 on the fused CUDA path (replays, or launches, the host does not wait for; each
+    layer's own index, reference and output rows) hands each step the plan its plan_lag 0 twin made
+    at the layer's step before for the same sequences, and the step's own plan after a change."""
+    store, lagged, own = cuda_planner_pair({"path": "fused", "plan_lag": 1, "capture": capture},
+                                           {"path": "fused", "capture": capture}, checkpoint=query_checkpoint())
+    gen = torch.Generator().manual_seed(47)
+    batches = [[0, 1, 2]] * 3 + [[1, 0]] * 3 + [[2]] * 2
+    assert check_lagged_plans(store, lagged, own, batches, gen, device="cuda", atol=1e-6) == 2 * (2 + 2 + 1)
+    lagged.settle()
+    assert not lagged._in_flight
     store.close()
 
 
@@ -465,6 +578,7 @@ def test_overhead_benchmark_variants_are_fused_planners():
     from benchmarks import predictor_overhead as po
 
     assert po.parse_variant("static:queries=static") == ("static", {"queries": "static"})
+    assert po.parse_variant("lag1:lag=1") == ("lag1", {"lag": 1})
     assert po.parse_variant("g4:predict_groups=4,predict_block_n=16") == ("g4", {"predict_groups": 4,
                                                                                "predict_block_n": 16})
     for bad, message in (("x", "expected NAME:KEY=VALUE"), ("x:parts", "is not KEY=VALUE"),
@@ -478,6 +592,7 @@ def test_overhead_benchmark_variants_are_fused_planners():
         if rt.store.device.type == "cuda" or interpreted():
             planner = po.variant_planner(cfg, rt, {"queries": "static", "parts": 2, "predict_block_n": 16})
             assert planner.fused_queries == "static" and planner._fused.parts == 2
+            assert po.variant_planner(cfg, rt, {"lag": 1}).plan_lag == 1
 
 
 def test_overhead_benchmark_runs_quick_on_the_cpu(tmp_path):

@@ -105,6 +105,9 @@ POLICIES: dict[str, tuple[dict, str]] = {
                          "predicted, tau 0.2"),
     "predicted_blk16": ({"name": "predicted", "block_sizes": [16]}, "predicted budgets, block fixed at 16"),
     "predicted_blk32": ({"name": "predicted", "block_sizes": [32]}, "predicted budgets, block fixed at 32"),
+    # The shipped checkpoint with each step's tasks built from the plan of the layer's step before
+    # (selection.plan_lag 1: on CUDA the planner's device part then leaves the step's critical path).
+    "predicted_lag1": ({"name": "predicted", "plan_lag": 1}, "predicted, each step on the plan of the step before"),
     "predicted_no_streaming": ({"name": "predicted", "skip_streaming": False},
                                "predicted, no streaming heads (every head its budget law)"),
     # 0.8: the threshold at which the previous default's held-out streaming precision reached 0.98 (0.948 at 0.5).
@@ -168,6 +171,7 @@ GROUPS = {
     "tau sweep (labels' own fit, 8 texts x 8 positions)": ("predicted_tau002", "predicted_tau005", "predicted_t8p8",
                                                            "predicted_tau015", "predicted_tau020"),
     "granularity": ("predicted", "predicted_blk16", "predicted_blk32"),
+    "plan lag": ("fixed16_005", "predicted", "predicted_lag1"),
     "predictor vs exact labels": ("predicted_t8p8", "oracle_tau010", "predicted_tau015", "oracle_tau015"),
     "streaming heads": ("predicted", "predicted_thr06", "predicted_thr07", "predicted_thr08", "predicted_no_streaming"),
     "operating points": ("predicted_tau015_thr08", "predicted_tau020_thr08", "predicted_t11p16_thr08"),
