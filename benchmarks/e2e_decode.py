@@ -19,6 +19,9 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         Random weights make the plans meaningless for quality; the timing is what counts
                         (predictor and selector cost, and the bytes its plans read). Recorded as skipped
                         when the checkpoint is not in the tree.
+    fluxion_predictor_lagged  fluxion_predictor with `selection.plan_lag: 1`: each step's tasks from the
+                        plan its layer computed one step earlier; the step's own plan is computed on
+                        the device meanwhile, for the next step, and the host does not wait for it.
     fluxion_waits,      fluxion and cpu_only with `scheduler.cpu_lane_trails: false`: every layer's
     cpu_only_waits      `decode` waits for its CPU tasks. By default (and in fluxion, cpu_only) a layer
                         returns once its work is queued and the merge waits for the tasks on the device,
@@ -211,6 +214,7 @@ class Variant:
     generate_kwargs: dict = field(default_factory=dict)
     placement: str | None = None  # scheduler placement of a hybrid variant
     selection: str | None = None  # a hybrid variant's `selection.name` when not the config's (fixed)
+    selection_keys: dict = field(default_factory=dict)  # ... and that selection's own keys
     scheduler: dict = field(default_factory=dict)  # a hybrid variant's own scheduler keys
     kv_cache: dict = field(default_factory=dict)  # ... and kv_cache keys
     needs_cuda: bool = False
@@ -234,6 +238,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("cpu_only", "hybrid", placement="cpu_only"),
     Variant("static", "hf"),
     Variant("fluxion_predictor", "hybrid", placement="fluxion", selection="predicted"),
+    # Each step's tasks from the plan of the layer's step before: the planner's device part and the
+    # host's wait for it leave the step (selection.plan_lag).
+    Variant("fluxion_predictor_lagged", "hybrid", placement="fluxion", selection="predicted",
+            selection_keys={"plan_lag": 1}),
     # Every layer waits for its CPU tasks (the default lets them trail: the merge waits on the device).
     Variant("fluxion_waits", "hybrid", placement="fluxion", scheduler={"cpu_lane_trails": False}),
     Variant("cpu_only_waits", "hybrid", placement="cpu_only", scheduler={"cpu_lane_trails": False}),
@@ -521,6 +529,18 @@ def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_toke
             torch._dynamo.reset()
 
 
+def with_variant_selection(cfg: Config, variant: Variant) -> Config:
+    """`cfg` with a hybrid variant's own selection (name and keys), where it has one."""
+    if variant.selection is None:
+        return cfg
+    merged = cfg.to_dict()
+    # The fixed selection's keys that the variant's selection does not read are dropped (config refuses them).
+    kept = {k: v for k, v in merged.get("selection", {}).items()
+            if k not in SELECTION_KEY_READERS or variant.selection in SELECTION_KEY_READERS[k]}
+    merged["selection"] = {**kept, "name": variant.selection, **variant.selection_keys}
+    return config_from_dict(merged)
+
+
 def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
                     cfg: Config, prefill_chunk_tokens: int | None = None) -> dict:
     from hybrid_runtime.integrations.transformers import (
@@ -530,13 +550,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
     )
 
     row: dict = {}
-    if variant.selection is not None:
-        merged = cfg.to_dict()
-        # The fixed selection's keys that the variant's selection does not read are dropped (config refuses them).
-        kept = {k: v for k, v in merged.get("selection", {}).items()
-                if k not in SELECTION_KEY_READERS or variant.selection in SELECTION_KEY_READERS[k]}
-        merged["selection"] = {**kept, "name": variant.selection}
-        cfg = config_from_dict(merged)
+    cfg = with_variant_selection(cfg, variant)
     t = time.perf_counter()
     rt = enable_hybrid_attention(model, cfg)
     row["runtime_construction_s"] = time.perf_counter() - t

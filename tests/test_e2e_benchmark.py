@@ -192,6 +192,16 @@ def test_pinned_caller_is_confined_from_its_first_decode_step_and_restored(model
     assert all(n_threads > 1 for _, n_threads in calls), "the runtime's threads exist before the caller is confined"
 
 
+def test_a_variant_selection_replaces_the_fixed_one_with_its_keys():
+    cfg = e2e.hybrid_config(e2e.VARIANTS["fluxion"], 4, 32768, 24, 15)
+    assert e2e.with_variant_selection(cfg, e2e.VARIANTS["fluxion"]) is cfg
+    pred = e2e.with_variant_selection(cfg, e2e.VARIANTS["fluxion_predictor"]).selection
+    lagged = e2e.with_variant_selection(cfg, e2e.VARIANTS["fluxion_predictor_lagged"]).selection
+    assert (pred.name, pred.plan_lag) == ("predicted", 0)
+    assert (lagged.name, lagged.plan_lag) == ("predicted", 1)
+    assert lagged.block_size == cfg.selection.block_size  # a key both selections read is kept
+
+
 # ---------------------------------------------------------------------------- records that are not measurements
 def test_skips_and_out_of_memory_are_recorded_never_dropped(model, monkeypatch):
     kw = dict(new_tokens=NEW, warmup_tokens=0, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
@@ -441,7 +451,8 @@ def test_options_and_points():
     assert e2e.parse_points("4x32768, 2x96K,4x128k") == [(4, 32768), (2, 98304), (4, 131072)]
     a = e2e.parse_args([])
     assert a.points == e2e.POINTS and a.models == ["llama-3.1-8b", "qwen2.5-7b"] and a.new_tokens == 24
-    assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor", "fluxion_waits",
+    assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor",
+                          "fluxion_predictor_lagged", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
                           "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
                           "fluxion_gpu_selection", "fluxion_no_spin", "fluxion_short_spin", "fluxion_unplanned",
