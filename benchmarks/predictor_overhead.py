@@ -25,7 +25,10 @@ and the decode step's layer time in the same run (the runtime's timeline, entry 
 * `decode_fixed`: every head at (16, 0.05), the fixed baseline -- the denominator;
 * `decode_in_situ`: the predicted planner runs in every step (the runtime's, fused path) but the
   step executes the fixed plan, so the bytes read match the baseline and the difference is the
-  planner in place.
+  planner in place;
+* `decode_reads_window`: the same without the predictor: what a planner that reads the window
+  costs the step by itself (this step's token appended before planning, and the synchronous input
+  check that must precede that append).
 
 With `--compile` one more path, `graph_compiled`, is the device step through `torch.compile`
 (inductor fuses the ~150 small ops of features, predictor and selector) captured in CUDA graphs of
@@ -150,7 +153,9 @@ def timing_stats(seconds: list[float]) -> dict:
 
 
 class InSituPlanner:
-    """Runs the predicted planner in every step but hands the runtime another plan (the baseline's)."""
+    """Runs the predicted planner in every step but hands the runtime another plan (the baseline's);
+    without a predicted planner, only what a planner that reads the window costs the step (the
+    append before planning, the input check that comes with it)."""
 
     uses_queries = True
     reads_window = True
@@ -159,7 +164,8 @@ class InSituPlanner:
         self.predicted, self.fixed = predicted, fixed
 
     def __call__(self, layer, seq_ids, store, q):
-        self.predicted(layer, seq_ids, store, q)
+        if self.predicted is not None:
+            self.predicted(layer, seq_ids, store, q)
         return self.fixed(layer, seq_ids, store)
 
 
@@ -355,6 +361,7 @@ def run_point(args, batch: int, context: int) -> dict:
         fixed = ConfigHeadPlanner(SelectionConfig(name="fixed", block_size=16, budget=0.05), rt.geometry)
         row["decode_fixed"] = decode_layer_times(rt, fixed, batch, args.steps, args.warmup, gen)
         row["decode_in_situ"] = decode_layer_times(rt, InSituPlanner(predicted, fixed), batch, args.steps, args.warmup, gen)
+        row["decode_reads_window"] = decode_layer_times(rt, InSituPlanner(None, fixed), batch, args.steps, args.warmup, gen)
         lagged = [m for m in modes if getattr(planners[m], "plan_lag", 0)]
         for mode in lagged:
             row[f"decode_in_situ_{mode}"] = decode_layer_times(rt, InSituPlanner(planners[mode], fixed), batch,
@@ -368,7 +375,8 @@ def run_point(args, batch: int, context: int) -> dict:
         row["path"] = best
         row["overhead_fraction"] = row[best]["wall"]["median_us"] / base
         row["in_situ_fraction"] = (row["decode_in_situ"]["median_us"] - base) / base
-        print(f"  decode layer: fixed (16, 0.05) {base:8.1f} us, with the planner in situ "
+        print(f"  decode layer: fixed (16, 0.05) {base:8.1f} us, a planner reading the window (no predictor) "
+              f"{row['decode_reads_window']['median_us']:8.1f} us, with the planner in situ "
               f"{row['decode_in_situ']['median_us']:8.1f} us; planner ({best}) / step = {row['overhead_fraction']:.2%}, "
               f"in situ {row['in_situ_fraction']:+.2%}", flush=True)
         for mode in lagged:
@@ -395,6 +403,7 @@ def metrics_of(row: dict) -> dict:
         f"task_build_us_median_{tag}": row[best]["task_build"]["median_us"],
         f"decode_fixed_layer_us_median_{tag}": row["decode_fixed"]["median_us"],
         f"decode_in_situ_layer_us_median_{tag}": row["decode_in_situ"]["median_us"],
+        f"decode_reads_window_layer_us_median_{tag}": row["decode_reads_window"]["median_us"],
         "planner_warmup_s": row["planner_warmup_s"],
         "statistics_prefill_ms_per_sequence_layer": row["statistics_prefill_ms_per_sequence_layer"],
     }

@@ -851,8 +851,14 @@ class HybridRuntime:
         ev_entry = timing(caller) if cuda and prof else None
         # A spill moves window pages into the CPU segment the tasks read: it must come first; so
         # must the append when the planner reads the window (its features include this token).
-        # Otherwise the append only touches the GPU window and runs while the tasks do.
-        append_first = self._will_spill(layer, seq_ids) or (sparda is None and getattr(self.planner, "reads_window", False))
+        # Otherwise the append only touches the GPU window and runs while the tasks do. Without a
+        # spill, on CUDA, the planner's append comes with the window attention from the window
+        # graph, replayed before the planner (`window_first`) instead of as the step's side work:
+        # one replay, not the append and the window kernels launched one by one.
+        spill_due = self._will_spill(layer, seq_ids)
+        reads_window = sparda is None and getattr(self.planner, "reads_window", False)
+        append_first = spill_due or reads_window
+        window_first = reads_window and not spill_due and cuda and self._window_graphs is not None
         # NaN/inf in q, k, v (and lookahead) is an error (input_check.py). Refused now, before
         # anything changes (`scheduler.finite_check` sync): on CUDA with a CPU lane the check rides
         # on the copy of q to the host that the CPU workers need anyway (k and v go along), read
@@ -868,7 +874,7 @@ class HybridRuntime:
             self._input_check.issue(checked, layer, seq_ids, caller)
         elif not q_copy_check:
             _check_finite(checked)
-        if append_first:
+        if append_first and not window_first:
             old_lens = [store.cpu_len(s, layer) for s in seq_ids] if sparda is not None else None
             store.append(layer, seq_ids, k, v)
             if sparda is not None:
@@ -928,6 +934,8 @@ class HybridRuntime:
         window: dict = {}
 
         def window_part() -> None:
+            if window:  # replayed before the planner (`window_first`)
+                return
             if not cuda:
                 if not append_first:
                     store.append(layer, seq_ids, k, v)
@@ -937,7 +945,7 @@ class HybridRuntime:
             # On a high-priority side stream, so that it runs ahead of anything else queued.
             side = self._side_stream
             side.wait_stream(caller)
-            graphs = self._window_graphs if not append_first and sparda is None else None
+            graphs = self._window_graphs if (window_first or not append_first) and sparda is None else None
             with use_stream(side, caller):
                 if graphs is None and not append_first:
                     store.append(layer, seq_ids, k, v)
@@ -952,6 +960,8 @@ class HybridRuntime:
                 lse.record_stream(caller)
             window["out"], window["lse"], window["graph"] = out, lse, graphs is not None
 
+        if window_first:
+            window_part()  # the append (and the window attention) the planner reads, from the graph
         if sparda is not None:
             tasks = []  # the CPU segment is read by the SparDA executor alone
         elif getattr(self.planner, "uses_queries", False):

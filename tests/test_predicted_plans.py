@@ -454,6 +454,33 @@ def test_fused_lagged_plans_are_the_fused_plans_of_the_step_before(capture):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("plan_lag", [0, 1])
+def test_predicted_steps_replay_the_window_graph_before_planning(plan_lag):
+    """On CUDA, a step without a spill appends the token the predicted planner reads from the window
+    graph, replayed before the planner (one replay for append and window attention): the outputs equal
+    a runtime's that appends and attends kernel by kernel (`kv_cache.window_graphs: false`)."""
+    outs, replays = {}, {}
+    for graphs in (True, False):
+        cfg = config({"plan_lag": plan_lag}, {"placement": "fluxion", "gpu_worker": True}, window_graphs=graphs)
+        with HybridRuntime(cfg) as rt:
+            assert rt.device.type == "cuda" and rt.planner.path == "fused"
+            for s, n in ((0, 700), (1, 1500)):
+                for layer in (0, 1):
+                    k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=80 + s + layer))
+                    rt.prefill(s, layer, k, v, q_last=torch.randn(HQ, D, generator=torch.Generator().manual_seed(90 + s + layer)).cuda())
+            gen = torch.Generator().manual_seed(81)
+            outs[graphs] = []
+            for step in range(5):
+                for layer in (0, 1):
+                    q, k, v = (x.cuda() for x in step_inputs(2, gen))
+                    outs[graphs].append(rt.decode(layer, [1, 0], q, k, v).cpu())
+            replays[graphs] = rt.stats()["window_graph_replays"]
+    assert replays[True] > 0 and replays[False] == 0
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.gpu
 def test_fused_graphs_equal_fused_launches():
     """The fused path replayed from its CUDA graphs (queries by reference, a graph per layer, bucket
     and the store's bf16 and fp32; rows past a batch below its bucket idle) gives the plans of the
