@@ -168,6 +168,15 @@ class InSituPlanner:
             self.predicted(layer, seq_ids, store, q)
         return self.fixed(layer, seq_ids, store)
 
+    # A lagged planner's split (`selection.plan_lag` 1): the runtime asks for the step's plan first and
+    # launches the next one after the window part; the baseline's plan stands in for the lagged one.
+    def lagged_plan(self, layer, seq_ids):
+        ask = getattr(self.predicted, "lagged_plan", None)
+        return None if ask is None or ask(layer, seq_ids) is None else self.fixed(layer, seq_ids, None)
+
+    def launch_next(self, layer, seq_ids, store, q):
+        self.predicted.launch_next(layer, seq_ids, store, q)
+
 
 def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, dict[str, PredictedHeadPlanner], dict]:
     geometry = QUICK_GEOMETRY if args.quick else {**{k: getattr(GEOMETRIES["llama-3.1-8b"], k)

@@ -588,17 +588,13 @@ class PredictedHeadPlanner:
                 lagged = before[1]
                 if not isinstance(lagged, HeadPlan):  # computed on the device a step ago: read it first,
                     lagged = self._finish(layer, seq_ids, *lagged)  # the launch below rewrites its rows
+        if lagged is not None and self._fused is not None and self.cuda:
+            self.launch_next(layer, seq_ids, store, q)
+            self.lagged_steps += 1
+            return lagged
         bucket, cpu_len = self._stage(layer, seq_ids, store, q)
         self._launch(layer, bucket)
         self._last_layer = layer
-        if lagged is not None and self._fused is not None and self.cuda:
-            # Not waited for: the next step of this layer reads it (`_finish`), after its event.
-            event = self._free_events.pop() if self._free_events else torch.cuda.Event()
-            event.record()
-            self._in_flight[layer] = event
-            self._lagged[layer] = (key, (bucket, cpu_len.copy()))
-            self.lagged_steps += 1
-            return lagged
         if self.cuda:
             # The one wait: the host builds the step's tasks from this plan (module docstring).
             self._done.record()
@@ -611,6 +607,38 @@ class PredictedHeadPlanner:
             return plan
         self.lagged_steps += 1
         return lagged
+
+    def lagged_plan(self, layer: int, seq_ids: Sequence[int]) -> HeadPlan | None:
+        """plan_lag 1 on the fused CUDA path: the plan the layer's step before made for the same
+        sequences, or None (there is none: `__call__` plans the step from its own queries). A caller
+        that runs its step on this plan calls `launch_next` once the step's token is in the window
+        (the runtime: after the window part), so nothing of the planner comes before the step's
+        tasks but reading this plan."""
+        if not (self.plan_lag and self._fused is not None and self.cuda):
+            return None
+        if not self.warmed_up:
+            self.warm_up()
+        before = self._lagged.get(layer)
+        if before is None or before[0] != tuple(seq_ids):
+            return None
+        plan = before[1]
+        if not isinstance(plan, HeadPlan):
+            plan = self._finish(layer, seq_ids, *plan)
+            self._lagged[layer] = (before[0], plan)  # read once
+        self.lagged_steps += 1
+        return plan
+
+    def launch_next(self, layer: int, seq_ids: Sequence[int], store: Any, q: torch.Tensor) -> None:
+        """plan_lag 1 on the fused CUDA path: launch the plan of this step's queries `q [B, Hq, D]` and
+        window (its token appended) for the layer's next step, and return without waiting for it:
+        that step reads it (`lagged_plan`, `_finish`) after its event."""
+        bucket, cpu_len = self._stage(layer, seq_ids, store, q)
+        self._launch(layer, bucket)
+        self._last_layer = layer
+        event = self._free_events.pop() if self._free_events else torch.cuda.Event()
+        event.record()
+        self._in_flight[layer] = event
+        self._lagged[layer] = (tuple(seq_ids), (bucket, cpu_len.copy()))
 
     def _finish(self, layer: int, seq_ids: Sequence[int], bucket: int, cpu_len: np.ndarray) -> HeadPlan:
         """The plan a replay the host did not wait for wrote into the layer's output rows."""

@@ -856,7 +856,12 @@ class HybridRuntime:
         # graph, replayed before the planner (`window_first`) instead of as the step's side work:
         # one replay, not the append and the window kernels launched one by one.
         spill_due = self._will_spill(layer, seq_ids)
-        reads_window = sparda is None and getattr(self.planner, "reads_window", False)
+        # A planner whose plans lag a step (`selection.plan_lag`) may have this step's plan already: the
+        # step then runs on it, and the planner computes the next one after the window part
+        # (`launch_next`), so it reads nothing of this step before the tasks exist.
+        lagged_plan = getattr(self.planner, "lagged_plan", None) if cuda and sparda is None else None
+        plan_early = lagged_plan(layer, seq_ids) if lagged_plan is not None else None
+        reads_window = sparda is None and plan_early is None and getattr(self.planner, "reads_window", False)
         append_first = spill_due or reads_window
         window_first = reads_window and not spill_due and cuda and self._window_graphs is not None
         # NaN/inf in q, k, v (and lookahead) is an error (input_check.py). Refused now, before
@@ -868,7 +873,9 @@ class HybridRuntime:
         # wait for the GPU here every layer): counted on the device now, raised by a later call.
         cpu_lane = has_cpu and self.scheduler.placement != "gpu_only"  # the step has CPU tasks
         defer_check = defers(self.finite_check, cuda, cpu_lane)
-        q_copy_check = not defer_check and cuda and cpu_lane and not append_first
+        # The check rides on q's copy to the host also before a window graph replayed ahead of the
+        # planner (`window_first`): it is read before that replay appends anything.
+        q_copy_check = not defer_check and cuda and cpu_lane and (not append_first or window_first)
         checked = {"q": q, "k": k, "v": v} if lookahead is None else {"q": q, "k": k, "v": v, "lookahead": lookahead}
         if defer_check:
             self._input_check.issue(checked, layer, seq_ids, caller)
@@ -958,20 +965,11 @@ class HybridRuntime:
             if graphs is None:
                 out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's
                 lse.record_stream(caller)
+            if plan_early is not None:  # the next step's plan, from this step's queries and window
+                self.planner.launch_next(layer, seq_ids, store, q if q.device == self.device else q.to(self.device))
             window["out"], window["lse"], window["graph"] = out, lse, graphs is not None
 
-        if window_first:
-            window_part()  # the append (and the window attention) the planner reads, from the graph
-        if sparda is not None:
-            tasks = []  # the CPU segment is read by the SparDA executor alone
-        elif getattr(self.planner, "uses_queries", False):
-            # Queries where the planner's device part reads them (a caller may pass host tensors).
-            plan = self.planner(layer, seq_ids, store, q if q.device == self.device else q.to(self.device))
-            tasks = self._tasks(layer, seq_ids, plan)
-        else:
-            plan = self.planner(layer, seq_ids, store)
-            tasks = self._tasks(layer, seq_ids, plan)
-        if q_copy_check:
+        def check_copied_inputs() -> None:
             ev_qhost.synchronize()  # the CPU lane's wait for q, moved before anything changes
             if fused:
                 self._raise_counted_nonfinite(b * hq, {"q": q, "k": k, "v": v})
@@ -980,6 +978,24 @@ class HybridRuntime:
                 if lookahead is not None:
                     host["lookahead"] = look_host
                 _check_finite_host(host)
+
+        if window_first:
+            if q_copy_check:
+                check_copied_inputs()  # before the replay below appends this step's token
+            window_part()  # the append (and the window attention) the planner reads, from the graph
+        if sparda is not None:
+            tasks = []  # the CPU segment is read by the SparDA executor alone
+        elif plan_early is not None:
+            tasks = self._tasks(layer, seq_ids, plan_early)
+        elif getattr(self.planner, "uses_queries", False):
+            # Queries where the planner's device part reads them (a caller may pass host tensors).
+            plan = self.planner(layer, seq_ids, store, q if q.device == self.device else q.to(self.device))
+            tasks = self._tasks(layer, seq_ids, plan)
+        else:
+            plan = self.planner(layer, seq_ids, store)
+            tasks = self._tasks(layer, seq_ids, plan)
+        if q_copy_check and not window_first:
+            check_copied_inputs()
         if lookahead is not None:
             sparda.prefetch(layer + 1, seq_ids, lookahead)  # the next layer's blocks, while this one computes
         job = None

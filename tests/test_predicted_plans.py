@@ -481,6 +481,66 @@ def test_predicted_steps_replay_the_window_graph_before_planning(plan_lag):
 
 
 @pytest.mark.gpu
+def test_a_cuda_runtime_runs_each_step_on_the_plan_made_a_step_before(tmp_path):
+    """plan_lag 1 on CUDA: a step reads the plan its layer's step before made (`lagged_plan`, before
+    any of its own work) and launches the next one after the window part (`launch_next`). Each
+    output is the sparse attention of the plan a plan_lag 0 twin made a step earlier (the first
+    step's own), whose budgets follow the queries, so a wrong lag shows."""
+    path = tmp_path / "query.pt"
+    query_checkpoint().save(path)
+    own: dict = {0: [], 1: []}  # plan_lag 0: the plan of every step, in order
+    for lag in (0, 1):
+        cfg = config({"plan_lag": lag, "checkpoint": str(path)}, {"placement": "fluxion", "gpu_worker": True})
+        with HybridRuntime(cfg) as rt:
+            for s, n in ((0, 700), (1, 1500)):
+                for layer in (0, 1):
+                    k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=70 + s + layer))
+                    q_last = torch.randn(HQ, D, generator=torch.Generator().manual_seed(75 + s + layer)).cuda()
+                    rt.prefill(s, layer, k, v, q_last=q_last)
+            if not lag:
+                rt.planner.on_selection = lambda layer, ids, sel: own[layer].append(sel.plan)
+            gen = torch.Generator().manual_seed(71)
+            for step in range(4):
+                for layer in (0, 1):
+                    q, k, v = (x.cuda() for x in step_inputs(2, gen))
+                    out = rt.decode(layer, [0, 1], q, k, v)
+                    if lag:
+                        plan = own[layer][max(step - 1, 0)]
+                        expected = sparse_step_reference(rt, layer, [0, 1], q.cpu(), plan)
+                        torch.testing.assert_close(out.cpu(), expected.to(out.dtype), **TOL)
+            if lag:
+                assert rt.planner.lagged_steps == 6
+                rt.planner.settle()
+    for layer in (0, 1):  # the plans differ from step to step
+        assert all(np.abs(a.budgets - b.budgets).max() > 1e-4 for a, b in zip(own[layer], own[layer][1:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["q", "k", "v"])
+def test_nonfinite_input_is_refused_before_the_window_graph_appends(bad):
+    """The predicted planner's window graph replays before the planner: the NaN/inf check riding on
+    q's copy is read before that replay, so a refused step appends nothing."""
+    with HybridRuntime(config(scheduler={"placement": "fluxion", "gpu_worker": True})) as rt:
+        for s, n in ((0, 700), (1, 1500)):
+            for layer in (0, 1):
+                k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=85 + s + layer))
+                rt.prefill(s, layer, k, v, q_last=torch.randn(HQ, D, device="cuda"))
+        gen = torch.Generator().manual_seed(86)
+        rt.decode(0, [0, 1], *(x.cuda() for x in step_inputs(2, gen)))  # the graph of (layer 0, batch 2) exists
+        assert not rt._will_spill(0, [0, 1])
+        before = [list(x) for x in rt.store.step_rows(0, [0, 1])]
+        replays = rt.stats()["window_graph_replays"]
+        q, k, v = (x.cuda() for x in step_inputs(2, gen))
+        {"q": q, "k": k, "v": v}[bad][1, 0, 2] = float("nan")
+        with pytest.raises(ValueError, match=f"{bad} has 1 NaN/inf"):
+            rt.decode(0, [0, 1], q, k, v)
+        assert [list(x) for x in rt.store.step_rows(0, [0, 1])] == before
+        assert rt.stats()["window_graph_replays"] == replays
+        out = rt.decode(0, [0, 1], *(x.cuda() for x in step_inputs(2, gen)))  # usable after the refusal
+        assert torch.isfinite(out).all() and rt.stats()["window_graph_replays"] == replays + 1
+
+
+@pytest.mark.gpu
 def test_fused_graphs_equal_fused_launches():
     """The fused path replayed from its CUDA graphs (queries by reference, a graph per layer, bucket
     and the store's bf16 and fp32; rows past a batch below its bucket idle) gives the plans of the
