@@ -43,6 +43,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
     cpu_only_unplanned, (step inputs, selection, claims; `gpu_kernels.launch.LaunchPlan`) made through
     fluxion_host_selection_unplanned  `CachedLaunch` instead.
+    fluxion_w11         fluxion with 11 CPU workers (`scheduler.cpu_workers`; the default is every core
+                        but the caller's): less memory traffic beside the generating thread.
     fluxion_pinned_caller, fluxion and cpu_only with the thread that calls `generate` confined to the
     cpu_only_pinned_caller core the runtime leaves free of CPU workers (`rt.scheduler.cores.caller`)
                         from its first decode step on, after the runtime and every thread it starts
@@ -275,6 +277,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # is pinned to; by default the runtime leaves it where the OS puts it.
     Variant("fluxion_pinned_caller", "hybrid", placement="fluxion", pin_caller=True),
     Variant("cpu_only_pinned_caller", "hybrid", placement="cpu_only", pin_caller=True),
+    # Four CPU workers fewer (11 on a 16-core host): less of the host's memory traffic beside the
+    # generating thread, whose Python between layers ran ~1.5x its floor step's (notes/e2e_overlap.md).
+    Variant("fluxion_w11", "hybrid", placement="fluxion", scheduler={"cpu_workers": 11}),
 )}
 
 
