@@ -162,10 +162,13 @@ class InSituPlanner:
 
     def __init__(self, predicted, fixed):
         self.predicted, self.fixed = predicted, fixed
+        self.call_s: list[float] = []  # host time of each predicted planner call (or launch_next) in place
 
     def __call__(self, layer, seq_ids, store, q):
         if self.predicted is not None:
+            t0 = time.perf_counter()
             self.predicted(layer, seq_ids, store, q)
+            self.call_s.append(time.perf_counter() - t0)
         return self.fixed(layer, seq_ids, store)
 
     # A lagged planner's split (`selection.plan_lag` 1): the runtime asks for the step's plan first and
@@ -175,7 +178,9 @@ class InSituPlanner:
         return None if ask is None or ask(layer, seq_ids) is None else self.fixed(layer, seq_ids, None)
 
     def launch_next(self, layer, seq_ids, store, q):
+        t0 = time.perf_counter()
         self.predicted.launch_next(layer, seq_ids, store, q)
+        self.call_s.append(time.perf_counter() - t0)
 
 
 def make_runtime(args, batch: int, context: int) -> tuple[HybridRuntime, dict[str, PredictedHeadPlanner], dict]:
@@ -321,17 +326,22 @@ def decode_layer_times(rt: HybridRuntime, planner, batch: int, steps: int, warmu
     g, dev = rt.geometry, rt.device
     rt.planner = planner
     ids = list(range(batch))
+    calls = getattr(planner, "call_s", None)
     for i in range(warmup + steps):
         if i == warmup:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             rt.timeline.clear()
+            if calls is not None:
+                calls.clear()
         for layer in range(g.layers):
             q, k, v = (torch.randn((batch, h, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
                        for h in (g.q_heads, g.kv_heads, g.kv_heads))
             rt.decode(layer, ids, q, k, v)
     recs = rt.timeline.records
     out = timing_stats([r.attention_s for r in recs])
+    if calls:  # the planner's own host time in place, against its isolated `wall`
+        out["planner_call"] = timing_stats(calls)
     out["bytes_per_layer_step"] = float(np.mean([r.bytes_read.sum() for r in recs]))
     out["tasks_per_layer_step"] = float(np.mean([r.n_tasks for r in recs]))
     return out
@@ -388,6 +398,9 @@ def run_point(args, batch: int, context: int) -> dict:
               f"{row['decode_reads_window']['median_us']:8.1f} us, with the planner in situ "
               f"{row['decode_in_situ']['median_us']:8.1f} us; planner ({best}) / step = {row['overhead_fraction']:.2%}, "
               f"in situ {row['in_situ_fraction']:+.2%}", flush=True)
+        if "planner_call" in row["decode_in_situ"]:
+            print(f"  the planner's call in place: median {row['decode_in_situ']['planner_call']['median_us']:.1f} us "
+                  f"(isolated: {row[best]['wall']['median_us']:.1f})", flush=True)
         for mode in lagged:
             situ = row[f"decode_in_situ_{mode}"]["median_us"]
             row[f"in_situ_fraction_{mode}"] = (situ - base) / base
@@ -424,6 +437,8 @@ def metrics_of(row: dict) -> dict:
             m[f"predictor_{mode}_device_us_median_{tag}"] = row[mode]["gpu"]["median_us"]
             m[f"predictor_{mode}_stage_us_median_{tag}"] = row[mode]["stage"]["median_us"]
             m[f"predictor_{mode}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]
+    if "planner_call" in row["decode_in_situ"]:
+        m[f"predictor_in_situ_call_us_median_{tag}"] = row["decode_in_situ"]["planner_call"]["median_us"]
     for mode in row.get("lagged_modes", ()):
         name = mode[len("fused_"):] if mode.startswith("fused_") else mode
         m[f"predictor_lagged_{name}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]

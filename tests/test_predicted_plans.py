@@ -693,4 +693,7 @@ def test_overhead_benchmark_runs_quick_on_the_cpu(tmp_path):
     m = record["metrics"]
     assert m["predictor_overhead_fraction_2x2k"] > 0 and m["decode_fixed_layer_us_median_2x2k"] > 0
     assert record["points"][0]["eager"]["wall"]["samples"] == 2 * 2  # steps x layers
+    # The planner's own host time in place: one call per layer-step measured.
+    assert record["points"][0]["decode_in_situ"]["planner_call"]["samples"] == 2 * 2
+    assert m["predictor_in_situ_call_us_median_2x2k"] > 0 and m["decode_reads_window_layer_us_median_2x2k"] > 0
     assert path.with_suffix(".md").is_file()
