@@ -75,7 +75,7 @@ for step in $steps; do
         e2e_selection_ab96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
             --new-tokens 32 --no-limits --budget-s 2000 --variants fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin \
             --out "$out/e2e_decode_selection_ab96k-$dev.json" ;;
-        predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --out-dir "$out" ;;
+        predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --fused-variant lag1:lag=1 --out-dir "$out" ;;
         tpot_grid) work=$(mktemp -d)
             timeout 590 python -m hybrid_runtime.cli run configs/tpot_grid.yaml --out "$work/tpot" \
                 --set 'experiment.points=[{batch: 4, context: 32768}]'
