@@ -582,16 +582,13 @@ class PredictedHeadPlanner:
             self.warm_up()
         lagged = None
         if self.plan_lag:
-            key = tuple(seq_ids)
-            before = self._lagged.get(layer)
-            if before is not None and before[0] == key:
+            lagged = self.lagged_plan(layer, seq_ids)  # the fused CUDA path's split, in one call
+            if lagged is not None:
+                self.launch_next(layer, seq_ids, store, q)
+                return lagged
+            before = self._lagged.get(layer)  # elsewhere a plan is computed at once, handed out a step later
+            if before is not None and before[0] == tuple(seq_ids):
                 lagged = before[1]
-                if not isinstance(lagged, HeadPlan):  # computed on the device a step ago: read it first,
-                    lagged = self._finish(layer, seq_ids, *lagged)  # the launch below rewrites its rows
-        if lagged is not None and self._fused is not None and self.cuda:
-            self.launch_next(layer, seq_ids, store, q)
-            self.lagged_steps += 1
-            return lagged
         bucket, cpu_len = self._stage(layer, seq_ids, store, q)
         self._launch(layer, bucket)
         self._last_layer = layer
@@ -602,7 +599,7 @@ class PredictedHeadPlanner:
         plan = self._plan(layer, seq_ids, bucket, cpu_len)
         if not self.plan_lag:
             return plan
-        self._lagged[layer] = (key, plan)
+        self._lagged[layer] = (tuple(seq_ids), plan)
         if lagged is None:
             return plan
         self.lagged_steps += 1
