@@ -19,6 +19,10 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         Random weights make the plans meaningless for quality; the timing is what counts
                         (predictor and selector cost, and the bytes its plans read). Recorded as skipped
                         when the checkpoint is not in the tree.
+    fluxion_model_graphs fluxion with `enable_hybrid_attention(decode_graphs=True)`: the model's own work
+                        between two attention calls (norms, projections, rotary embedding, MLP) as one
+                        CUDA graph replay per layer (hybrid_runtime/integrations/decode_graphs.py); its
+                        floor's no-attention step is measured in that mode (`graphs_without_attention`).
     fluxion_predictor_lagged  fluxion_predictor with `selection.plan_lag: 1`: each step's tasks from the
                         plan its layer computed one step earlier; the step's own plan is computed on
                         the device meanwhile, for the next step, and the host does not wait for it.
@@ -108,8 +112,9 @@ model and again at the end when time is left; the best is the denominator.
 
 Metrics (each omitted when an input is missing -- a variant out of memory, skipped or not run --
 never defaulted): `fluxion_tpot_over_floor_max`, `offloaded_over_fluxion_tpot_min`,
-`fluxion_tpot_mean_over_median_max`, `fluxion_ttft_over_dense_max`, `runtime_construction_s_max`
-(both hybrid variants). Writes `benchmarks/results/e2e_decode-<device slug>.json` (one point per
+`fluxion_tpot_mean_over_median_max`, `fluxion_ttft_over_dense_max`, the same four of the
+`fluxion_model_graphs` rows (`fluxion_model_graphs_tpot_over_floor_max`, ...), and
+`runtime_construction_s_max` (every hybrid variant). Writes `benchmarks/results/e2e_decode-<device slug>.json` (one point per
 (model, batch, context, variant); rewritten after every point, so a run cut short keeps what it
 measured) and a markdown table beside it.
 
@@ -222,6 +227,7 @@ class Variant:
     needs_cuda: bool = False
     launch_plans: bool = True  # false: planned launches go through CachedLaunch (gpu_kernels/launch.py)
     pin_caller: bool = False  # the calling thread confined to the core the runtime leaves free of workers
+    decode_graphs: bool = False  # enable_hybrid_attention(decode_graphs=True): the model's step between attentions as CUDA graphs
 
     def unavailable(self) -> str | None:
         """Why this variant cannot run in this build (recorded as the skip reason), or None."""
@@ -240,6 +246,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("cpu_only", "hybrid", placement="cpu_only"),
     Variant("static", "hf"),
     Variant("fluxion_predictor", "hybrid", placement="fluxion", selection="predicted"),
+    # The model's own work between two attention calls as one CUDA graph replay per layer
+    # (hybrid_runtime/integrations/decode_graphs.py); its floor is the no-attention step in that mode.
+    Variant("fluxion_model_graphs", "hybrid", placement="fluxion", decode_graphs=True, needs_cuda=True),
     # Each step's tasks from the plan of the layer's step before: the planner's device part and the
     # host's wait for it leave the step (selection.plan_lag).
     Variant("fluxion_predictor_lagged", "hybrid", placement="fluxion", selection="predicted",
@@ -429,12 +438,51 @@ def attention_replaced(model, name: str = NOOP_ATTENTION, fn: Callable = _noop_a
         model.config._attn_implementation_internal = saved
 
 
-def measure_floor(model, batch: int, new_tokens: int, seed: int = 0, dense: bool = True) -> dict:
+@contextlib.contextmanager
+def graphs_without_attention(model):
+    """Within the block `generate`'s one-token steps replay the model's decode graphs
+    (`DecodeGraphs`, what `enable_hybrid_attention(decode_graphs=True)` runs) with every attention
+    left out (its output zeros); the prompt runs with the no-op attention (`attention_replaced`)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    from hybrid_runtime.integrations.decode_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(model)
+    base = graphs.base
+    original = type(base).forward.__get__(base)
+    zeros: dict = {}
+
+    def attend(layer, q, k, v):
+        shape = (q.shape[0], 1, q.shape[1], q.shape[3])
+        if shape not in zeros:
+            zeros[shape] = q.new_zeros(shape)
+        return zeros[shape]
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if args or ids is None or ids.shape[1] != 1 or kwargs.get("inputs_embeds") is not None:
+            return original(*args, **kwargs)
+        positions = kwargs.get("position_ids")
+        hidden = graphs.step(ids, positions if positions is not None else torch.zeros_like(ids), attend)
+        return BaseModelOutputWithPast(last_hidden_state=hidden)
+
+    with attention_replaced(model):
+        base.forward = forward
+        try:
+            yield graphs
+        finally:
+            base.__dict__.pop("forward", None)
+
+
+def measure_floor(model, batch: int, new_tokens: int, seed: int = 0, dense: bool = True, graphs: bool = False) -> dict:
     """The model's decode step without attention (no-op attention, 16-token prompt, dense cache)
-    and, beside it with `dense`, the dense step at that tiny context; medians over the generated tokens."""
+    and, beside it with `dense`, the dense step at that tiny context; medians over the generated tokens.
+    With `graphs` the no-attention step is the decode graphs' (`graphs_without_attention`), as
+    `noattn_graphs_step_ms`, instead."""
     ids, mask = random_prompt(model.config.vocab_size, batch, FLOOR_PROMPT, seed, model.device)
     row = {"batch": batch, "prompt_tokens": FLOOR_PROMPT}
-    kinds = (("noattn", attention_replaced(model)),) + ((("dense_ctx16", contextlib.nullcontext()),) if dense else ())
+    kinds = ((("noattn_graphs", graphs_without_attention(model)),) if graphs else (("noattn", attention_replaced(model)),))
+    kinds += ((("dense_ctx16", contextlib.nullcontext()),) if dense else ())
     for key, ctx in kinds:
         with ctx, torch.no_grad():
             timed_generate(model, ids, mask, 3, {}, measure_memory=False)  # warm-up
@@ -444,23 +492,26 @@ def measure_floor(model, batch: int, new_tokens: int, seed: int = 0, dense: bool
     return row
 
 
-def sample_floor(floors: dict, model, name: str, batch: int, new_tokens: int, seed: int, when: str) -> float | None:
+def sample_floor(floors: dict, model, name: str, batch: int, new_tokens: int, seed: int, when: str,
+                 graphs: bool = False) -> float | None:
     """The no-attention step measured now, appended to `floors[(name, batch)]["noattn_samples_ms"]`
     (the first of a (model, batch) makes that entry, with the dense tiny-context step beside it);
+    with `graphs` the decode graphs' no-attention step, appended to `noattn_graphs_samples_ms`.
     None when the measurement failed (the row then has no floor of its own)."""
     first = (name, batch) not in floors
+    key = "noattn_graphs" if graphs else "noattn"
     try:
-        f = measure_floor(model, batch, new_tokens, seed, dense=first)
+        f = measure_floor(model, batch, new_tokens, seed, dense=first, graphs=graphs)
     except Exception as exc:  # noqa: BLE001 - no floor: the floor metric is left out
-        print(f"  floor {name} b={batch} ({when}) failed: {exc}", flush=True)
+        print(f"  floor {name} b={batch} ({when}{', graphs' if graphs else ''}) failed: {exc}", flush=True)
         return None
     finally:
         release_memory()
     if first:
-        floors[(name, batch)] = {**f, "noattn_samples_ms": []}
+        floors[(name, batch)] = {**f, "noattn_samples_ms": [], "noattn_graphs_samples_ms": []}
         print(f"  floor {name} b={batch}: {f}", flush=True)
-    floors[(name, batch)]["noattn_samples_ms"].append(f["noattn_step_ms"])
-    return f["noattn_step_ms"]
+    floors[(name, batch)].setdefault(f"{key}_samples_ms", []).append(f[f"{key}_step_ms"])
+    return f[f"{key}_step_ms"]
 
 
 def paired_noattn(before: float | None, after: float | None) -> float | None:
@@ -557,8 +608,9 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
     row: dict = {}
     cfg = with_variant_selection(cfg, variant)
     t = time.perf_counter()
-    rt = enable_hybrid_attention(model, cfg)
+    rt = enable_hybrid_attention(model, cfg, decode_graphs=variant.decode_graphs)
     row["runtime_construction_s"] = time.perf_counter() - t
+    row["decode_graphs"] = variant.decode_graphs
     row["worker_start_wait_s"] = None  # set below: where the workers' start-up cost went instead
     row["kernel_warmup_wait_s"] = None  # likewise for the kernel warm-up
     try:
@@ -609,6 +661,11 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["pinned_host_bytes"] = mem["pinned_bytes"]
         row["reserved_host_bytes"] = mem["reserved_bytes"]
         row.update(_timeline_fields(rt, rt.geometry.layers))
+        if variant.decode_graphs:
+            from hybrid_runtime.integrations.transformers import _MODEL_STATES
+
+            graphs = _MODEL_STATES[model].decode_graphs
+            row["decode_graph_captures"], row["decode_graph_capture_s"] = graphs.captures, graphs.capture_s
         st = rt.stats()
         # The first decode step with CPU tasks (the warm-up's, when there is one) waited this long
         # for the CPU workers' start-up; the workers took `worker_start_s` from construction on.
@@ -780,7 +837,9 @@ def annotate_points(points: list[dict], floors: dict, ceiling_GBps: float | None
     # Every row, repeats of a variant included (`ok` keeps a point's last row of each variant).
     for p in (p for p in points if p.get("status") == "ok"):
         f = floors.get((p["model"], p["batch"]))
-        noattn = p.get("floor_noattn_paired_ms") or (f["noattn_step_ms"] if f else None)
+        noattn = p.get("floor_noattn_paired_ms")
+        if noattn is None and f:  # the (model, batch) floor measured in the row's own mode
+            noattn = f.get("noattn_graphs_step_ms" if p.get("decode_graphs") else "noattn_step_ms")
         if p["kind"] == "hybrid" and noattn and ceiling_GBps and p.get("bytes_per_step") is not None:
             p["floor_noattn_ms"] = noattn
             p["selected_bytes_ms"] = p["bytes_per_step"] / (ceiling_GBps * 1e9) * 1e3
@@ -797,25 +856,27 @@ def annotate_points(points: list[dict], floors: dict, ceiling_GBps: float | None
 def assemble_metrics(points: list[dict]) -> dict:
     """The contract's metrics from annotated rows; each is left out when no row pair feeds it."""
     ok = {(p["model"], p["batch"], p["context"], p["variant"]): p for p in points if p.get("status") == "ok"}
-    # Every fluxion row, repeats included: a repeated variant is held to the target in each run.
-    flux = [p for p in points if p.get("status") == "ok" and p["variant"] == "fluxion"
-            and p.get("tpot_ms_median") is not None]
 
     def other(p, variant):
         return ok.get((p["model"], p["batch"], p["context"], variant))
 
-    cands = {
-        "fluxion_tpot_over_floor_max": (max, [p["tpot_over_floor"] for p in flux
-                                              if p.get("tpot_over_floor") is not None]),
-        "offloaded_over_fluxion_tpot_min": (min, [other(p, "offloaded")["tpot_ms_median"] / p["tpot_ms_median"]
-                                                  for p in flux if other(p, "offloaded") is not None
-                                                  and other(p, "offloaded").get("tpot_ms_median") is not None]),
-        "fluxion_tpot_mean_over_median_max": (max, [p["tpot_ms_mean"] / p["tpot_ms_median"] for p in flux]),
-        "fluxion_ttft_over_dense_max": (max, [p["ttft_s"] / other(p, "dense")["ttft_s"]
-                                              for p in flux if other(p, "dense") is not None]),
-        "runtime_construction_s_max": (max, [p["runtime_construction_s"] for p in points if p.get("status") == "ok"
-                                             and p.get("runtime_construction_s") is not None]),
-    }
+    cands = {"runtime_construction_s_max": (max, [p["runtime_construction_s"] for p in points if p.get("status") == "ok"
+                                                  and p.get("runtime_construction_s") is not None])}
+    # The fluxion rows (and, apart, those with the decode graphs), repeats included: a repeated
+    # variant is held to the target in each run.
+    for variant in ("fluxion", "fluxion_model_graphs"):
+        flux = [p for p in points if p.get("status") == "ok" and p["variant"] == variant
+                and p.get("tpot_ms_median") is not None]
+        cands.update({
+            f"{variant}_tpot_over_floor_max": (max, [p["tpot_over_floor"] for p in flux
+                                                     if p.get("tpot_over_floor") is not None]),
+            f"offloaded_over_{variant}_tpot_min": (min, [other(p, "offloaded")["tpot_ms_median"] / p["tpot_ms_median"]
+                                                         for p in flux if other(p, "offloaded") is not None
+                                                         and other(p, "offloaded").get("tpot_ms_median") is not None]),
+            f"{variant}_tpot_mean_over_median_max": (max, [p["tpot_ms_mean"] / p["tpot_ms_median"] for p in flux]),
+            f"{variant}_ttft_over_dense_max": (max, [p["ttft_s"] / other(p, "dense")["ttft_s"]
+                                                     for p in flux if other(p, "dense") is not None]),
+        })
     return {name: float(fn(vals)) for name, (fn, vals) in cands.items() if vals}
 
 
@@ -925,11 +986,22 @@ def markdown(result: dict) -> str:
                   "| model | batch | no-attention step ms (first) | samples: median (min - max, n) | dense ctx16 step ms |"
                   + (" part |" if parts else ""),
                   "|" + " --- |" * (6 if parts else 5)]
+        def spread(xs: list) -> str:
+            xs = sorted(xs or [])
+            return f"{xs[len(xs) // 2]:.2f} ({xs[0]:.2f} - {xs[-1]:.2f}, {len(xs)})" if xs else "-"
+
         for f in result["floors"]:
-            xs = sorted(f.get("noattn_samples_ms") or [])
-            spread = f"{xs[len(xs) // 2]:.2f} ({xs[0]:.2f} - {xs[-1]:.2f}, {len(xs)})" if xs else "-"
-            lines.append(f"| {f['model']} | {f['batch']} | {f['noattn_step_ms']:.2f} | {spread} | "
-                         f"{_num(f.get('dense_ctx16_step_ms'))} |" + (f" {f.get('part', '-')} |" if parts else ""))
+            lines.append(f"| {f['model']} | {f['batch']} | {_num(f.get('noattn_step_ms'))} | "
+                         f"{spread(f.get('noattn_samples_ms'))} | {_num(f.get('dense_ctx16_step_ms'))} |"
+                         + (f" {f.get('part', '-')} |" if parts else ""))
+        graph_floors = [f for f in result["floors"] if f.get("noattn_graphs_samples_ms")]
+        if graph_floors:
+            lines += ["", "the same with the decode graphs (`fluxion_model_graphs` rows' floors: the model's step between "
+                      "attentions as CUDA graph replays, attention left out):", "",
+                      "| model | batch | no-attention graphs step ms: median (min - max, n) |" + (" part |" if parts else ""),
+                      "|" + " --- |" * (4 if parts else 3)]
+            lines += [f"| {f['model']} | {f['batch']} | {spread(f['noattn_graphs_samples_ms'])} |"
+                      + (f" {f.get('part', '-')} |" if parts else "") for f in graph_floors]
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
     return "\n".join(lines) + "\n"
 
@@ -1110,7 +1182,9 @@ def run(args, device: str | None = None) -> Path | None:
                           f"({weights[name] / 1e9:.1f} GB of weights)", flush=True)
                 paired = variant.kind == "hybrid" and variant.unavailable() is None and fits
 
-                before = sample_floor(floors, model, name, b, args.new_tokens, args.seed, "before") if paired else None
+                graphs = variant.decode_graphs
+                before = sample_floor(floors, model, name, b, args.new_tokens, args.seed, "before",
+                                      graphs) if paired else None
                 LaunchPlan.enabled = variant.launch_plans
                 try:
                     row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens,
@@ -1120,7 +1194,7 @@ def run(args, device: str | None = None) -> Path | None:
                 finally:
                     LaunchPlan.enabled = True
                 if paired and row["status"] == "ok":
-                    after = sample_floor(floors, model, name, b, args.new_tokens, args.seed, "after")
+                    after = sample_floor(floors, model, name, b, args.new_tokens, args.seed, "after", graphs)
                     row.update(floor_noattn_before_ms=before, floor_noattn_after_ms=after,
                                floor_noattn_paired_ms=paired_noattn(before, after))
                 row["predicted_s"] = pred

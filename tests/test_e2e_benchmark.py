@@ -452,7 +452,7 @@ def test_options_and_points():
     a = e2e.parse_args([])
     assert a.points == e2e.POINTS and a.models == ["llama-3.1-8b", "qwen2.5-7b"] and a.new_tokens == 24
     assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor",
-                          "fluxion_predictor_lagged", "fluxion_waits",
+                          "fluxion_model_graphs", "fluxion_predictor_lagged", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
                           "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
                           "fluxion_gpu_selection", "fluxion_no_spin", "fluxion_short_spin", "fluxion_unplanned",
@@ -652,3 +652,29 @@ def test_tp_metrics_name_variants_and_sum_the_ranks_limits():
     md = e2e_tp.markdown(rows, 2)
     assert "tp2 limits, 2 rank(s) measured together: host read 75.0 GB/s, concurrent ceiling 115.0 GB/s" in md
     assert "| m | 8 | 32768 | fluxion | 2 | 7.50 | 220.0 | 72.0 | ok |" in md
+
+
+def test_graph_floor_runs_the_decode_pieces_without_attention():
+    """`measure_floor(graphs=True)`: generate's one-token steps go through `DecodeGraphs` (its pieces,
+    eagerly on the CPU) with the attention left out; the prompt through the no-op attention; the
+    model's forward is its own again afterwards."""
+    from tests.test_transformers_integration import tiny_model
+
+    model = tiny_model("llama")
+    steps = []
+    from hybrid_runtime.integrations import decode_graphs
+
+    original = decode_graphs.DecodeGraphs.step
+
+    def counted(self, *args):
+        steps.append(args[0].shape)
+        return original(self, *args)
+
+    decode_graphs.DecodeGraphs.step = counted
+    try:
+        row = e2e.measure_floor(model, 2, 5, dense=False, graphs=True)
+    finally:
+        decode_graphs.DecodeGraphs.step = original
+    assert row["noattn_graphs_step_ms"] > 0 and "noattn_step_ms" not in row
+    assert len(steps) == (3 - 1) + (5 - 1) and all(s == (2, 1) for s in steps)  # warm-up, then the measured call
+    assert "forward" not in model.model.__dict__

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hybrid_runtime.config import GEOMETRIES, Config, GeometryConfig, resolve_checkpoint
+from hybrid_runtime.integrations.decode_graphs import DecodeGraphs, DecodeGraphsUnsupported
 from hybrid_runtime.kvcache import CapacityError
 from hybrid_runtime.pinning import torch_threads
 from hybrid_runtime.runtime import HybridRuntime
@@ -79,6 +80,7 @@ try:  # transformers is an optional dependency (extra `models`)
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -127,6 +129,10 @@ class _HybridState:
     # the pre-hooks that keep each attention module's input for it.
     lookahead: Any = None
     hooks: list = field(default_factory=list)
+    # `enable_hybrid_attention(decode_graphs=True)`: the decode step between attentions as CUDA
+    # graphs (`decode_graphs.DecodeGraphs`), served from the base model's patched `forward`.
+    decode_graphs: Any = None
+    base_model: Any = None  # weak reference to the base model whose `forward` was patched
 
 
 _MISSING = object()
@@ -325,6 +331,7 @@ def enable_hybrid_attention(
     *,
     decode_threads: int | str | None = "auto",
     tensor_parallel: TensorParallelShard | str | None = "auto",
+    decode_graphs: bool = False,
 ) -> HybridRuntime:
     """Make `model.generate` decode through a `HybridRuntime`; returns the runtime.
 
@@ -336,18 +343,33 @@ def enable_hybrid_attention(
     torch had), a number exactly that many, None leaves torch's setting alone.
     `tensor_parallel`: "auto" detects a model sharded over ranks by heads (`tensor_parallel_of`)
     and serves this rank's heads; a `TensorParallelShard` says which rank this is (a sub-group);
-    None serves the attention modules as the whole model. Raises `UnsupportedModelError` for a
-    model it cannot serve, before anything changes.
+    None serves the attention modules as the whole model. `decode_graphs`: a decode step's work
+    between two attention calls (norms, projections, rotary embedding, MLP, residuals) runs as one
+    CUDA graph replay per layer, captured per batch size at the first decode step of that size
+    (`decode_graphs.py`); on a model on the CPU the same pieces run eagerly. Not with tensor
+    parallelism or SparDA's lookahead (refused). Raises `UnsupportedModelError` for a model it
+    cannot serve, before anything changes.
     """
     count = isinstance(decode_threads, int) and not isinstance(decode_threads, bool)
     if not (decode_threads in ("auto", None) or (count and decode_threads >= 1)):
         raise ValueError(f"decode_threads is {decode_threads!r}; allowed: 'auto', None or an integer >= 1")
     if not (tensor_parallel in ("auto", None) or isinstance(tensor_parallel, TensorParallelShard)):
         raise ValueError(f"tensor_parallel is {tensor_parallel!r}; allowed: 'auto', None or a TensorParallelShard")
+    if not isinstance(decode_graphs, bool):
+        raise ValueError(f"decode_graphs is {decode_graphs!r}; allowed: True or False")
     mods, impl, geometry = _check_model(model)
     shard = tensor_parallel_of(model, mods) if tensor_parallel == "auto" else tensor_parallel
     if shard is not None:
         shard.local_geometry(geometry)  # heads that do not divide: refused before anything is built
+    graphs = None
+    if decode_graphs:
+        if shard is not None:
+            raise UnsupportedModelError("decode_graphs under tensor parallelism: the output projection's all-reduce "
+                                        "would run inside the graphs; allowed here: decode_graphs=False")
+        try:
+            graphs = DecodeGraphs(model)
+        except DecodeGraphsUnsupported as exc:
+            raise UnsupportedModelError(f"decode_graphs: {exc}") from None
     eager_fn = getattr(sys.modules.get(type(mods[0]).__module__), "eager_attention_forward", None)
     if impl == "eager" and eager_fn is None:  # pragma: no cover - every supported type has one
         raise UnsupportedModelError(f"{type(mods[0]).__module__} has no eager_attention_forward")
@@ -363,10 +385,17 @@ def enable_hybrid_attention(
         owns = False
     try:
         lookahead = _lookahead_source(runtime, mods, geometry, model)
+        if graphs is not None and lookahead is not None:
+            raise UnsupportedModelError(
+                f"decode_graphs with sparda.lookahead {runtime.cfg.sparda.lookahead!r}: the next layer's selection "
+                "queries come from each attention module's input, which the graphs do not hand out; allowed: "
+                "decode_graphs=False, or sparda.lookahead same_layer")
     except BaseException:
         if owns:
             runtime.close()
         raise
+    if graphs is not None:
+        graphs.before_capture = runtime.await_warm_up  # its background captures finish before ours begin
     _register()
     state = _HybridState(
         runtime=runtime,
@@ -381,6 +410,7 @@ def enable_hybrid_attention(
         model_ref=weakref.ref(model),
         owns_runtime=owns,
         lookahead=lookahead,
+        decode_graphs=graphs,
     )
     if lookahead is not None:
         state.hooks = [m.register_forward_pre_hook(_keep_attention_input, with_kwargs=True) for m in mods]
@@ -392,6 +422,9 @@ def enable_hybrid_attention(
     model.config._attn_implementation_internal = ATTN_IMPLEMENTATION
     model._prepare_cache_for_generation = _make_prepare_cache(model)
     model.generate = _make_generate(model)
+    if graphs is not None:
+        state.base_model = weakref.ref(graphs.base)
+        graphs.base.forward = _make_graphed_forward(graphs.base, state)
     return runtime
 
 
@@ -412,6 +445,10 @@ def disable_hybrid_attention(model: torch.nn.Module) -> None:
     model.config._attn_implementation_internal = state.saved_attn_implementation
     for handle in state.hooks:
         handle.remove()
+    base = state.base_model() if state.base_model is not None else None
+    if base is not None:
+        base.__dict__.pop("forward", None)
+    state.decode_graphs = None  # its graphs and static tensors go with it
     for name, saved in (("_prepare_cache_for_generation", state.saved_prepare_cache),
                         ("generate", state.saved_generate)):
         if saved is _MISSING:
@@ -520,6 +557,33 @@ def _make_generate(model: torch.nn.Module) -> Callable:
             torch.set_num_threads(saved)
 
     return generate
+
+
+def _make_graphed_forward(base: torch.nn.Module, state: _HybridState) -> Callable:
+    """The base model's `forward` under `decode_graphs`: a one-token step through a prefilled
+    `HybridCache` runs `DecodeGraphs.step`; every other call (prefill, a plain forward, another
+    cache, hidden states or attentions asked for) the model's own forward."""
+    original = type(base).forward.__get__(base)
+    fields = BaseModelOutputWithPast.__dataclass_fields__
+    cache_field = "cache" if "cache" in fields else "past_key_values"
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids")
+        if (args or not isinstance(cache, HybridCache) or cache._state is not state or ids is None
+                or kwargs.get("inputs_embeds") is not None or ids.dim() != 2 or ids.shape[1] != 1
+                or not cache.seq_ids or ids.shape[0] != len(cache.seq_ids)
+                or not all(layer.prefilled for layer in cache.layers)
+                or kwargs.get("output_hidden_states") or kwargs.get("output_attentions")):
+            return original(*args, **kwargs)
+        cache._check_usable()
+        positions = kwargs.get("position_ids")
+        if positions is None:  # as the model's forward: the tokens seen so far (padding included)
+            positions = torch.full_like(ids, cache.get_seq_length())
+        hidden = state.decode_graphs.step(ids, positions, cache._graph_attend)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{cache_field: cache})
+
+    return forward
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -955,6 +1019,13 @@ class HybridCache(Cache):
         outs = [rt.decode(layer, self.seq_ids, query[:, :, i], key[:, :, i], value[:, :, i], lookahead=look(i))
                 for i in range(t)]
         return torch.stack(outs, dim=1), None
+
+    def _graph_attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """One layer's decode attention for `DecodeGraphs.step`: what the model's attention module
+        does after its projections (the cache's count, then `_attend`) -> `[B, 1, Hq, D]`."""
+        module = self._state.attn_modules[layer]()
+        self.layers[layer].update(key, value)
+        return self._attend(module, layer, query, key, value, None, scaling=module.scaling)[0]
 
     def _lookahead(self, module: torch.nn.Module, layer: int) -> Callable[[int], torch.Tensor | None]:
         """`i -> ` the next layer's SparDA selection queries for the step's i-th new token (None when

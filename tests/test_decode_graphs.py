@@ -1,0 +1,159 @@
+"""`enable_hybrid_attention(decode_graphs=True)`: the decode step between attention calls as CUDA
+graphs (`hybrid_runtime/integrations/decode_graphs.py`). On the CPU the same pieces run eagerly,
+which checks the restructured forward against the model's own on every supported model type; the
+graphs themselves are checked on CUDA (`gpu` marker)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+
+from hybrid_runtime.integrations.decode_graphs import DecodeGraphs, DecodeGraphsUnsupported  # noqa: E402
+from hybrid_runtime.integrations.transformers import (  # noqa: E402
+    HybridCache,
+    UnsupportedModelError,
+    disable_hybrid_attention,
+    enable_hybrid_attention,
+    hybrid_runtime_of,
+)
+from tests.test_transformers_integration import (  # noqa: E402
+    _assert_same,
+    _snapshot,
+    forced_logits,
+    greedy,
+    hybrid_cfg,
+    left_padded,
+    tiny_model,
+)
+
+
+def _state(model):
+    from hybrid_runtime.integrations.transformers import _MODEL_STATES
+
+    return _MODEL_STATES[model]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_pieces_equal_the_models_forward_on_cpu(model_type):
+    """Teacher-forced decode of a left-padded batch: the pieces (run eagerly on the CPU) give the
+    logits of the model's own forward through the same runtime, bit for bit, and every decode step
+    went through the runtime."""
+    bias = {"attention_bias": True} if model_type == "llama" else {}
+    model = tiny_model(model_type, **bias)
+    ids, mask = left_padded([300, 180, 90])
+    cont = torch.randint(3, 256, (3, 12), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for graphs in (False, True):
+        rt = enable_hybrid_attention(model, hybrid_cfg(), decode_graphs=graphs)
+        try:
+            cache = HybridCache(model)
+            logits[graphs] = forced_logits(model, ids, mask, cont, cache)
+            assert len(rt.timeline) == 12 * 2
+            assert [rt.store.seq_len(s, 0) for s in cache.seq_ids] == [300 + 12, 180 + 12, 90 + 12]
+            assert [layer.length for layer in cache.layers] == [300 + 12] * 2
+            if graphs:
+                dg = _state(model).decode_graphs
+                assert isinstance(dg, DecodeGraphs) and not dg.capture and dg.captures == 0
+        finally:
+            disable_hybrid_attention(model)
+    assert torch.equal(logits[True], logits[False])
+
+
+def test_generate_with_pieces_matches_and_disable_restores_the_model():
+    model = tiny_model("llama")
+    ids, mask = left_padded([120, 64])
+    before = _snapshot(model)
+    base_dict = set(model.model.__dict__)
+    rt = enable_hybrid_attention(model, hybrid_cfg(selection={"name": "fixed", "block_size": 16, "budget": 0.1}))
+    try:
+        plain = greedy(model, ids, mask, 10)
+    finally:
+        disable_hybrid_attention(model)
+    rt = enable_hybrid_attention(model, hybrid_cfg(selection={"name": "fixed", "block_size": 16, "budget": 0.1}),
+                                 decode_graphs=True)
+    assert "forward" in model.model.__dict__
+    calls = []
+    step = _state(model).decode_graphs.step
+    _state(model).decode_graphs.step = lambda *a: calls.append(1) or step(*a)
+    try:
+        pieces = greedy(model, ids, mask, 10)
+        # a plain forward (no HybridCache) is the model's own
+        with torch.no_grad():
+            assert model(ids, attention_mask=mask).logits.shape == (2, ids.shape[1], 256)
+    finally:
+        disable_hybrid_attention(model)
+    assert len(calls) == 9  # every decode step but the prefill's token
+    assert torch.equal(pieces, plain)
+    assert set(model.model.__dict__) == base_dict and hybrid_runtime_of(model) is None and rt._closed
+    _assert_same(model, before)
+
+
+def test_refusals_come_before_any_change():
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="decode_graphs is 'yes'; allowed: True or False"):
+        enable_hybrid_attention(model, hybrid_cfg(), decode_graphs="yes")
+    _assert_same(model, before)
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    before_dynamic = _snapshot(dynamic)
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic'"):
+        enable_hybrid_attention(dynamic, hybrid_cfg(), decode_graphs=True)
+    _assert_same(dynamic, before_dynamic)
+    assert hybrid_runtime_of(dynamic) is None
+    from hybrid_runtime.config import config_from_dict
+
+    sparda = config_from_dict({
+        "kv_cache": {"dtype": "fp32", "sink": 8, "local": 32, "generated_cap": 16, "cpu_capacity_tokens": 2048,
+                     "max_sequences": 2},
+        "selection": {"name": "sparda"}, "sparda": {"lookahead": "proxy", "top_k": 4, "block_size": 16},
+    })
+    with pytest.raises(UnsupportedModelError, match="decode_graphs with sparda.lookahead 'proxy'"):
+        enable_hybrid_attention(model, sparda, decode_graphs=True)
+    _assert_same(model, before)
+    assert hybrid_runtime_of(model) is None
+    model.model.layers[1].mlp = None  # not a Llama-style layer any more
+    with pytest.raises(DecodeGraphsUnsupported, match="decoder layer 1 has no"):
+        DecodeGraphs(model)
+
+
+def test_step_refuses_more_than_one_token_per_row():
+    model = tiny_model("llama")
+    dg = DecodeGraphs(model)
+    with pytest.raises(ValueError, match=r"one token per row: input_ids \[B, 1\], got \(2, 3\)"):
+        dg.step(torch.zeros((2, 3), dtype=torch.long), torch.zeros((2, 3), dtype=torch.long), None)
+    with pytest.raises(ValueError, match="must match input_ids"):
+        dg.step(torch.zeros((2, 1), dtype=torch.long), torch.zeros((3, 1), dtype=torch.long), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_cuda_graphs_match_eager_and_are_reused(model_type):
+    """On CUDA: teacher-forced logits through the graphs equal the model's own forward through the
+    runtime (bf16 model, same kernels: a tight tolerance); graphs are captured once per batch size
+    and reused by the next generate call; a new batch size captures its own."""
+    model = tiny_model(model_type, device="cuda").to(torch.bfloat16)
+    ids, mask = left_padded([300, 180, 90], device="cuda")
+    cont = torch.randint(3, 256, (3, 12), generator=torch.Generator().manual_seed(2)).cuda()
+    cfg = hybrid_cfg("bf16", selection={"name": "fixed", "block_size": 16, "budget": 0.2})
+    logits, tokens = {}, {}
+    for graphs in (False, True):
+        enable_hybrid_attention(model, cfg, decode_graphs=graphs)
+        try:
+            logits[graphs] = forced_logits(model, ids, mask, cont, HybridCache(model))
+            tokens[graphs] = greedy(model, ids, mask, 8)
+            if graphs:
+                dg = _state(model).decode_graphs
+                assert dg.capture and dg.captures == 1  # forced_logits captured batch 3; generate reused it
+                greedy(model, ids[:2], mask[:2], 4)
+                assert dg.captures == 2
+                times = dg.time_without_attention(3, steps=3)
+                assert len(times) == 3 and all(t > 0 for t in times)
+        finally:
+            disable_hybrid_attention(model)
+    torch.testing.assert_close(logits[True], logits[False], atol=2e-2, rtol=2e-2)
+    assert (tokens[True] == tokens[False]).float().mean() >= 0.9
