@@ -19,10 +19,13 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         Random weights make the plans meaningless for quality; the timing is what counts
                         (predictor and selector cost, and the bytes its plans read). Recorded as skipped
                         when the checkpoint is not in the tree.
-    fluxion_model_graphs fluxion with `enable_hybrid_attention(decode_graphs=True)`: the model's own work
-                        between two attention calls (norms, projections, rotary embedding, MLP) as one
-                        CUDA graph replay per layer (hybrid_runtime/integrations/decode_graphs.py); its
-                        floor's no-attention step is measured in that mode (`graphs_without_attention`).
+    fluxion_eager_model fluxion with `enable_hybrid_attention(decode_graphs=False)`: the model's own work
+                        between two attention calls (norms, projections, rotary embedding, MLP) run by
+                        transformers' forward kernel by kernel. Every other hybrid variant (on CUDA)
+                        replays it as one CUDA graph per layer (the default, "auto";
+                        hybrid_runtime/integrations/decode_graphs.py), and its floor's no-attention step
+                        is measured in that mode (`graphs_without_attention`); this one's the same way
+                        as the eager step.
     fluxion_predictor_lagged  fluxion_predictor with `selection.plan_lag: 1`: each step's tasks from the
                         plan its layer computed one step earlier; the step's own plan is computed on
                         the device meanwhile, for the next step, and the host does not wait for it.
@@ -113,7 +116,7 @@ model and again at the end when time is left; the best is the denominator.
 Metrics (each omitted when an input is missing -- a variant out of memory, skipped or not run --
 never defaulted): `fluxion_tpot_over_floor_max`, `offloaded_over_fluxion_tpot_min`,
 `fluxion_tpot_mean_over_median_max`, `fluxion_ttft_over_dense_max`, the same four of the
-`fluxion_model_graphs` rows (`fluxion_model_graphs_tpot_over_floor_max`, ...), and
+`fluxion_eager_model` rows (`fluxion_eager_model_tpot_over_floor_max`, ...), and
 `runtime_construction_s_max` (every hybrid variant). Writes `benchmarks/results/e2e_decode-<device slug>.json` (one point per
 (model, batch, context, variant); rewritten after every point, so a run cut short keeps what it
 measured) and a markdown table beside it.
@@ -227,7 +230,13 @@ class Variant:
     needs_cuda: bool = False
     launch_plans: bool = True  # false: planned launches go through CachedLaunch (gpu_kernels/launch.py)
     pin_caller: bool = False  # the calling thread confined to the core the runtime leaves free of workers
-    decode_graphs: bool = False  # enable_hybrid_attention(decode_graphs=True): the model's step between attentions as CUDA graphs
+    # enable_hybrid_attention(decode_graphs=...): "auto" (the default: the model's step between
+    # attentions as CUDA graphs on CUDA), True, False
+    decode_graphs: bool | str = "auto"
+
+    def graphs_on(self, cuda: bool) -> bool:
+        """Whether this hybrid variant's decode steps replay the decode graphs on this device."""
+        return self.kind == "hybrid" and (self.decode_graphs is True or (self.decode_graphs == "auto" and cuda))
 
     def unavailable(self) -> str | None:
         """Why this variant cannot run in this build (recorded as the skip reason), or None."""
@@ -246,9 +255,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("cpu_only", "hybrid", placement="cpu_only"),
     Variant("static", "hf"),
     Variant("fluxion_predictor", "hybrid", placement="fluxion", selection="predicted"),
-    # The model's own work between two attention calls as one CUDA graph replay per layer
-    # (hybrid_runtime/integrations/decode_graphs.py); its floor is the no-attention step in that mode.
-    Variant("fluxion_model_graphs", "hybrid", placement="fluxion", decode_graphs=True, needs_cuda=True),
+    # The model's own work between two attention calls run by transformers' forward, kernel by kernel
+    # (the default replays it as one CUDA graph per layer: hybrid_runtime/integrations/decode_graphs.py).
+    Variant("fluxion_eager_model", "hybrid", placement="fluxion", decode_graphs=False),
     # Each step's tasks from the plan of the layer's step before: the planner's device part and the
     # host's wait for it leave the step (selection.plan_lag).
     Variant("fluxion_predictor_lagged", "hybrid", placement="fluxion", selection="predicted",
@@ -610,7 +619,10 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
     t = time.perf_counter()
     rt = enable_hybrid_attention(model, cfg, decode_graphs=variant.decode_graphs)
     row["runtime_construction_s"] = time.perf_counter() - t
-    row["decode_graphs"] = variant.decode_graphs
+    from hybrid_runtime.integrations.transformers import _MODEL_STATES
+
+    graphs = _MODEL_STATES[model].decode_graphs
+    row["decode_graphs"] = graphs is not None and graphs.capture
     row["worker_start_wait_s"] = None  # set below: where the workers' start-up cost went instead
     row["kernel_warmup_wait_s"] = None  # likewise for the kernel warm-up
     try:
@@ -661,10 +673,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["pinned_host_bytes"] = mem["pinned_bytes"]
         row["reserved_host_bytes"] = mem["reserved_bytes"]
         row.update(_timeline_fields(rt, rt.geometry.layers))
-        if variant.decode_graphs:
-            from hybrid_runtime.integrations.transformers import _MODEL_STATES
-
-            graphs = _MODEL_STATES[model].decode_graphs
+        if graphs is not None:
             row["decode_graph_captures"], row["decode_graph_capture_s"] = graphs.captures, graphs.capture_s
         st = rt.stats()
         # The first decode step with CPU tasks (the warm-up's, when there is one) waited this long
@@ -864,7 +873,7 @@ def assemble_metrics(points: list[dict]) -> dict:
                                                   and p.get("runtime_construction_s") is not None])}
     # The fluxion rows (and, apart, those with the decode graphs), repeats included: a repeated
     # variant is held to the target in each run.
-    for variant in ("fluxion", "fluxion_model_graphs"):
+    for variant in ("fluxion", "fluxion_eager_model"):
         flux = [p for p in points if p.get("status") == "ok" and p["variant"] == variant
                 and p.get("tpot_ms_median") is not None]
         cands.update({
@@ -996,8 +1005,8 @@ def markdown(result: dict) -> str:
                          + (f" {f.get('part', '-')} |" if parts else ""))
         graph_floors = [f for f in result["floors"] if f.get("noattn_graphs_samples_ms")]
         if graph_floors:
-            lines += ["", "the same with the decode graphs (`fluxion_model_graphs` rows' floors: the model's step between "
-                      "attentions as CUDA graph replays, attention left out):", "",
+            lines += ["", "the same with the decode graphs (the floors of the hybrid rows that replay them: the model's "
+                      "step between attentions as CUDA graph replays, attention left out):", "",
                       "| model | batch | no-attention graphs step ms: median (min - max, n) |" + (" part |" if parts else ""),
                       "|" + " --- |" * (4 if parts else 3)]
             lines += [f"| {f['model']} | {f['batch']} | {spread(f['noattn_graphs_samples_ms'])} |"
@@ -1182,7 +1191,7 @@ def run(args, device: str | None = None) -> Path | None:
                           f"({weights[name] / 1e9:.1f} GB of weights)", flush=True)
                 paired = variant.kind == "hybrid" and variant.unavailable() is None and fits
 
-                graphs = variant.decode_graphs
+                graphs = variant.graphs_on(cuda)
                 before = sample_floor(floors, model, name, b, args.new_tokens, args.seed, "before",
                                       graphs) if paired else None
                 LaunchPlan.enabled = variant.launch_plans

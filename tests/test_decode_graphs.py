@@ -95,7 +95,7 @@ def test_generate_with_pieces_matches_and_disable_restores_the_model():
 def test_refusals_come_before_any_change():
     model = tiny_model("llama")
     before = _snapshot(model)
-    with pytest.raises(ValueError, match="decode_graphs is 'yes'; allowed: True or False"):
+    with pytest.raises(ValueError, match="decode_graphs is 'yes'; allowed: 'auto', True or False"):
         enable_hybrid_attention(model, hybrid_cfg(), decode_graphs="yes")
     _assert_same(model, before)
     dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
@@ -120,6 +120,15 @@ def test_refusals_come_before_any_change():
         DecodeGraphs(model)
 
 
+def test_auto_is_off_on_the_cpu():
+    model = tiny_model("llama")
+    enable_hybrid_attention(model, hybrid_cfg())
+    try:
+        assert _state(model).decode_graphs is None and "forward" not in model.model.__dict__
+    finally:
+        disable_hybrid_attention(model)
+
+
 def test_step_refuses_more_than_one_token_per_row():
     model = tiny_model("llama")
     dg = DecodeGraphs(model)
@@ -142,8 +151,10 @@ def test_cuda_graphs_match_eager_and_are_reused(model_type):
     cfg = hybrid_cfg("bf16", selection={"name": "fixed", "block_size": 16, "budget": 0.2})
     logits, tokens = {}, {}
     for graphs in (False, True):
-        enable_hybrid_attention(model, cfg, decode_graphs=graphs)
+        # the default ("auto") on a model on CUDA: the graphs
+        enable_hybrid_attention(model, cfg, **({} if graphs else {"decode_graphs": False}))
         try:
+            assert (_state(model).decode_graphs is not None) == graphs
             logits[graphs] = forced_logits(model, ids, mask, cont, HybridCache(model))
             tokens[graphs] = greedy(model, ids, mask, 8)
             if graphs:

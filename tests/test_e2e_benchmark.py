@@ -452,7 +452,7 @@ def test_options_and_points():
     a = e2e.parse_args([])
     assert a.points == e2e.POINTS and a.models == ["llama-3.1-8b", "qwen2.5-7b"] and a.new_tokens == 24
     assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor",
-                          "fluxion_model_graphs", "fluxion_predictor_lagged", "fluxion_waits",
+                          "fluxion_eager_model", "fluxion_predictor_lagged", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
                           "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
                           "fluxion_gpu_selection", "fluxion_no_spin", "fluxion_short_spin", "fluxion_unplanned",
