@@ -519,7 +519,9 @@ def sample_floor(floors: dict, model, name: str, batch: int, new_tokens: int, se
     if first:
         floors[(name, batch)] = {**f, "noattn_samples_ms": [], "noattn_graphs_samples_ms": []}
         print(f"  floor {name} b={batch}: {f}", flush=True)
-    floors[(name, batch)].setdefault(f"{key}_samples_ms", []).append(f[f"{key}_step_ms"])
+    entry = floors[(name, batch)]
+    entry.setdefault(f"{key}_step_ms", f[f"{key}_step_ms"])  # the first of this mode, when the entry began with the other
+    entry.setdefault(f"{key}_samples_ms", []).append(f[f"{key}_step_ms"])
     return f[f"{key}_step_ms"]
 
 
