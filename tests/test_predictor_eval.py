@@ -196,3 +196,29 @@ def test_a_validation_run_is_kept_apart_from_the_scored_text(tmp_path):
     with pytest.raises(ValueError, match="not a result"):
         pe.write_outputs(results, tmp_path / "o", tmp_path / "r", "cmd")
     assert not (tmp_path / "r").exists()
+
+
+def test_heldout_metrics_take_the_checkpoints_labels_or_a_remake_with_its_split(tmp_path, monkeypatch):
+    """The exact file; a remake (same rows, texts and split, other low bits: a labels file made on
+    another host's libraries) with `labels_remade`; a file with another split refused, naming it."""
+    from predictor.train import main as train_main
+    from tests.test_predictor_model import synthetic_labels, write
+
+    arrays = synthetic_labels(n_texts=12, rows_per_text=40, heldout_texts=3)
+    path = write(tmp_path, arrays)
+    ckpt = str(tmp_path / "tiny.pt")
+    assert train_main(["--data", path, "--out", ckpt, "--hidden", "16,16", "--max-epochs", "5", "--batch-size", "64",
+                       "--threads", "1"]) == 0
+    monkeypatch.setattr(pe, "resolve_checkpoint", lambda name: ckpt)
+    exact = pe.heldout_metrics(path)
+    assert exact["labels_remade"] is False and exact["heldout_texts"] == [9, 10, 11]
+
+    remade = dict(arrays, features=arrays["features"] + np.float32(1e-6))
+    got = pe.heldout_metrics(write(tmp_path, remade, "remade.npz"))
+    assert got["labels_remade"] is True and got["labels_sha256"] != exact["labels_sha256"]
+    assert got["heldout_texts"] == exact["heldout_texts"]
+    assert got["streaming_accuracy"] == pytest.approx(exact["streaming_accuracy"], abs=0.02)
+
+    moved = dict(arrays, split=np.where(arrays["text_id"] >= 8, "heldout", "train"))
+    with pytest.raises(ValueError, match=r"nor a remake of it: train_rows 320 \(checkpoint's: 360\)"):
+        pe.heldout_metrics(write(tmp_path, moved, "moved.npz"))

@@ -4,8 +4,11 @@
         --out runs/predictor_eval --results-dir benchmarks/results
 
 **Predictor, held out.** Streaming-head accuracy and the MAE of `bgt0` and `k` of the shipped
-checkpoint on the held-out texts of its labels file (the file the checkpoint names; its SHA-256
-must match), and the held-out metrics every other checkpoint recorded when it was trained.
+checkpoint on the held-out texts of its labels file (the file the checkpoint names: its SHA-256
+must match, or the file must be a remake of it with the same rows, texts and split, since labels
+made with `predictor.labels` on another host's library versions differ in their low bits;
+`labels_remade` says which), and the held-out metrics every other checkpoint recorded when it was
+trained.
 
 **Policies, end to end.** Per context length (4K and 8K) and policy, through `HybridRuntime`
 and `HybridCache` exactly as the quality harness does (`quality_measure`: one dense reference
@@ -60,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -76,6 +80,8 @@ from hybrid_runtime.experiments.quality_settings import (
     timestamped_progress,
 )
 from hybrid_runtime.profiling.results import device_kind_slug, write_results
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
@@ -292,6 +298,11 @@ def describe(slug: str) -> str:
 
 
 # ---------------------------------------------------------------------------- the predictor alone
+# What a labels file must share with the checkpoint's record to count as a remake of it.
+SPLIT_IDENTITY = ("rows", "features", "tau", "layers", "heads", "train_rows", "train_texts", "heldout_rows",
+                  "heldout_texts")
+
+
 def heldout_metrics(labels_path: str) -> dict:
     """The shipped checkpoint on the held-out texts of its labels file (checked by SHA-256)."""
     from predictor.model import load_checkpoint
@@ -304,16 +315,32 @@ def heldout_metrics(labels_path: str) -> dict:
         raise FileNotFoundError(f"predictor_eval.labels: no labels file at {labels_path}; it is made by "
                                 f"{ckpt.data.get('file', 'python -m predictor.labels')} (see predictor/labels.py)")
     digest = describe_file(str(path))["sha256"]
-    if digest != ckpt.data.get("sha256"):
-        raise ValueError(f"predictor_eval.labels: {labels_path} (sha256 {digest[:12]}) is not the file the checkpoint "
-                         f"was trained on (sha256 {str(ckpt.data.get('sha256'))[:12]})")
+    recorded = str(ckpt.data.get("sha256"))
     labels = load_labels(path)
+    remade = digest != recorded
+    if remade:
+        # The labels are not bit-reproducible across library versions (a file remade with its
+        # command on another host differed in its digest), but the split is by text and set by the
+        # labelling settings: the same texts, positions and split keep the held-out texts unseen
+        # by the checkpoint. Anything else is another file.
+        ours, theirs = labels.describe(), ckpt.data
+        differ = [f"{key} {ours.get(key)} (checkpoint's: {theirs.get(key)})" for key in SPLIT_IDENTITY
+                  if ours.get(key) != theirs.get(key)]
+        if differ:
+            raise ValueError(f"predictor_eval.labels: {labels_path} (sha256 {digest[:12]}) is not the file the "
+                             f"checkpoint was trained on (sha256 {recorded[:12]}) nor a remake of it: "
+                             + "; ".join(differ))
+        log.warning("predictor_eval.labels: %s is a remake of the checkpoint's labels (sha256 %s, recorded %s): "
+                    "same texts, rows and split; held-out metrics are on the remade labels",
+                    labels_path, digest[:12], recorded[:12])
     trained = ckpt.training.get("settings", {})
     if trained.get("fit_block_sizes"):  # held out against the targets it was trained on
         labels = refit_budget_law(labels, trained["fit_block_sizes"], trained.get("fit_method", "least_squares"))
     ckpt.check_feature_names(labels.feature_names)
     out = evaluate(ckpt.model, labels.rows(labels.split == "heldout"), labels.rows(labels.split == "train"))
     out["heldout_texts"] = sorted(set(labels.text_id[labels.split == "heldout"].tolist()))
+    out["labels_sha256"] = digest
+    out["labels_remade"] = remade  # not the digest the checkpoint records: a remake with the same split
     out["checkpoint"] = str(POLICIES["predicted"][0].get("checkpoint", DEFAULT_CHECKPOINT))
     out["tau"] = ckpt.tau
     return out
