@@ -38,6 +38,7 @@ class DriverApi(NamedTuple):
     stream_wait_event: Any  # cuStreamWaitEvent(stream, event, flags)
     func_param_info: Any  # cuFuncGetParamInfo(f, index, &offset, &size); None before CUDA 12.4
     error_name: Any  # cuGetErrorName(code, &str)
+    graph_launch: Any = None  # cuGraphLaunch(exec, stream)
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, required: bool = True) -> Any:
@@ -78,6 +79,7 @@ def driver_api() -> DriverApi | None:
                     func_param_info=_bind(lib, "cuFuncGetParamInfo", [_u64, ctypes.c_size_t, ptr(ctypes.c_size_t),
                                                                       ptr(ctypes.c_size_t)], required=False),
                     error_name=_bind(lib, "cuGetErrorName", [_int, ptr(ctypes.c_char_p)]),
+                    graph_launch=_bind(lib, "cuGraphLaunch", [_u64, _u64]),
                 )
             except OSError as exc:
                 _api_error = f"{type(exc).__name__}: {exc}"

@@ -20,16 +20,16 @@ If the host's calls slow down only then, the stream wait is what the decode path
 from __future__ import annotations
 
 import argparse
-import ctypes
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gpu_kernels.cuda_driver import check, driver_api, driver_error  # noqa: E402
 
 
 def _other_work(buf: list) -> None:
@@ -94,15 +94,13 @@ def main() -> None:
     if exec_handle is not None:
         try:
             handle = exec_handle()
-            lib = ctypes.CDLL("libcuda.so.1")
-            launch = lib.cuGraphLaunch
-            launch.argtypes, launch.restype = [ctypes.c_uint64, ctypes.c_uint64], ctypes.c_int
+            api = driver_api()
+            if api is None:
+                raise RuntimeError(driver_error())
             raw_stream = cur.cuda_stream
 
             def driver() -> None:
-                status = launch(handle, raw_stream)
-                if status:
-                    raise RuntimeError(f"cuGraphLaunch failed with CUDA driver error {status}")
+                check(api.graph_launch(handle, raw_stream), "cuGraphLaunch")
 
             ways["driver cuGraphLaunch"] = driver
         except (OSError, RuntimeError, AttributeError) as exc:
