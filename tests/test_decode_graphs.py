@@ -120,6 +120,38 @@ def test_refusals_come_before_any_change():
         DecodeGraphs(model)
 
 
+def test_an_instance_forward_set_before_is_called_and_restored():
+    """A wrapper the caller put on the base model's `forward` still serves every call the graphs do
+    not (the prefill), and is the model's `forward` again after disabling."""
+    model = tiny_model("llama")
+    calls = []
+    inner = model.model.forward
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    model.model.forward = wrapper
+    ids, mask = left_padded([100, 60])
+    enable_hybrid_attention(model, hybrid_cfg(), decode_graphs=True)
+    try:
+        greedy(model, ids, mask, 4)
+    finally:
+        disable_hybrid_attention(model)
+    assert len(calls) == 1  # the prefill; the 3 decode steps ran the pieces
+    assert model.model.__dict__["forward"] is wrapper
+
+
+def test_accelerate_hooks_are_refused():
+    model = tiny_model("llama")
+    model.model.layers[1].mlp._hf_hook = object()  # what accelerate's device_map dispatch leaves on a module
+    with pytest.raises(DecodeGraphsUnsupported, match=r"modules \['layers.1.mlp'\] carry accelerate hooks"):
+        DecodeGraphs(model)
+    with pytest.raises(UnsupportedModelError, match="accelerate hooks"):
+        enable_hybrid_attention(model, hybrid_cfg(), decode_graphs=True)
+    assert hybrid_runtime_of(model) is None
+
+
 def test_auto_is_off_on_the_cpu():
     model = tiny_model("llama")
     enable_hybrid_attention(model, hybrid_cfg())

@@ -88,6 +88,12 @@ class DecodeGraphs:
                 raise DecodeGraphsUnsupported(f"decoder layer {i} has no {need}; decode graphs replay Llama-style layers")
         if float(getattr(base.config, "embedding_multiplier", 1.0) or 1.0) != 1.0:
             raise DecodeGraphsUnsupported("the model scales its embeddings; decode graphs replay Llama-style models")
+        hooked = [name for name, m in base.named_modules() if getattr(m, "_hf_hook", None) is not None]
+        if hooked:
+            raise DecodeGraphsUnsupported(
+                f"modules {hooked[:3]}{' ...' if len(hooked) > 3 else ''} carry accelerate hooks (a device_map "
+                "that offloads or splits the model): they move weights and activations at every call, which "
+                "a replayed graph would skip")
         rope = _rope_type(base.config)
         if rope not in _STATIC_ROPE_TYPES:
             raise DecodeGraphsUnsupported(

@@ -133,6 +133,7 @@ class _HybridState:
     # graphs (`decode_graphs.DecodeGraphs`), served from the base model's patched `forward`.
     decode_graphs: Any = None
     base_model: Any = None  # weak reference to the base model whose `forward` was patched
+    saved_base_forward: Any = None  # its instance attribute `forward` before, or _MISSING
 
 
 _MISSING = object()
@@ -348,7 +349,7 @@ def enable_hybrid_attention(
     CUDA graph replay per layer, captured per batch size at the first decode step of that size
     (`decode_graphs.py`; ~0.1 s at 8B geometry). "auto" (default): on a model on CUDA where they
     apply (not under tensor parallelism or SparDA's lookahead, a Llama-style layer structure, a
-    rope computed at construction), else the model's own forward; True: always (refused where they
+    rope computed at construction, no accelerate hooks), else the model's own forward; True: always (refused where they
     do not apply; on a model on the CPU the same pieces run eagerly); False: never. Parameters
     replaced after the first decode step (rather than updated in place) are not seen by graphs
     already captured. Raises `UnsupportedModelError` for a model it cannot serve, before anything
@@ -435,6 +436,7 @@ def enable_hybrid_attention(
     model.generate = _make_generate(model)
     if graphs is not None:
         state.base_model = weakref.ref(graphs.base)
+        state.saved_base_forward = graphs.base.__dict__.get("forward", _MISSING)
         graphs.base.forward = _make_graphed_forward(graphs.base, state)
     return runtime
 
@@ -458,7 +460,10 @@ def disable_hybrid_attention(model: torch.nn.Module) -> None:
         handle.remove()
     base = state.base_model() if state.base_model is not None else None
     if base is not None:
-        base.__dict__.pop("forward", None)
+        if state.saved_base_forward is _MISSING:
+            base.__dict__.pop("forward", None)
+        else:
+            base.__dict__["forward"] = state.saved_base_forward
     state.decode_graphs = None  # its graphs and static tensors go with it
     for name, saved in (("_prepare_cache_for_generation", state.saved_prepare_cache),
                         ("generate", state.saved_generate)):
@@ -574,7 +579,8 @@ def _make_graphed_forward(base: torch.nn.Module, state: _HybridState) -> Callabl
     """The base model's `forward` under `decode_graphs`: a one-token step through a prefilled
     `HybridCache` runs `DecodeGraphs.step`; every other call (prefill, a plain forward, another
     cache, hidden states or attentions asked for) the model's own forward."""
-    original = type(base).forward.__get__(base)
+    # Its own forward: an instance attribute set before (a wrapper of the caller's), else the class's.
+    original = base.__dict__.get("forward") or type(base).forward.__get__(base)
     fields = BaseModelOutputWithPast.__dataclass_fields__
     cache_field = "cache" if "cache" in fields else "past_key_values"
 
