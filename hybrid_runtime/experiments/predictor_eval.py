@@ -610,7 +610,9 @@ def markdown(results: dict) -> str:
               "## Predictor on held-out texts", "",
               "| checkpoint | tau | streaming accuracy | majority baseline | bgt0 MAE | k MAE |", "| --- | --- | --- | --- | --- | --- |"]
     if h:
-        lines.append(f"| {Path(h.get('checkpoint', DEFAULT_CHECKPOINT)).name} (recomputed here) | {h.get('tau', 0.1):g} | "
+        where = (f"recomputed here, on labels remade with their command (sha256 {h['labels_sha256'][:12]})"
+                 if h.get("labels_remade") else "recomputed here")
+        lines.append(f"| {Path(h.get('checkpoint', DEFAULT_CHECKPOINT)).name} ({where}) | {h.get('tau', 0.1):g} | "
                      f"{h['streaming_accuracy']:.3f} | {h['streaming_accuracy_majority_baseline']:.3f} | {h['bgt0_mae']:.4f} | "
                      f"{h['k_mae']:.4f} |")
     shown = set()
