@@ -129,8 +129,8 @@ class _HybridState:
     # the pre-hooks that keep each attention module's input for it.
     lookahead: Any = None
     hooks: list = field(default_factory=list)
-    # `enable_hybrid_attention(decode_graphs=True)`: the decode step between attentions as CUDA
-    # graphs (`decode_graphs.DecodeGraphs`), served from the base model's patched `forward`.
+    # `enable_hybrid_attention(decode_graphs=...)` when on: the decode step between attentions as
+    # CUDA graphs (`decode_graphs.DecodeGraphs`), served from the base model's patched `forward`.
     decode_graphs: Any = None
     base_model: Any = None  # weak reference to the base model whose `forward` was patched
     saved_base_forward: Any = None  # its instance attribute `forward` before, or _MISSING
@@ -349,11 +349,11 @@ def enable_hybrid_attention(
     CUDA graph replay per layer, captured per batch size at the first decode step of that size
     (`decode_graphs.py`; ~0.1 s at 8B geometry). "auto" (default): on a model on CUDA where they
     apply (not under tensor parallelism or SparDA's lookahead, a Llama-style layer structure, a
-    rope computed at construction, no accelerate hooks), else the model's own forward; True: always (refused where they
-    do not apply; on a model on the CPU the same pieces run eagerly); False: never. Parameters
-    replaced after the first decode step (rather than updated in place) are not seen by graphs
-    already captured. Raises `UnsupportedModelError` for a model it cannot serve, before anything
-    changes.
+    rope computed at construction, no accelerate hooks), else the model's own forward; True:
+    always (refused where they do not apply; on a model on the CPU the same pieces run eagerly);
+    False: never. Parameters replaced after the first decode step (rather than updated in place)
+    are not seen by graphs already captured. Raises `UnsupportedModelError` for a model it cannot
+    serve, before anything changes.
     """
     count = isinstance(decode_threads, int) and not isinstance(decode_threads, bool)
     if not (decode_threads in ("auto", None) or (count and decode_threads >= 1)):
