@@ -33,7 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.e2e_decode import VARIANTS, _warm, attention_replaced, hybrid_config  # noqa: E402
+from benchmarks.e2e_decode import (  # noqa: E402
+    VARIANTS,
+    _warm,
+    attention_replaced,
+    graphs_without_attention,
+    hybrid_config,
+)
 from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
     build_model,
     model_config,
@@ -122,14 +128,18 @@ def main() -> None:
     steps = args.tokens - 1  # the first token is the prefill's
 
     small_ids, small_mask = random_prompt(cfg.vocab_size, args.batch, 16, 0, model.device)
-    with attention_replaced(model), torch.no_grad():
+    # The model's step without attention in the variant's own mode: the decode graphs where it replays them.
+    graphs = variant.graphs_on(model.device.type == "cuda")
+    with graphs_without_attention(model) if graphs else attention_replaced(model), torch.no_grad():
         timed_generate(model, small_ids, small_mask, 3, {}, measure_memory=False)
         row, stats = profiled_generate(model, small_ids, small_mask, args.tokens, [])
-    text = report(stats, steps, f"no-op attention, batch {args.batch}, 16-token prompt: TPOT median "
+    mode = " (decode graphs)" if graphs else ""
+    text = report(stats, steps, f"no-op attention{mode}, batch {args.batch}, 16-token prompt: TPOT median "
                   f"{row['tpot_ms_median']:.2f} ms (profiled)", args.top)
 
     ids, mask = random_prompt(cfg.vocab_size, args.batch, args.context, 0, model.device)
-    rt = enable_hybrid_attention(model, hybrid_config(variant, args.batch, args.context, args.tokens, args.cpu_workers, overrides))
+    rt = enable_hybrid_attention(model, hybrid_config(variant, args.batch, args.context, args.tokens, args.cpu_workers,
+                                                      overrides), decode_graphs=variant.decode_graphs)
     try:
         saved = torch.get_num_threads()
         with cores_for_runtime(rt) as n_free, torch.no_grad():
