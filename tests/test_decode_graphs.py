@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 from hybrid_runtime.integrations.decode_graphs import DecodeGraphs, DecodeGraphsUnsupported  # noqa: E402
 from hybrid_runtime.integrations.transformers import (  # noqa: E402
     HybridCache,
+    decode_graphs_of,
     UnsupportedModelError,
     disable_hybrid_attention,
     enable_hybrid_attention,
@@ -29,12 +30,6 @@ from tests.test_transformers_integration import (  # noqa: E402
     left_padded,
     tiny_model,
 )
-
-
-def _state(model):
-    from hybrid_runtime.integrations.transformers import _MODEL_STATES
-
-    return _MODEL_STATES[model]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
@@ -56,7 +51,7 @@ def test_pieces_equal_the_models_forward_on_cpu(model_type):
             assert [rt.store.seq_len(s, 0) for s in cache.seq_ids] == [300 + 12, 180 + 12, 90 + 12]
             assert [layer.length for layer in cache.layers] == [300 + 12] * 2
             if graphs:
-                dg = _state(model).decode_graphs
+                dg = decode_graphs_of(model)
                 assert isinstance(dg, DecodeGraphs) and not dg.capture and dg.captures == 0
         finally:
             disable_hybrid_attention(model)
@@ -77,8 +72,8 @@ def test_generate_with_pieces_matches_and_disable_restores_the_model():
                                  decode_graphs=True)
     assert "forward" in model.model.__dict__
     calls = []
-    step = _state(model).decode_graphs.step
-    _state(model).decode_graphs.step = lambda *a: calls.append(1) or step(*a)
+    step = decode_graphs_of(model).step
+    decode_graphs_of(model).step = lambda *a: calls.append(1) or step(*a)
     try:
         pieces = greedy(model, ids, mask, 10)
         # a plain forward (no HybridCache) is the model's own
@@ -156,7 +151,7 @@ def test_auto_is_off_on_the_cpu():
     model = tiny_model("llama")
     enable_hybrid_attention(model, hybrid_cfg())
     try:
-        assert _state(model).decode_graphs is None and "forward" not in model.model.__dict__
+        assert decode_graphs_of(model) is None and "forward" not in model.model.__dict__
     finally:
         disable_hybrid_attention(model)
 
@@ -186,11 +181,11 @@ def test_cuda_graphs_match_eager_and_are_reused(model_type):
         # the default ("auto") on a model on CUDA: the graphs
         enable_hybrid_attention(model, cfg, **({} if graphs else {"decode_graphs": False}))
         try:
-            assert (_state(model).decode_graphs is not None) == graphs
+            assert (decode_graphs_of(model) is not None) == graphs
             logits[graphs] = forced_logits(model, ids, mask, cont, HybridCache(model))
             tokens[graphs] = greedy(model, ids, mask, 8)
             if graphs:
-                dg = _state(model).decode_graphs
+                dg = decode_graphs_of(model)
                 assert dg.capture and dg.captures == 1  # forced_logits captured batch 3; generate reused it
                 greedy(model, ids[:2], mask[:2], 4)
                 assert dg.captures == 2

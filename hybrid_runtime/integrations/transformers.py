@@ -519,6 +519,13 @@ def hybrid_runtime_of(model: torch.nn.Module) -> HybridRuntime | None:
     return state.runtime if state is not None else None
 
 
+def decode_graphs_of(model: torch.nn.Module) -> DecodeGraphs | None:
+    """The decode graphs serving `model` (`enable_hybrid_attention(decode_graphs=...)`), or None when
+    its decode steps run the model's own forward or hybrid attention is not enabled on it."""
+    state = _MODEL_STATES.get(model)
+    return state.decode_graphs if state is not None else None
+
+
 _warned_contention = False
 
 
@@ -1061,6 +1068,7 @@ __all__ = [
     "HybridCache",
     "UnsupportedModelError",
     "cores_for_runtime",
+    "decode_graphs_of",
     "disable_hybrid_attention",
     "enable_hybrid_attention",
     "hybrid_attention_forward",
