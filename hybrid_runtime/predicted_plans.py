@@ -497,10 +497,7 @@ class PredictedHeadPlanner:
             if q.device != self.device or q.stride(-1) != 1 or q.dtype not in self._fused_q_dtypes:
                 raise ValueError(f"q must be a float32/bf16/fp16 tensor on {self.device} with a unit last stride, got "
                                  f"{q.dtype} on {q.device} with strides {q.stride()}")
-            event = self._in_flight.pop(layer, None)
-            if event is not None:  # the layer's replay of a step ago (plan_lag 1): long done in practice
-                event.synchronize()
-                self._free_events.append(event)
+            self._await_in_flight(layer)  # its replay of a step ago read the rows rewritten here
             host = self._fused_idx_np[layer]
             host[:, :b] = (slots, slots, window_len, cpu_len)
             bucket = self._fused_bucket = self._bucket_of[b]
@@ -639,18 +636,21 @@ class PredictedHeadPlanner:
 
     def _finish(self, layer: int, seq_ids: Sequence[int], bucket: int, cpu_len: np.ndarray) -> HeadPlan:
         """The plan a replay the host did not wait for wrote into the layer's output rows."""
+        self._await_in_flight(layer)
+        return self._plan(layer, seq_ids, bucket, cpu_len)
+
+    def _await_in_flight(self, layer: int) -> None:
+        """Wait for the layer's replay the host did not wait for (plan_lag 1), if any: a step of
+        this layer ago, long done in practice."""
         event = self._in_flight.pop(layer, None)
         if event is not None:
-            event.synchronize()  # a step of this layer ago: long done in practice
+            event.synchronize()
             self._free_events.append(event)
-        return self._plan(layer, seq_ids, bucket, cpu_len)
 
     def settle(self) -> None:
         """Wait for the replays the host did not wait for (plan_lag 1); their plans stay for the next step."""
-        for event in self._in_flight.values():
-            event.synchronize()
-            self._free_events.append(event)
-        self._in_flight.clear()
+        for layer in list(self._in_flight):
+            self._await_in_flight(layer)
 
     def _plan(self, layer: int, seq_ids: Sequence[int], bucket: int, cpu_len: np.ndarray) -> HeadPlan:
         """The plan of a step whose device part has finished, from the output in host memory."""

@@ -25,6 +25,7 @@ for the restructured forward).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -160,9 +161,19 @@ class DecodeGraphs:
         self._buckets[batch] = b
         return b
 
-    def _capture(self, b: _Bucket) -> None:
-        import time
+    def _run_eager(self, b: _Bucket, attend: Attend | None) -> torch.Tensor:
+        """Every piece in step order, launched one by one; with `attend`, each layer's attention
+        output goes into the next piece's input (without it, that input stays as it is: warm-up)."""
+        (h, cos, sin), qkv = self._first(b)
+        n = len(self.layers)
+        for layer in range(n):
+            if attend is not None:
+                b.attn_out[layer].copy_(attend(layer, *qkv).reshape(b.batch, 1, -1))
+            if layer + 1 < n:
+                h, qkv = self._middle(layer + 1, b, h, cos, sin)
+        return self._last(b, h)
 
+    def _capture(self, b: _Bucket) -> None:
         if self.before_capture is not None:
             self.before_capture()
         t0 = time.perf_counter()
@@ -173,10 +184,7 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                (h, cos, sin), _qkv = self._first(b)
-                for layer in range(1, n):
-                    h, _qkv = self._middle(layer, b, h, cos, sin)
-                self._last(b, h)
+                self._run_eager(b, None)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -212,14 +220,9 @@ class DecodeGraphs:
         b = self._bucket(batch, self.base.embed_tokens.weight.dtype)
         b.input_ids.copy_(input_ids, non_blocking=True)
         b.position_ids.copy_(position_ids, non_blocking=True)
-        n = len(self.layers)
         if not b.graphs:  # eager: the same pieces, fresh tensors
-            (h, cos, sin), qkv = self._first(b)
-            for layer in range(n):
-                b.attn_out[layer].copy_(attend(layer, *qkv).reshape(batch, 1, -1))
-                if layer + 1 < n:
-                    h, qkv = self._middle(layer + 1, b, h, cos, sin)
-            return self._last(b, h)
+            return self._run_eager(b, attend)
+        n = len(self.layers)
         for layer in range(n):
             b.graphs[layer].replay()
             b.attn_out[layer].copy_(attend(layer, *b.qkv[layer]).reshape(batch, 1, -1))
