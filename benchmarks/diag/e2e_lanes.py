@@ -1,0 +1,156 @@
+"""Diagnostic (device): when each lane works within a layer-step of `generate`. Writes no results file.
+
+The end-to-end split (`e2e_decode`'s second table) sums a token's layer-steps into lead, tasks and
+tail. This opens them up: it runs `generate` on a random-weight model the way
+`benchmarks/e2e_decode.py` does (same runtime config, warm-up and thread setup; the decode graphs
+where the variant has them), for each variant in turn (`--variants`, repeated in `--rounds`), then
+reads every measured layer-step from the runtime's timeline and prints, relative to the moment q
+was produced on the device (ms; median, and 10th - 90th percentile over layer-steps):
+
+* when the CPU lane's first task started and its last one ended, and the GPU lane's likewise;
+* the merged output, and how long the host ran ahead (q produced after `decode` was called);
+* the GPU lane's share of the layer-step's bytes, how many layer-steps had a GPU claim at all,
+  and by how much the CPU lane outlasted the GPU's claim (what a larger claim could take);
+* the lane estimates the scheduler sized the claims with at the end (`HybridRuntime.stats`).
+
+    python benchmarks/diag/e2e_lanes.py [--batch 4 --context 32768 --tokens 24 --variants fluxion,cpu_only --rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.e2e_decode import VARIANTS, _warm, hybrid_config, with_variant_selection  # noqa: E402
+from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
+    build_model,
+    model_config,
+    random_prompt,
+    timed_generate,
+)
+from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
+
+STATS = ("gpu_share", "gpu_share_balance", "cpu_lane_GBps", "cpu_lane_start_us", "tp_gpu_GBps", "gpu_launch_latency_us",
+         "gpu_launch_GBps", "gpu_claim_delay_us", "trailing_claims_gated", "launcher_slack_us", "cpu_trailed_steps",
+         "gpu_selection_launches", "gpu_selection_skipped_steps", "gpu_selection_share_balance",
+         "gpu_selection_cpu_lane_GBps", "gpu_selection_later_start_us", "cpu_split_tasks")
+
+
+def lane_marks(recs: list) -> dict[str, np.ndarray]:
+    """Per layer-step (ms from q produced; NaN where a lane had no task): each lane's first start
+    and last end, the merged output, the host's lead over the device, and the lanes' bytes."""
+    n = len(recs)
+    out = {k: np.full(n, np.nan) for k in ("cpu_first", "cpu_last", "gpu_first", "gpu_last", "merged", "q_after_call",
+                                           "decode_host")}
+    out["cpu_bytes"], out["gpu_bytes"] = np.zeros(n), np.zeros(n)
+    for i, r in enumerate(recs):
+        t0 = r.t_start
+        out["merged"][i] = (r.t_end - t0) * 1e3
+        out["q_after_call"][i] = (t0 - r.t_entry) * 1e3
+        out["decode_host"][i] = (r.t_return - r.t_entry) * 1e3
+        for lane, name in ((LANE_CPU, "cpu"), (LANE_GPU, "gpu")):
+            sel = r.lane == lane
+            if sel.any():
+                out[f"{name}_first"][i] = (r.start[sel].min() - t0) * 1e3
+                out[f"{name}_last"][i] = (r.end[sel].max() - t0) * 1e3
+                out[f"{name}_bytes"][i] = float(r.bytes_read[sel].sum())
+    return out
+
+
+def summary(marks: dict[str, np.ndarray]) -> str:
+    def cell(x: np.ndarray) -> str:
+        x = x[~np.isnan(x)]
+        if not len(x):
+            return "-"
+        p10, p50, p90 = np.percentile(x, [10, 50, 90])
+        return f"{p50:7.3f} ({p10:6.3f} - {p90:6.3f}, n {len(x)})"
+
+    total = marks["cpu_bytes"] + marks["gpu_bytes"]
+    share = np.where(total > 0, marks["gpu_bytes"] / np.maximum(total, 1.0), np.nan)
+    has_gpu = ~np.isnan(marks["gpu_first"])
+    both = has_gpu & ~np.isnan(marks["cpu_last"])
+    lines = [f"  {k:<28} {cell(marks[k])}" for k in ("q_after_call", "decode_host", "cpu_first", "cpu_last",
+                                                    "gpu_first", "gpu_last", "merged")]
+    lines.append(f"  {'gpu byte share (per step)':<28} {cell(share)}")
+    lines.append(f"  {'gpu byte share (all bytes)':<28} {marks['gpu_bytes'].sum() / max(total.sum(), 1.0):.3f}")
+    lines.append(f"  {'layer-steps with a GPU claim':<28} {int(has_gpu.sum())} of {len(has_gpu)}")
+    lines.append(f"  {'cpu_last - gpu_last':<28} {cell(marks['cpu_last'][both] - marks['gpu_last'][both])}")
+    lines.append(f"  {'MB a layer-step':<28} {cell(total / 1e6)}")
+    return "\n".join(lines)
+
+
+def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: int, workers: int, overrides: dict) -> str:
+    from hybrid_runtime.integrations.transformers import cores_for_runtime, disable_hybrid_attention, enable_hybrid_attention
+
+    variant = VARIANTS[name]
+    cfg = with_variant_selection(hybrid_config(variant, batch, context, tokens, workers, overrides), variant)
+    rt = enable_hybrid_attention(model, cfg, decode_graphs=variant.decode_graphs)
+    try:
+        saved = torch.get_num_threads()
+        with cores_for_runtime(rt) as n_free, torch.no_grad():
+            torch.set_num_threads(saved)
+            decode_threads = [lambda: torch.set_num_threads(n_free)]
+            _warm(model, ids, mask, 2048, {}, on_first=decode_threads)
+            torch.set_num_threads(saved)
+            gc.collect()
+            rt.timeline.clear()
+            row = timed_generate(model, ids, mask, tokens, {}, on_first=decode_threads, measure_memory=False)
+        recs = rt.timeline.records
+        st = rt.stats()
+    finally:
+        with contextlib.suppress(Exception):
+            disable_hybrid_attention(model)
+    layers = model.config.num_hidden_layers
+    steps = len(recs) // layers
+    recs = recs[len(recs) - (steps - 1) * layers:] if steps > 1 else recs  # the first decode step's records left out
+    text = [f"## {name}: TPOT median {row['tpot_ms_median']:.2f} ms, mean {row['tpot_ms_mean']:.2f} ms, "
+            f"{len(recs)} layer-steps", summary(lane_marks(recs))]
+    text.append("  estimates: " + ", ".join(f"{k} {st[k]:.4g}" if isinstance(st.get(k), float) else f"{k} {st.get(k)}"
+                                           for k in STATS if k in st))
+    return "\n".join(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--variants", default="fluxion,cpu_only")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--cpu-workers", type=int, default=15)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a key of every variant's runtime config")
+    ap.add_argument("--layers", type=int, default=None, help="the model's first this many layers (a small smoke test)")
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS or VARIANTS[v].kind != "hybrid"]
+    if bad:
+        ap.error(f"not hybrid variants of e2e_decode: {bad}")
+    import yaml
+
+    overrides: dict = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        overrides.setdefault(section, {})[name] = yaml.safe_load(value)
+    cfg = model_config("llama-3.1-8b", **({"num_hidden_layers": args.layers} if args.layers else {}))
+    model = build_model(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    ids, mask = random_prompt(cfg.vocab_size, args.batch, args.context, 0, model.device)
+    print(f"# lanes within a layer-step: {args.batch} x {args.context}, {args.tokens} tokens, overrides {overrides or 'none'}\n")
+    for r in range(args.rounds):
+        for name in names:
+            print(run_variant(model, name, ids, mask, args.batch, args.context, args.tokens, args.cpu_workers, overrides),
+                  flush=True)
+            print()
+
+
+if __name__ == "__main__":
+    main()
