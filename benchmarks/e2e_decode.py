@@ -36,6 +36,11 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_eager_window, fluxion and cpu_only with `kv_cache.window_graphs: false`: the window part
     cpu_only_eager_window (append, attention over the GPU window) launched kernel by kernel each step
                         instead of replayed from a CUDA graph per (layer, batch size).
+    fluxion_host_start, fluxion and cpu_only with `scheduler.cpu_lane_start: host`: the generating thread
+    cpu_only_host_start waits for q's copy to the host, then releases the CPU workers. By default (on
+                        CUDA) they are released with the step's job before q exists and start on a word
+                        the caller's stream writes after q's copy (native_pool, "Starting on the
+                        device's word"); the step's NaN/inf check is then deferred.
     fluxion_ungated     fluxion with `scheduler.gate_trailing_claims: false`: a trailing step's GPU claim
                         sized by the lane rates even where its CPU lane ends within the launcher's time.
     fluxion_native,     fluxion with `scheduler.claim_launch` native / graphs: each GPU claim is one
@@ -268,6 +273,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The window part launched kernel by kernel (the default replays it from CUDA graphs).
     Variant("fluxion_eager_window", "hybrid", placement="fluxion", kv_cache={"window_graphs": False}),
     Variant("cpu_only_eager_window", "hybrid", placement="cpu_only", kv_cache={"window_graphs": False}),
+    # The generating thread waits for q on the host, then releases the CPU workers (the default starts
+    # them on a word the caller's stream writes once q is on the host).
+    Variant("fluxion_host_start", "hybrid", placement="fluxion", scheduler={"cpu_lane_start": "host"}),
+    Variant("cpu_only_host_start", "hybrid", placement="cpu_only", scheduler={"cpu_lane_start": "host"}),
     # Trailing steps claim GPU work as the lane rates size it, even where the CPU lane ends within the
     # launcher's own time (the default reserves none there).
     Variant("fluxion_ungated", "hybrid", placement="fluxion", scheduler={"gate_trailing_claims": False}),
@@ -684,7 +693,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["kernel_warmup_wait_s"], row["kernel_warmup_s"] = st["warmup_wait_s"], st["warmup_s"]
         row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps", "cpu_trailed_steps",
-                                                   "trailing_claims_gated", "launcher_slack_us", "window_graph_replays",
+                                                   "trailing_claims_gated", "launcher_slack_us", "cpu_lane_device_starts", "window_graph_replays",
                                                    "window_graph_captures", "claim_graph_replays",
                                                    "claim_graph_captures", "gpu_selection_launches",
                                                    "gpu_selection_skipped_steps", "gpu_selection_tp_gpu_GBps",

@@ -1,4 +1,4 @@
-"""Hold a CUDA stream until a counter in pinned host memory reaches a target.
+"""Hold a CUDA stream until a counter in pinned host memory reaches a target; write such a word from a stream.
 
 Why: a decode step's merge needs the CPU workers' results, and the host used to wait for the
 workers before it queued the merge, so the model's next layer could not be issued while they ran.
@@ -11,6 +11,12 @@ with no kernel and no SM held. A first version polled from a one-warp Triton ker
 loads; on the H200 those loads were served from a line of the L2 that the previous step's poll had
 cached, so a wait now and then saw the previous step's final count and the merge read results the
 workers had not written (benchmarks/notes/e2e_overlap.md).
+
+The other direction, `signal_value`: the driver's `cuStreamWriteValue64` writes a 64-bit word in
+pinned host memory once the stream reaches it, after a system-wide fence behind the stream's earlier
+work (the default flags). The runtime writes a step's job id there after q's copy to the host; the
+CPU workers, spinning on that word, start the moment q lands (`hybrid_runtime.native_pool`,
+"Starting on the device's word").
 
 A step that fails or times out closes its queue; the host then counts the positions never started
 into the word (`NativeQueue.release_unstarted`), so the wait ends when the tasks still running do.
@@ -27,6 +33,7 @@ import functools
 import torch
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced (not CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER)
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,6 +49,30 @@ def _driver_wait():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_write():
+    """`cuStreamWriteValue64_v2` from the CUDA driver, typed; raises RuntimeError where it is missing."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise RuntimeError(f"the CUDA driver library could not be loaded ({exc})") from exc
+    fn = getattr(lib, "cuStreamWriteValue64_v2", None) or getattr(lib, "cuStreamWriteValue64", None)
+    if fn is None:
+        raise RuntimeError("this CUDA driver has no cuStreamWriteValue64 (stream memory operations)")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def driver_write_available() -> str | None:
+    """None where `signal_value` can run, else why not."""
+    try:
+        _driver_write()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def driver_wait_available() -> str | None:
@@ -71,4 +102,12 @@ def wait_for_count(address: int, target: int, stream: int) -> None:
         raise RuntimeError(f"cuStreamWaitValue64 failed with CUDA driver error {status}")
 
 
-__all__ = ["device_address", "driver_wait_available", "wait_for_count"]
+def signal_value(address: int, value: int, stream: int) -> None:
+    """Queue on `stream` (raw handle) a write of `value` to the int64 at device `address` (pinned
+    host memory, `device_address`), fenced behind the stream's earlier work."""
+    status = _driver_write()(ctypes.c_void_p(stream), address, int(value), _WRITE_DEFAULT)
+    if status != 0:
+        raise RuntimeError(f"cuStreamWriteValue64 failed with CUDA driver error {status}")
+
+
+__all__ = ["device_address", "driver_wait_available", "driver_write_available", "signal_value", "wait_for_count"]

@@ -367,8 +367,9 @@ class SchedulerConfig:
     # When NaN/inf in decode's q, k, v (or lookahead) is reported (hybrid_runtime/input_check.py):
     # "sync" by that call, before anything changes; "deferred" by a later call (the check runs on
     # the device, the host does not wait for it; the bad step itself ran); "auto": deferred on CUDA
-    # steps without a CPU lane (where a synchronous check would make the host wait for the GPU
-    # every layer), sync everywhere else.
+    # steps whose host does not wait for q -- without a CPU lane, or with one that starts on the
+    # device's word (`cpu_lane_start`) -- where a synchronous check would make the host wait for the
+    # GPU every layer; sync everywhere else.
     finite_check: str = field(default="auto", metadata=_choices("auto", "sync", "deferred"))
     # Who selects the blocks of the CPU lane's tasks under the fluxion placement: "gpu" -- on every
     # step with CPU tasks the GPU lane scores and selects them all from the store's GPU copy of the
@@ -378,6 +379,16 @@ class SchedulerConfig:
     # kv_cache.gpu_metadata, native CPU workers), on the steps where it is modeled to pay
     # (`GpuPicks.pays`) and the trailing gate (`gate_trailing_claims`) leaves it in.
     cpu_task_selection: str = field(default="auto", metadata=_choices("auto", "gpu", "host"))
+    # How a step's CPU lane starts on CUDA (native CPU workers; the step's q reaches the host by a
+    # copy on the caller's stream). "host": the launcher thread waits for that copy, then releases
+    # the workers. "device": the workers are released with the step's job before q is there and
+    # start on a word the caller's stream writes after the copy (`hybrid_runtime.native_pool`,
+    # "Starting on the device's word"): no host thread between q landing and the first task, and
+    # the launcher issues the GPU lane's claim and the window part before q exists. The step then
+    # never waits for q, so its NaN/inf check is deferred (`finite_check`). "auto": "device" where
+    # the driver's stream write exists and `finite_check` is not "sync", else "host". Steps that
+    # spill window pages into the CPU segment start on the host.
+    cpu_lane_start: str = field(default="auto", metadata=_choices("auto", "host", "device"))
 
     def cpu_worker_count(self, cores: int | None = None) -> int:
         """CPU worker threads: `cpu_workers`, with "auto" resolved for `cores` cores (default: this
@@ -390,6 +401,11 @@ class SchedulerConfig:
         (`cpu_lane_trails`; "auto" assumes the driver's stream wait, which the runtime checks)."""
         return self.cpu_lane_trails is True or (self.cpu_lane_trails == "auto" and cuda and
                                                  self.placement in ("fluxion", "cpu_only"))
+
+    def starts_on_device(self, cuda: bool) -> bool:
+        """Whether CPU lanes start on the device's word on a machine with (`cuda`) or without CUDA
+        (`cpu_lane_start`; "auto" assumes the driver's stream write, which the runtime checks)."""
+        return cuda and (self.cpu_lane_start == "device" or (self.cpu_lane_start == "auto" and self.finite_check != "sync"))
 
     def gpu_lane(self, cuda: bool) -> bool:
         """Whether the runtime has a GPU lane on a machine with (`cuda`) or without CUDA."""
@@ -417,6 +433,7 @@ IDLE_SCHEDULER_VALUES = {
     "gate_trailing_claims": (SchedulerConfig.gate_trailing_claims, False),
     "claim_launch": (SchedulerConfig.claim_launch,),
     "cpu_task_selection": ("auto", "host"),
+    "cpu_lane_start": ("auto", "host"),
 }
 
 
@@ -1122,6 +1139,10 @@ def _validate_cross(cfg: Config) -> None:
                 raise ConfigError(f"experiment.variants[{i}].selection.name: {name!r} selects the GPU lane's executor "
                                   f"for the whole runtime; allowed: make it the top-level selection "
                                   f"(selection.name: {name})")
+    if cfg.scheduler.cpu_lane_start == "device" and cfg.scheduler.finite_check == "sync":
+        raise ConfigError("scheduler.cpu_lane_start: 'device' starts the CPU lane before q is on the host, so no step "
+                          "waits for q and its NaN/inf check cannot run before the step (scheduler.finite_check is "
+                          "'sync'); allowed: 'host' or 'auto' with finite_check 'sync', or finite_check 'auto' / 'deferred'")
     if cfg.selection.name == "asynctls":
         sc = cfg.scheduler
         if sc.placement != "gpu_only":
@@ -1187,7 +1208,8 @@ def resolved(cfg: Config, cuda: bool) -> Config:
                                       # Applied on the fluxion placement's steps only ("auto" stays: it is
                                       # decided step by step).
                                       cpu_task_selection=sc.cpu_task_selection if selects_cpu_tasks_on_gpu(cfg, cuda)
-                                      and sc.placement == "fluxion" else "host"),
+                                      and sc.placement == "fluxion" else "host",
+                                      cpu_lane_start="device" if lanes and sc.starts_on_device(cuda) else "host"),
     )
 
 

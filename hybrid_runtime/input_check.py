@@ -50,7 +50,9 @@ def finite_check_mode(scheduler_cfg: Any) -> str:
 
 
 def defers(mode: str, cuda: bool, cpu_lane: bool) -> bool:
-    """Whether a step's input check is deferred under `mode`, on CUDA or not, with or without a CPU lane."""
+    """Whether a step's input check is deferred under `mode`, on CUDA or not, with or without a CPU
+    lane whose start waits for q on the host (one that starts on the device's word,
+    `scheduler.cpu_lane_start`, counts as none: nothing waits for q then)."""
     return mode == "deferred" or (mode == "auto" and cuda and not cpu_lane)
 
 

@@ -59,6 +59,17 @@ one block's metadata (PICK_NS_PER_BLOCK); a worker whose task's scoring would en
 expected landing selects on the host at once, and one that waited gives up once that scoring time
 has passed beyond the expected landing (`_await_pick`).
 
+Starting on the device's word: on CUDA the step's q reaches the host by a copy on the caller's
+stream, and the host used to wait for that copy and only then publish the job, so every layer's CPU
+lane started after the device's event had fired, the launcher's thread had woken and published
+(0.17-0.27 ms after q was on the device, end to end at 4 x 32K). A job published with QGATE set is
+published before q is there: its workers take the job, then wait until the word QREADY holds at
+least its id. The caller's stream writes the id there after q's copy (a driver stream write, fenced
+behind the copy: `gpu_kernels.host_count_wait.signal_value`), so the workers start when q lands,
+with no host thread between. A worker stops waiting on STOP, and when nothing of the job is left
+to pop (the host closed the queue: a failed or timed-out step), so a write that never comes cannot
+hold it.
+
 Failures are statuses, not exceptions. An exception that unwinds through nopython frames skips
 their reference decrements (numba 0.68: every array view those frames made -- of the arenas, q,
 the results -- stays referenced for good, so a store's pinned arenas could never be freed). So a
@@ -118,7 +129,9 @@ C_MAX_BLOCKS = 35  # blocks the stock kernel's workspaces hold (0: rows not chec
 C_PICKS = 36  # the job's CPU tasks attend the GPU lane's selection (`picks`, see "GPU picks" above)
 C_PICK_AT = 37  # when that selection is expected to land (monotonic ns)
 C_PICK_NS_PER_BLOCK = 38  # a worker's modeled time to score one block's metadata itself (ns)
-CTRL_SIZE = 40
+C_QGATE = 39  # the job's workers pop nothing before C_QREADY reaches its id ("Starting on the device's word")
+C_QREADY = 40  # the last job whose q is on the host: written by the GPU's stream, on its own cache line
+CTRL_SIZE = 48
 MASK = (1 << 32) - 1
 
 # Task table columns (queue order).
@@ -371,6 +384,7 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
         use_picks = 0
         pick_at = 0
         pick_ns = 0
+        q_gate = 0
         while True:
             if atomic_load(ctrl, C_STOP) != 0:
                 return LOOP_STOPPED
@@ -382,6 +396,7 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
                 use_picks = atomic_load(ctrl, C_PICKS)
                 pick_at = atomic_load(ctrl, C_PICK_AT)
                 pick_ns = atomic_load(ctrl, C_PICK_NS_PER_BLOCK)
+                q_gate = atomic_load(ctrl, C_QGATE)
                 if atomic_load(ctrl, C_SEQ) == s1:  # consistent snapshot of the job
                     job = s1 >> 1
                     break
@@ -395,6 +410,8 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
             cpu_relax()
         last = job
         cur[wid, 1] = job
+        if q_gate != 0 and not _await_q(ctrl, job, n):
+            return LOOP_STOPPED
         max_blocks = ctrl[C_MAX_BLOCKS]
         arena = arenas[layer]
         nq = b * hq * d
@@ -459,6 +476,20 @@ def worker_loop(ctrl, wid, spin_ns, bell, mode, arenas, q_flat, res_flat, hq, d,
             t0 = t3
         if team[0] != 0:
             _help_until_done(ctrl, wid, job, arena, q, g, tab, chunks, cur, team, team[8][4])
+
+
+@numba.njit(nogil=True)
+def _await_q(ctrl, job, n):
+    """Until job `job`'s q is on the host (QREADY >= job), or nothing of the job is left to pop;
+    False on STOP ("Starting on the device's word" above)."""
+    while atomic_load(ctrl, C_QREADY) < job:
+        if atomic_load(ctrl, C_STOP) != 0:
+            return False
+        w = atomic_load(ctrl, C_WORD)
+        if (w >> 32) != job or (w & MASK) >= n:
+            return True
+        cpu_relax()
+    return True
 
 
 @numba.njit(nogil=True)
@@ -641,13 +672,15 @@ def serve(ctrl, wid: int, spin_ns: int, bell: int, mode: int, arenas, q_flat, re
 
 
 @numba.njit(nogil=True, cache=True)
-def publish(ctrl, layer, b, n, start=0, picks=0, pick_at=0, pick_ns_per_block=0):
+def publish(ctrl, layer, b, n, start=0, picks=0, pick_at=0, pick_ns_per_block=0, q_gate=0):
     """Make the job (tables already written) visible; returns its id.
 
     Positions `[0, start)` are already taken (the GPU lane's first claim, made before the CPU
     workers can pop anything): the first pop gets position `start`. `picks` non-zero: the workers
     look for each position's GPU selection, expected at `pick_at` (monotonic ns), and wait for it
     while that is cheaper than `pick_ns_per_block` per block of their own scoring ("GPU picks" above).
+    `q_gate` non-zero: they pop nothing before QREADY reaches the job's id ("Starting on the
+    device's word" above).
     """
     s = atomic_load(ctrl, C_SEQ)
     atomic_store(ctrl, C_SEQ, s + 1)
@@ -657,6 +690,7 @@ def publish(ctrl, layer, b, n, start=0, picks=0, pick_at=0, pick_ns_per_block=0)
     atomic_store(ctrl, C_PICKS, picks)
     atomic_store(ctrl, C_PICK_AT, pick_at)
     atomic_store(ctrl, C_PICK_NS_PER_BLOCK, pick_ns_per_block)
+    atomic_store(ctrl, C_QGATE, q_gate)
     job = (s + 2) >> 1
     atomic_store(ctrl, C_DONE, 0)
     atomic_store(ctrl, C_WORD, (job << 32) | start)
@@ -782,7 +816,7 @@ def warm_up() -> None:
     (`queues.NativeQueue`: `publish` with its `start`). Each CPU worker calls it at its start,
     before it compiles (or loads) its loop, so the first step's wait for the workers covers it."""
     c = np.zeros(CTRL_SIZE, dtype=np.int64)
-    job = publish(c, 0, 0, 0, 0, 0, 0, 0)
+    job = publish(c, 0, 0, 0, 0, 0, 0, 0, 0)
     claim(c, job, 1, 0)
     close(c, job, 0)
     head(c, job, 0)
@@ -898,7 +932,8 @@ class NativeJobBuffers:
 
 
 __all__ = [
-    "COLLECTED", "C_DONE", "C_MAX_BLOCKS", "C_PICK_AT", "C_PICK_NS_PER_BLOCK", "C_PICKS", "C_SEQ", "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
+    "COLLECTED", "C_DONE", "C_MAX_BLOCKS", "C_PICK_AT", "C_PICK_NS_PER_BLOCK", "C_PICKS", "C_QGATE", "C_QREADY", "C_SEQ",
+    "C_STOP", "C_WORD", "LOOP_FAILED", "LOOP_IDLE", "LOOP_STOPPED",
     "LOOP_WARM", "MAX_PARTS", "MIN_PART_BYTES", "NativeJobBuffers", "PICK_HOST", "PICK_READY", "PICK_STOP", "R_BYTES",
     "R_COLS", "R_END", "R_OVERHEAD", "R_START", "R_WORKER", "S_BLOCK_SIZE", "S_CPU_LEN", "S_PICKS", "S_WORKSPACE",
     "T_BATCH", "T_BLOCK", "T_CHUNK_OFF", "T_COLS", "T_CPULEN", "T_KVHEAD", "T_N_CHUNKS", "add_done", "claim", "close", "collect_records",

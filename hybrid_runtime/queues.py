@@ -39,6 +39,9 @@ class NativeQueue:
         self.picks = False
         self.pick_at_ns = 0  # when the selection is expected to land (monotonic ns)
         self.pick_ns_per_block = 0  # a worker's modeled time to score one block itself
+        # Published before q is on the host: workers wait for the device's word (native_pool, "Starting
+        # on the device's word"), which the caller's stream writes after q's copy.
+        self.q_gate = False
         self.gpu_done = 0
         self.released = 0  # never-started positions added to DONE to end a device-side wait
         self.closed_at: int | None = None
@@ -53,7 +56,7 @@ class NativeQueue:
         buf.rec[:t] = 0
         buf.rec[:t, native.R_WORKER] = -1
         self.job = native.publish(buf.ctrl, layer, batch, t, self.reserved, int(self.picks), int(self.pick_at_ns),
-                                  int(self.pick_ns_per_block))
+                                  int(self.pick_ns_per_block), int(self.q_gate))
 
     def meta_blocks(self) -> int:
         """Blocks whose metadata the queue's tasks score (at each task's block size)."""

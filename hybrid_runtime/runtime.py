@@ -418,6 +418,19 @@ class HybridRuntime:
                 self._wait_for_count = wait_for_count
                 # The trailing CPU part reaches the merge by one copy queued after the wait.
                 self._res_dev = torch.empty(self._res_host.shape, dtype=self._res_host.dtype, device=self.device)
+        # CPU lanes that start on the device's word (`scheduler.cpu_lane_start`) need the driver's
+        # stream write to host memory: checked before anything starts.
+        start_on_device = self.cuda and sc.starts_on_device(cuda=True)
+        if start_on_device:
+            from gpu_kernels.host_count_wait import driver_write_available
+
+            missing = driver_write_available()
+            if missing is not None and sc.cpu_lane_start == "device":
+                raise ConfigError(f"scheduler.cpu_lane_start: 'device' needs a driver stream write to host memory, but "
+                                  f"{missing}; allowed: 'auto' (starts on the host where it is missing) or 'host'")
+            if missing is not None:
+                log.info("CPU lanes start on the host (scheduler.cpu_lane_start 'auto'): %s", missing)
+                start_on_device = False
         # A rank's launcher (this thread) and the threads it starts later (the store's committer,
         # whose page faults place the arenas) stay on the rank's cores, and so on its NUMA node.
         self._confined = None
@@ -441,6 +454,16 @@ class HybridRuntime:
         # event on the device (a CUDA lane); the last layer waits, as for trailing CPU lanes.
         # Benchmarks switch it off to compare (`benchmarks/asynctls.py` mode lagged_waits).
         self.gpu_only_trails = bool(self.cuda and lane_cuda)
+        # Native CPU workers start on a word the caller's stream writes after q's copy to the host
+        # (`scheduler.cpu_lane_start`, native_pool "Starting on the device's word"); `_res_free`
+        # marks the stream past the last read of the CPU lane's results, which the next step clears.
+        self._qready_address = None
+        if start_on_device and self.scheduler.native is not None:
+            from gpu_kernels.host_count_wait import device_address, signal_value
+
+            self._qready_address = device_address(self._ctrl_host[native_pool.C_QREADY :])
+            self._signal_value = signal_value
+            self._res_free = torch.cuda.Event()
         try:
             clock = self._clock = CudaClock() if self.cuda else None
             self._clock_stale = False  # set by prefill: the next decode step calibrates first
@@ -812,7 +835,8 @@ class HybridRuntime:
         layer (`executors/sparda.py`). Without it a sparda layer selects with its own query.
         Inputs are validated before anything changes (ids, layer, shapes, dtypes, devices; see
         `_check_decode`), and so is NaN/inf in q, k, v unless the check is deferred
-        (`scheduler.finite_check`, input_check.py: by default on CUDA steps without a CPU lane):
+        (`scheduler.finite_check`, input_check.py: by default on CUDA steps whose host does not wait
+        for q -- without a CPU lane, or with one that starts on the device's word, `scheduler.cpu_lane_start`):
         then a later call raises it, naming the step, before that call changes anything. If a
         worker fails or the step times out, the error is raised here and the runtime stays usable;
         the step's k, v remain appended (a GPU-only step's claim that fails after the step returned
@@ -872,7 +896,12 @@ class HybridRuntime:
         # own. Deferred (under "auto" a CUDA step without a CPU lane, whose host would otherwise
         # wait for the GPU here every layer): counted on the device now, raised by a later call.
         cpu_lane = has_cpu and self.scheduler.placement != "gpu_only"  # the step has CPU tasks
-        defer_check = defers(self.finite_check, cuda, cpu_lane)
+        # The CPU lane starts on the device's word (`scheduler.cpu_lane_start`): nothing on the host
+        # waits for q, so the check cannot ride on its copy. Not on a step that spills (its pages
+        # reach the CPU segment by host work the tasks must follow) or checks synchronously.
+        device_start = cpu_lane and self._qready_address is not None and not spill_due and lookahead is None and \
+            self.finite_check != "sync"
+        defer_check = defers(self.finite_check, cuda, cpu_lane and not device_start)
         # The check rides on q's copy to the host also before a window graph replayed ahead of the
         # planner (`window_first`): it is read before that replay appends anything.
         q_copy_check = not defer_check and cuda and cpu_lane and (not append_first or window_first)
@@ -1002,11 +1031,16 @@ class HybridRuntime:
         if tasks:
 
             def before_cpu() -> None:
-                if ev_qhost is not None:
+                if device_start:
+                    # The workers start once q lands (`q_signal`); the results are cleared once the
+                    # previous step's merge has read them.
+                    self._res_free.synchronize()
+                elif ev_qhost is not None:
                     # q is on the host now, and the previous step's copy out of `res` is done.
                     ev_qhost.synchronize()
-                cpu_out.zero_()
-                cpu_lse.fill_(float("-inf"))
+                res_out, res_lse = views.cpu_arrays[1], views.cpu_arrays[2]
+                res_out.fill(0.0)
+                res_lse.fill(-np.inf)
 
             job = StepJob(
                 layer,
@@ -1026,8 +1060,10 @@ class HybridRuntime:
                 # wait for them with no step timeout (a stalled task would hang it), so such a step
                 # does not trail.
                 cpu_trails = self._cpu_trails and not last and q.device.type == "cuda"
+                q_signal = (lambda job_id: self._signal_value(self._qready_address, job_id, caller.cuda_stream)) \
+                    if device_start else None
                 self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False,
-                                   cpu_trails=cpu_trails, gpu_trails=self.gpu_only_trails and not last)
+                                   cpu_trails=cpu_trails, gpu_trails=self.gpu_only_trails and not last, q_signal=q_signal)
             except BaseException:
                 if self.scheduler.start_failed:
                     # The CPU workers never started (what a failed construction was before start-up
@@ -1078,6 +1114,8 @@ class HybridRuntime:
                 (o_b, l_b), (o_c, l_c) = parts[0], parts[1] if len(parts) > 1 else (None, None)
                 self._merge_gpu(out_w, lse_w, o_b, l_b, out=out_w if out is None else out, lse=lse_w, validate=False,
                                 out_c=o_c, lse_c=l_c)
+                if cpu_used and self._qready_address is not None:
+                    self._res_free.record(caller)  # the CPU lane's results are read: the next step may clear them
         else:
             if cpu_used:
                 out_w, lse_w = self._merge(out_w, lse_w, cpu_out, cpu_lse)
@@ -1263,6 +1301,9 @@ class HybridRuntime:
             "gpu_selection_skipped_steps": sch.picks.skipped_steps if sch.picks is not None else 0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
+            # Steps whose CPU lane started on the device's word, released before q was on the host
+            # (scheduler.cpu_lane_start).
+            "cpu_lane_device_starts": sch.device_started_steps,
             # Steps without CPU tasks that returned before their GPU claims ended (`gpu_only_trails`).
             "gpu_trailed_steps": sch.gpu_trailed_steps,
             # When a NaN/inf input is reported (scheduler.finite_check), and the steps whose check

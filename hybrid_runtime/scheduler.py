@@ -141,6 +141,7 @@ class Scheduler:
         self.launcher_slack: Delay | None = None
         self._slack_from: float | None = None
         self.trailing_claims_gated = 0  # trailing steps that reserved no GPU claim for that
+        self.device_started_steps = 0  # steps whose CPU lane started on the device's word (`run`'s q_signal)
         self._closed = False
         self._start_failed = False  # a CPU worker's start error was raised (or logged): closed
         # Not waited for here: the workers pin themselves and compile (or load) their loop while the
@@ -293,6 +294,7 @@ class Scheduler:
         collect: bool = True,
         cpu_trails: bool = False,
         gpu_trails: bool = False,
+        q_signal: Callable[[int], None] | None = None,
     ) -> None:
         """Split `job`, run it on both lanes and return when every task finished.
 
@@ -322,6 +324,11 @@ class Scheduler:
         the caller's merge waits for the claim's end event on the device (`job.gpu_batches`), and
         the claim trails like those of a step with CPU tasks (`GpuLane.drive`): retired at the
         next step, `settle` or close, which raise its failure or stall.
+
+        `q_signal` (native workers; else ignored): the CPU lane starts on the device's word
+        (native_pool, "Starting on the device's word"). It is called with the job's id after
+        `before_cpu` and before the workers are released -- it queues the device's write of that
+        id once q is on the host -- and the job is published gated on it.
         """
         if self._closed:
             raise RuntimeError("the scheduler is closed")
@@ -380,6 +387,10 @@ class Scheduler:
         if job.cpu_used:
             if before_cpu is not None:
                 before_cpu()
+            if q_signal is not None and self.native is not None:
+                q_signal(job.cpu_queue.next_job())
+                job.cpu_queue.q_gate = True
+                self.device_started_steps += 1
             job.t_release = time.perf_counter()
             self.workers.wake()
             if job.picks and job.cpu_queue.job != job.picks_stamp:  # never: one host publishes at a time

@@ -34,7 +34,10 @@ def make_config(**over):
         "kv_cache": {"sink": SINK, "local": LOCAL, "generated_cap": GEN_CAP, "cpu_capacity_tokens": CAPACITY,
                      "max_sequences": MAX_SEQS},
         "selection": {"name": "fixed", "block_size": 16, "budget": 0.2},
-        "scheduler": {"placement": "fluxion", "cpu_workers": 1, "pin_cores": False, "step_timeout_s": 30.0},
+        # "sync": every bad input refused by its own call, on a machine with CUDA too (where "auto"
+        # defers the check of steps whose CPU lane starts on the device's word).
+        "scheduler": {"placement": "fluxion", "cpu_workers": 1, "pin_cores": False, "step_timeout_s": 30.0,
+                      "finite_check": "sync"},
         "profiling": {"enabled": False},
     }
     data.update(over)

@@ -454,7 +454,7 @@ def test_options_and_points():
     assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor",
                           "fluxion_eager_model", "fluxion_predictor_lagged", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
-                          "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
+                          "fluxion_host_start", "cpu_only_host_start", "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
                           "fluxion_gpu_selection", "fluxion_no_spin", "fluxion_short_spin", "fluxion_unplanned",
                           "cpu_only_unplanned", "fluxion_host_selection_unplanned",
                           "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_w11"]
