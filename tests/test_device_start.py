@@ -146,11 +146,15 @@ def test_the_drivers_write_lands_after_the_copy_it_follows():
     dst = torch.zeros(1 << 22, dtype=torch.float32, pin_memory=True)
     src = torch.full((1 << 22,), 3.0, device="cuda")
     stream = torch.cuda.Stream()
+    address = device_address(word[3:])
+    signal_value(address, 5, stream.cuda_stream)  # the driver's entry point loaded, the stream used once
+    stream.synchronize()
+    assert int(word[3]) == 5
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(50_000_000)  # holds the stream: the write must wait for it and the copy
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: holds the stream, the write must wait for it and the copy
         dst.copy_(src, non_blocking=True)
-        signal_value(device_address(word[3:]), 17, stream.cuda_stream)
-    assert int(word[3]) == 0, "the write came before the work queued ahead of it"
+        signal_value(address, 17, stream.cuda_stream)
+    assert int(word[3]) == 5, "the write came before the work queued ahead of it"
     end = time.monotonic() + 30
     while int(word[3]) != 17:
         assert time.monotonic() < end, "the stream never wrote the word"

@@ -11,7 +11,9 @@ was produced on the device (ms; median, and 10th - 90th percentile over layer-st
 * the merged output, and how long the host ran ahead (q produced after `decode` was called);
 * the GPU lane's share of the layer-step's bytes, how many layer-steps had a GPU claim at all,
   and by how much the CPU lane outlasted the GPU's claim (what a larger claim could take);
-* the lane estimates the scheduler sized the claims with at the end (`HybridRuntime.stats`).
+* the lane estimates the scheduler sized the claims with at the end (`HybridRuntime.stats`);
+* the launcher's milestones (`HostStamps`): when it saw the previous step's CPU lane done, collected
+  it, took the step and published the CPU lane's job, against when that lane ended and q came.
 
     python benchmarks/diag/e2e_lanes.py [--batch 4 --context 32768 --tokens 24 --variants fluxion,cpu_only --rounds 1]
 """
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import gc
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +68,63 @@ def lane_marks(recs: list) -> dict[str, np.ndarray]:
     return out
 
 
+class HostStamps:
+    """Host times (perf_counter) of the launcher's milestones in every `decode` call: the previous
+    step's CPU lane seen done (`settle_cpu`'s return), its records collected, the scheduler's step
+    taken (`run`) and the CPU workers released (`wake`: the job published). Installed on one
+    runtime's instances; one dict per decode call, in call order (as the timeline's records)."""
+
+    def __init__(self, rt):
+        self.calls: list[dict] = []
+        cur: dict = {}
+        sch = rt.scheduler
+
+        def wrap(obj, name: str, enter: str | None, leave: str | None):
+            fn = getattr(obj, name)
+
+            def wrapped(*a, **kw):
+                if enter is not None:
+                    cur.setdefault(enter, time.perf_counter())
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    if leave is not None:
+                        cur.setdefault(leave, time.perf_counter())
+
+            setattr(obj, name, wrapped)
+
+        decode = rt.decode
+
+        def decode_stamped(*a, **kw):
+            cur.clear()
+            try:
+                return decode(*a, **kw)
+            finally:
+                self.calls.append(dict(cur))
+
+        rt.decode = decode_stamped
+        wrap(sch, "settle_cpu", None, "settled")
+        wrap(sch, "collect", "collect_in", "collected")
+        wrap(sch, "run", "run", None)
+        wrap(sch.workers, "wake", "wake", None)
+
+    def marks(self, recs: list, first: int) -> dict[str, np.ndarray]:
+        """Per layer-step from record `first` on (ms from q produced): each milestone, and the
+        previous step's CPU lane end on the same clock."""
+        calls = self.calls[len(self.calls) - len(recs):]
+        out = {k: np.full(len(recs) - first, np.nan) for k in ("prev_cpu_last", "settled", "collect_in", "collected",
+                                                                "run", "wake")}
+        for j, i in enumerate(range(first, len(recs))):
+            r, c, prev = recs[i], calls[i], recs[i - 1] if i else None
+            t0 = r.t_start
+            if prev is not None and (prev.lane == LANE_CPU).any():
+                out["prev_cpu_last"][j] = (prev.end[prev.lane == LANE_CPU].max() - t0) * 1e3
+            for k in ("settled", "collect_in", "collected", "run", "wake"):
+                if k in c:
+                    out[k][j] = (c[k] - t0) * 1e3
+        return out
+
+
 def summary(marks: dict[str, np.ndarray]) -> str:
     def cell(x: np.ndarray) -> str:
         x = x[~np.isnan(x)]
@@ -79,6 +139,10 @@ def summary(marks: dict[str, np.ndarray]) -> str:
     both = has_gpu & ~np.isnan(marks["cpu_last"])
     lines = [f"  {k:<28} {cell(marks[k])}" for k in ("q_after_call", "decode_host", "cpu_first", "cpu_last",
                                                     "gpu_first", "gpu_last", "merged")]
+    stamps = marks.get("stamps")
+    if stamps is not None:
+        lines.append("  host milestones (ms from this step's q produced):")
+        lines += [f"    {k:<26} {cell(stamps[k])}" for k in stamps]
     lines.append(f"  {'gpu byte share (per step)':<28} {cell(share)}")
     lines.append(f"  {'gpu byte share (all bytes)':<28} {marks['gpu_bytes'].sum() / max(total.sum(), 1.0):.3f}")
     lines.append(f"  {'layer-steps with a GPU claim':<28} {int(has_gpu.sum())} of {len(has_gpu)}")
@@ -102,6 +166,7 @@ def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: i
             torch.set_num_threads(saved)
             gc.collect()
             rt.timeline.clear()
+            stamps = HostStamps(rt)
             row = timed_generate(model, ids, mask, tokens, {}, on_first=decode_threads, measure_memory=False)
         recs = rt.timeline.records
         st = rt.stats()
@@ -110,9 +175,12 @@ def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: i
             disable_hybrid_attention(model)
     layers = model.config.num_hidden_layers
     steps = len(recs) // layers
-    recs = recs[len(recs) - (steps - 1) * layers:] if steps > 1 else recs  # the first decode step's records left out
+    first = len(recs) - (steps - 1) * layers if steps > 1 else 0  # the first decode step's records left out
+    marks = lane_marks(recs[first:])
+    marks["stamps"] = stamps.marks(recs, first) if len(stamps.calls) >= len(recs) else None
+    recs = recs[first:]
     text = [f"## {name}: TPOT median {row['tpot_ms_median']:.2f} ms, mean {row['tpot_ms_mean']:.2f} ms, "
-            f"{len(recs)} layer-steps", summary(lane_marks(recs))]
+            f"{len(recs)} layer-steps", summary(marks)]
     text.append("  estimates: " + ", ".join(f"{k} {st[k]:.4g}" if isinstance(st.get(k), float) else f"{k} {st.get(k)}"
                                            for k in STATS if k in st))
     return "\n".join(text)
