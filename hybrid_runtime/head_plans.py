@@ -37,6 +37,10 @@ class ConfigHeadPlanner:
     refuses it with `nosa`).
     """
 
+    # Its plans come from config and the store's lengths alone: calling it changes nothing a step
+    # could have to undo (`HybridRuntime.decode` plans such steps before waiting for the previous one).
+    stateless = True
+
     def __init__(self, selection: SelectionConfig, geometry: GeometryConfig):
         self.selection = selection
         self.geometry = geometry

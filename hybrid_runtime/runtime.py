@@ -856,10 +856,6 @@ class HybridRuntime:
         self._input_check.poll()
         layer, seq_ids = self._check_decode(layer, seq_ids, q, k, v, check_finite=False)
         self.scheduler.note_entry(t_entry)
-        if self.scheduler.cpu_inflight is not None:
-            # The previous step's CPU tasks (`cpu_lane_trails`) end before this one changes anything;
-            # its q reaching the host would wait for them anyway (its model layer needed their output).
-            self.scheduler.settle_cpu()
         if self._clock_stale:
             # After a prefill (seconds to minutes of GPU work) the event clock has drifted from the
             # host's by up to milliseconds, which the GPU lane's launch model and the timeline read.
@@ -880,6 +876,21 @@ class HybridRuntime:
         # graph, replayed before the planner (`window_first`) instead of as the step's side work:
         # one replay, not the append and the window kernels launched one by one.
         spill_due = self._will_spill(layer, seq_ids)
+        cpu_lane = has_cpu and self.scheduler.placement != "gpu_only"  # the step has CPU tasks
+        # The CPU lane starts on the device's word (`scheduler.cpu_lane_start`): nothing on the host
+        # waits for q, so the check cannot ride on its copy. Not on a step that spills (its pages
+        # reach the CPU segment by host work the tasks must follow) or checks synchronously.
+        device_start = cpu_lane and self._qready_address is not None and not spill_due and lookahead is None and \
+            self.finite_check != "sync"
+        # The previous step's CPU tasks (`cpu_lane_trails`) end before this one changes anything. A
+        # step that starts on the device's word with a planner that changes nothing waits for them in
+        # the scheduler, just before its launches (`Scheduler.run`): its host work up to there --
+        # the plan, the tasks, the split, the claim sizes -- overlaps them, and its job can be
+        # published before its q exists. Any other step waits here: its q reaching the host would
+        # wait for them anyway (its model layer needed their output).
+        late_settle = device_start and getattr(self.planner, "stateless", False)
+        if not late_settle and self.scheduler.cpu_inflight is not None:
+            self.scheduler.settle_cpu()
         # A planner whose plans lag a step (`selection.plan_lag`) may have this step's plan already: the
         # step then runs on it, and the planner computes the next one after the window part
         # (`launch_next`), so it reads nothing of this step before the tasks exist.
@@ -895,20 +906,18 @@ class HybridRuntime:
         # or a planner that reads the window) the inputs are checked here, at a device sync of its
         # own. Deferred (under "auto" a CUDA step without a CPU lane, whose host would otherwise
         # wait for the GPU here every layer): counted on the device now, raised by a later call.
-        cpu_lane = has_cpu and self.scheduler.placement != "gpu_only"  # the step has CPU tasks
-        # The CPU lane starts on the device's word (`scheduler.cpu_lane_start`): nothing on the host
-        # waits for q, so the check cannot ride on its copy. Not on a step that spills (its pages
-        # reach the CPU segment by host work the tasks must follow) or checks synchronously.
-        device_start = cpu_lane and self._qready_address is not None and not spill_due and lookahead is None and \
-            self.finite_check != "sync"
         defer_check = defers(self.finite_check, cuda, cpu_lane and not device_start)
         # The check rides on q's copy to the host also before a window graph replayed ahead of the
         # planner (`window_first`): it is read before that replay appends anything.
         q_copy_check = not defer_check and cuda and cpu_lane and (not append_first or window_first)
         checked = {"q": q, "k": k, "v": v} if lookahead is None else {"q": q, "k": k, "v": v, "lookahead": lookahead}
-        if defer_check:
+
+        def issue_check() -> None:  # once the previous step's CPU tasks are settled (their errors come first)
             self._input_check.issue(checked, layer, seq_ids, caller)
-        elif not q_copy_check:
+
+        if defer_check and not late_settle:
+            issue_check()
+        elif not defer_check and not q_copy_check:
             _check_finite(checked)
         if append_first and not window_first:
             old_lens = [store.cpu_len(s, layer) for s in seq_ids] if sparda is not None else None
@@ -1063,7 +1072,8 @@ class HybridRuntime:
                 q_signal = (lambda job_id: self._signal_value(self._qready_address, job_id, caller.cuda_stream)) \
                     if device_start else None
                 self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False,
-                                   cpu_trails=cpu_trails, gpu_trails=self.gpu_only_trails and not last, q_signal=q_signal)
+                                   cpu_trails=cpu_trails, gpu_trails=self.gpu_only_trails and not last, q_signal=q_signal,
+                                   after_settle=issue_check if defer_check and late_settle else None)
             except BaseException:
                 if self.scheduler.start_failed:
                     # The CPU workers never started (what a failed construction was before start-up
@@ -1071,6 +1081,10 @@ class HybridRuntime:
                     self.close()
                 raise
         else:
+            if late_settle:
+                self.scheduler.settle_cpu()
+                if defer_check:
+                    issue_check()
             window_part()
         out_w, lse_w = window["out"], window["lse"]
         if sparda is not None:

@@ -295,6 +295,7 @@ class Scheduler:
         cpu_trails: bool = False,
         gpu_trails: bool = False,
         q_signal: Callable[[int], None] | None = None,
+        after_settle: Callable[[], None] | None = None,
     ) -> None:
         """Split `job`, run it on both lanes and return when every task finished.
 
@@ -325,6 +326,11 @@ class Scheduler:
         the claim trails like those of a step with CPU tasks (`GpuLane.drive`): retired at the
         next step, `settle` or close, which raise its failure or stall.
 
+        The previous step's trailing CPU tasks (`cpu_lane_trails`) are waited for and collected
+        (`settle_cpu`, raising what failed there) after this step's split and claim sizes and before
+        anything of it is launched or published; `after_settle` runs right after that wait (the
+        caller's own work that must follow the previous step: a deferred input check).
+
         `q_signal` (native workers; else ignored): the CPU lane starts on the device's word
         (native_pool, "Starting on the device's word"). It is called with the job's id after
         `before_cpu` and before the workers are released -- it queues the device's write of that
@@ -335,10 +341,9 @@ class Scheduler:
         if not self.has_lanes:
             raise RuntimeError("this scheduler has no lanes (built with lanes=False: its runtime makes no tasks)")
         timeout = self.cfg.step_timeout_s if timeout is None else timeout
-        self.settle_cpu()
         deadline = time.monotonic() + timeout
         self.lane.await_orphan(timeout)
-        job.t_run = time.perf_counter()  # after waiting for earlier steps: what this step's own path costs
+        job.t_run = time.perf_counter()  # what this step's own path costs (less the wait for the previous one below)
         self.split(job)
         if not self.workers.ready and job.cpu_used:
             # Once: the CPU workers' start (the step's timeout does not count this wait).
@@ -375,6 +380,17 @@ class Scheduler:
                 # within the slack after all); at the host-selection rates it was just checked.
                 self.lane.reserve_first(job, launcher_slack_s=slack if job.picks else None)
             self.trailing_claims_gated += job.gpu_gated
+        # The previous step's trailing CPU tasks end here, not at entry: everything above only reads
+        # (the split, the claim sizes, the GPU's reserved head are this job's own), so it overlaps
+        # them, and nothing of this step is launched or published before they ended.
+        if self.cpu_inflight is not None:
+            waited = time.perf_counter()
+            self.settle_cpu()
+            waited = time.perf_counter() - waited
+            job.t_run += waited
+            deadline += waited
+        if after_settle is not None:
+            after_settle()
         self.workers.job = job
         if job.picks:
             # The CPU workers will wait for the GPU's selection: it is launched first, then they are woken.

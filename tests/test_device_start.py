@@ -2,7 +2,8 @@
 
 On the host: a job published gated pops nothing until the word (written here by a thread, as the
 caller's stream writes it on CUDA) reaches its id, and a word that never comes cannot hold a
-worker (the step's timeout closes the queue; STOP ends the wait). The key resolves and refuses as
+worker (the step's timeout closes the queue; STOP ends the wait); a step settles the previous one
+after its own planning and before its launches. The key resolves and refuses as
 documented. On CUDA (`gpu` marker): the driver's write lands after the copy it follows; chained
 layers started on the device's word give the output of layers started on the host; a bad input
 there is raised by a later call (the check is deferred: no step waits for q).
@@ -85,6 +86,25 @@ def test_a_word_that_never_comes_times_the_step_out_and_frees_the_workers():
         nxt = StepJob(0, id_tasks(N, seed=2), batch=1)
         s.run(nxt)  # usable: an ungated job runs
         assert nxt.done() and (hits == 2).all()
+    finally:
+        s.close()
+
+
+def test_a_step_settles_the_previous_one_just_before_its_own_launches():
+    """`run` sizes and splits the step while the previous step's CPU tasks still run, then waits for
+    them (their errors first) and calls `after_settle` before it publishes anything."""
+    s, hits = scheduler()
+    try:
+        s.run(StepJob(0, id_tasks(N), batch=1))
+        job = StepJob(0, id_tasks(N, seed=1), batch=1)
+        s.run(job, cpu_trails=True, q_signal=lambda job_id: None)  # held at its word
+        th = signal_after(s.native.ctrl, job.cpu_queue.job, 0.2)
+        seen = []
+        nxt = StepJob(0, id_tasks(N, seed=2), batch=1)
+        s.run(nxt, after_settle=lambda: seen.append((s.cpu_inflight is None, int(hits.sum()), nxt.cpu_queue.job)))
+        th.join()
+        assert seen == [(True, 2 * N, -1)], "after_settle ran before the previous step ended, or after publishing"
+        assert nxt.done() and (hits == 3).all() and job.columns["worker"].min() >= 0
     finally:
         s.close()
 
