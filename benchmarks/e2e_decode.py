@@ -55,6 +55,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
     cpu_only_unplanned, (step inputs, selection, claims; `gpu_kernels.launch.LaunchPlan`) made through
     fluxion_host_selection_unplanned  `CachedLaunch` instead.
+    fluxion_unprofiled  fluxion with `profiling.enabled: false`: no timeline (no CUDA timing events or
+                        records per layer-step), so its row has no lane split.
     fluxion_w11         fluxion with 11 CPU workers (`scheduler.cpu_workers`; the default is every core
                         but the caller's): less memory traffic beside the generating thread.
     fluxion_pinned_caller, fluxion and cpu_only with the thread that calls `generate` confined to the
@@ -232,6 +234,7 @@ class Variant:
     selection_keys: dict = field(default_factory=dict)  # ... and that selection's own keys
     scheduler: dict = field(default_factory=dict)  # a hybrid variant's own scheduler keys
     kv_cache: dict = field(default_factory=dict)  # ... and kv_cache keys
+    profiling: dict = field(default_factory=dict)  # ... and profiling keys
     needs_cuda: bool = False
     launch_plans: bool = True  # false: planned launches go through CachedLaunch (gpu_kernels/launch.py)
     pin_caller: bool = False  # the calling thread confined to the core the runtime leaves free of workers
@@ -304,6 +307,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # is pinned to; by default the runtime leaves it where the OS puts it.
     Variant("fluxion_pinned_caller", "hybrid", placement="fluxion", pin_caller=True),
     Variant("cpu_only_pinned_caller", "hybrid", placement="cpu_only", pin_caller=True),
+    # The runtime's timeline off (`profiling.enabled: false`): no CUDA timing events or records a
+    # layer-step; what recording costs the token (this variant has no lane split in its row).
+    Variant("fluxion_unprofiled", "hybrid", placement="fluxion", profiling={"enabled": False}),
     # Four CPU workers fewer (11 on a 16-core host): less of the host's memory traffic beside the
     # generating thread, whose Python between layers ran ~1.5x its floor step's (notes/e2e_overlap.md).
     Variant("fluxion_w11", "hybrid", placement="fluxion", scheduler={"cpu_workers": 11}),
@@ -426,6 +432,7 @@ def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, c
         "selection": {"name": "fixed", "block_size": 16, "budget": 0.05},
         "scheduler": {"placement": variant.placement, "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
                       "step_timeout_s": 60.0, **variant.scheduler},
+        **({"profiling": dict(variant.profiling)} if variant.profiling else {}),
     }
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)
