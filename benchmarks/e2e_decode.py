@@ -564,6 +564,24 @@ def _warm(model, ids, mask, warmup_tokens: int, gen_kwargs: dict, on_first=(), t
     return time.perf_counter() - t
 
 
+@contextlib.contextmanager
+def warmed_for_decode(model, rt, ids, mask, warmup_tokens: int = 2048):
+    """For diagnostics around one hybrid runtime: within the block torch runs on every core while
+    prefilling and on the cores the runtime's workers leave free while decoding (the hooks yielded
+    are `timed_generate`'s `on_first`), under `no_grad`, after one warm-up `generate` of
+    `warmup_tokens` prompt tokens; the collector has run."""
+    from hybrid_runtime.integrations.transformers import cores_for_runtime
+
+    saved = torch.get_num_threads()
+    with cores_for_runtime(rt) as n_free, torch.no_grad():
+        torch.set_num_threads(saved)
+        decode_threads = [lambda: torch.set_num_threads(n_free)]
+        _warm(model, ids, mask, warmup_tokens, {}, on_first=decode_threads)
+        torch.set_num_threads(saved)
+        gc.collect()
+        yield decode_threads
+
+
 def _measure_hf(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
                 prefill_chunk_tokens: int | None = None) -> dict:
     gen = dict(variant.generate_kwargs)
@@ -1242,6 +1260,19 @@ def run(args, device: str | None = None) -> Path | None:
     return path
 
 
+def runtime_overrides(items: list[str]) -> dict:
+    """`--set SECTION.KEY=VALUE` items as `hybrid_config`'s overrides, `{section: {key: value}}`
+    (values parsed as YAML); ValueError (a ConfigError) naming an item of another form."""
+    overrides: dict = {}
+    for item in items:
+        key, value = parse_override(item)
+        section, _, leaf = key.partition(".")
+        if not leaf or "." in leaf:
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. kv_cache.local=512")
+        overrides.setdefault(section, {})[leaf] = value
+    return overrides
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1300,13 +1331,10 @@ def parse_args(argv=None):
             ap.error(f"unknown {kind} {bad}; known: {', '.join(known)}")
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2 (TPOT needs a second token)")
-    overrides: dict = {}
-    for item in args.runtime_set:
-        key, value = parse_override(item)
-        section, _, leaf = key.partition(".")
-        if not leaf or "." in leaf:
-            ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. kv_cache.local=512")
-        overrides.setdefault(section, {})[leaf] = value
+    try:
+        overrides = runtime_overrides(args.runtime_set)
+    except ValueError as exc:
+        ap.error(str(exc))
     try:
         hybrid_config(VARIANTS["fluxion"], 1, 4096, args.new_tokens, args.cpu_workers, overrides)
     except (ConfigError, TypeError) as exc:

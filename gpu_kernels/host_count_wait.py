@@ -36,34 +36,28 @@ _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced (not CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
+def _stream_memory_op(name: str):
+    """The CUDA driver's stream memory operation `name` (`cuStreamWaitValue64`, `cuStreamWriteValue64`;
+    its `_v2` where there is one), typed; raises RuntimeError where it is missing."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise RuntimeError(f"the CUDA driver library could not be loaded ({exc})") from exc
+    fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name, None)
+    if fn is None:
+        raise RuntimeError(f"this CUDA driver has no {name} (stream memory operations)")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _driver_wait():
-    """`cuStreamWaitValue64_v2` from the CUDA driver, typed; raises RuntimeError where it is missing."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise RuntimeError(f"the CUDA driver library could not be loaded ({exc})") from exc
-    fn = getattr(lib, "cuStreamWaitValue64_v2", None) or getattr(lib, "cuStreamWaitValue64", None)
-    if fn is None:
-        raise RuntimeError("this CUDA driver has no cuStreamWaitValue64 (stream memory operations)")
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    return _stream_memory_op("cuStreamWaitValue64")
 
 
-@functools.lru_cache(maxsize=1)
 def _driver_write():
-    """`cuStreamWriteValue64_v2` from the CUDA driver, typed; raises RuntimeError where it is missing."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise RuntimeError(f"the CUDA driver library could not be loaded ({exc})") from exc
-    fn = getattr(lib, "cuStreamWriteValue64_v2", None) or getattr(lib, "cuStreamWriteValue64", None)
-    if fn is None:
-        raise RuntimeError("this CUDA driver has no cuStreamWriteValue64 (stream memory operations)")
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    return _stream_memory_op("cuStreamWriteValue64")
 
 
 def driver_write_available() -> str | None:

@@ -95,3 +95,36 @@ class RefClaims:
         t1 = time.perf_counter()
         return tasks, t0, t1, np.fromiter((t.bytes_read for t in tasks), dtype=np.int64, count=len(tasks))
 
+
+
+def chained_decode(rt: Any, lengths: list[int], inputs: list, steps: int = 120, heads: tuple = (8, 2), d: int = 64,
+                   layers: int = 3, after_step: Any = None) -> torch.Tensor:
+    """`steps` layer-steps of `rt` (on CUDA) chained as in a model: each layer's q comes from the
+    previous layer's output on the GPU, with no host sync between them, over sequences of `lengths`
+    prefilled at every layer. An empty `inputs` is filled with the (q, k, v) of each layer-step; a
+    filled one is fed back instead (a second runtime given the first one's inputs). `after_step(i)`
+    runs after layer-step i's `decode`. Returns the outputs stacked."""
+    hq, hkv = heads
+    n = len(lengths)
+    for s, length in enumerate(lengths):
+        for layer in range(layers):
+            rt.prefill(s, layer, *(x.cuda() for x in random_kv(length, hkv, d, seed=10 * s + layer)))
+    record = not inputs
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mix = torch.randn(d, d, generator=gen, device="cuda") / 8
+    q = torch.randn(n, hq, d, generator=gen, device="cuda")
+    got = []
+    for i in range(steps):
+        if record:
+            k = torch.randn(n, hkv, d, generator=gen, device="cuda")
+            v = torch.randn(n, hkv, d, generator=gen, device="cuda")
+            inputs.append((q, k, v))
+        else:
+            q, k, v = inputs[i]
+        out = rt.decode(i % layers, list(range(n)), q, k, v)
+        if after_step is not None:
+            after_step(i)
+        got.append(out)
+        if record:
+            q = torch.tanh(out @ mix) * 4  # the next layer's query depends on this output
+    return torch.stack(got)

@@ -268,33 +268,20 @@ def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(p
     previous layer's output, as in a model), so the host issues layer l + 1 while layer l's CPU
     tasks run. A runtime that waits, fed the same inputs, gives the same output at every step,
     spills included."""
-    from tests.helpers import random_kv
+    from tests.helpers import chained_decode
 
-    lengths = [50000, 30000, 40000]  # tasks of ~1 ms: they outlast the step's host work
     inputs, outs = [], {}
     for trails in (True, False):
         rt = _runtime(placement, trails)
         try:
-            for s, n in enumerate(lengths):
-                for layer in range(3):
-                    rt.prefill(s, layer, *(x.cuda() for x in random_kv(n, 2, 64, seed=10 * s + layer)))
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            mix = torch.randn(64, 64, generator=gen, device="cuda") / 8
-            q = torch.randn(3, 8, 64, generator=gen, device="cuda")
-            got = []
-            for i in range(120):  # 40 steps of 3 layers: past the window's generated cap, so spills change the tasks
-                if trails:
-                    k = torch.randn(3, 2, 64, generator=gen, device="cuda")
-                    v = torch.randn(3, 2, 64, generator=gen, device="cuda")
-                    inputs.append((q, k, v))
-                else:
-                    q, k, v = inputs[i]
-                out = rt.decode(i % 3, [0, 1, 2], q, k, v)
+
+            def last_layer_waits(i: int) -> None:
                 if i % 3 == 2:
                     assert rt.scheduler.cpu_inflight is None  # the last layer waits for its CPU tasks
-                got.append(out)
-                if trails:
-                    q = torch.tanh(out @ mix) * 4  # the next layer's query depends on this output
+
+            # Tasks of ~1 ms (they outlast the step's host work); 40 steps of 3 layers: past the window's
+            # generated cap, so spills change the tasks.
+            outs[trails] = chained_decode(rt, [50000, 30000, 40000], inputs, after_step=last_layer_waits)
             st = rt.stats()  # settles the last step; its records are complete
             # Waiting steps never trail; trailing ones do, unless all their tasks ended before the
             # step's host work did.
@@ -302,7 +289,6 @@ def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(p
             assert (trailed >= 30) if trails else (trailed == 0), f"{trailed} of 120 steps trailed their CPU tasks"
             recs = rt.timeline.records
             assert len(recs) == 120 and all(r.worker.min() >= 0 for r in recs if r.n_tasks)
-            outs[trails] = torch.stack(got)
         finally:
             rt.close()
     # cpu_only: the same kernels on the same data, so the same output to rounding. fluxion: the

@@ -201,34 +201,15 @@ def test_layers_started_on_the_devices_word_give_the_host_started_output(placeme
     """Layers chained on the GPU (each layer's q from the previous layer's output, as in a model):
     the host publishes layer l + 1 before its q exists. Runtimes starting on the host and on the
     device's word, fed the same inputs, give the same output at every step, spills included."""
-    from tests.helpers import random_kv
+    from tests.helpers import chained_decode
 
-    lengths = [50000, 30000, 40000]
     inputs, outs, stats = [], {}, {}
-    for start in ("host", "device"):
+    for start in ("host", "device"):  # 40 steps of 3 layers: past the window's cap, so spills start some on the host
         rt = _runtime(start, placement)
         try:
-            for s, n in enumerate(lengths):
-                for layer in range(3):
-                    rt.prefill(s, layer, *(x.cuda() for x in random_kv(n, 2, 64, seed=10 * s + layer)))
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            mix = torch.randn(64, 64, generator=gen, device="cuda") / 8
-            q = torch.randn(3, 8, 64, generator=gen, device="cuda")
-            got = []
-            for i in range(120):  # 40 steps of 3 layers: past the window's cap, so spills start some on the host
-                if start == "host":
-                    k = torch.randn(3, 2, 64, generator=gen, device="cuda")
-                    v = torch.randn(3, 2, 64, generator=gen, device="cuda")
-                    inputs.append((q, k, v))
-                else:
-                    q, k, v = inputs[i]
-                out = rt.decode(i % 3, [0, 1, 2], q, k, v)
-                got.append(out)
-                if start == "host":
-                    q = torch.tanh(out @ mix) * 4
+            outs[start] = chained_decode(rt, [50000, 30000, 40000], inputs)
             stats[start] = rt.stats()
             assert all(r.worker.min() >= 0 for r in rt.timeline.records if r.n_tasks)
-            outs[start] = torch.stack(got)
         finally:
             rt.close()
     assert stats["host"]["cpu_lane_device_starts"] == 0

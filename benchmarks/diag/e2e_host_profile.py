@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.e2e_decode import (  # noqa: E402
     VARIANTS,
-    _warm,
     attention_replaced,
     graphs_without_attention,
     hybrid_config,
+    runtime_overrides,
+    warmed_for_decode,
 )
 from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
     build_model,
@@ -112,14 +113,11 @@ def main() -> None:
     variant = VARIANTS[args.variant]
     if variant.kind != "hybrid":
         ap.error(f"--variant {args.variant} is not a hybrid variant")
-    import yaml
-
-    overrides: dict = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        overrides.setdefault(section, {})[name] = yaml.safe_load(value)
-    from hybrid_runtime.integrations.transformers import cores_for_runtime, disable_hybrid_attention, enable_hybrid_attention
+    try:
+        overrides = runtime_overrides(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
+    from hybrid_runtime.integrations.transformers import disable_hybrid_attention, enable_hybrid_attention
 
     cfg = model_config("llama-3.1-8b", **({"num_hidden_layers": args.layers} if args.layers else {}))
     model = build_model(cfg, "cuda" if torch.cuda.is_available() else "cpu")
@@ -142,12 +140,7 @@ def main() -> None:
                                                       overrides), decode_graphs=variant.decode_graphs)
     try:
         saved = torch.get_num_threads()
-        with cores_for_runtime(rt) as n_free, torch.no_grad():
-            torch.set_num_threads(saved)
-            decode_threads = [lambda: torch.set_num_threads(n_free)]
-            _warm(model, ids, mask, 2048, {}, on_first=decode_threads)
-            torch.set_num_threads(saved)
-            gc.collect()
+        with warmed_for_decode(model, rt, ids, mask) as decode_threads:
             plain = timed_generate(model, ids, mask, args.tokens, {}, on_first=decode_threads, measure_memory=False)
             torch.set_num_threads(saved)
             gc.collect()

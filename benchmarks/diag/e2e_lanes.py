@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.e2e_decode import VARIANTS, _warm, hybrid_config, with_variant_selection  # noqa: E402
+from benchmarks.e2e_decode import (  # noqa: E402
+    VARIANTS,
+    hybrid_config,
+    runtime_overrides,
+    warmed_for_decode,
+    with_variant_selection,
+)
 from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
     build_model,
     model_config,
@@ -152,19 +157,13 @@ def summary(marks: dict[str, np.ndarray]) -> str:
 
 
 def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: int, workers: int, overrides: dict) -> str:
-    from hybrid_runtime.integrations.transformers import cores_for_runtime, disable_hybrid_attention, enable_hybrid_attention
+    from hybrid_runtime.integrations.transformers import disable_hybrid_attention, enable_hybrid_attention
 
     variant = VARIANTS[name]
     cfg = with_variant_selection(hybrid_config(variant, batch, context, tokens, workers, overrides), variant)
     rt = enable_hybrid_attention(model, cfg, decode_graphs=variant.decode_graphs)
     try:
-        saved = torch.get_num_threads()
-        with cores_for_runtime(rt) as n_free, torch.no_grad():
-            torch.set_num_threads(saved)
-            decode_threads = [lambda: torch.set_num_threads(n_free)]
-            _warm(model, ids, mask, 2048, {}, on_first=decode_threads)
-            torch.set_num_threads(saved)
-            gc.collect()
+        with warmed_for_decode(model, rt, ids, mask) as decode_threads:
             rt.timeline.clear()
             stamps = HostStamps(rt)
             row = timed_generate(model, ids, mask, tokens, {}, on_first=decode_threads, measure_memory=False)
@@ -202,13 +201,10 @@ def main() -> None:
     bad = [v for v in names if v not in VARIANTS or VARIANTS[v].kind != "hybrid"]
     if bad:
         ap.error(f"not hybrid variants of e2e_decode: {bad}")
-    import yaml
-
-    overrides: dict = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        overrides.setdefault(section, {})[name] = yaml.safe_load(value)
+    try:
+        overrides = runtime_overrides(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     cfg = model_config("llama-3.1-8b", **({"num_hidden_layers": args.layers} if args.layers else {}))
     model = build_model(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     ids, mask = random_prompt(cfg.vocab_size, args.batch, args.context, 0, model.device)
