@@ -642,6 +642,13 @@ def with_variant_selection(cfg: Config, variant: Variant) -> Config:
     return config_from_dict(merged)
 
 
+def _lane_bytes(rt) -> int:
+    """Host bytes the runtime's lanes have read since it started (`stats()`: CPU tasks and GPU claims,
+    counted whether or not a timeline records them)."""
+    st = rt.stats()
+    return int(st["cpu_bytes_read"]) + int(st.get("gpu_bytes_read", 0))
+
+
 def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
                     cfg: Config, prefill_chunk_tokens: int | None = None) -> dict:
     from hybrid_runtime.integrations.transformers import (
@@ -693,6 +700,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             if store.sequences():
                 raise RuntimeError(f"runtime sequences {store.sequences()} still held before the measured call")
             rt.timeline.clear()
+            lane_bytes = _lane_bytes(rt)  # settles the warm-up's trailing work first
             with GcWatch() as gcw:
                 gcw.label = variant.name
                 gen = {"prefill_chunk_size": prefill_chunk_tokens} if prefill_chunk_tokens else {}
@@ -701,6 +709,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                               on_first=decode_threads))
                 finally:
                     unpin_caller()
+            lane_bytes = _lane_bytes(rt) - lane_bytes
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
         # Arenas are committed (and pinned) as prompts need them: what the run held at its end,
         # beside the address space reserved for the whole capacity.
@@ -708,6 +717,13 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["pinned_host_bytes"] = mem["pinned_bytes"]
         row["reserved_host_bytes"] = mem["reserved_bytes"]
         row.update(_timeline_fields(rt, rt.geometry.layers))
+        # The lanes' own byte counts over the measured call (with or without a timeline): its decode
+        # steps are the TPOT samples (the first token is the prompt's). A row without a timeline
+        # (`profiling.enabled: false`) takes its bytes per step, and so its floor, from them.
+        steps = row.get("tpot_samples") or 0
+        row["lane_bytes_per_step"] = lane_bytes / steps if steps else None
+        if row.get("bytes_per_step") is None and row["lane_bytes_per_step"] is not None:
+            row["bytes_per_step"], row["bytes_per_step_from"] = row["lane_bytes_per_step"], "lane counts"
         if graphs is not None:
             row["decode_graph_captures"], row["decode_graph_capture_s"] = graphs.captures, graphs.capture_s
         st = rt.stats()
@@ -907,8 +923,9 @@ def assemble_metrics(points: list[dict]) -> dict:
     cands = {"runtime_construction_s_max": (max, [p["runtime_construction_s"] for p in points if p.get("status") == "ok"
                                                   and p.get("runtime_construction_s") is not None])}
     # The fluxion rows (and, apart, those with the model's own forward instead of the decode
-    # graphs), repeats included: a repeated variant is held to the target in each run.
-    for variant in ("fluxion", "fluxion_eager_model"):
+    # graphs, and those without a timeline), repeats included: a repeated variant is held to the
+    # target in each run.
+    for variant in ("fluxion", "fluxion_eager_model", "fluxion_unprofiled"):
         flux = [p for p in points if p.get("status") == "ok" and p["variant"] == variant
                 and p.get("tpot_ms_median") is not None]
         cands.update({

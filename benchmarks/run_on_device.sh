@@ -54,13 +54,13 @@ for step in $steps; do
         # the machine stays the same); then, here: python benchmarks/e2e_merge.py <the three files>.
         # In order of what the table needs most: what a unit would not fit in the call is left out.
         e2e_part32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K \
-            --variants fluxion,fluxion_eager_model,dense,offloaded,static,cpu_only,fluxion_predictor --budget-s 545 \
+            --variants fluxion,fluxion_unprofiled,dense,offloaded,static,cpu_only,fluxion_predictor,fluxion_eager_model --budget-s 545 \
             --out "$out/e2e_decode_part32k-$dev.json" ;;
         e2e_part96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
-            --variants fluxion,fluxion_eager_model,dense,offloaded,static,cpu_only,fluxion_predictor --budget-s 545 \
+            --variants fluxion,fluxion_unprofiled,dense,offloaded,static,cpu_only,fluxion_predictor,fluxion_eager_model --budget-s 545 \
             --out "$out/e2e_decode_part96k-$dev.json" ;;
         e2e_part128k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x128K \
-            --variants fluxion,fluxion_eager_model,dense,offloaded,static,cpu_only,fluxion_predictor --budget-s 545 \
+            --variants fluxion,fluxion_unprofiled,dense,offloaded,static,cpu_only,fluxion_predictor,fluxion_eager_model --budget-s 545 \
             --out "$out/e2e_decode_part128k-$dev.json" ;;
         # fluxion against cpu_only with the caller pinned to the free core and the trailing gate off,
         # interleaved twice at the two 32K points (a variant's single run moves 20-35% on one lease).

@@ -94,6 +94,8 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert row["bytes_per_step"] > 0
     assert row["timeline_bytes_total"] == seen["bytes"] > 0
     assert row["bytes_per_step"] * row["decode_steps"] == pytest.approx(row["timeline_bytes_total"])
+    # The lanes' own counts over the same call agree (what a row without a timeline takes instead).
+    assert row["lane_bytes_per_step"] == pytest.approx(row["bytes_per_step"]) and "bytes_per_step_from" not in row
     assert row["gpu_byte_share"] == 0.0  # cpu_only: every byte read by the CPU workers
     assert row["runtime_construction_s"] > 0
     # The workers' start-up is not in the construction: the warm-up's first decode step waited for
@@ -143,6 +145,18 @@ def test_attention_splits_into_lead_tasks_and_tail():
     assert split["step_tail_ms_median"] == pytest.approx(2.0 + 3.0)  # 1.008 .. 1.010, and 1.020 .. 1.023
     assert split["step_cpu_task_busy_ms_median"] == pytest.approx(6.0)  # the CPU task only
     assert split["step_attention_ms_median"] == pytest.approx(1.0 + 7.0 + 5.0)
+
+
+def test_a_row_without_a_timeline_takes_its_bytes_per_step_from_the_lanes_counts(model):
+    row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_unprofiled"], BATCH, CONTEXT, new_tokens=NEW,
+                       warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    assert row["status"] == "ok" and row["timeline_records"] == 0
+    assert row["bytes_per_step_from"] == "lane counts" and row["bytes_per_step"] == row["lane_bytes_per_step"] > 0
+    e2e.annotate_points([row], {}, ceiling_GBps=100.0)
+    assert "floor_ms" not in row  # no no-attention step measured here; with one, the floor follows from the counts
+    row["floor_noattn_paired_ms"] = 1.0
+    e2e.annotate_points([row], {}, ceiling_GBps=100.0)
+    assert row["floor_ms"] == pytest.approx(1.0 + row["bytes_per_step"] / 1e8)
 
 
 def test_the_model_is_left_as_it_was(model, measured):
