@@ -63,6 +63,9 @@ def main() -> None:
                     times.append(time.perf_counter() - t0)
                 x @ w
         stats = rt.stats()
+        tl = rt.timeline
+        n_rec = (args.warmup + args.steps) * g.layers
+        timeline_us = (tl.recording_s / n_rec * 1e6, tl.resolve_s / n_rec * 1e6) if tl.enabled else None
     kk, vv = torch.randn(2, 1, g.kv_heads, args.context, g.head_dim)
     qq = torch.randn(1, g.q_heads, 1, g.head_dim)
     sdpa = []
@@ -74,6 +77,8 @@ def main() -> None:
     print(f"decode per layer: median {np.median(ms):.3f} ms, mean {ms.mean():.3f}, p99 {np.percentile(ms, 99):.3f} "
           f"({stats['cpu_workers']} CPU workers, {stats['pinning']}); "
           f"sdpa over {args.context} tokens: median {np.median(sdpa) * 1e3:.3f} ms")
+    if timeline_us is not None:  # the timeline's own host time on the decode path (profiling.enabled)
+        print(f"timeline per layer-step: record {timeline_us[0]:.1f} us, batch resolution {timeline_us[1]:.1f} us")
 
 
 if __name__ == "__main__":
