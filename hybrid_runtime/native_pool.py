@@ -17,6 +17,8 @@ Shared state (`ctrl`, int64, hot words on their own cache lines):
            position of a newer job
     DONE   positions finished (CPU side) in the current job
     LAYER, B, N   the job: layer, batch size, number of queue positions
+    QGATE, QREADY the job waits for the device's word; that word, written by the caller's stream
+                  ("Starting on the device's word" below)
 The host writes the task table, then publishes (SEQ odd, parameters, WORD, DONE, SEQ even). The
 GPU lane claims ranges of positions from the same WORD (`claim`), so the fluxion placement's two
 devices pull from one priority queue. `close` stops further pops and returns how many positions
