@@ -52,18 +52,13 @@ def _stream_memory_op(name: str):
     return fn
 
 
-def _driver_wait():
-    return _stream_memory_op("cuStreamWaitValue64")
+_WAIT_OP, _WRITE_OP = "cuStreamWaitValue64", "cuStreamWriteValue64"
 
 
-def _driver_write():
-    return _stream_memory_op("cuStreamWriteValue64")
-
-
-def driver_write_available() -> str | None:
-    """None where `signal_value` can run, else why not."""
+def _missing(name: str) -> str | None:
+    """None where the driver has stream memory operation `name`, else why not."""
     try:
-        _driver_write()
+        _stream_memory_op(name)
     except RuntimeError as exc:
         return str(exc)
     return None
@@ -71,11 +66,12 @@ def driver_write_available() -> str | None:
 
 def driver_wait_available() -> str | None:
     """None where `wait_for_count` can run, else why not."""
-    try:
-        _driver_wait()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+    return _missing(_WAIT_OP)
+
+
+def driver_write_available() -> str | None:
+    """None where `signal_value` can run, else why not."""
+    return _missing(_WRITE_OP)
 
 
 def device_address(word: torch.Tensor) -> int:
@@ -91,7 +87,7 @@ def device_address(word: torch.Tensor) -> int:
 def wait_for_count(address: int, target: int, stream: int) -> None:
     """Queue on `stream` (raw handle) a wait until the int64 at device `address` (pinned host
     memory, `device_address`) is >= `target`."""
-    status = _driver_wait()(ctypes.c_void_p(stream), address, int(target), _WAIT_GEQ)
+    status = _stream_memory_op(_WAIT_OP)(ctypes.c_void_p(stream), address, int(target), _WAIT_GEQ)
     if status != 0:
         raise RuntimeError(f"cuStreamWaitValue64 failed with CUDA driver error {status}")
 
@@ -99,7 +95,7 @@ def wait_for_count(address: int, target: int, stream: int) -> None:
 def signal_value(address: int, value: int, stream: int) -> None:
     """Queue on `stream` (raw handle) a write of `value` to the int64 at device `address` (pinned
     host memory, `device_address`), fenced behind the stream's earlier work."""
-    status = _driver_write()(ctypes.c_void_p(stream), address, int(value), _WRITE_DEFAULT)
+    status = _stream_memory_op(_WRITE_OP)(ctypes.c_void_p(stream), address, int(value), _WRITE_DEFAULT)
     if status != 0:
         raise RuntimeError(f"cuStreamWriteValue64 failed with CUDA driver error {status}")
 
