@@ -642,10 +642,9 @@ def with_variant_selection(cfg: Config, variant: Variant) -> Config:
     return config_from_dict(merged)
 
 
-def _lane_bytes(rt) -> int:
-    """Host bytes the runtime's lanes have read since it started (`stats()`: CPU tasks and GPU claims,
-    counted whether or not a timeline records them)."""
-    st = rt.stats()
+def _lane_bytes(st: dict) -> int:
+    """Host bytes a runtime's lanes had read since it started, from its `stats()` (CPU tasks and GPU
+    claims, counted whether or not a timeline records them)."""
     return int(st["cpu_bytes_read"]) + int(st.get("gpu_bytes_read", 0))
 
 
@@ -700,7 +699,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             if store.sequences():
                 raise RuntimeError(f"runtime sequences {store.sequences()} still held before the measured call")
             rt.timeline.clear()
-            lane_bytes = _lane_bytes(rt)  # settles the warm-up's trailing work first
+            lane_bytes = _lane_bytes(rt.stats())  # settles the warm-up's trailing work first
             with GcWatch() as gcw:
                 gcw.label = variant.name
                 gen = {"prefill_chunk_size": prefill_chunk_tokens} if prefill_chunk_tokens else {}
@@ -709,14 +708,15 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                               on_first=decode_threads))
                 finally:
                     unpin_caller()
-            lane_bytes = _lane_bytes(rt) - lane_bytes
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
         # Arenas are committed (and pinned) as prompts need them: what the run held at its end,
         # beside the address space reserved for the whole capacity.
         mem = store.memory_stats()
         row["pinned_host_bytes"] = mem["pinned_bytes"]
         row["reserved_host_bytes"] = mem["reserved_bytes"]
+        st = rt.stats()  # settles the measured call's last step: its bytes and records are complete
         row.update(_timeline_fields(rt, rt.geometry.layers))
+        lane_bytes = _lane_bytes(st) - lane_bytes
         # The lanes' own byte counts over the measured call (with or without a timeline): its decode
         # steps are the TPOT samples (the first token is the prompt's). A row without a timeline
         # (`profiling.enabled: false`) takes its bytes per step, and so its floor, from them.
@@ -726,7 +726,6 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             row["bytes_per_step"], row["bytes_per_step_from"] = row["lane_bytes_per_step"], "lane counts"
         if graphs is not None:
             row["decode_graph_captures"], row["decode_graph_capture_s"] = graphs.captures, graphs.capture_s
-        st = rt.stats()
         # The first decode step with CPU tasks (the warm-up's, when there is one) waited this long
         # for the CPU workers' start-up; the workers took `worker_start_s` from construction on.
         row["worker_start_wait_s"], row["worker_start_s"] = st["worker_start_wait_s"], st["worker_start_s"]
