@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any, Iterator
 
@@ -128,3 +129,16 @@ def chained_decode(rt: Any, lengths: list[int], inputs: list, steps: int = 120, 
         if record:
             q = torch.tanh(out @ mix) * 4  # the next layer's query depends on this output
     return torch.stack(got)
+
+
+def store_after(arr: Any, index: int, value: int, after_s: float = 0.0) -> threading.Thread:
+    """A thread that stores `value` into `arr[index]` `after_s` seconds from now (an aligned 8-byte
+    store, which the native workers' acquire loads see): what another agent -- a test's gate, the
+    device's stream write -- does to a word the workers wait on. Started; join it."""
+    def go() -> None:
+        time.sleep(after_s)
+        arr[index] = value
+
+    th = threading.Thread(target=go)
+    th.start()
+    return th

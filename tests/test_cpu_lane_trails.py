@@ -18,6 +18,7 @@ import torch
 
 from hybrid_runtime import native_pool
 from hybrid_runtime.scheduler import Scheduler, StepJob, StepTimeoutError
+from tests.helpers import store_after
 from tests.test_scheduler import CountingGpu, CountingNativeCpu, id_tasks, native_args, sched_cfg
 
 N = 64
@@ -43,13 +44,7 @@ def scheduler(placement: str = "cpu_only", timeout: float = 120.0, gpu: object =
 
 
 def open_gate(hits: np.ndarray, after_s: float = 0.0) -> threading.Thread:
-    def go():
-        time.sleep(after_s)
-        hits[-1] = 1  # an aligned 8-byte store: the workers' acquire loads see it
-
-    th = threading.Thread(target=go)
-    th.start()
-    return th
+    return store_after(hits, hits.shape[0] - 1, 1, after_s)
 
 
 def await_count(s: Scheduler, job: StepJob, timeout: float = 60.0) -> None:

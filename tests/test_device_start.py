@@ -21,6 +21,7 @@ import torch
 from hybrid_runtime import native_pool
 from hybrid_runtime.config import ConfigError, config_from_dict, resolved
 from hybrid_runtime.scheduler import Scheduler, StepJob, StepTimeoutError
+from tests.helpers import store_after
 from tests.test_scheduler import CountingNativeCpu, counting_kernel, id_tasks, native_args, sched_cfg
 
 N = 48
@@ -35,13 +36,7 @@ def scheduler(timeout: float = 120.0) -> tuple[Scheduler, np.ndarray]:
 
 def signal_after(ctrl: np.ndarray, value: int, after_s: float) -> threading.Thread:
     """The device's write of `value` to QREADY, `after_s` from now, from another thread."""
-    def go():
-        time.sleep(after_s)
-        ctrl[native_pool.C_QREADY] = value  # an aligned 8-byte store: the workers' acquire loads see it
-
-    th = threading.Thread(target=go)
-    th.start()
-    return th
+    return store_after(ctrl, native_pool.C_QREADY, value, after_s)
 
 
 def test_a_gated_job_pops_nothing_until_the_word_reaches_its_id():
