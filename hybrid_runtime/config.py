@@ -383,8 +383,9 @@ class SchedulerConfig:
     # copy on the caller's stream). "host": the launcher thread waits for that copy, then releases
     # the workers. "device": the workers are released with the step's job before q is there and
     # start on a word the caller's stream writes after the copy (`hybrid_runtime.native_pool`,
-    # "Starting on the device's word"): no host thread between q landing and the first task, and
-    # the launcher issues the GPU lane's claim and the window part before q exists. The step then
+    # "Starting on the device's word"): no host thread between q landing and the first task of a
+    # job published by then, and the launcher issues the GPU lane's claim and the window part
+    # without waiting for q (before q exists, when it runs ahead of the device). The step then
     # never waits for q, so its NaN/inf check is deferred (`finite_check`). "auto": "device" where
     # the driver's stream write exists and `finite_check` is not "sync", else "host". Steps that
     # spill window pages into the CPU segment start on the host.
