@@ -57,6 +57,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_host_selection_unplanned  `CachedLaunch` instead.
     fluxion_unprofiled  fluxion with `profiling.enabled: false`: no timeline (no CUDA timing events or
                         records per layer-step), so its row has no lane split.
+    fluxion_sampled     fluxion with `profiling.sample_every: 8`: the timeline records one token in 8 (every
+                        layer of it); the other steps run as unprofiled ones.
     fluxion_w11         fluxion with 11 CPU workers (`scheduler.cpu_workers`; the default is every core
                         but the caller's): less memory traffic beside the generating thread.
     fluxion_pinned_caller, fluxion and cpu_only with the thread that calls `generate` confined to the
@@ -310,6 +312,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The runtime's timeline off (`profiling.enabled: false`): no CUDA timing events or records a
     # layer-step; what recording costs the token (this variant has no lane split in its row).
     Variant("fluxion_unprofiled", "hybrid", placement="fluxion", profiling={"enabled": False}),
+    # ... or on one token in eight (`profiling.sample_every`): what a sampled timeline costs.
+    Variant("fluxion_sampled", "hybrid", placement="fluxion", profiling={"sample_every": 8}),
     # Four CPU workers fewer (11 on a 16-core host): less of the host's memory traffic beside the
     # generating thread, whose Python between layers ran ~1.5x its floor step's (notes/e2e_overlap.md).
     Variant("fluxion_w11", "hybrid", placement="fluxion", scheduler={"cpu_workers": 11}),
@@ -719,10 +723,12 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         lane_bytes = _lane_bytes(st) - lane_bytes
         # The lanes' own byte counts over the measured call (with or without a timeline): its decode
         # steps are the TPOT samples (the first token is the prompt's). A row without a timeline
-        # (`profiling.enabled: false`) takes its bytes per step, and so its floor, from them.
+        # (`profiling.enabled: false`), or whose timeline recorded only some tokens
+        # (`profiling.sample_every`), takes its bytes per step, and so its floor, from them.
         steps = row.get("tpot_samples") or 0
         row["lane_bytes_per_step"] = lane_bytes / steps if steps else None
-        if row.get("bytes_per_step") is None and row["lane_bytes_per_step"] is not None:
+        row["timeline_sample_every"] = rt.timeline.sample_every
+        if (row.get("bytes_per_step") is None or rt.timeline.sample_every > 1) and row["lane_bytes_per_step"] is not None:
             row["bytes_per_step"], row["bytes_per_step_from"] = row["lane_bytes_per_step"], "lane counts"
         if graphs is not None:
             row["decode_graph_captures"], row["decode_graph_capture_s"] = graphs.captures, graphs.capture_s
@@ -924,7 +930,7 @@ def assemble_metrics(points: list[dict]) -> dict:
     # The fluxion rows (and, apart, those with the model's own forward instead of the decode
     # graphs, and those without a timeline), repeats included: a repeated variant is held to the
     # target in each run.
-    for variant in ("fluxion", "fluxion_eager_model", "fluxion_unprofiled"):
+    for variant in ("fluxion", "fluxion_eager_model", "fluxion_unprofiled", "fluxion_sampled"):
         flux = [p for p in points if p.get("status") == "ok" and p["variant"] == variant
                 and p.get("tpot_ms_median") is not None]
         cands.update({

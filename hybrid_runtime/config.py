@@ -445,6 +445,10 @@ class ProfilingConfig:
     # The timeline keeps the last this many steps (one step: one layer of one decode call) and
     # counts the ones it dropped, so profiling a long-running runtime holds bounded memory.
     max_steps: int = field(default=16384, metadata=_range(1, None))
+    # Record one decode token in this many (every layer of it); the other steps run as with
+    # profiling off. The timeline's events, columns and records cost host time on every step it
+    # records (benchmarks/notes/e2e_overlap.md section 17); 1 records every step.
+    sample_every: int = field(default=1, metadata=_range(1, None))
 
 
 @dataclass(frozen=True)

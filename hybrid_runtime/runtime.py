@@ -471,7 +471,7 @@ class HybridRuntime:
             self.scheduler.clock = clock if lane_cuda else None
             self._timeline = Timeline(self.scheduler.worker_names, self.scheduler.worker_lanes,
                                       clock if cfg.profiling.enabled else None, enabled=cfg.profiling.enabled,
-                                      max_steps=cfg.profiling.max_steps)
+                                      max_steps=cfg.profiling.max_steps, sample_every=cfg.profiling.sample_every)
             # A step may return before its last GPU claims ended (`GpuLane.trails`): they fill its
             # timeline columns when retired.
             self._timeline.before_resolve = self.scheduler.settle
@@ -865,7 +865,7 @@ class HybridRuntime:
         if lookahead is not None:
             self._check_lookahead(layer, seq_ids, lookahead)
         store, geo = self.store, self.geometry
-        prof = self._timeline.enabled
+        prof = self._timeline.wants(layer)  # profiling on and this step sampled
         timing = self._timeline.events.record  # the timeline's events, reused once it has read them
         caller = current_stream() if cuda else None  # looked up once: each lookup costs host time
         ev_entry = timing(caller) if cuda and prof else None

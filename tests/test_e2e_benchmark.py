@@ -471,7 +471,8 @@ def test_options_and_points():
                           "fluxion_host_start", "cpu_only_host_start", "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
                           "fluxion_gpu_selection", "fluxion_no_spin", "fluxion_short_spin", "fluxion_unplanned",
                           "cpu_only_unplanned", "fluxion_host_selection_unplanned",
-                          "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_unprofiled", "fluxion_w11"]
+                          "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_unprofiled", "fluxion_sampled",
+                          "fluxion_w11"]
     q = e2e.parse_args(["--quick"])
     assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants
     with pytest.raises(SystemExit):

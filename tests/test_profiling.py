@@ -217,6 +217,56 @@ def test_profiling_max_steps_bounds_the_runtime_timeline():
         assert [r.index for r in rt.timeline.records] == [2, 3, 4] and rt.timeline.summary()["dropped_steps"] == 2
 
 
+def test_a_sampled_timeline_records_whole_tokens_one_in_n():
+    tl = Timeline(["cpu0"], [LANE_CPU], clock=None, sample_every=3)
+    wanted = [(token, layer) for token in range(7) for layer in range(4) if tl.wants(layer)]
+    # Every layer of tokens 0, 3 and 6: per-token figures (a token summed over its layers) stay whole.
+    assert wanted == [(t, layer) for t in (0, 3, 6) for layer in range(4)]
+    assert tl.skipped_steps == 7 * 4 - 12
+    tl.clear()  # counts restart: the next token is recorded
+    assert tl.skipped_steps == 0 and tl.wants(2) and not tl.wants(2)
+    assert all(Timeline(["cpu0"], [LANE_CPU]).wants(0) for _ in range(3))  # sample_every 1: every step
+    assert not Timeline(["cpu0"], [LANE_CPU], enabled=False).wants(0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"sample_every is {bad!r}; expected an integer >= 1"):
+            Timeline(["cpu0"], [LANE_CPU], sample_every=bad)
+
+
+def test_profiling_sample_every_records_one_token_in_n_and_leaves_the_rest_unprofiled():
+    from hybrid_runtime.config import ConfigError, config_from_dict
+
+    base = rt_config().to_dict()
+    with pytest.raises(ConfigError, match="profiling.sample_every"):
+        config_from_dict({**base, "profiling": {"sample_every": 0}})
+    with HybridRuntime(config_from_dict({**base, "profiling": {"sample_every": 2}})) as rt:
+        prefill_all(rt)
+        gen = torch.Generator().manual_seed(0)
+        out = {}
+        for token in range(5):
+            for layer in (0, 1):
+                out[token, layer] = rt.decode(layer, [0, 1, 2], torch.randn(3, 8, 32, generator=gen),
+                                              torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen))
+        recs = rt.timeline.records
+        assert [r.layer for r in recs] == [0, 1] * 3 and [r.index for r in recs] == list(range(6))
+        assert all(r.n_tasks == 6 and (r.worker >= 0).all() and r.bytes_read.sum() > 0 for r in recs)
+        summary = rt.timeline.summary()
+        assert summary["steps"] == 6 and summary["sample_every"] == 2 and summary["skipped_steps"] == 4
+        # The lanes count every step's bytes, sampled or not.
+        lanes = sum(ex.bytes_read for ex in (rt.cpu_executor, rt.gpu_executor) if ex is not None)
+        assert lanes > summary["bytes_cpu"] + summary.get("bytes_gpu", 0)
+    # The unrecorded steps computed the same attention as recorded ones would: every step was recorded
+    # in a second runtime fed the same inputs.
+    with HybridRuntime(config_from_dict(base)) as rt:
+        prefill_all(rt)
+        gen = torch.Generator().manual_seed(0)
+        for token in range(5):
+            for layer in (0, 1):
+                again = rt.decode(layer, [0, 1, 2], torch.randn(3, 8, 32, generator=gen),
+                                  torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen))
+                torch.testing.assert_close(again, out[token, layer])
+        assert len(rt.timeline) == 10
+
+
 class _DriftingEvents:
     """A stand-in for torch's CUDA events whose timer runs `ppm` parts per million slow against the host."""
 

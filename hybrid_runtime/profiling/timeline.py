@@ -12,6 +12,12 @@ Retention is bounded: a timeline keeps the last `max_steps` resolved steps and c
 ones it dropped (`dropped_steps`, also in `summary()`), so a runtime that decodes for hours with
 profiling on holds a fixed amount of memory, and a report says when it covers only the tail.
 
+Recording can be sampled (`sample_every`): the timeline then records every layer of one decode
+token in every `sample_every` (`wants`, asked by the decode path before a step) and the other
+steps run as with profiling off -- no timing events, no per-task columns, no record. Whole tokens,
+not every n-th layer-step, so that per-token figures (the host time between layers, a token's
+attention summed over its layers) stay whole.
+
 One clock: `time.perf_counter()` seconds. CUDA events are mapped onto it by `CudaClock`, which
 pairs one reference event with the host time at which the idle GPU executed it.
 """
@@ -220,14 +226,20 @@ class Timeline:
     MAX_STEPS = 16384
 
     def __init__(self, worker_names: Sequence[str], worker_lanes: Sequence[int], clock: CudaClock | None = None,
-                 enabled: bool = True, max_steps: int = MAX_STEPS):
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps is {max_steps!r}; expected an integer >= 1 (steps a timeline retains)")
+                 enabled: bool = True, max_steps: int = MAX_STEPS, sample_every: int = 1):
+        for name, value, what in (("max_steps", max_steps, "steps a timeline retains"),
+                                  ("sample_every", sample_every, "1 records every decode token, n one in n")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} is {value!r}; expected an integer >= 1 ({what})")
         self.worker_names = list(worker_names)
         self.worker_lanes = np.asarray(worker_lanes, dtype=np.int8)
         self.clock = clock
         self.enabled = enabled
         self.max_steps = max_steps
+        self.sample_every = sample_every
+        # Decode calls per layer since `clear` (`wants`): layer-steps of one token share a count.
+        self._layer_calls: dict[int, int] = {}
+        self.skipped_steps = 0  # layer-steps left unrecorded by sampling (since `clear`)
         self.dropped_steps = 0  # resolved steps forgotten to stay within max_steps (since `clear`)
         self._pending: list[_Pending] = []
         self._records: list[StepRecord] = []
@@ -242,6 +254,21 @@ class Timeline:
         self.resolve_s = 0.0  # host time spent converting pending steps into records
 
     # ------------------------------------------------------------------ hot path
+    def wants(self, layer: int) -> bool:
+        """Whether the decode step about to run at `layer` is to be recorded; counts the call.
+        Each layer is called once per token, so counting per layer samples whole tokens, in
+        step with each other, starting with the first token after `clear`."""
+        if not self.enabled:
+            return False
+        if self.sample_every == 1:
+            return True
+        calls = self._layer_calls.get(layer, 0)
+        self._layer_calls[layer] = calls + 1
+        if calls % self.sample_every:
+            self.skipped_steps += 1
+            return False
+        return True
+
     def record(
         self,
         *,
@@ -375,6 +402,8 @@ class Timeline:
         self._resolve(block=True)
         self._records = []
         self.dropped_steps = 0
+        self.skipped_steps = 0
+        self._layer_calls = {}
         self.recording_s = 0.0
         self.resolve_s = 0.0
         if self.clock is not None:
@@ -400,6 +429,8 @@ class Timeline:
 
         summary = summarize(self)  # over the retained steps; resolves first, so the count below is final
         summary["dropped_steps"] = self.dropped_steps
+        summary["sample_every"] = self.sample_every
+        summary["skipped_steps"] = self.skipped_steps
         return summary
 
     def chrome_trace(self) -> dict:
