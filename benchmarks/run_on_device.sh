@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_latency runtime_tests e2e_decode e2e_part32k e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -20,6 +20,8 @@ export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
   if ls .carry/wheels/*.whl >/dev/null 2>&1; then pip install -q --no-deps .carry/wheels/*.whl; fi
   pip install -q --no-deps --no-build-isolation -e .; } \
     >"$out/setup.log" 2>&1
+# The e2e table's variants every part runs first.
+e2e_variants=fluxion,fluxion_sampled,fluxion_unprofiled,dense,offloaded,cpu_only
 # The results files' device suffix (h100, h200, ...), as the benchmarks name them themselves.
 dev=$(python -c "from hybrid_runtime.profiling.results import device_slug; print(device_slug())" 2>>"$out/setup.log" || echo gpu)
 for step in $steps; do
@@ -47,20 +49,28 @@ for step in $steps; do
             timeout 60 python benchmarks/diag/graph_replay_cost.py ;;
         select_latency) timeout 100 python benchmarks/diag/select_latency.py --batch 4 --context 32768 &&
             timeout 150 python benchmarks/diag/select_latency.py --batch 4 --context 131072 --reps 10 ;;
+        profiling_tests) timeout 120 python -m pytest -v --tb=short -p no:cacheprovider tests/test_profiling.py ;;
         runtime_tests) timeout 400 python -m pytest -v --tb=short -p no:cacheprovider tests/test_runtime.py \
             tests/test_warmup.py tests/test_cpu_lane_trails.py tests/test_step_inputs.py tests/test_deferred_input_check.py ;;
         e2e_decode) timeout 590 python benchmarks/e2e_decode.py --out "$out/e2e_decode-$dev.json" ;;
         # The full Llama-3.1-8B table in three calls (one step per call, made one after another so
         # the machine stays the same); then, here: python benchmarks/e2e_merge.py <the three files>.
         # In order of what the table needs most: what a unit would not fit in the call is left out.
-        e2e_part32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K \
-            --variants fluxion,fluxion_unprofiled,dense,offloaded,static,cpu_only,fluxion_predictor,fluxion_eager_model --budget-s 545 \
+        # One variant list for every part: the issue's rows first (the runtime with its timeline on every
+        # step, on one token in 8, and off), then the baselines, then the rest; a unit the call's time
+        # limit cuts is lost, the units before it are saved. 540 s: a short step may share the call.
+        e2e_part32k) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K \
+            --variants $e2e_variants,static,fluxion_predictor,fluxion_eager_model --budget-s 900 \
             --out "$out/e2e_decode_part32k-$dev.json" ;;
-        e2e_part96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
-            --variants fluxion,fluxion_unprofiled,dense,offloaded,static,cpu_only,fluxion_predictor,fluxion_eager_model --budget-s 545 \
+        # 2 x 96K and 4 x 128K in one call.
+        e2e_part_long) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K,4x128K \
+            --variants $e2e_variants,fluxion_predictor --budget-s 900 \
+            --out "$out/e2e_decode_part_long-$dev.json" ;;
+        e2e_part96k) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
+            --variants $e2e_variants,static,fluxion_predictor,fluxion_eager_model --budget-s 900 \
             --out "$out/e2e_decode_part96k-$dev.json" ;;
-        e2e_part128k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x128K \
-            --variants fluxion,fluxion_unprofiled,dense,offloaded,static,cpu_only,fluxion_predictor,fluxion_eager_model --budget-s 545 \
+        e2e_part128k) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x128K \
+            --variants $e2e_variants,fluxion_predictor,fluxion_eager_model --budget-s 900 \
             --out "$out/e2e_decode_part128k-$dev.json" ;;
         # fluxion against cpu_only with the caller pinned to the free core and the trailing gate off,
         # interleaved twice at the two 32K points (a variant's single run moves 20-35% on one lease).
