@@ -69,7 +69,6 @@ def run_steps(placement="fluxion", steps=3, plan="fixed", budget=0.2):
     prefill_all(rt)
     gen = torch.Generator().manual_seed(0)
     bytes_before = sum(ex.bytes_read for ex in (rt.cpu_executor, rt.gpu_executor) if ex is not None)
-    n_tasks = 0
     for _ in range(steps):
         for layer in (0, 1):
             q = torch.randn(3, 8, 32, generator=gen)
