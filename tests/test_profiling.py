@@ -162,37 +162,71 @@ def test_disabled_profiling_records_nothing():
         assert len(rt.timeline) == 0
 
 
-def test_timeline_resolves_in_batches():
+def _record_host_step(tl, i, layer=0):
+    tl.record(layer=layer, batch=1, placement="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
+              gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
+
+
+def test_timeline_converts_a_few_of_the_oldest_steps_per_recorded_step():
+    """Once more than RESOLVE_LAG steps are held, each record converts RESOLVE_PER_STEP of the
+    oldest: an even cost per step, not a batch of hundreds in one token's time."""
     tl = Timeline(["cpu0"], [LANE_CPU], clock=None)
-    tl.RESOLVE_EVERY = 4  # (256 by default)
-    for i in range(10):
-        tl.record(layer=0, batch=1, placement="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
-                  gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
-    assert len(tl._records) == 8 and len(tl._pending) == 2  # resolved in two batches of four
-    assert [r.attention_s for r in tl.records] == [0.5] * 10
+    tl.RESOLVE_LAG, tl.RESOLVE_PER_STEP = 4, 2
+    converted = []
+    for i in range(12):
+        _record_host_step(tl, i)
+        converted.append(len(tl._records))
+        assert len(tl._pending) <= 5
+    assert converted == [0, 0, 0, 0, 2, 2, 4, 4, 6, 6, 8, 8]
+    assert [r.attention_s for r in tl.records] == [0.5] * 12 and not tl._pending  # a read converts the rest
+
+
+def test_timeline_converts_steps_whose_events_have_completed_only():
+    class Pending:  # an end event the device has not reached yet
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    tl = Timeline(["cpu0"], [LANE_CPU], clock=None)
+    tl.RESOLVE_LAG = 2
+    ev = Pending()
+    tl.record(layer=0, batch=1, placement="cpu_only", t_entry=0.0, ev_entry=None, tasks=[], gpu_events=[],
+              gpu_batches=[], t_end_host=0.5, ev_end=ev)
+    for i in range(1, 6):
+        _record_host_step(tl, i)
+    assert len(tl._records) == 0 and len(tl._pending) == 6  # in order: nothing passes the step still running
+    ev.done = True
+    _record_host_step(tl, 6)
+    assert len(tl._records) == 2
 
 
 def test_timeline_settles_trailing_work_before_it_converts_a_step():
-    """`before_resolve` (the GPU lane's `settle`) runs first; while it reports work outstanding, a
-    batch resolution leaves the last step pending (its columns are filled when that work retires)."""
+    """A read runs `before_resolve` (the GPU lane's `settle`) first; while it reports work
+    outstanding, the last step stays pending (its columns are filled when that work retires).
+    The conversions on the decode path never take the last step."""
     tl = Timeline(["cpu0"], [LANE_CPU], clock=None)
-    tl.RESOLVE_EVERY = 4
+    tl.RESOLVE_LAG, tl.RESOLVE_PER_STEP = 0, 8
     calls = []
     tl.before_resolve = lambda block: calls.append(block) or not block  # outstanding until a blocking settle
     for i in range(4):
-        tl.record(layer=0, batch=1, placement="fluxion", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
-                  gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
-    assert calls == [False] and len(tl._records) == 3 and [p.index for p in tl._pending] == [3]
+        _record_host_step(tl, i)
+        assert [p.index for p in tl._pending] == [i]  # the older ones converted, never the last
+    assert calls == []
+    tl._resolve(block=False)
+    assert calls == [False] and [p.index for p in tl._pending] == [3]
     assert len(tl.records) == 4 and calls == [False, True]
 
 
 def test_timeline_keeps_the_last_max_steps_and_counts_the_dropped():
     tl = Timeline(["cpu0"], [LANE_CPU], clock=None, max_steps=6)
-    tl.RESOLVE_EVERY = 4
+    tl.RESOLVE_LAG = 4
     for i in range(23):
-        tl.record(layer=i % 2, batch=1, placement="cpu_only", t_entry=float(i), ev_entry=None, tasks=[], gpu_events=[],
-                  gpu_batches=[], t_end_host=i + 0.5, ev_end=None)
-        assert len(tl._records) + len(tl._pending) <= 6 + tl.RESOLVE_EVERY  # bounded on the way, not only at the end
+        _record_host_step(tl, i, layer=i % 2)
+        assert len(tl._records) + len(tl._pending) <= 6 + tl.RESOLVE_LAG + 1  # bounded on the way, not only at the end
         assert len(tl) == min(i + 1, 6) and tl.recorded_steps == i + 1
     assert [r.index for r in tl.records] == list(range(17, 23)) and tl.dropped_steps == 17
     summary = tl.summary()
@@ -354,14 +388,14 @@ def test_gpu_idle_is_measured_on_cuda():
 def test_timing_events_are_reused_after_their_steps_resolve(monkeypatch):
     from hybrid_runtime.profiling.timeline import Timeline
 
-    monkeypatch.setattr(Timeline, "RESOLVE_EVERY", 4)
+    monkeypatch.setattr(Timeline, "RESOLVE_LAG", 4)
     rt, _ = run_steps("fluxion", steps=20)  # 40 layer-steps, five timing events each
     try:
         recs = rt.timeline.records
         assert len(recs) == 40
-        # Made at most for the steps held unresolved at once (4, plus the one kept for its claims, plus
-        # the steps recorded before the first resolution), not 200.
-        assert rt.timeline.events.made <= 5 * 6
+        # Made at most for the steps held unconverted at once (RESOLVE_LAG, the one recorded, and one
+        # more while the oldest's end event has not completed), not 200.
+        assert rt.timeline.events.made <= 5 * 7
         ends = [r.t_end for r in recs]
         assert all(r.t_start <= r.t_end for r in recs) and ends == sorted(ends)  # re-recorded events time their own step
         for r in recs:

@@ -38,9 +38,9 @@ SEED = 20240607
 FULL_CHECK_EVERY = 50
 PLACEMENT_EVERY = 250
 TIMELINE_STEPS = 256  # the profiling timeline fills within warm-up and then drops its oldest steps
-# Python objects are counted in the same phase of the timeline's batched resolution (every
-# RESOLVE_EVERY layer-steps), so its sawtooth of pending steps does not show as change.
-OBJECT_CHECK_EVERY = Timeline.RESOLVE_EVERY // GEOM["layers"]
+# Python objects are counted every this many steps (the timeline holds RESOLVE_LAG layer-steps
+# unconverted at the end of each step, converting a few of the oldest per step).
+OBJECT_CHECK_EVERY = Timeline.RESOLVE_LAG // GEOM["layers"]
 # With CUDA the window attention and merge are Triton kernels (fp32 dots may use tf32).
 TOL = dict(atol=2e-3, rtol=2e-3) if torch.cuda.is_available() else dict(atol=3e-5, rtol=1e-4)
 # Growth allowed between the medians of the second and the last quarter (1,000 steps apart) of

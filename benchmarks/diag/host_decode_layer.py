@@ -77,6 +77,9 @@ def main() -> None:
     print(f"decode per layer: median {np.median(ms):.3f} ms, mean {ms.mean():.3f}, p99 {np.percentile(ms, 99):.3f} "
           f"({stats['cpu_workers']} CPU workers, {stats['pinning']}); "
           f"sdpa over {args.context} tokens: median {np.median(sdpa) * 1e3:.3f} ms")
+    tok = ms[: len(ms) // g.layers * g.layers].reshape(-1, g.layers).sum(axis=1)
+    print(f"decode per token (its {g.layers} layers summed): median {np.median(tok):.3f} ms, mean {tok.mean():.3f}, "
+          f"max {tok.max():.3f}; per layer max {ms.max():.3f} ms")
     if timeline_us is not None:  # the timeline's own host time on the decode path (profiling.enabled)
         print(f"timeline per layer-step: record {timeline_us[0]:.1f} us, batch resolution {timeline_us[1]:.1f} us")
 

@@ -127,9 +127,10 @@ class GpuUvaExecutor:
     # from a CUDA graph per landing slot.
     CLAIM_LAUNCHES = ("plans", "native", "graphs")
     # Driver events kept ready for native claims, topped up whenever `claim_launch` is set to native.
-    # A claim's two events stay alive until the runtime's timeline resolves its step (every 256
-    # steps, `Timeline.RESOLVE_EVERY`), so with a few claims a step a few thousand are in use before
-    # the first handles come back to the free list; a dry list creates `cuda_driver.EVENT_BATCH` at
+    # A claim's two events stay alive until the runtime's timeline resolves its step (some 64
+    # steps later, `Timeline.RESOLVE_LAG`; all of them when a report reads the timeline after a long
+    # run), so with a few claims a step hundreds are in use before the first handles come back to the
+    # free list; a dry list creates `cuda_driver.EVENT_BATCH` at
     # once (32 driver calls) on the launcher's path. The measured native runs (benchmarks/notes/
     # gpu_lane.md section 22) had 32 ready, and so paid such a batch every 16 claims until then.
     NATIVE_EVENTS = 4096

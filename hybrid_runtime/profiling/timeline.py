@@ -3,10 +3,12 @@
 Hot-path cost is kept to a reference append per step: the decode call hands over the step's
 task objects (which the executors and workers already stamped with worker, lane, start, end and
 bytes) and its CUDA events. Turning those into arrays -- and CUDA events into host times --
-happens later, in batches, off the critical path of the step that produced them (`resolve`).
-The time spent is itself measured: `recording_s` on the decode path (`record`), `resolve_s` for
-the deferred conversion (which runs when a report asks for records, or in batches of
-`RESOLVE_EVERY` steps to bound what is held), so reports can show both against the step time.
+happens later, off the critical path of the step that produced them: when a report asks for
+records, and on the decode path `RESOLVE_PER_STEP` of the oldest steps per recorded step once more
+than `RESOLVE_LAG` are held, an even cost per step (converting them in batches of hundreds cost one
+token in eight a stall of milliseconds). The time spent is itself measured: `recording_s` on the
+decode path (`record`), `resolve_s` for the deferred conversion, so reports can show both against
+the step time.
 
 Retention is bounded: a timeline keeps the last `max_steps` resolved steps and counts the older
 ones it dropped (`dropped_steps`, also in `summary()`), so a runtime that decodes for hours with
@@ -25,6 +27,7 @@ pairs one reference event with the host time at which the idle GPU executed it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -219,8 +222,11 @@ class TimingEvents:
 class Timeline:
     """All recorded steps of a runtime. `records` resolves and returns them."""
 
-    # Resolve in batches once this many steps are pending (bounds memory held by references).
-    RESOLVE_EVERY = 256
+    # Steps held unconverted before the decode path converts the oldest, `RESOLVE_PER_STEP` per
+    # recorded step (bounds the references held; two per step catch up after a blocking read).
+    # Far enough behind that their CUDA events have completed and trailing claims retired.
+    RESOLVE_LAG = 64
+    RESOLVE_PER_STEP = 2
     # Default retention. One step is one layer of one decode call (the quality experiment's 256
     # positions x 30 layers fit); a step of 2-4 tasks measured 2-3 KB resident, so tens of MB.
     MAX_STEPS = 16384
@@ -241,8 +247,8 @@ class Timeline:
         self._layer_calls: dict[int, int] = {}
         self.skipped_steps = 0  # layer-steps left unrecorded by sampling (since `clear`)
         self.dropped_steps = 0  # resolved steps forgotten to stay within max_steps (since `clear`)
-        self._pending: list[_Pending] = []
-        self._records: list[StepRecord] = []
+        self._pending: deque[_Pending] = deque()
+        self._records: deque[StepRecord] = deque(maxlen=max_steps)
         self._next_index = 0
         self.recording_s = 0.0  # host time `record` spent on the decode path
         # Called before pending steps are converted, with `block`: settles work that fills their
@@ -299,32 +305,39 @@ class Timeline:
         self._next_index += 1
         t1 = time.perf_counter()
         self.recording_s += t1 - t0
-        if len(self._pending) >= self.RESOLVE_EVERY:
-            self._resolve(block=False)
+        if len(self._pending) > self.RESOLVE_LAG:
+            self._resolve_oldest(self.RESOLVE_PER_STEP)
             self.resolve_s += time.perf_counter() - t1
 
     # ------------------------------------------------------------------ resolution
     def _resolve(self, block: bool) -> None:
-        keep = []
+        """Convert every pending step (`block`: waiting for their events), but the last one while
+        `before_resolve` says its trailing work is outstanding."""
         pending = self._pending
-        if self.before_resolve is not None and self.before_resolve(block) and pending:
-            keep, pending = pending[-1:], pending[:-1]  # its GPU claims are not retired yet
-        for i, p in enumerate(pending):
+        outstanding = self.before_resolve is not None and self.before_resolve(block) and bool(pending)
+        while len(pending) > outstanding:
+            p = pending[0]
             if p.ev_end is not None and not block and not p.ev_end.query():
-                # Events complete in order on a stream: later steps are not ready either.
-                keep = pending[i:] + keep
-                break
+                break  # events complete in order on a stream: later steps are not ready either
             if p.ev_end is not None and block:
                 p.ev_end.synchronize()
-            self._records.append(self._convert(p))
-            self.events.give_back([p.ev_entry, p.ev_end, *(e for _, a, b in p.gpu_events for e in (a, b))])
-        self._pending = keep
-        excess = len(self._records) - self.max_steps
-        if excess > 0:
-            # At most once per RESOLVE_EVERY steps: a copy of max_steps references. A new list,
-            # so a list `records` returned earlier is not changed under its holder.
-            self._records = self._records[excess:]
-            self.dropped_steps += excess
+            self._convert_oldest()
+
+    def _resolve_oldest(self, limit: int) -> None:
+        """Convert up to `limit` of the oldest pending steps whose events have completed; never the
+        last one (only that one may still have trailing work, `before_resolve`)."""
+        pending = self._pending
+        for _ in range(limit):
+            if len(pending) < 2 or pending[0].ev_end is not None and not pending[0].ev_end.query():
+                return
+            self._convert_oldest()
+
+    def _convert_oldest(self) -> None:
+        p = self._pending.popleft()
+        if len(self._records) == self.max_steps:
+            self.dropped_steps += 1  # the deque forgets its oldest record
+        self._records.append(self._convert(p))
+        self.events.give_back([p.ev_entry, p.ev_end, *(e for _, a, b in p.gpu_events for e in (a, b))])
 
     def _convert(self, p: _Pending) -> StepRecord:
         clock = self.clock
@@ -395,12 +408,12 @@ class Timeline:
         t0 = time.perf_counter()
         self._resolve(block=True)
         self.resolve_s += time.perf_counter() - t0
-        return self._records
+        return list(self._records)  # a copy: later steps do not change a list handed out
 
     def clear(self) -> None:
         """Forget every record (and re-sync the CUDA clock)."""
         self._resolve(block=True)
-        self._records = []
+        self._records.clear()
         self.dropped_steps = 0
         self.skipped_steps = 0
         self._layer_calls = {}
