@@ -296,7 +296,8 @@ def test_profiling_sample_every_records_one_token_in_n_and_leaves_the_rest_unpro
             for layer in (0, 1):
                 again = rt.decode(layer, [0, 1, 2], torch.randn(3, 8, 32, generator=gen),
                                   torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen))
-                torch.testing.assert_close(again, out[token, layer])
+                # On CUDA the lanes' split (and so which kernels summed a head) depends on timing.
+                torch.testing.assert_close(again, out[token, layer], **(dict(atol=2e-3, rtol=2e-3) if CUDA else {}))
         assert len(rt.timeline) == 10
 
 
