@@ -3,7 +3,7 @@
 Run eagerly, a transformers decoder layer launches ~25 small kernels per token from Python
 (norms, projections, rotary embedding, residuals, MLP) plus the model's mask and position work.
 On the H200 host the 8B model's decode step without attention took 20-35 ms at batch 2-8
-(`benchmarks/results/e2e_decode-h200.md`, "no-attention step") against ~4 ms of weight reads:
+(`benchmarks/results/runs/e2e_decode-h200-ce92b90.md`, "no-attention step") against ~4 ms of weight reads:
 that host time sits in every hybrid token's TPOT, beside the attention the runtime serves.
 
 Here the work between two attention calls is one graph replay (vLLM's piecewise graphs, split at
