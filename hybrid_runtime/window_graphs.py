@@ -27,6 +27,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_kernels.streams import capture_graph
@@ -46,6 +47,9 @@ class _Graph:
     window_rows: torch.Tensor  # [2, B] int32: slots, window lengths
     append_rows_dev: torch.Tensor
     window_rows_dev: torch.Tensor
+    # The host's numpy views of `append_rows` and `window_rows`, made once: each step writes them.
+    append_np: np.ndarray  # [2, B]
+    window_np: np.ndarray  # [2, B]
     k: torch.Tensor  # [B, Hkv, D] in the window's dtype
     v: torch.Tensor
     out: torch.Tensor  # [B, Hq, D] fp32
@@ -100,8 +104,9 @@ class WindowGraphs:
                 old.done.synchronize()  # its last replay read its rows
                 self._free_rows.append(old.row)
             gr = self._make(b, self._free_rows.pop())
-        gr.append_rows.view(-1).numpy()[:] = slots + rows
-        gr.window_rows.view(-1).numpy()[:] = slots + [r + 1 for r in rows]
+        gr.append_np[0], gr.append_np[1] = slots, rows
+        gr.window_np[0], gr.window_np[1] = slots, rows
+        gr.window_np[1] += 1  # the window's length: the new token's row + 1
         gr.k.copy_(k)
         gr.v.copy_(v)
         if fresh:
@@ -129,6 +134,8 @@ class WindowGraphs:
             window_rows=self._window_rows[row, : 2 * b].view(2, b),
             append_rows_dev=self._append_rows_dev[row, : 2 * b].view(2, b),
             window_rows_dev=self._window_rows_dev[row, : 2 * b].view(2, b),
+            append_np=self._append_rows[row, : 2 * b].view(2, b).numpy(),
+            window_np=self._window_rows[row, : 2 * b].view(2, b).numpy(),
             k=torch.empty((b, hkv, d), dtype=win_k.dtype, device=dev),
             v=torch.empty((b, hkv, d), dtype=win_k.dtype, device=dev),
             out=torch.empty((b, self.q_heads, d), dtype=torch.float32, device=dev),
