@@ -195,3 +195,26 @@ def test_cuda_graphs_match_eager_and_are_reused(model_type):
             disable_hybrid_attention(model)
     torch.testing.assert_close(logits[True], logits[False], atol=2e-2, rtol=2e-2)
     assert (tokens[True] == tokens[False]).float().mean() >= 0.9
+
+
+def test_batch_sizes_past_the_cap_run_eagerly(monkeypatch, caplog):
+    """At most `max_batch_sizes` sizes are captured; a later new size runs the pieces eagerly (one
+    warning), and an already captured size is reused."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="max_batch_sizes is -1; expected an integer >= 0"):
+        DecodeGraphs(model, max_batch_sizes=-1)
+    dg = DecodeGraphs(model, max_batch_sizes=2)
+    dg.capture = True  # as on CUDA; the capture itself stands in below
+
+    def fake_capture(b):
+        b.graphs = ["graph"] * (len(dg.layers) + 1)
+        dg.captures += 1
+
+    monkeypatch.setattr(dg, "_capture", fake_capture)
+    with caplog.at_level("WARNING", logger="hybrid_runtime.integrations.decode_graphs"):
+        sizes = [dg._bucket(n, torch.float32) for n in (4, 2, 4, 3, 5)]
+    assert dg.captures == 2 and [bool(b.graphs) for b in sizes] == [True, True, True, False, False]
+    assert dg.eager_batch_sizes == [3, 5] and sizes[0] is sizes[2]
+    assert len([r for r in caplog.records if "max_batch_sizes" in r.getMessage()]) == 1
+    with pytest.raises(RuntimeError, match="batch size 3 is past max_batch_sizes"):
+        dg.time_without_attention(3)

@@ -24,12 +24,15 @@ for the restructured forward).
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # rope types whose cos/sin the model computes at construction: `dynamic` and `longrope` change
 # their frequencies on the host as the sequence grows, which a replayed graph would not see.
@@ -69,12 +72,22 @@ class DecodeGraphs:
     the final norm's output `[B, 1, hidden]` (a static tensor: valid until the next step of that
     batch size). Raises `DecodeGraphsUnsupported` at construction for a model whose layers differ
     from the structure replayed here, before anything is captured.
+
+    At most `max_batch_sizes` batch sizes are captured (each keeps L + 1 graphs and its static
+    tensors for as long as this object lives); a later new size runs the same pieces eagerly
+    (`eager_batch_sizes` lists them; a warning names the first), so a caller whose batch size
+    keeps changing neither captures without end nor fails.
     """
 
+    MAX_BATCH_SIZES = 32
+
     def __init__(self, model: torch.nn.Module, *, capture: bool = True,
-                 before_capture: Callable[[], Any] | None = None) -> None:
+                 before_capture: Callable[[], Any] | None = None, max_batch_sizes: int = MAX_BATCH_SIZES) -> None:
         """`before_capture`: called before each capture (the integration waits there for the
         runtime's background warm-up, whose captures and module loads must not overlap ours)."""
+        if isinstance(max_batch_sizes, bool) or not isinstance(max_batch_sizes, int) or max_batch_sizes < 0:
+            raise ValueError(f"max_batch_sizes is {max_batch_sizes!r}; expected an integer >= 0 (batch sizes "
+                             "captured as graphs; later sizes run eagerly)")
         base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or model
         missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if getattr(base, a, None) is None]
         if missing:
@@ -109,6 +122,8 @@ class DecodeGraphs:
         self.device = next(base.parameters()).device
         self.capture = bool(capture) and self.device.type == "cuda"
         self.before_capture = before_capture
+        self.max_batch_sizes = max_batch_sizes
+        self.eager_batch_sizes: list[int] = []  # sizes past the cap, run eagerly
         self._buckets: dict[int, _Bucket] = {}
         self._pool: Any = None
         self.captures = 0  # batch sizes captured so far
@@ -156,8 +171,13 @@ class DecodeGraphs:
         b = _Bucket(batch, torch.zeros((batch, 1), dtype=torch.long, device=dev),
                     torch.zeros((batch, 1), dtype=torch.long, device=dev))
         b.attn_out = [torch.zeros((batch, 1, width), dtype=dtype, device=dev) for _ in self.layers]
-        if self.capture:
+        if self.capture and self.captures < self.max_batch_sizes:
             self._capture(b)
+        elif self.capture:
+            if not self.eager_batch_sizes:
+                log.warning("decode graphs: %d batch sizes captured (max_batch_sizes); batch size %d and later new "
+                            "sizes run the model's pieces eagerly", self.captures, batch)
+            self.eager_batch_sizes.append(batch)
         self._buckets[batch] = b
         return b
 
@@ -236,6 +256,9 @@ class DecodeGraphs:
         if not self.capture:
             raise RuntimeError("time_without_attention needs the CUDA graphs (a model on CUDA, capture=True)")
         b = self._bucket(batch, self.base.embed_tokens.weight.dtype)
+        if not b.graphs:
+            raise RuntimeError(f"batch size {batch} is past max_batch_sizes ({self.max_batch_sizes}) and runs "
+                               "eagerly: no graphs to time")
         times = []
         for _ in range(steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
