@@ -949,6 +949,8 @@ class HybridRuntime:
             qs.mul_(self.scale)
         else:
             qs = (q.to(device=self.device, dtype=torch.float32) * self.scale).contiguous()
+        # q in its own dtype where the planner's and SparDA's device parts read it (a caller may pass host tensors).
+        q_dev = q if q.device == self.device else q.to(self.device)
         if cpu_lane and not fused:
             cpu_q.copy_(qs, non_blocking=True)  # device -> pinned host, ordered on the main stream
         if q_copy_check and not fused:
@@ -1004,7 +1006,7 @@ class HybridRuntime:
                 out.record_stream(caller)  # allocated on the side stream, used and freed on the caller's
                 lse.record_stream(caller)
             if plan_early is not None:  # the next step's plan, from this step's queries and window
-                self.planner.launch_next(layer, seq_ids, store, q if q.device == self.device else q.to(self.device))
+                self.planner.launch_next(layer, seq_ids, store, q_dev)
             window["out"], window["lse"], window["graph"] = out, lse, graphs is not None
 
         def check_copied_inputs() -> None:
@@ -1026,8 +1028,7 @@ class HybridRuntime:
         elif plan_early is not None:
             tasks = self._tasks(layer, seq_ids, plan_early)
         elif getattr(self.planner, "uses_queries", False):
-            # Queries where the planner's device part reads them (a caller may pass host tensors).
-            plan = self.planner(layer, seq_ids, store, q if q.device == self.device else q.to(self.device))
+            plan = self.planner(layer, seq_ids, store, q_dev)
             tasks = self._tasks(layer, seq_ids, plan)
         else:
             plan = self.planner(layer, seq_ids, store)
@@ -1089,7 +1090,7 @@ class HybridRuntime:
         out_w, lse_w = window["out"], window["lse"]
         if sparda is not None:
             # q in its own dtype: `attend` converts it only for a selection made now (no prefetch).
-            sp_out, sp_lse = sparda.attend(layer, seq_ids, q if q.device == self.device else q.to(self.device), qs)
+            sp_out, sp_lse = sparda.attend(layer, seq_ids, q_dev, qs)
             res_s = self._merge(out_w, lse_w, sp_out.contiguous(), sp_lse.contiguous())
             if not cuda:
                 out_w, lse_w = res_s
