@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -66,6 +66,10 @@ for step in $steps; do
         e2e_part_long) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K,4x128K \
             --variants $e2e_variants,fluxion_predictor --budget-s 900 \
             --out "$out/e2e_decode_part_long-$dev.json" ;;
+        # The second geometry (Qwen2.5-7B: 28 layers, 4 KV heads), every point, the rows only.
+        e2e_part_qwen) timeout 540 python benchmarks/e2e_decode.py --models qwen2.5-7b --points 4x32K,8x32K,2x96K,4x128K \
+            --variants fluxion,dense,offloaded --budget-s 900 \
+            --out "$out/e2e_decode_part_qwen-$dev.json" ;;
         e2e_part96k) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
             --variants $e2e_variants,static,fluxion_predictor,fluxion_eager_model --budget-s 900 \
             --out "$out/e2e_decode_part96k-$dev.json" ;;
