@@ -35,18 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.e2e_decode import (  # noqa: E402
     VARIANTS,
+    add_diagnostic_arguments,
     attention_replaced,
+    diagnostic_setup,
     graphs_without_attention,
     hybrid_config,
-    runtime_overrides,
     warmed_for_decode,
 )
-from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
-    build_model,
-    model_config,
-    random_prompt,
-    timed_generate,
-)
+from hybrid_runtime.experiments.generate_timing import random_prompt, timed_generate  # noqa: E402
 
 
 def profiled_generate(model, ids, mask, tokens: int, on_first: list) -> tuple[dict, pstats.Stats]:
@@ -105,27 +101,20 @@ def main() -> None:
     ap.add_argument("--variant", default="fluxion", help=f"a hybrid variant of e2e_decode: {', '.join(v for v, x in VARIANTS.items() if x.kind == 'hybrid')}")
     ap.add_argument("--cpu-workers", type=int, default=15)
     ap.add_argument("--top", type=int, default=45)
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a key of the runtime config (e.g. profiling.enabled=false)")
-    ap.add_argument("--layers", type=int, default=None, help="the model's first this many layers (a small smoke test)")
+    add_diagnostic_arguments(ap, "override a key of the runtime config (e.g. profiling.enabled=false)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     variant = VARIANTS[args.variant]
     if variant.kind != "hybrid":
         ap.error(f"--variant {args.variant} is not a hybrid variant")
-    try:
-        overrides = runtime_overrides(args.set)
-    except ValueError as exc:
-        ap.error(str(exc))
     from hybrid_runtime.integrations.transformers import disable_hybrid_attention, enable_hybrid_attention
 
-    cfg = model_config("llama-3.1-8b", **({"num_hidden_layers": args.layers} if args.layers else {}))
-    model = build_model(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    overrides, model = diagnostic_setup(ap, args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = args.tokens - 1  # the first token is the prefill's
 
-    small_ids, small_mask = random_prompt(cfg.vocab_size, args.batch, 16, 0, model.device)
+    small_ids, small_mask = random_prompt(model.config.vocab_size, args.batch, 16, 0, model.device)
     # The model's step without attention in the variant's own mode: the decode graphs where it replays them.
     graphs = variant.graphs_on(model.device.type == "cuda")
     with graphs_without_attention(model) if graphs else attention_replaced(model), torch.no_grad():
@@ -135,7 +124,7 @@ def main() -> None:
     text = report(stats, steps, f"no-op attention{mode}, batch {args.batch}, 16-token prompt: TPOT median "
                   f"{row['tpot_ms_median']:.2f} ms (profiled)", args.top)
 
-    ids, mask = random_prompt(cfg.vocab_size, args.batch, args.context, 0, model.device)
+    ids, mask = random_prompt(model.config.vocab_size, args.batch, args.context, 0, model.device)
     rt = enable_hybrid_attention(model, hybrid_config(variant, args.batch, args.context, args.tokens, args.cpu_workers,
                                                       overrides), decode_graphs=variant.decode_graphs)
     try:

@@ -27,23 +27,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.e2e_decode import (  # noqa: E402
     VARIANTS,
+    add_diagnostic_arguments,
+    diagnostic_setup,
     hybrid_config,
-    runtime_overrides,
     warmed_for_decode,
     with_variant_selection,
 )
-from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
-    build_model,
-    model_config,
-    random_prompt,
-    timed_generate,
-)
+from hybrid_runtime.experiments.generate_timing import random_prompt, timed_generate  # noqa: E402
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
 
 STATS = ("gpu_share", "gpu_share_balance", "cpu_lane_GBps", "cpu_lane_start_us", "tp_gpu_GBps", "gpu_launch_latency_us",
@@ -193,21 +188,14 @@ def main() -> None:
     ap.add_argument("--variants", default="fluxion,cpu_only")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--cpu-workers", type=int, default=15)
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a key of every variant's runtime config")
-    ap.add_argument("--layers", type=int, default=None, help="the model's first this many layers (a small smoke test)")
+    add_diagnostic_arguments(ap, "override a key of every variant's runtime config")
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
     bad = [v for v in names if v not in VARIANTS or VARIANTS[v].kind != "hybrid"]
     if bad:
         ap.error(f"not hybrid variants of e2e_decode: {bad}")
-    try:
-        overrides = runtime_overrides(args.set)
-    except ValueError as exc:
-        ap.error(str(exc))
-    cfg = model_config("llama-3.1-8b", **({"num_hidden_layers": args.layers} if args.layers else {}))
-    model = build_model(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    ids, mask = random_prompt(cfg.vocab_size, args.batch, args.context, 0, model.device)
+    overrides, model = diagnostic_setup(ap, args)
+    ids, mask = random_prompt(model.config.vocab_size, args.batch, args.context, 0, model.device)
     print(f"# lanes within a layer-step: {args.batch} x {args.context}, {args.tokens} tokens, overrides {overrides or 'none'}\n")
     for r in range(args.rounds):
         for name in names:
