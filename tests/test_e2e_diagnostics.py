@@ -1,0 +1,41 @@
+"""The end-to-end diagnostics (`benchmarks/diag/e2e_lanes.py`, `e2e_host_profile.py`) are run on the
+GPU machine, at 8B geometry; here they run end to end at one layer on the host, so a change to the
+e2e benchmark's helpers they import, or to the runtime's stats and timeline they read, breaks a
+test rather than the next device call."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--layers", "1", "--batch", "1", "--context", "512", "--tokens", "3", "--cpu-workers", "1"]
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "diag" / script), *SMALL, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_e2e_lanes_prints_each_lanes_times_from_q_and_the_lane_estimates():
+    res = run("e2e_lanes.py", "--variants", "fluxion", "--set", "profiling.sample_every=1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert "## fluxion: TPOT median" in out and "1 layer-steps" in out
+    for line in ("cpu_first", "cpu_last", "merged", "host milestones", "estimates: gpu_share"):
+        assert line in out
+
+
+def test_e2e_host_profile_writes_both_profiles(tmp_path):
+    res = run("e2e_host_profile.py", "--out", str(tmp_path), "--set", "profiling.enabled=false")
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = (tmp_path / "host_profile-fluxion-1x512.txt").read_text()
+    assert "config overrides: {'profiling': {'enabled': False}}" in text
+    assert "## fluxion: TPOT median" in text and "by cumulative time" in text
+    assert (tmp_path / "host_profile-fluxion-1x512.prof").stat().st_size > 0
+
+
+def test_a_bad_override_is_an_argument_error():
+    res = run("e2e_lanes.py", "--set", "profiling")
+    assert res.returncode == 2 and "--set 'profiling': expected key=value" in res.stderr
