@@ -89,6 +89,19 @@ def window_attention_torch(
     return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
+def _stream_op_usable(missing: str | None, explicit: bool, refusal: str, fallback: str) -> bool:
+    """Whether a driver stream memory operation a scheduler setting needs can run: `missing` (None,
+    or why not; `gpu_kernels.host_count_wait`) raises ConfigError(`refusal`) where the setting asked
+    for it by name, and is logged (`fallback`) where its "auto" does without. Each message has one
+    `{}` for the reason."""
+    if missing is None:
+        return True
+    if explicit:
+        raise ConfigError(refusal.format(missing))
+    log.info(fallback.format(missing))
+    return False
+
+
 def _as_int(value: Any, what: str) -> int:
     """`value` as a Python int: ints and integer scalars (numpy, 0-d tensors); no bools, floats, strings."""
     if not isinstance(value, (bool, np.bool_)):
@@ -406,14 +419,11 @@ class HybridRuntime:
             if sc.trails(cuda=True):
                 from gpu_kernels.host_count_wait import device_address, driver_wait_available, wait_for_count
 
-                missing = driver_wait_available()
-                if missing is not None and sc.cpu_lane_trails is True:
-                    raise ConfigError(f"scheduler.cpu_lane_trails: true needs a driver stream wait on host memory, "
-                                      f"but {missing}; allowed: 'auto' (waits for the CPU lane where it is missing) "
-                                      "or false")
-                if missing is not None:
-                    log.info("CPU lanes wait for their steps (scheduler.cpu_lane_trails 'auto'): %s", missing)
-                else:
+                if _stream_op_usable(
+                        driver_wait_available(), sc.cpu_lane_trails is True,
+                        "scheduler.cpu_lane_trails: true needs a driver stream wait on host memory, but {}; allowed: "
+                        "'auto' (waits for the CPU lane where it is missing) or false",
+                        "CPU lanes wait for their steps (scheduler.cpu_lane_trails 'auto'): {}"):
                     self._done_address = device_address(self._ctrl_host[native_pool.C_DONE :])
                 self._wait_for_count = wait_for_count
                 # The trailing CPU part reaches the merge by one copy queued after the wait.
@@ -424,13 +434,11 @@ class HybridRuntime:
         if start_on_device:
             from gpu_kernels.host_count_wait import driver_write_available
 
-            missing = driver_write_available()
-            if missing is not None and sc.cpu_lane_start == "device":
-                raise ConfigError(f"scheduler.cpu_lane_start: 'device' needs a driver stream write to host memory, but "
-                                  f"{missing}; allowed: 'auto' (starts on the host where it is missing) or 'host'")
-            if missing is not None:
-                log.info("CPU lanes start on the host (scheduler.cpu_lane_start 'auto'): %s", missing)
-                start_on_device = False
+            start_on_device = _stream_op_usable(
+                driver_write_available(), sc.cpu_lane_start == "device",
+                "scheduler.cpu_lane_start: 'device' needs a driver stream write to host memory, but {}; allowed: "
+                "'auto' (starts on the host where it is missing) or 'host'",
+                "CPU lanes start on the host (scheduler.cpu_lane_start 'auto'): {}")
         # A rank's launcher (this thread) and the threads it starts later (the store's committer,
         # whose page faults place the arenas) stay on the rank's cores, and so on its NUMA node.
         self._confined = None

@@ -234,3 +234,15 @@ def test_a_bad_input_of_a_device_started_step_is_raised_by_the_next_call():
             rt.decode(2, [0, 1, 2], *(torch.randn(3, h, 64, generator=gen, device="cuda") for h in (8, 2, 2)))
     finally:
         rt.close()
+
+
+def test_a_missing_stream_memory_operation_refuses_an_explicit_setting_and_falls_back_under_auto(caplog):
+    """The runtime's check of the driver's stream wait (`cpu_lane_trails`) and write (`cpu_lane_start`)."""
+    from hybrid_runtime.runtime import _stream_op_usable
+
+    assert _stream_op_usable(None, True, "refused: {}", "fell back: {}")
+    with caplog.at_level("INFO", logger="hybrid_runtime.runtime"):
+        assert not _stream_op_usable("no cuStreamWriteValue64", False, "refused: {}", "fell back: {}")
+    assert "fell back: no cuStreamWriteValue64" in caplog.text
+    with pytest.raises(ConfigError, match="^refused: no cuStreamWriteValue64$"):
+        _stream_op_usable("no cuStreamWriteValue64", True, "refused: {}", "fell back: {}")
