@@ -159,6 +159,14 @@ def test_a_row_without_a_timeline_takes_its_bytes_per_step_from_the_lanes_counts
     assert row["floor_ms"] == pytest.approx(1.0 + row["bytes_per_step"] / 1e8)
 
 
+def test_a_sampled_row_takes_its_bytes_per_step_from_the_lanes_counts_too(model):
+    row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_sampled"], BATCH, CONTEXT, new_tokens=NEW,
+                       warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    assert row["status"] == "ok" and row["timeline_sample_every"] == 8
+    assert row["tpot_samples"] == NEW - 1 and row["timeline_records"] == 2  # the first decode token, both layers
+    assert row["bytes_per_step_from"] == "lane counts" and row["bytes_per_step"] == row["lane_bytes_per_step"] > 0
+
+
 def test_the_model_is_left_as_it_was(model, measured):
     from hybrid_runtime.integrations.transformers import hybrid_runtime_of
 
