@@ -168,6 +168,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -943,7 +944,22 @@ def assemble_metrics(points: list[dict]) -> dict:
             f"{variant}_ttft_over_dense_max": (max, [p["ttft_s"] / other(p, "dense")["ttft_s"]
                                                      for p in flux if other(p, "dense") is not None]),
         })
-    return {name: float(fn(vals)) for name, (fn, vals) in cands.items() if vals}
+    # The most the offloaded bar can reach at a point: HF offloaded's TPOT over the fluxion row's
+    # floor (the model's step plus the selection's bytes at the measured ceiling). Below 10, no
+    # runtime reading those bytes can be 10x faster than the offloaded cache there.
+    cands["offloaded_over_floor_min"] = (min, [
+        other(p, "offloaded")["tpot_ms_median"] / p["floor_ms"] for p in points
+        if p.get("status") == "ok" and p["variant"] == "fluxion" and p.get("floor_ms")
+        and other(p, "offloaded") is not None and other(p, "offloaded").get("tpot_ms_median") is not None])
+    metrics = {name: float(fn(vals)) for name, (fn, vals) in cands.items() if vals}
+    # A table of several models also holds each model's own (`llama_3_1_8b_fluxion_tpot_over_floor_max`, ...).
+    models = sorted({p["model"] for p in points if p.get("status") == "ok"})
+    if len(models) > 1:
+        for model in models:
+            slug = re.sub(r"[^0-9a-z]+", "_", model.lower()).strip("_")
+            own = assemble_metrics([p for p in points if p["model"] == model])
+            metrics.update({f"{slug}_{name}": value for name, value in own.items()})
+    return metrics
 
 
 def repeat_spread(points: list[dict]) -> list[dict]:

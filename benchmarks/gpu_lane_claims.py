@@ -67,12 +67,13 @@ def event_ms(fn, reps: int = 7, warmup: int = 1, spin_cycles: int = 0) -> float:
     return float(np.median(ts[warmup:]))
 
 
-def breakdown(args, table, q, arena, scores, tickets, ublocks, uheads, counts, part_out, part_lse, out, lse) -> None:
+def breakdown(args, table, q, arena, scores, tickets, ublocks, uheads, counts, part_out, part_lse, out, lse,
+              kth) -> None:
     """Each launch of a claim alone (CUDA events), and the attention launch per split length."""
     for n in (1, 8, table.n_tasks):
         nb_max, pages_max = table.claim_shape(0, n)
         sel = event_ms(lambda: score_select(table.table, table.n_select, table.chunks, 0, n, nb_max, q, arena,
-                                            scores, tickets[0], ublocks, uheads, counts))
+                                            scores, tickets[0], ublocks, uheads, counts, kth=kth))
         line = f"breakdown {n:3d} tasks: score_select {sel:.3f} ms"
         for pps in (4, 8, 16, 32):
             cfg = SparseConfig(pages_per_split=pps)
@@ -84,15 +85,17 @@ def breakdown(args, table, q, arena, scores, tickets, ublocks, uheads, counts, p
 
 
 class ClaimCase:
-    """One step's claims at Llama-3.1-8B heads (8 KV heads, G 4, D 128): `batch` sequences of
-    `context` CPU-resident tokens in a shuffled pinned arena (`gpu_attention.build_arena`), every
-    head at (`block`, `budget`): the task columns, the query, the outputs and the claim's scratch
-    buffers, shared by this benchmark and `benchmarks/diag/select_latency.py`."""
+    """One step's claims at `hkv` KV heads of `g` query heads each (default Llama-3.1-8B's: 8 and 4;
+    Qwen2.5-7B's are 4 and 7), head dim 128: `batch` sequences of `context` CPU-resident tokens in a
+    shuffled pinned arena (`gpu_attention.build_arena`), every head at (`block`, `budget`): the task
+    columns, the query, the outputs and the claim's scratch buffers, shared by this benchmark and
+    `benchmarks/diag/select_latency.py`."""
 
-    hkv, g, d = 8, 4, 128
+    d = 128
 
-    def __init__(self, batch: int, context: int, block: int, budget: float):
-        hkv, g, d = self.hkv, self.g, self.d
+    def __init__(self, batch: int, context: int, block: int, budget: float, hkv: int = 8, g: int = 4):
+        self.hkv, self.g = hkv, g
+        d = self.d
         self.host, chunk_ids = build_arena(batch, hkv, d, context, seed=0)
         self.arena = uva_view(self.host)
         self.t = t = batch * hkv
@@ -112,6 +115,7 @@ class ClaimCase:
         self.uheads = torch.empty((t, self.n_blocks), dtype=torch.int32, device="cuda")
         self.counts = torch.empty(t, dtype=torch.int32, device="cuda")
         self.tickets = torch.zeros((2, t), dtype=torch.int32, device="cuda")
+        self.kth = torch.empty((t, g, 2), dtype=torch.int64, device="cuda")  # the split selection's scratch
         self.part_out = torch.empty((t, MAX_SPLITS, g, d), dtype=torch.float32, device="cuda")
         self.part_lse = torch.empty((t, MAX_SPLITS, g), dtype=torch.float32, device="cuda")
 
@@ -125,11 +129,13 @@ class ClaimCase:
         ap.add_argument("--block", type=int, default=16)
         ap.add_argument("--budget", type=float, default=0.05)
         ap.add_argument("--reps", type=int, default=reps)
+        ap.add_argument("--kv-heads", type=int, default=8, help="KV heads a sequence (Qwen2.5-7B: 4)")
+        ap.add_argument("--group", type=int, default=4, help="query heads a KV head (Qwen2.5-7B: 7)")
         return ap
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ClaimCase":
-        return cls(args.batch, args.context, args.block, args.budget)
+        return cls(args.batch, args.context, args.block, args.budget, args.kv_heads, args.group)
 
     def n_select(self, k: int | None = None) -> np.ndarray:
         """Blocks per head `[T, G]`: `k` (default: the budget's) for every head."""
@@ -160,7 +166,7 @@ def main() -> None:
     def claim(n: int) -> int:
         nb_max, pages_max = table.claim_shape(0, n)
         score_select(table.table, table.n_select, table.chunks, 0, n, nb_max, q, arena,
-                     scores, tickets[0], ublocks, uheads, counts)
+                     scores, tickets[0], ublocks, uheads, counts, kth=case.kth)
         sparse_attention_claim(table.table, table.chunks, 0, n, pages_max, q, arena, ublocks, uheads, counts,
                                part_out, part_lse, tickets[1], out, lse, SparseConfig())
         counts_host[:n].copy_(counts[:n], non_blocking=True)
@@ -202,7 +208,8 @@ def main() -> None:
             print(f"{name:5s} {n:3d} tasks {nbytes / 1e6:8.1f} MB  wall {p['wall_s'] * 1e3:7.3f} ms  "
                   f"gpu {p['gpu_s'] * 1e3:7.3f} ms  {nbytes / p['wall_s'] / 1e9:6.1f} GB/s", flush=True)
     if args.breakdown:
-        breakdown(args, table, q, arena, scores, tickets, ublocks, uheads, counts, part_out, part_lse, out, lse)
+        breakdown(args, table, q, arena, scores, tickets, ublocks, uheads, counts, part_out, part_lse, out, lse,
+                  case.kth)
     metrics = {}
     for name in ("claim", "old"):
         pts = [p for p in points if p["path"] == name]

@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -47,6 +47,13 @@ for step in $steps; do
         host_diag) timeout 90 python benchmarks/diag/neighbour_load.py --rounds 3 &&
             timeout 60 python benchmarks/diag/graph_replay_cost.py --blocked &&
             timeout 60 python benchmarks/diag/graph_replay_cost.py ;;
+        # The claim's selection fused and split (a program per head, `score_select.split_select`), at
+        # Llama-3.1-8B's and Qwen2.5-7B's heads, 32K to 128K tokens (benchmarks/notes/gpu_lane.md s. 23).
+        select_forms) rc=0
+            for spec in "--batch 4 --context 32768" "--batch 2 --context 98304" "--batch 4 --context 131072 --reps 10" \
+                "--batch 4 --context 32768 --kv-heads 4 --group 7" "--batch 2 --context 98304 --kv-heads 4 --group 7"; do
+                timeout 150 python benchmarks/diag/select_latency.py $spec || rc=$?
+            done; (exit $rc) ;;
         select_latency) timeout 100 python benchmarks/diag/select_latency.py --batch 4 --context 32768 &&
             timeout 150 python benchmarks/diag/select_latency.py --batch 4 --context 131072 --reps 10 ;;
         profiling_tests) timeout 120 python -m pytest -v --tb=short -p no:cacheprovider tests/test_profiling.py ;;
@@ -66,6 +73,11 @@ for step in $steps; do
         e2e_part_long) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K,4x128K \
             --variants $e2e_variants,fluxion_predictor --budget-s 900 \
             --out "$out/e2e_decode_part_long-$dev.json" ;;
+        # The core rows of the Llama-3.1-8B table in one call: every point, the runtime (fluxion,
+        # its timeline on every step), HF dense, HF offloaded and cpu_only (~7 min on the H200).
+        e2e_core_llama) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K,2x96K,4x128K \
+            --variants fluxion,dense,offloaded,cpu_only --budget-s 900 \
+            --out "$out/e2e_decode_core_llama-$dev.json" ;;
         # The second geometry (Qwen2.5-7B: 28 layers, 4 KV heads), every point, the rows only.
         e2e_part_qwen) timeout 540 python benchmarks/e2e_decode.py --models qwen2.5-7b --points 4x32K,8x32K,2x96K,4x128K \
             --variants fluxion,dense,offloaded --budget-s 900 \

@@ -19,10 +19,15 @@ Why one launch instead of scores -> torch.topk -> scatter -> union: each launch 
 the critical path of a claim (Python argument handling, the driver call) and a gap on the GPU in
 which nothing reads the PCIe link; the selection of one task overlaps the scoring of the others.
 The last program resets the counter, so the scratch needs no clearing launch.
+
+Rows longer than one selection tile of all heads are selected split (`split_select`): a scoring
+launch, then a program per (task, head) that finds its head's k-th key beside the others, the last
+of a task's heads writing the union (see "the split selection" below).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -118,20 +123,13 @@ def _score_select_kernel(
 
 
 @triton.jit
-def _score_select_item(
-    t, pid_b, n_parts,
-    q_ptr, stride_qb, stride_qh,
-    meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
-    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
-    row0, NB_CAP,
-    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
-    USTRIDE, ready_ptr, stamp, SIGNAL: tl.constexpr,
+def _score_part(
+    t, pid_b, q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, chunks_ptr, scores_ptr, row0, NB_CAP,
+    N_COLS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_B: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+    META_ROW: tl.constexpr,
 ):
-    """Part `pid_b` of `n_parts` of claim task `t` (table row `row0 + t`): its blocks' scores, and
-    the task's selection if it is the last part to finish (a program per part, or a looping one).
-    The union's rows are `USTRIDE` apart; with `SIGNAL` (the GPU's selection for CPU workers, whose
-    union rows are pinned host memory) `stamp` goes to `ready_ptr[t]` once the union is written."""
+    """The Quest scores of part `pid_b`'s blocks of claim task `t` (table row `row0 + t`), all G
+    heads, into the task's score rows. Returns the table row, the task's block count and its score rows."""
     r = row0 + t
     row = table_ptr + r.to(tl.int64) * N_COLS
     bi = tl.load(row + 0)
@@ -141,8 +139,6 @@ def _score_select_item(
     meta_off = tl.load(row + 6)
     bpc = tl.load(row + 7)
     srow = scores_ptr + t.to(tl.int64) * G * NB_CAP
-
-    # ---- scores of this program's blocks
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     valid = b < n_blocks
     d = tl.arange(0, D)
@@ -159,12 +155,29 @@ def _score_select_item(
         # product per element and one tile-sized temporary instead of two.
         s = tl.sum(qh * tl.where(qh > 0, kmax, kmin), axis=1)
         tl.store(srow + h * NB_CAP + b, s, mask=valid)
+    return r, n_blocks, srow
+
+
+@triton.jit
+def _score_select_item(
+    t, pid_b, n_parts,
+    q_ptr, stride_qb, stride_qh,
+    meta_ptr, table_ptr, nsel_ptr, chunks_ptr,
+    scores_ptr, ticket_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
+    row0, NB_CAP,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_B: tl.constexpr, SEL_CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, META_ROW: tl.constexpr,
+    USTRIDE, ready_ptr, stamp, SIGNAL: tl.constexpr,
+):
+    """Part `pid_b` of `n_parts` of claim task `t` (table row `row0 + t`): its blocks' scores, and
+    the task's selection if it is the last part to finish (a program per part, or a looping one).
+    The union's rows are `USTRIDE` apart; with `SIGNAL` (the GPU's selection for CPU workers, whose
+    union rows are pinned host memory) `stamp` goes to `ready_ptr[t]` once the union is written."""
+    r, n_blocks, srow = _score_part(t, pid_b, q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, chunks_ptr,
+                                    scores_ptr, row0, NB_CAP, N_COLS, G, D, BLOCK_B, CHUNK_ROWS, META_ROW)
 
     # ---- the last program of the task selects
-    tl.debug_barrier()  # every thread's score stores are issued before the release below
-    ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
-    if ticket == n_parts - 1:
-        tl.store(ticket_ptr + t, 0)
+    if _last_to_arrive(ticket_ptr, t, n_parts):
         g = tl.arange(0, BLOCK_G)
         gmask = g < G
         k = tl.load(nsel_ptr + r.to(tl.int64) * G + g, mask=gmask, other=0)
@@ -216,15 +229,34 @@ def _score_select_item(
                 for c in range(0, n_chunks):
                     bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)
                     eq_seen, base = _emit_union(u, m, bb, g, k, ans, k - n_gt, eq_seen, base, ub, uh)
-        tl.store(counts_ptr + t, base)
-        # Also straight into pinned host memory (a UVA view): the host reads the union sizes after
-        # the launch's end event, with no copy to queue.
-        tl.store(counts_host_ptr + t, base)
-        if SIGNAL:
-            # A CPU worker spins on this word and then reads the union: every thread's union stores
-            # are issued (barrier) and made visible to the host before it (release, system scope).
-            tl.debug_barrier()
-            tl.atomic_xchg(ready_ptr + t, stamp.to(tl.int64), sem="release", scope="sys")
+        _publish_union(t, base, counts_ptr, counts_host_ptr, ready_ptr, stamp, SIGNAL)
+
+
+@triton.jit
+def _last_to_arrive(ticket_ptr, t, n):
+    """Take a ticket of task t's counter after this program's stores (release) and say whether it
+    was the last of `n` (acquire: every other program's stores are then visible); the last one
+    resets the counter, so the scratch needs no clearing launch."""
+    tl.debug_barrier()  # every thread's stores are issued before the release below
+    ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
+    last = ticket == n - 1
+    if last:
+        tl.store(ticket_ptr + t, 0)
+    return last
+
+
+@triton.jit
+def _publish_union(t, base, counts_ptr, counts_host_ptr, ready_ptr, stamp, SIGNAL: tl.constexpr):
+    """Task t's union size, on the device and straight into pinned host memory (a UVA view: the
+    host reads the union sizes after the launch's end event, with no copy to queue); with `SIGNAL`
+    then `stamp` into its ready word."""
+    tl.store(counts_ptr + t, base)
+    tl.store(counts_host_ptr + t, base)
+    if SIGNAL:
+        # A CPU worker spins on this word and then reads the union: every thread's union stores
+        # are issued (barrier) and made visible to the host before it (release, system scope).
+        tl.debug_barrier()
+        tl.atomic_xchg(ready_ptr + t, stamp.to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
@@ -246,16 +278,130 @@ def _emit_union(u, m, bb, g, k, ans, need_eq, eq_seen, base, ub, uh):
     return eq_seen + tl.sum(eq, axis=1), base + tl.sum(any_head.to(tl.int32), axis=0)
 
 
+# ---- the split selection: a program per head instead of the last program doing every head
+#
+# The fused kernel's last program selects a head at a time once a task's rows do not fit one tile
+# of all heads (`SEL_ELEMS // BLOCK_G` blocks: 32K tokens at blk 16 for G = 4, 16K for Qwen2.5-7B's
+# G = 7): G times 32 passes in one program, a latency chain on the claim's critical path (end to
+# end Qwen2.5-7B's claims ran at 27-29 GB/s of modeled bytes at 2 x 96K where Llama-3.1-8B's ran at
+# 58-71, benchmarks/notes/gpu_lane.md section 23). Split, a
+# first launch only scores (`_score_kernel`, the fused kernel's scoring part) and a second runs a
+# program per (task, head) (`_select_heads_kernel`): each finds its head's k-th key in parallel with
+# the others, and the last of a task's heads to finish (a ticket, as the fused kernel's parts take)
+# emits the union. One launch more; no program waits for another.
+
+
+@triton.jit(do_not_specialize=["row0"], do_not_specialize_on_alignment=["table_ptr", "chunks_ptr"])
+def _score_kernel(
+    q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, chunks_ptr, scores_ptr, row0, NB_CAP,
+    N_COLS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_B: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+    META_ROW: tl.constexpr,
+):
+    _score_part(tl.program_id(0), tl.program_id(1), q_ptr, stride_qb, stride_qh, meta_ptr, table_ptr, chunks_ptr,
+                scores_ptr, row0, NB_CAP, N_COLS, G, D, BLOCK_B, CHUNK_ROWS, META_ROW)
+
+
+@triton.jit
+def _head_kth_key(hrow, n_blocks, kh, SEL_TILE: tl.constexpr):
+    """One head's k-th largest order key among its `n_blocks` scores at `hrow` (the unsigned
+    candidate, as the fused kernel's `ans`), and how many keys are above it: 32 one-bit counting
+    passes, over the row in registers when it fits one tile, else re-read a tile at a time from L2."""
+    a = tl.full([], 0, tl.int64)
+    n_gt = tl.full([], 0, tl.int32)
+    hb = tl.arange(0, SEL_TILE)
+    if n_blocks <= SEL_TILE:
+        hm = hb < n_blocks
+        hu = _order_key(tl.load(hrow + hb, mask=hm, other=0.0))
+        for i in range(32):
+            cand = a | (tl.full([], 1, tl.int64) << (31 - i))
+            cnt = tl.sum((hm & (hu >= _as_key(cand))).to(tl.int32), axis=0)
+            a = tl.where(cnt >= kh, cand, a)
+        n_gt = tl.sum((hm & (hu > _as_key(a))).to(tl.int32), axis=0)
+    else:
+        n_tiles = tl.cdiv(n_blocks, SEL_TILE)
+        for i in range(32):
+            cand = a | (tl.full([], 1, tl.int64) << (31 - i))
+            cnt = tl.full([], 0, tl.int32)
+            for c in range(0, n_tiles):
+                bb = c * SEL_TILE + hb
+                hm = bb < n_blocks
+                hu = _order_key(tl.load(hrow + bb, mask=hm, other=0.0))
+                cnt += tl.sum((hm & (hu >= _as_key(cand))).to(tl.int32), axis=0)
+            a = tl.where(cnt >= kh, cand, a)
+        for c in range(0, n_tiles):
+            bb = c * SEL_TILE + hb
+            hm = bb < n_blocks
+            hu = _order_key(tl.load(hrow + bb, mask=hm, other=0.0))
+            n_gt += tl.sum((hm & (hu > _as_key(a))).to(tl.int32), axis=0)
+    return a, n_gt
+
+
+@triton.jit(do_not_specialize=["row0", "stamp"],
+            do_not_specialize_on_alignment=["table_ptr", "nsel_ptr", "counts_host_ptr", "ublocks_ptr", "uheads_ptr",
+                                            "counts_ptr", "ready_ptr"])
+def _select_heads_kernel(
+    table_ptr, nsel_ptr, scores_ptr, ticket_ptr, kth_ptr, ublocks_ptr, uheads_ptr, counts_ptr, counts_host_ptr,
+    row0, NB_CAP, USTRIDE, ready_ptr, stamp,
+    N_COLS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, SEL_CHUNK: tl.constexpr, SEL_TILE: tl.constexpr,
+    SIGNAL: tl.constexpr,
+):
+    """Program (t, head): the head's k-th key of claim task t over the scores `_score_kernel` wrote,
+    into `kth_ptr[t, head]` (the key, and how many of the head's k are ties at it); the task's last
+    head to finish writes the union, its size and (with `SIGNAL`) `stamp` as the fused kernel does."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    r = row0 + t
+    n_blocks = tl.load(table_ptr + r.to(tl.int64) * N_COLS + 5)
+    srow = scores_ptr + t.to(tl.int64) * G * NB_CAP
+    kh = tl.load(nsel_ptr + r.to(tl.int64) * G + head)
+    a = tl.full([], 0, tl.int64)
+    n_gt = tl.full([], 0, tl.int32)
+    if kh > 0:
+        a, n_gt = _head_kth_key(srow + head * NB_CAP, n_blocks, kh, SEL_TILE)
+    slot = kth_ptr + (t.to(tl.int64) * G + head) * 2
+    tl.store(slot, a)
+    tl.store(slot + 1, (kh - n_gt).to(tl.int64))
+    if _last_to_arrive(ticket_ptr, t, G):
+        g = tl.arange(0, BLOCK_G)
+        gmask = g < G
+        k = tl.load(nsel_ptr + r.to(tl.int64) * G + g, mask=gmask, other=0)
+        slots = kth_ptr + (t.to(tl.int64) * G + g) * 2
+        ans = tl.load(slots, mask=gmask, other=0, cache_modifier=".cg")
+        need_eq = tl.load(slots + 1, mask=gmask, other=0, cache_modifier=".cg").to(tl.int32)
+        ub = ublocks_ptr + t.to(tl.int64) * USTRIDE
+        uh = uheads_ptr + t.to(tl.int64) * USTRIDE
+        base = tl.zeros([], tl.int32)
+        if tl.max(k, axis=0) > 0:
+            eq_seen = tl.zeros([BLOCK_G], tl.int32)
+            for c in range(0, tl.cdiv(n_blocks, SEL_CHUNK)):
+                bb, m, u = _score_tile(srow, g, gmask, c, n_blocks, NB_CAP, SEL_CHUNK)
+                eq_seen, base = _emit_union(u, m, bb, g, k, ans, need_eq, eq_seen, base, ub, uh)
+        _publish_union(t, base, counts_ptr, counts_host_ptr, ready_ptr, stamp, SIGNAL)
+
+
 # Launch shape, tuned with benchmarks/gpu_attention.py on the H100 (see SparseConfig there).
 BLOCK_B = 128
 SEL_ELEMS = 8192  # scores of one selection tile (all heads): 32 per thread at 8 warps
 NUM_WARPS = 8
 
 
+# Whether launches whose rows do not fit one selection tile of all heads select with a program per
+# head (`split_select`). A switch, so diagnostics can time both on one machine.
+SPLIT_SELECT = True
+
+
+def split_select(n_blocks_max: int, group_size: int) -> bool:
+    """Whether a launch of tasks of up to `n_blocks_max` blocks selects split (`_score_kernel` then
+    `_select_heads_kernel`): when its rows do not fit one tile of all `group_size` heads, where the
+    fused kernel's last program would select a head at a time."""
+    return SPLIT_SELECT and n_blocks_max > SEL_ELEMS // _block_g(group_size)
+
+
 def score_select(
     table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int,
     q, arena, scores, tickets, ublocks, uheads, counts, counts_host=None, stream: int | None = None,
     meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW), ready=None, stamp: int = 0,
+    split: bool | None = None, kth=None,
 ) -> None:
     """Queue the score+select launch for table rows `[row0, row0 + n_tasks)` on the current stream.
 
@@ -272,15 +418,31 @@ def score_select(
     ublocks/uheads may have rows of any width `>= n_blocks_max` (their own stride). `ready`: int64
     `[>= n_tasks]` (a device view of pinned host memory: the GPU's selection for CPU workers,
     `hybrid_runtime.gpu_picks`): each task's `stamp` lands in it once its union is written.
+    `split`: select with a program per head (two launches); None: where `split_select` says so.
+    `kth`: int64 `[>= n_tasks, G, 2]` scratch of the split selection (made here when not given).
     """
     args = _args(table, nsel, chunks, row0, q, arena, scores, tickets, ublocks, uheads, counts, counts_host, ready,
                  stamp)
     constexprs = _constexprs(nsel, q, meta_layout, ready)
-    _launch(_grid(n_tasks, n_blocks_max), args, constexprs, tuple(constexprs.values()), _OPTIONS, stream)
+    if split is None:
+        split = split_select(n_blocks_max, nsel.shape[1])
+    if not split:
+        _launch(_grid(n_tasks, n_blocks_max), args, constexprs, tuple(constexprs.values()), _OPTIONS, stream)
+        return
+    if kth is None:
+        kth = torch.empty((n_tasks, nsel.shape[1], 2), dtype=torch.int64, device=scores.device)
+    score_args, select_args = _split_args(args, kth)
+    score_c, select_c = _split_constexprs(constexprs)
+    _launch_score(_grid(n_tasks, n_blocks_max), score_args, score_c, tuple(score_c.values()), _OPTIONS, stream)
+    _launch_heads((n_tasks, nsel.shape[1]), select_args, select_c, tuple(select_c.values()), _OPTIONS, stream)
 
 
 def _grid(n_tasks: int, n_blocks_max: int) -> tuple[int, int]:
     return n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B))
+
+
+def _block_g(group_size: int) -> int:
+    return max(2, next_pow2(group_size))
 
 
 def _args(table, nsel, chunks, row0, q, arena, scores, tickets, ublocks, uheads, counts, counts_host, ready,
@@ -292,39 +454,80 @@ def _args(table, nsel, chunks, row0, q, arena, scores, tickets, ublocks, uheads,
 
 def _constexprs(nsel, q, meta_layout, ready) -> dict:
     g = nsel.shape[1]
-    block_g = max(2, next_pow2(g))
+    block_g = _block_g(g)
     return dict(N_COLS=tt.N_COLS, G=g, BLOCK_G=block_g, D=q.shape[2], BLOCK_B=BLOCK_B, SEL_CHUNK=SEL_ELEMS // block_g,
                 CHUNK_ROWS=meta_layout[0], META_ROW=meta_layout[1], SIGNAL=ready is not None)
 
 
+def _split_args(args: tuple, kth) -> tuple[tuple, tuple]:
+    """The fused launch's arguments (`_args`) as those of the split selection's two launches."""
+    (q, sqb, sqh, arena, table, nsel, chunks, scores, tickets, ublocks, uheads, counts, counts_host, row0, nb_cap,
+     ustride, ready, stamp) = args
+    return ((q, sqb, sqh, arena, table, chunks, scores, row0, nb_cap),
+            (table, nsel, scores, tickets, kth, ublocks, uheads, counts, counts_host, row0, nb_cap, ustride, ready,
+             stamp))
+
+
+def _split_constexprs(constexprs: dict) -> tuple[dict, dict]:
+    c = constexprs
+    return (dict(N_COLS=c["N_COLS"], G=c["G"], D=c["D"], BLOCK_B=c["BLOCK_B"], CHUNK_ROWS=c["CHUNK_ROWS"],
+                 META_ROW=c["META_ROW"]),
+            dict(N_COLS=c["N_COLS"], G=c["G"], BLOCK_G=c["BLOCK_G"], SEL_CHUNK=c["SEL_CHUNK"], SEL_TILE=SEL_ELEMS,
+                 SIGNAL=c["SIGNAL"]))
+
+
 class ScoreSelectPlan:
-    """`score_select` with one scratch pair (`scores`, `tickets`), planned once (`LaunchPlan`): a
-    call takes the same arguments but those two, and costs a few microseconds of host time where
-    `score_select` costs tens. The plan is made at the first call and again whenever the group
-    size, head dim, metadata layout or signalling differs from those planned (one plan each)."""
+    """`score_select` with one scratch set (`scores`, `tickets` and the split selection's `kth`),
+    planned once (`LaunchPlan`): a call takes the same arguments but those, and costs a few
+    microseconds of host time a launch where `score_select` costs tens. A plan is made at the first
+    call and again whenever the group size, head dim, metadata layout, signalling or the fused or
+    split form (`split_select`) differs from those planned (one plan each)."""
 
     # Positions in `_args` of what changes between calls: all but scores, tickets, their row width.
     _PER_CALL = (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13, 15, 16, 17)
+    # ... and in `_split_args`'s two tuples: all but scores, tickets, kth and the score rows' width.
+    _PER_CALL_SCORE = (0, 1, 2, 3, 4, 5, 7)
+    _PER_CALL_HEADS = (0, 1, 5, 6, 7, 8, 9, 11, 12, 13)
 
     def __init__(self, scores, tickets) -> None:
         self.scores, self.tickets = scores, tickets
-        self._plans: dict[tuple, LaunchPlan] = {}
+        # The split selection's per-(task, head) k-th keys: 16 bytes a task and head.
+        self.kth = torch.empty((scores.shape[0], scores.shape[1], 2), dtype=torch.int64, device=scores.device)
+        self._plans: dict[tuple, object] = {}
 
     def __call__(self, table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int, q, arena, ublocks, uheads,
                  counts, counts_host=None, stream: int | None = None,
                  meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW), ready=None,
-                 stamp: int = 0) -> None:
-        """As `score_select(..., scores, tickets, ...)` with the plan's scratch pair."""
+                 stamp: int = 0, split: bool | None = None) -> None:
+        """As `score_select(..., scores, tickets, ...)` with the plan's scratch."""
         args = _args(table, nsel, chunks, row0, q, arena, self.scores, self.tickets, ublocks, uheads, counts,
                      counts_host, ready, stamp)
-        shape = (nsel.shape[1], q.shape[2], meta_layout, ready is not None)
+        g = nsel.shape[1]
+        if split is None:
+            split = split_select(n_blocks_max, g)
+        shape = (g, q.shape[2], meta_layout, ready is not None, split)
         plan = self._plans.get(shape)
         if plan is None:
             constexprs = _constexprs(nsel, q, meta_layout, ready)
-            plan = self._plans[shape] = LaunchPlan(_launch, args, constexprs, tuple(constexprs.values()), _OPTIONS,
-                                                   self._PER_CALL)
-        plan(_grid(n_tasks, n_blocks_max), args, stream)
+            if split:
+                score_args, select_args = _split_args(args, self.kth)
+                score_c, select_c = _split_constexprs(constexprs)
+                plan = (LaunchPlan(_launch_score, score_args, score_c, tuple(score_c.values()), _OPTIONS,
+                                   self._PER_CALL_SCORE),
+                        LaunchPlan(_launch_heads, select_args, select_c, tuple(select_c.values()), _OPTIONS,
+                                   self._PER_CALL_HEADS))
+            else:
+                plan = LaunchPlan(_launch, args, constexprs, tuple(constexprs.values()), _OPTIONS, self._PER_CALL)
+            self._plans[shape] = plan
+        if split:
+            score_args, select_args = _split_args(args, self.kth)
+            plan[0](_grid(n_tasks, n_blocks_max), score_args, stream)
+            plan[1]((n_tasks, g), select_args, stream)
+        else:
+            plan(_grid(n_tasks, n_blocks_max), args, stream)
 
 
 _OPTIONS = {"num_warps": NUM_WARPS}
 _launch = CachedLaunch(_score_select_kernel)
+_launch_score = CachedLaunch(_score_kernel)
+_launch_heads = CachedLaunch(_select_heads_kernel)

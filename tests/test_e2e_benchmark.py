@@ -391,7 +391,25 @@ def test_metrics_are_computed_from_the_points():
         "fluxion_tpot_mean_over_median_max": 1.3,
         "fluxion_ttft_over_dense_max": 3.0,  # only 4x32K has both rows ok
         "runtime_construction_s_max": 9.0,
+        "offloaded_over_floor_min": min(400 / 40, 3000 / 100),  # offloaded over the fluxion rows' floors
     })
+
+
+def test_a_table_of_several_models_also_holds_each_models_metrics():
+    pts = synthetic_points()
+    other = [dict(p, model="Qwen2.5-7B") for p in pts]
+    for p in other:
+        if p["variant"] == "fluxion" and p.get("tpot_ms_median"):
+            p["tpot_ms_median"] *= 2
+    floors = {("m", 4): {"noattn_step_ms": 20.0, "dense_ctx16_step_ms": 21.0},
+              ("Qwen2.5-7B", 4): {"noattn_step_ms": 20.0, "dense_ctx16_step_ms": 21.0}}
+    both = pts + other
+    e2e.annotate_points(both, floors, ceiling_GBps=100.0)
+    m = e2e.assemble_metrics(both)
+    alone = e2e.assemble_metrics(pts)
+    assert {k: m[f"m_{k}"] for k in alone} == pytest.approx(alone)
+    assert m["qwen2_5_7b_fluxion_tpot_over_floor_max"] == pytest.approx(4.0)  # twice the 2.0 of "m"
+    assert m["fluxion_tpot_over_floor_max"] == pytest.approx(4.0), "the table's own metric is over every model"
 
 
 def test_repeated_variants_all_count_and_their_spread_is_reported():
@@ -442,9 +460,12 @@ def test_results_json_and_markdown_follow_the_contract(tmp_path, monkeypatch, me
     for key in ("benchmark", "device", "host_cpu", "commit", "command", "created", "metrics", "points", "config"):
         assert key in r
     assert r["benchmark"] == "e2e_decode" and r["commit"] == "abc1234"
-    assert set(r["metrics"]) == {"fluxion_tpot_over_floor_max", "offloaded_over_fluxion_tpot_min",
-                                 "fluxion_tpot_mean_over_median_max", "fluxion_ttft_over_dense_max",
-                                 "runtime_construction_s_max"}
+    table_metrics = {"fluxion_tpot_over_floor_max", "offloaded_over_fluxion_tpot_min",
+                     "fluxion_tpot_mean_over_median_max", "fluxion_ttft_over_dense_max",
+                     "runtime_construction_s_max", "offloaded_over_floor_min"}
+    # Two models here ("m" and the measured rows' tiny one): each model's own metrics are given too.
+    assert table_metrics <= set(r["metrics"])
+    assert set(r["metrics"]) - table_metrics == {f"m_{k}" for k in table_metrics} | {"tiny_runtime_construction_s_max"}
     assert all(isinstance(v, float) for v in r["metrics"].values())
     assert len(r["points"]) == len(pts)
     assert {(p["model"], p["batch"], p["context"], p["variant"]) for p in r["points"]} == \

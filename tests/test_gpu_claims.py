@@ -52,13 +52,13 @@ def upload(c):
     return StepTableBuffer(DEV).upload(*packed, group_size=c.g)
 
 
-def select(c, table, start, stop, sc):
+def select(c, table, start, stop, sc, split=None):
     nb_max, _ = table.claim_shape(start, stop)
     score_select(table.table, table.n_select, table.chunks, start, stop - start, nb_max, c.q, c.ar.arena,
-                 sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts)
+                 sc.scores, sc.tickets[0], sc.ublocks, sc.uheads, sc.counts, split=split)
 
 
-def select_with_tile(c, sc, sel_elems: int) -> None:
+def select_with_tile(c, sc, sel_elems: int, split=None) -> None:
     """`select` of the case's first task with the selection tile `SEL_ELEMS` set to `sel_elems`
     (smaller than the row: the chunked path)."""
     import gpu_kernels.score_select as ss
@@ -66,7 +66,7 @@ def select_with_tile(c, sc, sel_elems: int) -> None:
     old = ss.SEL_ELEMS
     try:
         ss.SEL_ELEMS = sel_elems
-        select(c, upload(c), 0, 1, sc)
+        select(c, upload(c), 0, 1, sc, split)
     finally:
         ss.SEL_ELEMS = old
 
@@ -100,18 +100,52 @@ def check_selection(c, start, stop, sc):
     assert (sc.tickets == 0).all(), "the last program of every task resets its ticket"
 
 
+# split: the fused kernel (False) and a program per head (True, `_select_heads_kernel`), which the
+# runtime takes for rows longer than one tile of all heads (`split_select`).
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_score_select_exact_topk_and_union(dtype):
+def test_score_select_exact_topk_and_union(dtype, split):
     c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=2, d=32, dtype=dtype, blks=(16, 32, 64, 128),
                   budget="random", streaming=True)
     table = upload(c)
     sc = Scratch(len(c.tasks), c.g, int(table.n_blocks.max()), 32)
-    select(c, table, 0, len(c.tasks), sc)
+    select(c, table, 0, len(c.tasks), sc, split)
     check_selection(c, 0, len(c.tasks), sc)
 
 
-@pytest.mark.parametrize("sel_elems", [4096, 1024])  # a head's row in registers; the radix path
-def test_score_select_rows_longer_than_one_selection_tile_and_ties(sel_elems):
+def test_planned_selection_in_both_forms_twice():
+    # `ScoreSelectPlan` (the executor's launches), fused and split, each called twice: the second
+    # call of a form goes through its plan (on CUDA the planned launch; the interpreter runs the JIT).
+    from gpu_kernels.score_select import ScoreSelectPlan
+
+    c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=3, d=32, dtype=torch.bfloat16, blks=(16, 32, 64, 128),
+                  budget="random", streaming=True, seed=7)
+    table = upload(c)
+    n, nb = len(c.tasks), int(table.n_blocks.max())
+    nb_max, _ = table.claim_shape(0, n)
+    for split in (False, True):
+        sc = Scratch(n, c.g, nb, 32)
+        plan = ScoreSelectPlan(sc.scores, sc.tickets[0])
+        for _ in range(2):
+            sc.ublocks.fill_(-1)
+            plan(table.table, table.n_select, table.chunks, 0, n, nb_max, c.q, c.ar.arena, sc.ublocks, sc.uheads,
+                 sc.counts, split=split)
+            check_selection(c, 0, n, sc)
+
+
+def test_split_select_is_taken_where_rows_exceed_one_tile_of_all_heads():
+    from gpu_kernels import score_select as ss
+
+    assert not ss.split_select(ss.SEL_ELEMS // 4, 4) and ss.split_select(ss.SEL_ELEMS // 4 + 1, 4)
+    assert ss.split_select(ss.SEL_ELEMS // 8 + 1, 7), "G = 7 pads to 8 heads a tile"
+    assert not ss.split_select(ss.SEL_ELEMS // 2, 1), "G = 1 pads to 2"
+
+
+# A head's row in registers (4096); the radix path of the fused kernel and, split, a head's row
+# re-read a tile at a time (1024).
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("sel_elems", [4096, 1024])
+def test_score_select_rows_longer_than_one_selection_tile_and_ties(sel_elems, split):
     # 2600 blocks of 16 tokens, more than one selection tile of both heads (SEL_ELEMS / BLOCK_G): a head's
     # row at a time when it fits SEL_ELEMS, else the radix path. Duplicated keys make equal scores, so the
     # tie rule decides which blocks complete each head's k.
@@ -123,7 +157,7 @@ def test_score_select_rows_longer_than_one_selection_tile_and_ties(sel_elems):
     host[torch.from_numpy(ids[1:]).long(), layout.META_ROW :] = host[int(ids[0]), layout.META_ROW :]
     sc = Scratch(1, g, 2600, 16)
     c.n_select[:] = [[37, 260]]
-    select_with_tile(c, sc, sel_elems)  # smaller tiles than the GPU's, so the interpreter runs these paths quickly
+    select_with_tile(c, sc, sel_elems, split)  # smaller tiles than the GPU's, so the interpreter runs these paths quickly
     cnt = int(sc.counts[0])
     blocks, bits = sc.ublocks[0, :cnt].cpu(), sc.uheads[0, :cnt].cpu()
     for gg, k in enumerate((37, 260)):
@@ -138,8 +172,10 @@ def test_score_select_rows_longer_than_one_selection_tile_and_ties(sel_elems):
 
 # All heads' rows in registers (700 blocks x BLOCK_G 4 <= 8192); a head's row at a time (700 <= 1024);
 # the radix path (700 > 512).
+# Split: a head's row in registers (8192, 1024) or re-read a tile at a time (512).
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("sel_elems", [8192, 1024, 512])
-def test_score_select_scores_that_share_their_high_digits(sel_elems):
+def test_score_select_scores_that_share_their_high_digits(sel_elems, split):
     # Every block's metadata is one vector plus a perturbation of 1e-5 relative: each head's scores
     # agree in their top 12-16 bits, so the k-th key is decided by the radix select's low digits.
     # G = 3 (a padded head lane), heads of both score signs, one head that selects nothing.
@@ -154,7 +190,7 @@ def test_score_select_scores_that_share_their_high_digits(sel_elems):
     c.q[0, 1] = -c.q[0, 1].abs() * torch.sign(base).to(c.q.device)  # negative scores
     c.n_select[:] = [[41, 300, 0]]
     sc = Scratch(1, g, n_blocks, d)
-    select_with_tile(c, sc, sel_elems)
+    select_with_tile(c, sc, sel_elems, split)
     cnt = int(sc.counts[0])
     blocks, bits = sc.ublocks[0, :cnt].cpu(), sc.uheads[0, :cnt].cpu()
     assert (bits >> g == 0).all(), "no block is marked for the padded head lane"

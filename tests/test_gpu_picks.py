@@ -42,8 +42,10 @@ def pinned_rows(rows: int, width: int):
     return host, tuple(uva_view(t) for t in host) if CUDA else host
 
 
+# split: the selection for the CPU rows fused or with a program per head (its last head signals).
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_selection_for_cpu_rows_equals_the_claims_union_and_stamps_every_row(dtype):
+def test_selection_for_cpu_rows_equals_the_claims_union_and_stamps_every_row(dtype, split):
     c = make_case(cpu_lens=[300, 129, 40], hkv=2, g=2, d=32, dtype=dtype, blks=(16, 32, 64, 128),
                   budget="random", streaming=True, seed=3)
     table = upload(c)
@@ -62,7 +64,7 @@ def test_selection_for_cpu_rows_equals_the_claims_union_and_stamps_every_row(dty
     ready, blocks, heads, counts = dev
     score_select(table.table, table.n_select, table.chunks, start, n - start, nb_max, c.q, c.ar.arena, sc.scores,
                  sc.tickets[0], blocks[start:], heads[start:], counts[start:], counts[start:], ready=ready[start:],
-                 stamp=41)
+                 stamp=41, split=split)
     if CUDA:
         torch.cuda.synchronize()
     h_ready, h_blocks, h_heads, h_counts = host

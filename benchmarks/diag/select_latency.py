@@ -11,7 +11,11 @@ tasks, each launch alone between CUDA events, median of `--reps`:
   metadata through the UVA view of the arena / from a GPU copy of the metadata rows;
 * `select_uva` / `select_gpu`: the same with the budgets (scores, then the last program's select);
 * `attend`: `sparse_attention_claim` after `select_gpu` (its unions);
-* `claim`: both, as the GPU lane queues them.
+* `claim`: both, as the GPU lane queues them;
+* then `select_gpu` and `claim` in the selection's two forms, fused and split (a program per
+  head, which `score_select.split_select` takes for rows longer than one tile of all heads).
+
+`--kv-heads` and `--group` set the geometry (default Llama-3.1-8B's 8 and 4; Qwen2.5-7B: 4 and 7).
 
 Each is timed idle (a synchronize before, as the layer probe does) and warm (a ~50 us spin kernel
 queued right before the first event, as during decode where the window's kernels precede a claim).
@@ -56,10 +60,10 @@ def main() -> None:
     part_out, part_lse = case.part_out, case.part_lse
     gpu_layout = (layout.META_ROWS, 0)
 
-    def select(n, table, meta, meta_layout):
+    def select(n, table, meta, meta_layout, split=None):
         nb_max, _ = table.claim_shape(0, n)
         ss.score_select(table.table, table.n_select, table.chunks, 0, n, nb_max, q, meta, scores, tickets[0],
-                        ublocks, uheads, counts, meta_layout=meta_layout)
+                        ublocks, uheads, counts, meta_layout=meta_layout, split=split, kth=case.kth)
 
     def attend(n):
         table = tables["k"]
@@ -92,6 +96,19 @@ def main() -> None:
             line.append(f"attend {timed(lambda: attend(n), args.reps, warm):7.1f}")
             line.append(f"claim {timed(lambda: (select(n, tables['k'], meta_gpu, gpu_layout), attend(n)), args.reps, warm):7.1f}")
             print("  ".join(line) + "  us", flush=True)
+    # The selection's two forms on one case: fused (the last program of a task selects every head)
+    # and split (a program per head, `score_select.split_select`), warm, and the claim with each.
+    nb_all, _ = tables["k"].claim_shape(0, t)
+    print(f"forms ({nb_all} blocks a task, G {case.g}; the default form here: "
+          f"{'split' if ss.split_select(nb_all, case.g) else 'fused'}):", flush=True)
+    for n in sorted({1, 8, t}) if args.claims else ():
+        line = [f"{n:3d} tasks warm:"]
+        for form in (False, True):
+            name = "split" if form else "fused"
+            line.append(f"select_gpu {name} {timed(lambda: select(n, tables['k'], meta_gpu, gpu_layout, form), args.reps, True):7.1f}")
+            line.append(f"claim {name} "
+                        f"{timed(lambda: (select(n, tables['k'], meta_gpu, gpu_layout, form), attend(n)), args.reps, True):7.1f}")
+        print("  ".join(line) + "  us", flush=True)
     for shape in filter(None, args.shapes.split(",")):
         block_b, warps = (int(x) for x in shape.split("x"))
         ss.BLOCK_B, ss._OPTIONS = block_b, {"num_warps": warps}  # read at each call (grid, constexprs)

@@ -3,8 +3,9 @@
 Plan once per step, run many claims (FlashInfer's plan/run split): `upload` copies the step's
 task table (rows in queue order, packed once per task set by the caller) to the device in one
 copy; a claim of rows `[start, stop)` is then two launches on the executor's stream --
-`score_select` (Quest scores, exact per-head top-k, group union) and `sparse_attention_claim`
-(attention over the union with the split combine fused) -- and one small copy of the union
+`score_select` (Quest scores, exact per-head top-k, group union; two launches itself when the
+claim's rows are longer than one selection tile of all heads, `score_select.split_select`) and
+`sparse_attention_claim` (attention over the union with the split combine fused) -- and one small copy of the union
 sizes back to a pinned landing slot for byte accounting. No host synchronisation, no per-task
 Python, no allocation: scratch buffers grow only at `upload`, when a step needs more than any
 step before it. Every kernel variant is compiled by `warm_up` (or `compile_kernels`), before the first
@@ -479,7 +480,8 @@ class GpuUvaExecutor:
         return result
 
     def pick(self, table: StepTable, start: int, stop: int, step: Step, ublocks: torch.Tensor, uheads: torch.Tensor,
-             counts: torch.Tensor, ready: torch.Tensor, stamp: int, after: object = None) -> object:
+             counts: torch.Tensor, ready: torch.Tensor, stamp: int, after: object = None,
+             split: bool | None = None) -> object:
         """Queue the block selection of rows `[start, stop)` for the CPU lane (`hybrid_runtime.gpu_picks`):
         row `start + t`'s union lands in row t of `ublocks`/`uheads` (device views of pinned host
         rows, at least the rows' block count wide), its size in `counts[t]`, then `stamp` in
@@ -487,7 +489,8 @@ class GpuUvaExecutor:
         waits for `after` (the CUDA event after which `step.q` and the store's metadata are ready)
         and for this step's table copy, if `upload` made one -- not for the claims on the lane's
         stream. Its metadata bytes count as a claim's do (`device_bytes_read` from the GPU copy).
-        Returns a CUDA event recorded after it (None without CUDA)."""
+        `split`: the selection's form (`score_select.split_select` when None). Returns a CUDA event
+        recorded after it (None without CUDA)."""
         n = stop - start
         if not 0 <= start < stop <= table.n_tasks:
             raise ValueError(f"selection of rows [{start}, {stop}) of a table of {table.n_tasks} tasks")
@@ -506,7 +509,7 @@ class GpuUvaExecutor:
             stream = self._pick_stream.cuda_stream
         self._pick_select()(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
                              ublocks, uheads, counts, counts, stream, meta_layout=meta.layout, ready=ready,
-                             stamp=stamp)
+                             stamp=stamp, split=split)
         meta_bytes = int(table.n_blocks[start:stop].sum()) * 2 * self.head_dim * self.esize
         if meta.on_device:
             self.device_bytes_read += meta_bytes
@@ -625,16 +628,28 @@ class GpuUvaExecutor:
         # copy of the metadata); every layer shares it.
         table = self.upload(packed)
         self.launch(table, 0, 1, step).wait()
+        # The split selection's two kernels too (`split_select`: claims of rows longer than one
+        # tile of all heads take them), which a claim this small does not.
+        arena = self._arena(0)
+        meta = self._metadata_source(0, arena)
+        nb_max, _ = table.claim_shape(0, 1)
+        self._select_plan(table.table, table.n_select, table.chunks, 0, 1, nb_max, step.q, meta.tensor, self._ublocks,
+                          self._uheads, self._counts, self._counts, self._stream_handle, meta_layout=meta.layout,
+                          split=True)
+        if self.cuda:
+            self.stream.synchronize()
         if self.pick_rows is not None:
-            # The CPU lane's selection variant (`pick`), into row 0 with job id 0 (no job has it).
+            # The CPU lane's selection variants (`pick`, fused and split), into row 0 with job id 0
+            # (no job has it).
             ready, blocks, heads, counts = self.pick_rows
-            after = None
-            if self.cuda:
-                after = torch.cuda.Event()
-                after.record(torch.cuda.current_stream())  # step.q was made there
-            self.pick(table, 0, 1, step, blocks[:1], heads[:1], counts[:1], ready[:1], 0, after)
-            if self.cuda:
-                self._pick_stream.synchronize()
+            for split in (False, True):
+                after = None
+                if self.cuda:
+                    after = torch.cuda.Event()
+                    after.record(torch.cuda.current_stream())  # step.q was made there
+                self.pick(table, 0, 1, step, blocks[:1], heads[:1], counts[:1], ready[:1], 0, after, split=split)
+                if self.cuda:
+                    self._pick_stream.synchronize()
             self.picks = 0
         if self._claim_launch == "graphs" and self.cuda:
             meta_layout = self._metadata_source(0, self._arena(0)).layout
