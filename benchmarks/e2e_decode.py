@@ -1312,20 +1312,22 @@ def runtime_overrides(items: list[str]) -> dict:
 
 
 def add_diagnostic_arguments(ap: argparse.ArgumentParser, set_help: str) -> None:
-    """The `--set` and `--layers` options of the e2e diagnostics (`benchmarks/diag/e2e_*.py`)."""
+    """The `--set`, `--model` and `--layers` options of the e2e diagnostics (`benchmarks/diag/e2e_*.py`)."""
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=set_help)
+    ap.add_argument("--model", default="llama-3.1-8b", choices=list(MODELS),
+                    help="the random-weight model's config")
     ap.add_argument("--layers", type=int, default=None, help="the model's first this many layers (a small smoke test)")
 
 
 def diagnostic_setup(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict, torch.nn.Module]:
     """What the e2e diagnostics share after parsing: their `--set` items as runtime overrides (an
-    argparse error naming a bad one) and the random-weight Llama-3.1-8B model, its first `--layers`
-    layers when given, on CUDA when there is one."""
+    argparse error naming a bad one) and the random-weight `--model` (Llama-3.1-8B's config by
+    default), its first `--layers` layers when given, on CUDA when there is one."""
     try:
         overrides = runtime_overrides(args.set)
     except ValueError as exc:
         ap.error(str(exc))
-    cfg = model_config("llama-3.1-8b", **({"num_hidden_layers": args.layers} if args.layers else {}))
+    cfg = model_config(args.model, **({"num_hidden_layers": args.layers} if args.layers else {}))
     return overrides, build_model(cfg, "cuda" if torch.cuda.is_available() else "cpu")
 
 

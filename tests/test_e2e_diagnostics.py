@@ -39,3 +39,9 @@ def test_e2e_host_profile_writes_both_profiles(tmp_path):
 def test_a_bad_override_is_an_argument_error():
     res = run("e2e_lanes.py", "--set", "profiling")
     assert res.returncode == 2 and "--set 'profiling': expected key=value" in res.stderr
+
+
+def test_the_model_is_one_of_the_benchmarks_geometries():
+    res = run("e2e_host_profile.py", "--model", "gpt-2")
+    assert res.returncode == 2 and "--model: invalid choice: 'gpt-2'" in res.stderr, res.stderr[-500:]
+    assert "qwen2.5-7b" in res.stderr, "the error lists the allowed models"

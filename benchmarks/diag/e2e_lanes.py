@@ -16,6 +16,7 @@ was produced on the device (ms; median, and 10th - 90th percentile over layer-st
   it, took the step and published the CPU lane's job, against when that lane ended and q came.
 
     python benchmarks/diag/e2e_lanes.py [--batch 4 --context 32768 --tokens 24 --variants fluxion,cpu_only --rounds 1]
+                                        [--model qwen2.5-7b]
 """
 
 from __future__ import annotations
