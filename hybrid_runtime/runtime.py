@@ -957,8 +957,10 @@ class HybridRuntime:
             qs.mul_(self.scale)
         else:
             qs = (q.to(device=self.device, dtype=torch.float32) * self.scale).contiguous()
-        # q in its own dtype where the planner's and SparDA's device parts read it (a caller may pass host tensors).
-        q_dev = q if q.device == self.device else q.to(self.device)
+        # q in its own dtype where the planner's and SparDA's device parts read it (a caller may pass
+        # host tensors): copied once, and only for a step that has one of them.
+        reads_q = sparda is not None or plan_early is not None or getattr(self.planner, "uses_queries", False)
+        q_dev = q.to(self.device) if reads_q and q.device != self.device else q
         if cpu_lane and not fused:
             cpu_q.copy_(qs, non_blocking=True)  # device -> pinned host, ordered on the main stream
         if q_copy_check and not fused:
