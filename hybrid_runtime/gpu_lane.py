@@ -145,7 +145,6 @@ class GpuLane:
         self.poll_sleep = poll_sleep
         self.wait_on_cpu_queue = wait_on_cpu_queue
         self.clock = None
-        self.skipped = 0
         # A timed-out step whose running tasks could not be interrupted: the next step waits for
         # them before reusing the step buffers.
         self.orphan: StepJob | None = None
@@ -195,12 +194,37 @@ class GpuLane:
         if launcher_slack_s is not None and self.cpu_lane_within(gq, launcher_slack_s, self.rates):
             job.gpu_gated = True
             return
-        want = self.claim_bytes(job, gq, 0.0, idle_stream=True, bias=self.rates.balance * gq.total_bytes)
-        if want <= 0 and self.skipped >= self.EXPLORE_AFTER:
-            want = 1.0  # one task: re-measure the GPU lane
-        if want > 0:
-            job.gpu_first = gq.reserve_head(want)
+        rates = self.rates
+        # Modeled bytes the models ask for, with the learned correction (may be <= 0: none).
+        want = self.FIRST_FRACTION * min(self.share_bytes(job, gq) + rates.balance * gq.total_bytes,
+                                         gq.remaining_bytes)
+        n = self.first_positions(gq, want)
+        if n == 0 and rates.unclaimed_steps >= self.EXPLORE_AFTER:
+            n = 1  # one position: re-measure the GPU lane
+        if n > 0:
+            claimed = gq.range_bytes(0, n)
+            job.gpu_first = gq.reserve_head(claimed)
             job.gpu_first_t = time.perf_counter()
+            job.gpu_first_excess = claimed - want
+
+    def first_positions(self, queue: Any, want: float) -> int:
+        """How many head positions the first claim takes for `want` modeled bytes (0: none).
+
+        Claims are whole positions, so the end the models balance at `want` falls between two
+        counts: with fewer the CPU lane ends later by the shortfall at its rate, with one more the
+        GPU lane ends later by the overshoot at its own. Takes whichever costs the step less (at
+        2 x 96K of Qwen2.5-7B a position is 1/8 of the step: always rounding one way keeps the GPU
+        lane out, or late, where its share is a fraction of a position)."""
+        if want <= 0:
+            return 0
+        cum = queue.cum_bytes
+        total = len(cum) - 1
+        fit = min(int(np.searchsorted(cum, want, side="right")) - 1, total)
+        if fit >= total:
+            return total
+        shortfall, overshoot = want - cum[fit], cum[fit + 1] - want
+        take_next = overshoot / self.rates.model.bw < shortfall / self.rates.cpu_lane.bytes_per_s
+        return fit + 1 if take_next else fit
 
     def cpu_lane_within(self, queue: Any, launcher_slack_s: float, rates: Any) -> bool:
         """Whether the CPU lane alone, at `rates`, is modeled to read all of `queue` and leave the
@@ -273,7 +297,7 @@ class GpuLane:
                 # launched, and a split would only add launches (nothing competes for the queue).
                 want = 0.0 if job.gpu_first is not None else WHOLE_QUEUE if alone else self.claim_bytes(
                     job, gq, busy_s, idle_stream=not pipeline, claimed=claimed)
-                if want <= 0 and job.shared and not launched and self.skipped >= self.EXPLORE_AFTER:
+                if want <= 0 and job.shared and not launched and self.rates.unclaimed_steps >= self.EXPLORE_AFTER:
                     want = 1.0  # one task: re-measure the GPU lane
                 if job.gpu_first is not None:
                     # The reserved claim: the launch model learns from the reservation on, since
@@ -317,7 +341,7 @@ class GpuLane:
                             continue
                     self.trailing = (job, rows, prev_done)
                 if job.shared:
-                    self.skipped = 0 if launched else self.skipped + 1
+                    self._count_unclaimed(job, launched)
                 return
             # A GPU-only step that may trail ends once every position is launched (counted finished
             # at launch: `trails`) and the previous step's claims are retired (one step trails at a
@@ -330,7 +354,7 @@ class GpuLane:
             if job.done() and self.trailing is None and (
                     not pipeline or (trails and job.error is None and job.cpu_used)):
                 if job.shared:
-                    self.skipped = 0 if launched else self.skipped + 1
+                    self._count_unclaimed(job, launched)
                 if pipeline:
                     self.trailing = (job, rows, prev_done)  # retired on a later call (`trails`)
                 return
@@ -484,15 +508,23 @@ class GpuLane:
             self._retire_trailing(block)
         return self.trailing is not None
 
+    def _count_unclaimed(self, job: StepJob, launched: bool) -> None:
+        """A shared step ended: count it, for the estimates that sized it, as claimed or not."""
+        rates = job.rates or self.rates
+        rates.unclaimed_steps = 0 if launched else rates.unclaimed_steps + 1
+
     def learn_balance(self, job: StepJob) -> None:
         """After a shared step whose lanes both reported (CPU records collected, GPU claims
-        retired): the first claim's learned correction, from where each lane ended."""
+        retired): the first claim's learned correction, from where each lane ended. The first
+        claim's rounding to whole positions is discounted when it was the step's only claim (later
+        claims are sized from the state of the step, not from the balance)."""
         rates = job.rates or self.rates
         if job.shared and job.gpu_last_end > 0.0 and job.error is None:
             # Where the CPU lane ended; with no CPU task, where it could have started.
             cpu_end = job.cpu_last_end or (job.t_release + rates.cpu_start.seconds if job.t_release > 0.0 else 0.0)
             if cpu_end > 0.0:
-                rates.learn_balance(cpu_end, job.gpu_last_end, job.gpu_queue.total_bytes)
+                excess = job.gpu_first_excess if len(job.gpu_batches) == 1 else 0.0
+                rates.learn_balance(cpu_end, job.gpu_last_end, job.gpu_queue.total_bytes, excess)
 
     @staticmethod
     def _call(job: StepJob, fn: Callable[[], None]) -> None:
@@ -562,23 +594,14 @@ class GpuLane:
         return True
 
     def claim_bytes(self, job: StepJob, queue: Any, busy_s: float = 0.0, idle_stream: bool = True,
-                    claimed: float = 0.0, bias: float = 0.0) -> float:
+                    claimed: float = 0.0) -> float:
         """Modeled bytes to claim now (0: claim nothing).
 
-        Shared queue: the GPU's share `g` makes both lanes finish together,
-        `busy + lat + g/bw = cpu_left - g/tp_c`. The GPU side: busy, the time it still needs for
-        what it has queued; `lat`, the launch model's fixed cost plus the host delay before the
-        GPU starts, paid only when the stream is idle (a launch queued behind another hides it);
-        `bw`, the launch model's rate. The CPU side is the CPU lane as a whole: it starts
-        `cpu_start` after its release and does every byte the GPU has not claimed (`claimed`:
-        this step's GPU claims so far) at the lane's measured rate `tp_c`, less the time since
-        the release -- which counts the tasks the workers hold, not only the queue's rest -- but
-        never less than the queue's rest at that rate (a lane slower than modeled).
-        g <= 0 means the CPUs finish sooner than a launch would. The first claim takes g at once
-        (`FIRST_FRACTION`), later ones half (guided self-scheduling: a short tail), never less
-        than a batch whose fixed cost is half its time unless that is all of g. `bias`: bytes
-        added to g (the first claim's learned correction, `LaneRates.balance`). A GPU-only queue
-        is split the same way with nothing competing for it.
+        Shared queue: the GPU's share `g` (`share_bytes`); g <= 0 means the CPUs finish sooner
+        than a launch would. The first claim takes g at once (`FIRST_FRACTION`), later ones half
+        (guided self-scheduling: a short tail), never less than a batch whose fixed cost is half
+        its time unless that is all of g. A GPU-only queue is split the same way with nothing
+        competing for it.
         """
         remaining = queue.remaining_bytes
         if remaining <= 0:
@@ -589,18 +612,34 @@ class GpuLane:
             if getattr(self.executor, "claims_whole_queue", False):
                 return remaining  # one launch runs any number of tasks (vectorised): more only add host work
             return max(self.GUIDED_FRACTION * remaining, min_batch)
-        rates = self.rates
-        tp_c = rates.cpu_lane.bytes_per_s
-        elapsed = time.perf_counter() - job.t_release if job.t_release > 0.0 else 0.0
-        # The model's view, and at least the queue's rest at the lane's rate: a CPU lane slower
-        # than modeled shows as bytes still waiting in the queue.
-        cpu_left = max(rates.cpu_start.seconds + (queue.total_bytes - claimed) / tp_c - elapsed, remaining / tp_c)
-        lat = m.lat + rates.delay.seconds if idle_stream else 0.0
-        g = min((cpu_left - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c) + bias, remaining)
+        g = min(self.share_bytes(job, queue, busy_s, idle_stream, claimed), remaining)
         if g <= 0:
             return 0.0
         frac = self.FIRST_FRACTION if idle_stream else self.GUIDED_FRACTION
         return max(frac * g, min(g, min_batch))
+
+    def share_bytes(self, job: StepJob, queue: Any, busy_s: float = 0.0, idle_stream: bool = True,
+                    claimed: float = 0.0) -> float:
+        """The GPU's share `g` of a shared queue's modeled bytes that makes both lanes finish
+        together, `busy + lat + g/bw = cpu_left - g/tp_c` (negative: the CPU lane ends before a
+        launch would). The GPU side: busy, the time it still needs for what it has queued; `lat`,
+        the launch model's fixed cost plus the host delay before the GPU starts, paid only when
+        the stream is idle (a launch queued behind another hides it); `bw`, the launch model's
+        rate. The CPU side is the CPU lane as a whole: it starts `cpu_start` after its release and
+        does every byte the GPU has not claimed (`claimed`: this step's GPU claims so far) at the
+        lane's measured rate `tp_c`, less the time since the release -- which counts the tasks the
+        workers hold, not only the queue's rest -- but never less than the queue's rest at that
+        rate (a lane slower than modeled)."""
+        rates = self.rates
+        m = rates.model
+        tp_c = rates.cpu_lane.bytes_per_s
+        elapsed = time.perf_counter() - job.t_release if job.t_release > 0.0 else 0.0
+        # The model's view, and at least the queue's rest at the lane's rate: a CPU lane slower
+        # than modeled shows as bytes still waiting in the queue.
+        cpu_left = max(rates.cpu_start.seconds + (queue.total_bytes - claimed) / tp_c - elapsed,
+                       queue.remaining_bytes / tp_c)
+        lat = m.lat + rates.delay.seconds if idle_stream else 0.0
+        return (cpu_left - busy_s - lat) / (1.0 / m.bw + 1.0 / tp_c)
 
     def _plan(self, job: StepJob, gq: Any) -> Any:
         """The executor's table of the GPU queue for this step: packed once per task set, uploaded once per step."""

@@ -166,6 +166,11 @@ class LaneRates:
         # Fraction of a shared step's modeled bytes added to the GPU's first claim, learned from
         # how far apart the lanes finished (see `learn_balance`).
         self.balance = 0.0
+        # Shared steps in a row sized with these estimates that gave the GPU lane no claim
+        # (`GpuLane.EXPLORE_AFTER`). Counted per set of estimates: steps sized with another set (a
+        # step on the GPU's selection, or one that selects on the host) must not keep this set
+        # from being re-measured.
+        self.unclaimed_steps = 0
         self.gpu = Throughput(30e9)
         self.model = LaunchModel(lat=100e-6, bw=45e9, link_bw=link_bw)
         self.delay = Delay(200e-6)
@@ -174,18 +179,25 @@ class LaneRates:
     BALANCE_GAIN = 0.5
     BALANCE_LIMIT = 0.5
 
-    def learn_balance(self, cpu_end: float, gpu_end: float, total_bytes: float) -> None:
+    def learn_balance(self, cpu_end: float, gpu_end: float, total_bytes: float, excess_bytes: float = 0.0) -> None:
         """Fold in one shared step's outcome: the CPU lane finished at `cpu_end`, the GPU lane at
         `gpu_end` (host seconds). Moving x bytes to the GPU would have ended both together when
-        `x = (cpu_end - gpu_end) / (1/bw + 1/tp_c)`; `balance` integrates x as a fraction of the
-        step's bytes. The lane models size claims from rates, delays and fixed costs that each
-        carry some error (modeled vs read bytes, the selection's share of a claim, host noise);
-        this term removes what is systematic in their sum, so the lanes end together on average.
+        `x = (cpu_end - gpu_end) / (1/bw + 1/tp_c)`. The lane models size claims from rates,
+        delays and fixed costs that each carry some error (modeled vs read bytes, the selection's
+        share of a claim, host noise); `balance` learns what is systematic in their sum, as a
+        fraction of the step's bytes.
+
+        `excess_bytes`: how many modeled bytes the claim took beyond what the models (with the
+        balance) asked for -- a claim is whole queue positions, and a re-measuring claim takes one
+        where they asked for none. The claim that would have ended both lanes together is
+        `claimed + x`, so the balance moves towards asking for that: by `x + excess_bytes`. Without
+        the excess, a step whose ideal claim is below one position would teach the balance the
+        rounding (the GPU lane, given a whole position, ends late) and keep the lane out for good.
         """
         if total_bytes <= 0:
             return
         x = (cpu_end - gpu_end) / (1.0 / self.model.bw + 1.0 / self.cpu_lane.bytes_per_s)
-        b = self.balance + self.BALANCE_GAIN * x / total_bytes
+        b = self.balance + self.BALANCE_GAIN * (x + excess_bytes) / total_bytes
         self.balance = min(self.BALANCE_LIMIT, max(-self.BALANCE_LIMIT, b))
 
 

@@ -79,6 +79,11 @@ class NativeQueue:
         return float(self._cum[self.total] - self._cum[h])
 
     @property
+    def cum_bytes(self) -> np.ndarray:
+        """Modeled bytes of the first i positions, i = 0..total (read only)."""
+        return self._cum
+
+    @property
     def total_bytes(self) -> float:
         """Modeled bytes of every task of the step's queue."""
         return float(self._cum[self.total])

@@ -177,6 +177,11 @@ class TaskQueue:
         return float(self._cum[self._n])
 
     @property
+    def cum_bytes(self) -> np.ndarray:
+        """Modeled bytes of the first i tasks in queue order, i = 0..total (read only)."""
+        return self._cum
+
+    @property
     def remaining_bytes(self) -> float:
         """Modeled bytes of the tasks not yet handed out."""
         return float(self._cum[self._n] - self._cum[self._next])

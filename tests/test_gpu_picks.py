@@ -284,6 +284,44 @@ def test_cpu_task_selection_gpu_selects_on_every_step_that_auto_would_not():
 
 
 @host_lane
+def test_steps_on_the_selection_re_measure_a_gpu_lane_their_estimates_keep_out(monkeypatch):
+    """Under "auto" a step selects on the host every few steps (`GpuPicks.HOST_EXPLORE_AFTER`) and
+    is sized with the placement's own estimates, which may claim. Steps on the selection whose own
+    estimates keep the GPU lane out must still re-measure it after `GpuLane.EXPLORE_AFTER` of them
+    (at 864193a the host steps' claims reset one shared count: on Qwen2.5-7B at 2 x 96K the
+    selection's balance stayed at -0.47 and the GPU lane took 8% of the bytes, 29% with the
+    selection on every step)."""
+    gpu = HostPickingGpu(delay_s=0.0)
+    with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:
+        gpu.store = rt.store
+        sch = rt.scheduler
+        sch.picks_always = False  # "auto"'s step-by-step rule ("auto" itself needs CUDA)
+        prefilled(rt)
+        sch.picks.meta_block_bytes = 1 << 40  # the selection pays on every step ...
+        sch.picks.HOST_EXPLORE_AFTER = 1  # ... and every second step selects on the host anyway
+        sch.selection_rates().model.lat = 10.0  # the selection's estimates: g <= 0 on every step
+        plain = sch.rates
+        plain.cpu_lane.bytes_per_s = 1e6  # the placement's own: a slow CPU lane, the GPU lane claims
+        monkeypatch.setattr(plain.cpu_lane, "update", lambda *args, **kwargs: None)
+        firsts = []  # (the step is on the selection, the positions its GPU lane reserved)
+        real = sch.lane.reserve_first
+
+        def recording(job, launcher_slack_s=None, _real=real):
+            _real(job, launcher_slack_s)
+            firsts.append((job.picks, job.gpu_first))
+
+        sch.lane.reserve_first = recording
+        explore = sch.lane.EXPLORE_AFTER
+        decode_steps(rt, steps=explore + 1)  # 2 layers a token: as many steps on the selection
+        on_host = [first for picks, first in firsts if not picks]
+        on_selection = [first for picks, first in firsts if picks]
+        assert len(on_selection) >= explore + 1 and on_host
+        assert all(first is not None for first in on_host)  # the placement's estimates claimed each time
+        assert on_selection[:explore] == [None] * explore
+        assert on_selection[explore] == (0, 1)  # one position re-measures the GPU lane
+
+
+@host_lane
 def test_workers_select_on_the_host_when_the_selection_is_expected_after_their_own_would_end():
     gpu = HostPickingGpu(delay_s=0.5)
     with HybridRuntime(picks_config("gpu"), gpu_executor=gpu) as rt:

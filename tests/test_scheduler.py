@@ -651,6 +651,87 @@ def test_first_claim_follows_the_learned_balance():
         s.close()
 
 
+def equal_tasks(n: int, nbytes: int) -> list[Task]:
+    return [Task(i, 0, i % 4, i, 16, np.zeros(2, np.float32), np.ones(2, np.int32), 64, np.zeros(1, np.int32),
+                 1.0, nbytes) for i in range(n)]
+
+
+def test_first_claim_rounds_to_the_position_count_that_ends_the_step_sooner():
+    s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(), CountingGpu())
+    try:
+        s.gpu_model.bw, s.rates.cpu_lane.bytes_per_s = 40e9, 60e9
+        q = TaskQueue(equal_tasks(8, 10_000_000))
+        # 14 MB asked: one position leaves the CPU lane 4 MB (67 us) more, two make the GPU lane 6 MB (150 us) late.
+        assert s.lane.first_positions(q, 14e6) == 1
+        assert s.lane.first_positions(q, 17e6) == 2  # 7 MB (117 us) short against 3 MB (75 us) over
+        assert s.lane.first_positions(q, 3e6) == 0  # below one position, the CPU lane takes it all
+        assert s.lane.first_positions(q, 9e6) == 1  # ... unless the GPU lane's overshoot costs less
+        assert s.lane.first_positions(q, 0.0) == s.lane.first_positions(q, -5e6) == 0
+        assert s.lane.first_positions(q, 1e12) == 8
+    finally:
+        s.close()
+
+
+def test_balance_discounts_the_claims_rounding_to_whole_positions():
+    from hybrid_runtime.lane_rates import LaneRates
+
+    r = LaneRates(n_cpu=4)
+    r.model.bw, r.cpu_lane.bytes_per_s = 40e9, 60e9
+    # Asked for 2 MB, took a whole 12 MB position, and the lanes ended together: the models asked
+    # 10 MB too little, and the balance learns that (not nothing, as if the claim were what they asked).
+    r.learn_balance(cpu_end=1e-3, gpu_end=1e-3, total_bytes=100e6, excess_bytes=10e6)
+    assert r.balance == pytest.approx(LaneRates.BALANCE_GAIN * 0.10)
+    # The same claim ending 1 ms late (24 MB too many at these rates): the ideal claim was -12 MB, so
+    # the models (which asked for 2 MB) should ask 14 MB less.
+    r.balance = 0.0
+    r.learn_balance(cpu_end=1e-3, gpu_end=2e-3, total_bytes=100e6, excess_bytes=10e6)
+    assert r.balance == pytest.approx(LaneRates.BALANCE_GAIN * -0.14)
+
+
+def test_a_lane_whose_share_is_below_one_position_is_not_kept_out_for_good():
+    """The trap measured at 864193a (Qwen2.5-7B, 2 x 96K: 8 positions a step): the GPU lane's ideal
+    share is a fraction of a position, the re-measuring claim takes a whole one and ends late, and
+    a balance that learns the claim as if it were what the models asked for falls to its limit:
+    the lane is kept out for good. Discounting the rounding, the balance settles where the models
+    ask for the ideal share."""
+    from hybrid_runtime.lane_rates import LaneRates
+
+    total, position, ideal = 96e6, 12e6, 8e6  # the ideal GPU claim: two thirds of a position
+    r = LaneRates(n_cpu=4)
+    r.model.bw, r.cpu_lane.bytes_per_s = 40e9, 120e9
+    per_byte = 1.0 / r.model.bw + 1.0 / r.cpu_lane.bytes_per_s
+    asked_without_balance = -20e6  # the models' own (wrong) view: no claim at all
+    for _ in range(40):
+        want = asked_without_balance + r.balance * total
+        claimed = position  # a claim below one position takes one (re-measuring, or rounded up)
+        gpu_late_s = (claimed - ideal) * per_byte
+        r.learn_balance(cpu_end=1e-3, gpu_end=1e-3 + gpu_late_s, total_bytes=total, excess_bytes=claimed - want)
+    assert asked_without_balance + r.balance * total == pytest.approx(ideal, rel=1e-3)
+
+
+def test_each_set_of_estimates_counts_its_own_steps_without_a_claim():
+    """Steps sized with other estimates that claim (a placement's own between steps on the GPU's
+    selection) do not keep a set that gives the GPU lane nothing from being re-measured."""
+    from hybrid_runtime.lane_rates import LaneRates
+
+    gpu = CountingGpu()
+    s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(), gpu)
+    try:
+        s.gpu_model.lat = 10.0  # absurd: g <= 0 for every step sized with these
+        other = LaneRates(n_cpu=2)
+        for _ in range(s.EXPLORE_AFTER):
+            run_job(s, fake_tasks(20))
+            claimed_elsewhere = StepJob(0, [], batch=1, shared=True, rates=other)
+            s.lane._count_unclaimed(claimed_elsewhere, launched=True)
+        assert gpu.batches == [] and other.unclaimed_steps == 0
+        assert s.rates.unclaimed_steps == s.EXPLORE_AFTER
+        run_job(s, fake_tasks(20))
+        assert gpu.batches and gpu.batches[0] == 1  # one task to re-measure
+        assert s.rates.unclaimed_steps == 0
+    finally:
+        s.close()
+
+
 def test_delay_clips_a_lone_stall_but_follows_a_lasting_change():
     from hybrid_runtime.lane_rates import EMA, Delay
 

@@ -107,6 +107,15 @@ class HostStamps:
         wrap(sch, "settle_cpu", None, "settled")
         wrap(sch, "collect", "collect_in", "collected")
         wrap(sch, "run", "run", None)
+        run = sch.run
+
+        def run_noted(job, *a, **kw):
+            try:
+                return run(job, *a, **kw)
+            finally:
+                cur["picks"] = bool(job.picks)  # the step's CPU tasks attend the GPU's selection
+
+        sch.run = run_noted
         wrap(sch.workers, "wake", "wake", None)
 
     def marks(self, recs: list, first: int) -> dict[str, np.ndarray]:
@@ -114,7 +123,7 @@ class HostStamps:
         previous step's CPU lane end on the same clock."""
         calls = self.calls[len(self.calls) - len(recs):]
         out = {k: np.full(len(recs) - first, np.nan) for k in ("prev_cpu_last", "settled", "collect_in", "collected",
-                                                                "run", "wake")}
+                                                                "run", "wake", "picks")}
         for j, i in enumerate(range(first, len(recs))):
             r, c, prev = recs[i], calls[i], recs[i - 1] if i else None
             t0 = r.t_start
@@ -123,6 +132,8 @@ class HostStamps:
             for k in ("settled", "collect_in", "collected", "run", "wake"):
                 if k in c:
                     out[k][j] = (c[k] - t0) * 1e3
+            if "picks" in c:
+                out["picks"][j] = float(c["picks"])
         return out
 
 
@@ -143,10 +154,18 @@ def summary(marks: dict[str, np.ndarray]) -> str:
     stamps = marks.get("stamps")
     if stamps is not None:
         lines.append("  host milestones (ms from this step's q produced):")
-        lines += [f"    {k:<26} {cell(stamps[k])}" for k in stamps]
+        lines += [f"    {k:<26} {cell(stamps[k])}" for k in stamps if k != "picks"]
     lines.append(f"  {'gpu byte share (per step)':<28} {cell(share)}")
     lines.append(f"  {'gpu byte share (all bytes)':<28} {marks['gpu_bytes'].sum() / max(total.sum(), 1.0):.3f}")
     lines.append(f"  {'layer-steps with a GPU claim':<28} {int(has_gpu.sum())} of {len(has_gpu)}")
+    lines.append(f"  {'gpu byte share (claim steps)':<28} {cell(share[has_gpu])}")
+    if stamps is not None and len(stamps["picks"]) == len(has_gpu):
+        # Steps whose CPU tasks attend the GPU's selection and steps that select on the host are
+        # sized with separate lane estimates (`Scheduler.selection_rates`): each kind's claims.
+        for kind, flag in (("on the GPU's selection", 1.0), ("selecting on the host", 0.0)):
+            kind_steps = stamps["picks"] == flag
+            lines.append(f"  {'steps ' + kind:<28} {int(kind_steps.sum())}, with a GPU claim "
+                         f"{int((kind_steps & has_gpu).sum())}, their GPU share {cell(share[kind_steps & has_gpu])}")
     lines.append(f"  {'cpu_last - gpu_last':<28} {cell(marks['cpu_last'][both] - marks['gpu_last'][both])}")
     lines.append(f"  {'MB a layer-step':<28} {cell(total / 1e6)}")
     return "\n".join(lines)
