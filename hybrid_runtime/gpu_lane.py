@@ -200,7 +200,7 @@ class GpuLane:
                                          gq.remaining_bytes)
         n = self.first_positions(gq, want)
         if n == 0 and rates.unclaimed_steps >= self.EXPLORE_AFTER:
-            n = 1  # one position: re-measure the GPU lane
+            n = min(1, len(gq.cum_bytes) - 1)  # one position: re-measure the GPU lane
         if n > 0:
             claimed = gq.range_bytes(0, n)
             job.gpu_first = gq.reserve_head(claimed)
