@@ -315,12 +315,17 @@ CPU_FAULTS = {  # how a failing task reaches decode: native kernels return a sta
 }
 
 
+def keep_gpu_lane_out(patch: pytest.MonkeyPatch) -> None:
+    """Under fluxion which lane takes a task depends on the learned lane rates: the GPU lane (present,
+    driven, polled) claims nothing, so a CPU task's fault reaches a CPU worker."""
+    patch.setattr(GpuLane, "share_bytes", lambda self, *args, **kwargs: float("-inf"))
+
+
 @pytest.mark.parametrize("cpu", ["native", "python"])
 @pytest.mark.parametrize("placement", ["cpu_only", "fluxion"])
 def test_cpu_task_failing_mid_step_fails_decode_and_the_next_step_is_exact(cpu, placement, monkeypatch):
-    # The target's tasks must reach a CPU worker: under fluxion which lane takes a task depends
-    # on the learned lane rates, so here the GPU lane (present, driven, polled) claims nothing.
-    monkeypatch.setattr(GpuLane, "share_bytes", lambda self, *args, **kwargs: float("-inf"))
+    # The target's tasks must reach a CPU worker (`keep_gpu_lane_out`).
+    keep_gpu_lane_out(monkeypatch)
     monkeypatch.setattr(GpuLane, "EXPLORE_AFTER", 10**9)
     before = set(threading.enumerate())
     rt = make_runtime(cpu, "sync" if placement == "fluxion" else None, placement)
@@ -526,9 +531,7 @@ def test_twenty_build_fault_close_cycles_leave_no_threads_memory_or_arenas():
         lane, cpu, gpu, placement, mode, expected = CYCLE_KINDS[i % len(CYCLE_KINDS)]
         with pytest.MonkeyPatch.context() as patch:
             if lane == "cpu" and placement == "fluxion":
-                # The target's tasks must reach a CPU worker (as in the CPU fault test above): which
-                # lane takes them depends on the lane estimates, so the GPU lane claims nothing here.
-                patch.setattr(GpuLane, "share_bytes", lambda self, *args, **kwargs: float("-inf"))
+                keep_gpu_lane_out(patch)  # the target's tasks must reach a CPU worker
             rt = make_runtime(cpu, gpu, placement, timeout=0.3 if mode == HOLD else 30.0, capacity=CYCLE_CAPACITY)
             refs = arena_refs(rt)
             inj = Injector(rt, lane)

@@ -106,10 +106,10 @@ class HostStamps:
         rt.decode = decode_stamped
         wrap(sch, "settle_cpu", None, "settled")
         wrap(sch, "collect", "collect_in", "collected")
-        wrap(sch, "run", "run", None)
         run = sch.run
 
         def run_noted(job, *a, **kw):
+            cur.setdefault("run", time.perf_counter())
             try:
                 return run(job, *a, **kw)
             finally:
