@@ -50,6 +50,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         their tasks' metadata themselves instead of attending the GPU lane's selection.
     fluxion_gpu_selection fluxion with `scheduler.cpu_task_selection: gpu`: the GPU lane's selection on every
                         step with CPU tasks (the default decides step by step).
+    fluxion_gpu_selection_ungated  ... and `scheduler.gate_trailing_claims: false`: the GPU lane claims on
+                        every step too.
     fluxion_no_spin     fluxion with `scheduler.spin_us: 0`: idle CPU workers sleep on their doorbells at once.
     fluxion_short_spin  fluxion with `scheduler.spin_us: 500`: they spin half a millisecond, then sleep.
     fluxion_unplanned,  fluxion, cpu_only and fluxion_host_selection with the step's planned launches
@@ -295,6 +297,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),
     # ... on every step with CPU tasks (the default, "auto", decides step by step: `GpuPicks.pays` and the gate).
     Variant("fluxion_gpu_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "gpu"}),
+    # ... and no trailing step's claim gated (`gate_trailing_claims: false`): the GPU lane claims on every step.
+    Variant("fluxion_gpu_selection_ungated", "hybrid", placement="fluxion",
+            scheduler={"cpu_task_selection": "gpu", "gate_trailing_claims": False}),
     # Idle CPU workers sleep on their doorbells at once (the default spins up to 20 ms, i.e. through
     # the model's work between layers): whether spinning workers slow the generating thread's Python.
     Variant("fluxion_no_spin", "hybrid", placement="fluxion", scheduler={"spin_us": 0.0}),

@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -63,6 +63,16 @@ for step in $steps; do
                 timeout 170 python benchmarks/diag/e2e_lanes.py --model $1 --batch $2 --context $3 \
                     --variants fluxion,fluxion_gpu_selection,cpu_only --rounds 1 >"$out/e2e_lanes-$1-$2x$3.txt" 2>&1 || rc=$?
                 grep -E "^## |GPU claim|share .all|steps on|steps sel" "$out/e2e_lanes-$1-$2x$3.txt"
+            done; (exit $rc) ;;
+        # The selection on every step, with and without the trailing gate, against auto without the gate,
+        # where the default (auto) and the selection on every step parted most (notes/gpu_lane.md s. 25).
+        e2e_lanes_selection_modes) rc=0
+            for spec in "qwen2.5-7b 4 32768" "llama-3.1-8b 4 32768"; do
+                set -- $spec
+                timeout 170 python benchmarks/diag/e2e_lanes.py --model $1 --batch $2 --context $3 \
+                    --variants fluxion_gpu_selection,fluxion_gpu_selection_ungated,fluxion_ungated --rounds 1 \
+                    >"$out/e2e_lanes_modes-$1-$2x$3.txt" 2>&1 || rc=$?
+                grep -E "^## |GPU claim|share .all|steps on|steps sel" "$out/e2e_lanes_modes-$1-$2x$3.txt"
             done; (exit $rc) ;;
         select_latency) timeout 100 python benchmarks/diag/select_latency.py --batch 4 --context 32768 &&
             timeout 150 python benchmarks/diag/select_latency.py --batch 4 --context 131072 --reps 10 ;;
