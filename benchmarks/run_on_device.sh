@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -122,6 +122,16 @@ for step in $steps; do
         e2e_selection_ab96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 2x96K \
             --new-tokens 32 --no-limits --budget-s 2000 --variants fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin,fluxion,fluxion_gpu_selection,fluxion_no_spin \
             --out "$out/e2e_decode_selection_ab96k-$dev.json" ;;
+        # auto (the default) against the selection on every step, interleaved x3, both geometries, now that
+        # auto's estimates re-measure a lane they keep out (1a19f43; notes/gpu_lane.md s. 25).
+        e2e_selection_ab_both32k) timeout 590 python benchmarks/e2e_decode.py --models qwen2.5-7b,llama-3.1-8b \
+            --points 4x32K,8x32K --new-tokens 32 --no-limits --budget-s 2000 \
+            --variants fluxion,fluxion_gpu_selection,fluxion,fluxion_gpu_selection,fluxion,fluxion_gpu_selection \
+            --out "$out/e2e_decode_selection_ab_both32k-$dev.json" ;;
+        e2e_selection_ab_both96k) timeout 590 python benchmarks/e2e_decode.py --models qwen2.5-7b,llama-3.1-8b \
+            --points 2x96K --new-tokens 32 --no-limits --budget-s 2000 \
+            --variants fluxion,fluxion_gpu_selection,fluxion,fluxion_gpu_selection \
+            --out "$out/e2e_decode_selection_ab_both96k-$dev.json" ;;
         predictor_overhead) timeout 590 python benchmarks/predictor_overhead.py --compile --fused-variant lag1:lag=1 --out-dir "$out" ;;
         tpot_grid) work=$(mktemp -d)
             timeout 590 python -m hybrid_runtime.cli run configs/tpot_grid.yaml --out "$work/tpot" \
