@@ -258,13 +258,20 @@ def _runtime(placement: str, trails: bool, profiling: bool = True):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["fluxion", "cpu_only"])
-def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(placement):
+def test_runtime_steps_that_trail_their_cpu_lane_give_the_waiting_steps_output(placement, monkeypatch):
     """Layers chained on the GPU without a host sync between them (each layer's q comes from the
     previous layer's output, as in a model), so the host issues layer l + 1 while layer l's CPU
     tasks run. A runtime that waits, fed the same inputs, gives the same output at every step,
     spills included."""
+    from hybrid_runtime.gpu_lane import GpuLane
     from tests.helpers import chained_decode
 
+    # fluxion: one CPU worker against the GPU lane makes the reserved claim round up to every
+    # position of the step's six (it ends the step sooner), and a step without CPU tasks has
+    # nothing to trail (0 of 120 did on an H200 at 0b506b6): the claim leaves the CPU lane one.
+    first_positions = GpuLane.first_positions
+    monkeypatch.setattr(GpuLane, "first_positions", lambda self, queue, want: max(
+        0, min(first_positions(self, queue, want), len(queue.cum_bytes) - 2)))
     inputs, outs = [], {}
     for trails in (True, False):
         rt = _runtime(placement, trails)
