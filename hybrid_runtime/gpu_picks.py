@@ -74,6 +74,11 @@ class GpuPicks:
         self.skipped = 0  # steps in a row `pays` said no to
         self.used = 0  # steps in a row `pays` said yes to
         self.skipped_steps = 0  # steps `pays` said no to, in all
+        # Steps on the selection between two that select on the host (`pays`): doubles each time the
+        # step after a host one pays again, back to `HOST_EXPLORE_AFTER` when a step does not.
+        self.host_explore_after = self.HOST_EXPLORE_AFTER
+        self._host_explored = False  # the last step selected on the host to re-measure
+        self.host_explore_steps = 0  # such steps, in all
         # Host seconds of the launch call itself (the executor's argument handling and launch): part
         # of what the CPU lane waits for, reported beside `latency`.
         self.host_s = Delay(20e-6)
@@ -115,7 +120,13 @@ class GpuPicks:
     # selects itself, which steps on the selection do not teach: `Scheduler.selection_rates`). An
     # estimate gone wrong must be able to recover.
     EXPLORE_AFTER = 8
+    # A host step costs more than re-measuring: at 2 x 96K of Qwen2.5-7B its estimates gave the GPU
+    # lane 85% of the bytes (its CPU lane, each task's selection on one worker, was learned at 17 GB/s
+    # against 121 on the selection), and "auto" ran 4-19% behind the selection on every step at four
+    # of six points (benchmarks/notes/gpu_lane.md section 25). So the interval between host steps
+    # doubles, up to `HOST_EXPLORE_MAX`, while the steps after them still pay.
     HOST_EXPLORE_AFTER = 8
+    HOST_EXPLORE_MAX = 256
 
     def pays(self, meta_blocks: int, cpu_lane_bytes_per_s: float, later_start_s: float | None = None) -> bool:
         """Whether a step whose tasks score `meta_blocks` blocks should use the selection: the CPU
@@ -127,15 +138,26 @@ class GpuPicks:
         started ~0.26 ms later on the selection while the metadata took the lane ~0.2 ms, and
         those steps were 8-12% slower than host selection (benchmarks/notes/gpu_lane.md section 18).
         Counts the skips; says yes once after `EXPLORE_AFTER` noes in a row, and no once after
-        `HOST_EXPLORE_AFTER` yeses in a row."""
+        `host_explore_after` yeses in a row (an interval that doubles while the step after such a
+        no pays again, and starts over at `HOST_EXPLORE_AFTER` on any other no)."""
         cost = self.latency.seconds if later_start_s is None else max(0.0, later_start_s)
         use = meta_blocks * self.meta_block_bytes / max(cpu_lane_bytes_per_s, 1e8) > cost
+        if self._host_explored:
+            # The step after a host one (whose measurement reaches the estimates when its CPU lane is
+            # collected: here, or a step later where that lane trails).
+            self._host_explored = False
+            self.host_explore_after = min(2 * self.host_explore_after, self.HOST_EXPLORE_MAX) if use \
+                else self.HOST_EXPLORE_AFTER
+        elif not use:
+            self.host_explore_after = self.HOST_EXPLORE_AFTER
         if use:
             self.skipped = 0
             self.used += 1
-            if self.used <= self.HOST_EXPLORE_AFTER:
+            if self.used <= self.host_explore_after:
                 return True
             self.used = 0  # one step selects on the host: the CPU lane's own rate is measured again
+            self._host_explored = True
+            self.host_explore_steps += 1
         else:
             self.used = 0
             self.skipped += 1

@@ -1324,6 +1324,10 @@ class HybridRuntime:
             "gpu_selection_latency_us": sch.picks.latency.seconds * 1e6 if sch.picks is not None else 0.0,
             "gpu_selection_host_us": sch.picks.host_s.seconds * 1e6 if sch.picks is not None else 0.0,
             "gpu_selection_skipped_steps": sch.picks.skipped_steps if sch.picks is not None else 0,
+            # Of those, the steps that paid but selected on the host to re-measure the CPU lane's own
+            # rate, and the current interval between two of them (`GpuPicks.pays`).
+            "gpu_selection_host_explore_steps": sch.picks.host_explore_steps if sch.picks is not None else 0,
+            "gpu_selection_host_explore_after": sch.picks.host_explore_after if sch.picks is not None else 0,
             # Steps that returned before their CPU tasks ended (scheduler.cpu_lane_trails).
             "cpu_trailed_steps": sch.cpu_trailed_steps,
             # Steps whose CPU lane started on the device's word, released before q was on the host

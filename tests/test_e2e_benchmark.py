@@ -498,7 +498,8 @@ def test_options_and_points():
                           "fluxion_eager_model", "fluxion_predictor_lagged", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
                           "fluxion_host_start", "cpu_only_host_start", "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_host_selection",
-                          "fluxion_gpu_selection", "fluxion_no_spin", "fluxion_short_spin", "fluxion_unplanned",
+                          "fluxion_gpu_selection", "fluxion_gpu_selection_ungated", "fluxion_no_spin", "fluxion_short_spin",
+                          "fluxion_unplanned",
                           "cpu_only_unplanned", "fluxion_host_selection_unplanned",
                           "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_unprofiled", "fluxion_sampled",
                           "fluxion_w11"]

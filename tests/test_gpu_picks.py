@@ -298,7 +298,7 @@ def test_steps_on_the_selection_re_measure_a_gpu_lane_their_estimates_keep_out(m
         sch.picks_always = False  # "auto"'s step-by-step rule ("auto" itself needs CUDA)
         prefilled(rt)
         sch.picks.meta_block_bytes = 1 << 40  # the selection pays on every step ...
-        sch.picks.HOST_EXPLORE_AFTER = 1  # ... and every second step selects on the host anyway
+        sch.picks.host_explore_after = sch.picks.HOST_EXPLORE_MAX = 1  # ... and every second step selects on the host anyway
         sch.selection_rates().model.lat = 10.0  # the selection's estimates: g <= 0 on every step
         plain = sch.rates
         plain.cpu_lane.bytes_per_s = 1e6  # the placement's own: a slow CPU lane, the GPU lane claims
@@ -466,17 +466,47 @@ def test_a_step_uses_the_selection_when_its_metadata_takes_the_cpu_lane_longer_t
     assert said.count(True) == 2 and said[GpuPicks.EXPLORE_AFTER] and said[-1], "one exploring step in EXPLORE_AFTER + 1"
 
 
-def test_steps_that_keep_paying_select_on_the_host_now_and_then():
+def test_steps_that_keep_paying_select_on_the_host_ever_less_often():
     """The CPU lane's own rate (what `pays` weighs the selection against) is learned only on steps
-    that select on the host: after `HOST_EXPLORE_AFTER` steps on the selection one step is such."""
+    that select on the host: after `HOST_EXPLORE_AFTER` steps on the selection one step is such, and
+    the interval doubles (up to `HOST_EXPLORE_MAX`) while the step after it pays again."""
     from hybrid_runtime.gpu_picks import GpuPicks
 
     picks = GpuPicks(4, 8, torch.device("cpu"), meta_block_bytes=512)
     picks.latency.seconds = 100e-6
-    n = GpuPicks.HOST_EXPLORE_AFTER + 1
-    said = [picks.pays(20_000, 100e9) for _ in range(2 * n)]
-    assert said.count(False) == 2 and not said[n - 1] and not said[-1], "one host step in HOST_EXPLORE_AFTER + 1"
-    assert picks.skipped_steps == 2
+    first, cap = GpuPicks.HOST_EXPLORE_AFTER, GpuPicks.HOST_EXPLORE_MAX
+    intervals = [min(first << i, cap) for i in range(8)]  # 8, 16, ..., 256, 256
+    said = [picks.pays(20_000, 100e9) for _ in range(sum(intervals) + len(intervals))]
+    on_host = [i for i, used in enumerate(said) if not used]
+    assert np.diff([-1] + on_host).tolist() == [n + 1 for n in intervals]
+    assert picks.skipped_steps == picks.host_explore_steps == len(intervals)
+    assert picks.host_explore_after == cap
+
+
+def test_a_step_that_does_not_pay_starts_the_host_steps_interval_over():
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    picks = GpuPicks(4, 8, torch.device("cpu"), meta_block_bytes=512)
+    picks.latency.seconds = 100e-6
+    n = GpuPicks.HOST_EXPLORE_AFTER
+    said = [picks.pays(20_000, 100e9) for _ in range(n + 2)]  # a host step, then one that pays
+    assert not said[n] and said[n + 1] and picks.host_explore_after == 2 * n
+    assert not picks.pays(10_000, 100e9)  # 51 us of metadata against 100: no
+    assert picks.host_explore_after == n
+    said = [picks.pays(20_000, 100e9) for _ in range(n + 1)]
+    assert said == [True] * n + [False]
+
+
+def test_a_step_after_a_host_one_that_does_not_pay_keeps_the_interval_short():
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    picks = GpuPicks(4, 8, torch.device("cpu"), meta_block_bytes=512)
+    picks.latency.seconds = 100e-6
+    n = GpuPicks.HOST_EXPLORE_AFTER
+    assert [picks.pays(20_000, 100e9) for _ in range(n + 1)][-1] is False
+    # The host step measured a faster CPU lane: its metadata no longer outlasts the selection.
+    assert not picks.pays(20_000, 400e9)
+    assert picks.host_explore_after == n
 
 
 def test_the_selection_is_weighed_against_the_later_start_it_costs_the_cpu_lane():

@@ -44,7 +44,8 @@ from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
 
 STATS = ("gpu_share", "gpu_share_balance", "cpu_lane_GBps", "cpu_lane_start_us", "tp_gpu_GBps", "gpu_launch_latency_us",
          "gpu_launch_GBps", "gpu_claim_delay_us", "trailing_claims_gated", "launcher_slack_us", "cpu_trailed_steps",
-         "gpu_selection_launches", "gpu_selection_skipped_steps", "gpu_selection_share_balance",
+         "gpu_selection_launches", "gpu_selection_skipped_steps", "gpu_selection_host_explore_steps",
+         "gpu_selection_host_explore_after", "gpu_selection_share_balance",
          "gpu_selection_cpu_lane_GBps", "gpu_selection_later_start_us", "cpu_split_tasks", "cpu_lane_device_starts")
 
 
