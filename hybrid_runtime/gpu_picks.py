@@ -122,8 +122,8 @@ class GpuPicks:
     EXPLORE_AFTER = 8
     # A host step costs more than re-measuring: at 2 x 96K of Qwen2.5-7B its estimates gave the GPU
     # lane 85% of the bytes (its CPU lane, each task's selection on one worker, was learned at 17 GB/s
-    # against 121 on the selection), and "auto" ran 4-19% behind the selection on every step at four
-    # of six points (benchmarks/notes/gpu_lane.md section 25). So the interval between host steps
+    # against 121 on the selection), and "auto" took 4-23% longer than the selection on every step at
+    # four of six points (benchmarks/notes/gpu_lane.md section 25). So the interval between host steps
     # doubles, up to `HOST_EXPLORE_MAX`, while the steps after them still pay.
     HOST_EXPLORE_AFTER = 8
     HOST_EXPLORE_MAX = 256
