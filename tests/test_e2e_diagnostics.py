@@ -25,6 +25,10 @@ def test_e2e_lanes_prints_each_lanes_times_from_q_and_the_lane_estimates():
     assert "## fluxion: TPOT median" in out and "1 layer-steps" in out
     for line in ("cpu_first", "cpu_last", "merged", "host milestones", "estimates: gpu_share"):
         assert line in out
+    # Each kind of step (no CUDA here: every step selects on the host) with what its steps cost.
+    kind = out.split("steps selecting on the host", 1)[1].splitlines()
+    assert kind[0].split(",")[0].strip() == "1"
+    assert kind[1].split()[0] == "merged" and kind[2].split()[0] == "decode_host" and "n 1)" in kind[2]
 
 
 def test_e2e_host_profile_writes_both_profiles(tmp_path):

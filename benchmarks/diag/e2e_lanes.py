@@ -167,6 +167,9 @@ def summary(marks: dict[str, np.ndarray]) -> str:
             kind_steps = stamps["picks"] == flag
             lines.append(f"  {'steps ' + kind:<28} {int(kind_steps.sum())}, with a GPU claim "
                          f"{int((kind_steps & has_gpu).sum())}, their GPU share {cell(share[kind_steps & has_gpu])}")
+            # What a step of each kind costs: its merged output from q, and decode's host time.
+            lines.append(f"    {'merged':<26} {cell(marks['merged'][kind_steps])}")
+            lines.append(f"    {'decode_host':<26} {cell(marks['decode_host'][kind_steps])}")
     lines.append(f"  {'cpu_last - gpu_last':<28} {cell(marks['cpu_last'][both] - marks['gpu_last'][both])}")
     lines.append(f"  {'MB a layer-step':<28} {cell(total / 1e6)}")
     return "\n".join(lines)
