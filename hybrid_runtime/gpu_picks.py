@@ -142,14 +142,13 @@ class GpuPicks:
         no pays again, and starts over at `HOST_EXPLORE_AFTER` on any other no)."""
         cost = self.latency.seconds if later_start_s is None else max(0.0, later_start_s)
         use = meta_blocks * self.meta_block_bytes / max(cpu_lane_bytes_per_s, 1e8) > cost
-        if self._host_explored:
-            # The step after a host one (whose measurement reaches the estimates when its CPU lane is
-            # collected: here, or a step later where that lane trails).
-            self._host_explored = False
-            self.host_explore_after = min(2 * self.host_explore_after, self.HOST_EXPLORE_MAX) if use \
-                else self.HOST_EXPLORE_AFTER
-        elif not use:
+        if not use:
             self.host_explore_after = self.HOST_EXPLORE_AFTER
+        elif self._host_explored:
+            # The step after a host one (whose measurement reaches the estimates when its CPU lane is
+            # collected: here, or a step later where that lane trails) still pays.
+            self.host_explore_after = min(2 * self.host_explore_after, self.HOST_EXPLORE_MAX)
+        self._host_explored = False
         if use:
             self.skipped = 0
             self.used += 1
