@@ -202,10 +202,9 @@ class GpuLane:
         if n == 0 and rates.unclaimed_steps >= self.EXPLORE_AFTER:
             n = min(1, len(gq.cum_bytes) - 1)  # one position: re-measure the GPU lane
         if n > 0:
-            claimed = gq.range_bytes(0, n)
-            job.gpu_first = gq.reserve_head(claimed)
+            job.gpu_first = gq.reserve_head(n)
             job.gpu_first_t = time.perf_counter()
-            job.gpu_first_excess = claimed - want
+            job.gpu_first_excess = gq.range_bytes(*job.gpu_first) - want
 
     def first_positions(self, queue: Any, want: float) -> int:
         """How many head positions the first claim takes for `want` modeled bytes (0: none).

@@ -88,13 +88,12 @@ class NativeQueue:
         """Modeled bytes of every task of the step's queue."""
         return float(self._cum[self.total])
 
-    def reserve_head(self, max_bytes: float) -> tuple[int, int]:
-        """Before `publish`: take head positions `[0, k)` whose modeled bytes fit `max_bytes` (at
-        least one) for the GPU lane, so its first claim is made before any CPU worker pops."""
+    def reserve_head(self, positions: int) -> tuple[int, int]:
+        """Before `publish`: take head positions `[0, positions)` (at least one) for the GPU lane,
+        so its first claim is made before any CPU worker pops."""
         if self.job >= 0:
             raise RuntimeError("reserve_head after publish: the CPU workers may already hold the head")
-        k = int(np.searchsorted(self._cum, max_bytes, side="right")) - 1
-        self.reserved = min(max(1, k), self.total)
+        self.reserved = min(max(1, positions), self.total)
         return 0, self.reserved
 
     def claim_range(self, max_bytes: float) -> tuple[int, int]:

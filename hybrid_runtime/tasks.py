@@ -248,9 +248,10 @@ class TaskQueue:
             self._in_flight += j - i
             return i, j
 
-    def reserve_head(self, max_bytes: float) -> tuple[int, int]:
-        """The GPU lane's first claim, made before the workers are woken (same as `claim_range`)."""
-        return self.claim_range(max_bytes)
+    def reserve_head(self, positions: int) -> tuple[int, int]:
+        """The GPU lane's first claim of `positions` head positions (at least one), made before the
+        workers are woken (as `claim_range`)."""
+        return self.claim_range(float("inf"), max_tasks=positions)
 
     def range_bytes(self, i: int, j: int) -> float:
         """Modeled bytes of queue positions `[i, j)`."""
