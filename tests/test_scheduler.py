@@ -652,8 +652,10 @@ def test_first_claim_follows_the_learned_balance():
 
 
 def equal_tasks(n: int, nbytes: int) -> list[Task]:
-    return [Task(i, 0, i % 4, i, 16, np.zeros(2, np.float32), np.ones(2, np.int32), 64, np.zeros(1, np.int32),
-                 1.0, nbytes) for i in range(n)]
+    tasks = fake_tasks(n)
+    for t in tasks:
+        t.priority, t.modeled_bytes = 1.0, nbytes
+    return tasks
 
 
 def test_first_claim_rounds_to_the_position_count_that_ends_the_step_sooner():
