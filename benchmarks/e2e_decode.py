@@ -719,6 +719,12 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                 finally:
                     unpin_caller()
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
+        # The timeline's own host time on the decode path over the measured call (recording, and the
+        # conversions spread over steps), read before `stats()` converts what is left off that path.
+        tl = rt.timeline
+        row["timeline_record_s"], row["timeline_resolve_s"] = tl.recording_s, tl.resolve_s
+        timed_steps = row.get("tpot_samples") or 0
+        row["timeline_host_ms_per_token"] = (tl.recording_s + tl.resolve_s) / timed_steps * 1e3 if timed_steps else None
         # Arenas are committed (and pinned) as prompts need them: what the run held at its end,
         # beside the address space reserved for the whole capacity.
         mem = store.memory_stats()
@@ -749,7 +755,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                                    "window_graph_captures", "claim_graph_replays",
                                                    "claim_graph_captures", "gpu_selection_launches",
                                                    "gpu_selection_skipped_steps", "gpu_selection_tp_gpu_GBps",
-                                                   "gpu_selection_cpu_lane_GBps") if k in st}
+                                                   "gpu_selection_cpu_lane_GBps", "gpu_selection_host_explore_steps",
+                                                   "gpu_selection_host_explore_after") if k in st}
         return row
     finally:
         disable_hybrid_attention(model)  # closes the runtime it made
@@ -1047,15 +1054,17 @@ def markdown(result: dict) -> str:
     if split:
         lines += ["", "where a hybrid token's time went (ms per token, medians over tokens, summed over layers; "
                   "attention = lead (q produced to the first task) + tasks (first task to the last one's end) + tail "
-                  "(to the merged output); `generate_timing.layer_time_split`; the host's cores over the decode "
+                  "(to the merged output); `generate_timing.layer_time_split`; timeline host: the timeline's own recording "
+                  "and conversions on the decode path; the host's cores over the decode "
                   "phase: busy share, and the share of their time a hypervisor gave to something else, from "
                   "/proc/stat):", "",
                   "| model | batch | context | variant | attention | lead | tasks | tail | CPU task busy | decode host "
-                  "| between layers | q wait | merge after return | host cores busy / steal |", "|" + " --- |" * 14]
+                  "| between layers | q wait | merge after return | timeline host | host cores busy / steal |", "|" + " --- |" * 15]
         lines += [f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | "
                   + " | ".join(_num(p.get(f"step_{k}_ms_median"), ".1f") for k in (
                       "attention", "lead", "tasks", "tail", "cpu_task_busy", "decode_host", "between_layers_host",
                       "q_wait", "merge_after_return"))
+                  + f" | {_num(p.get('timeline_host_ms_per_token'), '.2f')}"
                   + f" | {_share(p.get('decode_host_busy_share'))} / {_share(p.get('decode_host_steal_share'))} |"
                   for p in split]
     repeats = repeat_spread(result["points"])

@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes host_breakdown timeline_ab_4x32k select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -74,6 +74,22 @@ for step in $steps; do
                     >"$out/e2e_lanes_modes-$1-$2x$3.txt" 2>&1 || rc=$?
                 grep -E "^## |GPU claim|share .all|steps on|steps sel" "$out/e2e_lanes_modes-$1-$2x$3.txt"
             done; (exit $rc) ;;
+        # Where the launching thread's time goes at Llama-3.1-8B's 4 x 32K, the point the thread falls
+        # behind the device (README Performance; benchmarks/notes/e2e_overlap.md section 20): the lanes'
+        # milestones for fluxion and cpu_only, then cProfile of the generating thread under fluxion.
+        host_breakdown) rc=0
+            timeout 200 python benchmarks/diag/e2e_lanes.py --model llama-3.1-8b --batch 4 --context 32768 \
+                --variants fluxion,cpu_only --rounds 1 >"$out/e2e_lanes-llama-4x32768.txt" 2>&1 || rc=$?
+            grep -E "^## |q_after_call|decode_host|cpu_first|merged|^    (run|wake|settled)" "$out/e2e_lanes-llama-4x32768.txt"
+            timeout 300 python benchmarks/diag/e2e_host_profile.py --batch 4 --context 32768 --tokens 16 \
+                --variant fluxion --out "$out" || rc=$?
+            (exit $rc) ;;
+        # What the timeline costs there: fluxion with it on every step, off, and cpu_only, interleaved
+        # twice (the rows' `timeline host` column is the timeline's own host time a token).
+        timeline_ab_4x32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \
+            --new-tokens 32 --no-limits --budget-s 540 \
+            --variants fluxion,fluxion_unprofiled,cpu_only,fluxion,fluxion_unprofiled,cpu_only \
+            --out "$out/e2e_decode_timeline_ab_4x32k-$dev.json" ;;
         select_latency) timeout 100 python benchmarks/diag/select_latency.py --batch 4 --context 32768 &&
             timeout 150 python benchmarks/diag/select_latency.py --batch 4 --context 131072 --reps 10 ;;
         profiling_tests) timeout 120 python -m pytest -v --tb=short -p no:cacheprovider tests/test_profiling.py ;;

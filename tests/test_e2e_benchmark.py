@@ -121,6 +121,9 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert split["decode_host_ms"] + split["between_layers_host_ms"] <= max(row["tpot_ms"]) + 1e-6
     # Without a GPU, attention ends when decode returns: nothing lags the return.
     assert split["merge_after_return_ms"] == 0.0
+    # The timeline's own host time on the decode path: some was spent, a part of the tokens' time.
+    assert row["timeline_record_s"] > 0 and row["timeline_resolve_s"] >= 0
+    assert 0 < row["timeline_host_ms_per_token"] < float(np.mean(row["tpot_ms"]))
     phases = {k: row[f"step_{k}_median"] for k in ("lead_ms", "tasks_ms", "tail_ms", "cpu_task_busy_ms")}
     assert phases["tasks_ms"] > 0 and phases["cpu_task_busy_ms"] > 0 and phases["lead_ms"] >= 0
 
@@ -151,6 +154,7 @@ def test_a_row_without_a_timeline_takes_its_bytes_per_step_from_the_lanes_counts
     row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_unprofiled"], BATCH, CONTEXT, new_tokens=NEW,
                        warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
     assert row["status"] == "ok" and row["timeline_records"] == 0
+    assert row["timeline_host_ms_per_token"] == 0.0  # nothing recorded, nothing converted
     assert row["bytes_per_step_from"] == "lane counts" and row["bytes_per_step"] == row["lane_bytes_per_step"] > 0
     e2e.annotate_points([row], {}, ceiling_GBps=100.0)
     assert "floor_ms" not in row  # no no-attention step measured here; with one, the floor follows from the counts
