@@ -37,6 +37,8 @@ def test_e2e_host_profile_writes_both_profiles(tmp_path):
     text = (tmp_path / "host_profile-fluxion-1x512.txt").read_text()
     assert "config overrides: {'profiling': {'enabled': False}}" in text
     assert "## fluxion: TPOT median" in text and "by cumulative time" in text
+    # What the decode path calls, down to the step's own closures (the CPU lane's `before_cpu`).
+    assert "### callees of runtime.py:decode" in text and "### callees of runtime.py:before_cpu" in text
     assert (tmp_path / "host_profile-fluxion-1x512.prof").stat().st_size > 0
 
 

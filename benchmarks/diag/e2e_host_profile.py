@@ -90,7 +90,9 @@ def callees(stats: pstats.Stats, steps: int, names: tuple[str, ...], top: int = 
 
 CALLEES_OF = ("runtime.py:decode", "scheduler.py:run", "gpu_lane.py:drive", "gpu_lane.py:begin",
               "transformers.py:hybrid_attention_forward", "transformers.py:_attend", "timeline.py:record",
-              "scheduler.py:collect", "runtime.py:window_part")
+              "scheduler.py:collect", "runtime.py:window_part", "runtime.py:before_cpu", "runtime.py:gpu_prep",
+              "gpu_lane.py:_issue_picks", "gpu_lane.py:_retire_trailing_locked", "gpu_lane.py:reserve_first",
+              "scheduler.py:settle_cpu", "gpu_uva.py:launch", "gpu_picks.py:launch")
 
 
 def main() -> None:
