@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from gpu_kernels._checks import dot_in_fp32, dot_precision
+from gpu_kernels.online_softmax import masked_scores, softmax_result, softmax_tile
 
 
 @triton.jit(do_not_specialize=["capacity", "kv_heads", "q_heads"])
@@ -44,24 +45,9 @@ def _cache_attention_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, slots_ptr, heads_pt
         base = (entry * capacity + c) * NB * D
         k = tl.load(k_ptr + base + n[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + base + n[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        if DOT_FP32:
-            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        sc = masked_scores(q, k, valid, DOT_FP32, DOT_PRECISION)
+        m_i, l_i, acc = softmax_tile(sc, v, m_i, l_i, acc, DOT_FP32, DOT_PRECISION)
+    o, lse = softmax_result(m_i, l_i, acc)
     tl.store(out_ptr + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
     tl.store(lse_ptr + row, lse, mask=gmask)
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from gpu_kernels._checks import dot_in_fp32, dot_precision, next_pow2
 from gpu_kernels.launch import CachedLaunch
+from gpu_kernels.online_softmax import masked_scores, softmax_result, softmax_tile
 
 
 def slot_attention_torch(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
@@ -64,24 +65,9 @@ def _slot_attn_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, ntok_ptr, part_out_ptr, pa
         off = slot * (BLK * D) + n[:, None] * D + d[None, :]
         k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-        if DOT_FP32:
-            sc = tl.dot(q_mm, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-        else:
-            sc = tl.dot(q_mm, tl.trans(k))
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        sc = masked_scores(q_mm, k, valid, DOT_FP32, DOT_PRECISION)
+        m_i, l_i, acc = softmax_tile(sc, v, m_i, l_i, acc, DOT_FP32, DOT_PRECISION)
+    o, lse = softmax_result(m_i, l_i, acc)
     # The split count is the grid's, not a constexpr: it follows the batch size, and a constexpr
     # would compile a variant for every batch size the decode loop meets.
     part = (r.to(tl.int64) * tl.num_programs(1) + s) * G + g

@@ -26,6 +26,7 @@ from gpu_kernels import task_table as tt
 from gpu_kernels._checks import KV_DTYPES, cdiv, check_head_dim, check_tensor, dot_precision, next_pow2
 from gpu_kernels.block_scores import Selection, quest_scores, select_blocks
 from gpu_kernels.launch import CachedLaunch, LaunchPlan
+from gpu_kernels.online_softmax import softmax_result, softmax_tile
 from gpu_kernels.split_combine import combine_splits
 
 
@@ -95,18 +96,8 @@ def _attend_split(
         member = ((hbits[None, :] >> g[:, None]) & 1) != 0
         keep = member & (pv & (pos < cpu_len))[None, :]
         sc = tl.where(keep, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        # A head with no key yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    return out, lse
+        m_i, l_i, acc = softmax_tile(sc, v, m_i, l_i, acc, True, DOT_PRECISION)
+    return softmax_result(m_i, l_i, acc)
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from gpu_kernels._checks import KV_DTYPES, cdiv, check_head_dim, check_tensor, dot_in_fp32, dot_precision, next_pow2
 from gpu_kernels.launch import CachedLaunch
+from gpu_kernels.online_softmax import masked_scores, softmax_result, softmax_tile
 
 
 # The split count, span and split length change from step to step (the window grows), and the
@@ -70,25 +71,10 @@ def _window_attn_kernel(
         valid = idx < end
         k = tl.load(k_base + idx[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_base + idx[:, None] * stride_vn + d[None, :], mask=valid[:, None], other=0.0)
-        if DOT_FP32:
-            sc = tl.dot(q_mm, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-        else:
-            sc = tl.dot(q_mm, tl.trans(k))
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        sc = masked_scores(q_mm, k, valid, DOT_FP32, DOT_PRECISION)
+        m_i, l_i, acc = softmax_tile(sc, v, m_i, l_i, acc, DOT_FP32, DOT_PRECISION)
 
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o, lse = softmax_result(m_i, l_i, acc)
     final = r.to(tl.int64) * G + g  # == b * Hq + kvh * G + g
     if not MULTI:
         tl.store(out_ptr + final[:, None] * D + d[None, :], o, mask=gmask[:, None])
