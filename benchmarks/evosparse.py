@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import prefill_random, write_results  # noqa: E402
 from benchmarks.nosa import queries, sync, tag  # noqa: E402
 from hybrid_runtime.config import GEOMETRIES, GeometryConfig, config_from_dict, retrieval_head_mask  # noqa: E402
 from hybrid_runtime.evosparse_selection import retrieval_mass  # noqa: E402
@@ -136,12 +136,7 @@ def run_method(name: str, args, geo: GeometryConfig, mask: np.ndarray, batch: in
     with HybridRuntime(cfg, geo) as rt:
         ex = rt.gpu_executor
         t0 = time.perf_counter()
-        for s in range(batch):
-            for layer in range(geo.layers):
-                k = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-                v = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-                rt.prefill(s, layer, k, v)
-        sync(dev)
+        prefill_random(rt, batch, context, gen)
         prefill_s = time.perf_counter() - t0
         seq_ids = list(range(batch))
         kv_gen = torch.Generator(device=dev).manual_seed(args.seed + 2)

@@ -53,7 +53,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import prefill_random, write_results  # noqa: E402
 from benchmarks.machine_limits import concurrent_ceiling, h2d_bandwidth, host_read_bandwidth  # noqa: E402
 from gpu_kernels.launch import LaunchPlan  # noqa: E402
 from hybrid_runtime.config import GEOMETRIES, SchedulerConfig, config_from_dict  # noqa: E402
@@ -184,17 +184,6 @@ def layer_setup(layers: int, batch: int, context: int, cpu_workers: int):
                       "step_timeout_s": 60.0},
     })
     return cfg, geo
-
-
-def prefill_random(rt: HybridRuntime, batch: int, context: int, gen: torch.Generator) -> None:
-    """Sequences 0..batch-1 get random bf16 prompt KV of `context` tokens at every layer (drawn on the GPU)."""
-    geo = rt.geometry
-    for s in range(batch):
-        for layer in range(geo.layers):
-            k = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=gen.device, dtype=torch.bfloat16)
-            v = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=gen.device, dtype=torch.bfloat16)
-            rt.prefill(s, layer, k, v)
-    torch.cuda.synchronize()
 
 
 def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:

@@ -47,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import prefill_random, write_results  # noqa: E402
 from hybrid_runtime.experiments.nosa_quality import MISS_RATIO_BAR  # noqa: E402
 from hybrid_runtime.config import GEOMETRIES, GeometryConfig, config_from_dict  # noqa: E402
 from hybrid_runtime.executors.nosa import LOG_COLUMNS, NosaExecutor  # noqa: E402
@@ -118,12 +118,7 @@ def run_selector(name: str, args, geo: GeometryConfig, batch: int, context: int,
     with HybridRuntime(cfg, geo, gpu_executor=lambda store: NosaExecutor(store, cfg.nosa, eviction_heads=heads)) as rt:
         ex = rt.gpu_executor
         t0 = time.perf_counter()
-        for s in range(batch):
-            for layer in range(geo.layers):
-                k = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-                v = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
-                rt.prefill(s, layer, k, v)
-        sync(dev)
+        prefill_random(rt, batch, context, gen)
         prefill_s = time.perf_counter() - t0
         seq_ids = list(range(batch))
         kv_gen = torch.Generator(device=dev).manual_seed(args.seed + 2)

@@ -68,7 +68,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import prefill_random, write_results  # noqa: E402
 from hybrid_runtime.config import GEOMETRIES, GeometryConfig, config_from_dict  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 
@@ -132,13 +132,7 @@ def run_point(args, geo: GeometryConfig, batch: int, context: int, dev: torch.de
     clock = Clock(cuda)
     rows = []
     try:
-        for s in range(batch):
-            for layer in range(geo.layers):
-                k = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=dtype)
-                v = torch.randn((context, geo.kv_heads, geo.head_dim), generator=gen, device=dev, dtype=dtype)
-                rt.prefill(s, layer, k, v)
-        if cuda:
-            torch.cuda.synchronize()
+        prefill_random(rt, batch, context, gen, dtype)
         torch.set_num_threads(1)
         print(f"  prefill {batch}x{context} x {geo.layers} layers: {time.perf_counter() - t0:.1f} s", flush=True)
         ex = rt.sparda

@@ -157,3 +157,26 @@ def test_write_to_out_path_and_markdown(tmp_path, monkeypatch):
                "launch_host_us_median": 12.0}]
     md = la.markdown({**rec, "gpu_lane_probes": probes})
     assert "| 8 | 32K | 2 | 0 | 100.0 | 1 | 100.0 | 3 | 12 |" in md
+
+
+def test_prefill_random_draws_k_then_v_for_every_sequence_and_layer_from_the_seed():
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.common import prefill_random
+
+    def run(dtype=torch.bfloat16) -> list:
+        calls: list = []
+        rt = SimpleNamespace(geometry=SimpleNamespace(layers=2, kv_heads=2, head_dim=8),
+                             prefill=lambda s, layer, k, v: calls.append((s, layer, k, v)))
+        prefill_random(rt, 3, 5, torch.Generator().manual_seed(1), dtype)
+        return calls
+
+    calls = run()
+    assert [(s, layer) for s, layer, _, _ in calls] == [(s, layer) for s in range(3) for layer in range(2)]
+    assert all(k.shape == v.shape == (5, 2, 8) and k.dtype == v.dtype == torch.bfloat16 for _, _, k, v in calls)
+    assert not torch.equal(calls[0][2], calls[0][3]) and not torch.equal(calls[0][2], calls[1][2])
+    # One seed, the same prompts: what lets a benchmark's methods read the same KV.
+    assert all(torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]) for a, b in zip(calls, run()))
+    assert run(torch.float32)[0][2].dtype == torch.float32

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.layer_attention import MixPlanner, layer_setup, prefill_random  # noqa: E402
+from benchmarks.common import prefill_random  # noqa: E402
+from benchmarks.layer_attention import MixPlanner, layer_setup  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
 from hybrid_runtime.task_building import native_table, queue_order  # noqa: E402
 from hybrid_runtime.tasks import Step  # noqa: E402

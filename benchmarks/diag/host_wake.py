@@ -49,7 +49,7 @@ def main() -> None:
     rt = None
     if args.with_runtime:
         from benchmarks.diag.mix_runtime import mix_runtime
-        from benchmarks.layer_attention import prefill_random
+        from benchmarks.common import prefill_random
 
         rt, geo, gen = mix_runtime("host_wake", 1, 4, 32768)
         prefill_random(rt, 4, 32768, gen)

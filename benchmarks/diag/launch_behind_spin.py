@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.diag.mix_runtime import decode_random_step, mix_arguments, mix_runtime, timed  # noqa: E402
-from benchmarks.layer_attention import prefill_random  # noqa: E402
+from benchmarks.common import prefill_random  # noqa: E402
 from gpu_kernels.cuda_driver import DriverEvent  # noqa: E402
 from gpu_kernels.native_claim import NativeClaim  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402

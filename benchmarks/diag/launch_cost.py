@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hybrid_runtime.executors.gpu_uva as gpu_uva  # noqa: E402
 from benchmarks.diag.mix_runtime import decode_random_step, host_times, mix_arguments, mix_runtime, timed  # noqa: E402
-from benchmarks.layer_attention import prefill_random  # noqa: E402
+from benchmarks.common import prefill_random  # noqa: E402
 from gpu_kernels.launch import CachedLaunch, LaunchPlan  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 import hybrid_runtime.runtime as runtime_mod  # noqa: E402
 from benchmarks.diag.mix_runtime import decode_random_step, host_times, mix_arguments, mix_runtime  # noqa: E402
-from benchmarks.layer_attention import prefill_random  # noqa: E402
+from benchmarks.common import prefill_random  # noqa: E402
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
 
 POLICIES = {"cpu_only": ("cpu_only", True), "fluxion": ("fluxion", True), "fluxion_host_selection": ("fluxion", False)}
