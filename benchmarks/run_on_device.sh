@@ -80,7 +80,7 @@ for step in $steps; do
         host_breakdown) rc=0
             timeout 200 python benchmarks/diag/e2e_lanes.py --model llama-3.1-8b --batch 4 --context 32768 \
                 --variants fluxion,cpu_only --rounds 1 >"$out/e2e_lanes-llama-4x32768.txt" 2>&1 || rc=$?
-            grep -E "^## |q_after_call|decode_host|cpu_first|merged|^    (run|wake|settled)" "$out/e2e_lanes-llama-4x32768.txt"
+            grep -E "^## |q_after_call|decode_host|cpu_first|merged|^    (run|wake|settled|run_out|record_in|returned) " "$out/e2e_lanes-llama-4x32768.txt"
             timeout 300 python benchmarks/diag/e2e_host_profile.py --batch 4 --context 32768 --tokens 16 \
                 --variant fluxion --out "$out" || rc=$?
             (exit $rc) ;;

@@ -25,6 +25,14 @@ def test_e2e_lanes_prints_each_lanes_times_from_q_and_the_lane_estimates():
     assert "## fluxion: TPOT median" in out and "1 layer-steps" in out
     for line in ("cpu_first", "cpu_last", "merged", "host milestones", "estimates: gpu_share"):
         assert line in out
+    # The launcher's milestones in order, each measured on the one layer-step (ms from q).
+    stamps = out.split("host milestones", 1)[1].splitlines()[1:10]
+    names = [line.split()[0] for line in stamps]
+    assert names == ["prev_cpu_last", "settled", "collect_in", "collected", "run", "wake", "run_out", "record_in",
+                     "returned"]
+    at = {line.split()[0]: float(line.split()[1]) for line in stamps if "n 1)" in line}
+    assert {"run", "wake", "run_out", "record_in", "returned"} <= set(at)
+    assert at["run"] <= at["wake"] <= at["run_out"] <= at["record_in"] <= at["returned"]
     # Each kind of step (no CUDA here: every step selects on the host) with what its steps cost.
     kind = out.split("steps selecting on the host", 1)[1].splitlines()
     assert kind[0].split(",")[0].strip() == "1"

@@ -73,7 +73,9 @@ def lane_marks(recs: list) -> dict[str, np.ndarray]:
 class HostStamps:
     """Host times (perf_counter) of the launcher's milestones in every `decode` call: the previous
     step's CPU lane seen done (`settle_cpu`'s return), its records collected, the scheduler's step
-    taken (`run`) and the CPU workers released (`wake`: the job published). Installed on one
+    taken (`run`), the CPU workers released (`wake`: the job published), the scheduler's step
+    returned (`run_out`: the GPU lane's launches and the window part issued), the timeline's record
+    entered (`record_in`: the merge issued) and `decode` returned (`returned`). Installed on one
     runtime's instances; one dict per decode call, in call order (as the timeline's records)."""
 
     def __init__(self, rt):
@@ -102,6 +104,7 @@ class HostStamps:
             try:
                 return decode(*a, **kw)
             finally:
+                cur.setdefault("returned", time.perf_counter())
                 self.calls.append(dict(cur))
 
         rt.decode = decode_stamped
@@ -114,23 +117,26 @@ class HostStamps:
             try:
                 return run(job, *a, **kw)
             finally:
+                cur.setdefault("run_out", time.perf_counter())
                 cur["picks"] = bool(job.picks)  # the step's CPU tasks attend the GPU's selection
 
         sch.run = run_noted
         wrap(sch.workers, "wake", "wake", None)
+        wrap(rt.timeline, "record", "record_in", None)
+
+    MILESTONES = ("settled", "collect_in", "collected", "run", "wake", "run_out", "record_in", "returned")
 
     def marks(self, recs: list, first: int) -> dict[str, np.ndarray]:
         """Per layer-step from record `first` on (ms from q produced): each milestone, and the
         previous step's CPU lane end on the same clock."""
         calls = self.calls[len(self.calls) - len(recs):]
-        out = {k: np.full(len(recs) - first, np.nan) for k in ("prev_cpu_last", "settled", "collect_in", "collected",
-                                                                "run", "wake", "picks")}
+        out = {k: np.full(len(recs) - first, np.nan) for k in ("prev_cpu_last", *self.MILESTONES, "picks")}
         for j, i in enumerate(range(first, len(recs))):
             r, c, prev = recs[i], calls[i], recs[i - 1] if i else None
             t0 = r.t_start
             if prev is not None and (prev.lane == LANE_CPU).any():
                 out["prev_cpu_last"][j] = (prev.end[prev.lane == LANE_CPU].max() - t0) * 1e3
-            for k in ("settled", "collect_in", "collected", "run", "wake"):
+            for k in self.MILESTONES:
                 if k in c:
                     out[k][j] = (c[k] - t0) * 1e3
             if "picks" in c:
