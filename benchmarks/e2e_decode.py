@@ -1054,8 +1054,8 @@ def markdown(result: dict) -> str:
     if split:
         lines += ["", "where a hybrid token's time went (ms per token, medians over tokens, summed over layers; "
                   "attention = lead (q produced to the first task) + tasks (first task to the last one's end) + tail "
-                  "(to the merged output); `generate_timing.layer_time_split`; timeline host: the timeline's own recording "
-                  "and conversions on the decode path; the host's cores over the decode "
+                  "(to the merged output); `generate_timing.layer_time_split`; timeline host: the timeline's recording and "
+                  "conversions on the decode path, not the CUDA timing events decode records for it; the host's cores over the decode "
                   "phase: busy share, and the share of their time a hypervisor gave to something else, from "
                   "/proc/stat):", "",
                   "| model | batch | context | variant | attention | lead | tasks | tail | CPU task busy | decode host "
