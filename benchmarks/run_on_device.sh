@@ -84,11 +84,11 @@ for step in $steps; do
             timeout 300 python benchmarks/diag/e2e_host_profile.py --batch 4 --context 32768 --tokens 16 \
                 --variant fluxion --out "$out" || rc=$?
             (exit $rc) ;;
-        # What the timeline costs there: fluxion with it on every step, off, and cpu_only, interleaved
-        # twice (the rows' `timeline host` column is the timeline's own host time a token).
+        # What the timeline costs there: fluxion with it on every step, on one token in 8, off, and
+        # cpu_only, interleaved twice (the rows' `timeline host` column: the timeline's own host time a token).
         timeline_ab_4x32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \
             --new-tokens 32 --no-limits --budget-s 540 \
-            --variants fluxion,fluxion_unprofiled,cpu_only,fluxion,fluxion_unprofiled,cpu_only \
+            --variants fluxion,fluxion_sampled,fluxion_unprofiled,cpu_only,fluxion,fluxion_sampled,fluxion_unprofiled,cpu_only \
             --out "$out/e2e_decode_timeline_ab_4x32k-$dev.json" ;;
         # The claim issued as one CUDA graph replay or one native call (less of the launcher's host time
         # a layer-step) and the selection on every step, against the default at the same point, twice.
