@@ -721,10 +721,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
         # The timeline's own host time on the decode path over the measured call (recording, and the
         # conversions spread over steps), read before `stats()` converts what is left off that path.
-        tl = rt.timeline
-        row["timeline_record_s"], row["timeline_resolve_s"] = tl.recording_s, tl.resolve_s
-        timed_steps = row.get("tpot_samples") or 0
-        row["timeline_host_ms_per_token"] = (tl.recording_s + tl.resolve_s) / timed_steps * 1e3 if timed_steps else None
+        row["timeline_record_s"], row["timeline_resolve_s"] = rt.timeline.recording_s, rt.timeline.resolve_s
         # Arenas are committed (and pinned) as prompts need them: what the run held at its end,
         # beside the address space reserved for the whole capacity.
         mem = store.memory_stats()
@@ -739,6 +736,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         # (`profiling.sample_every`), takes its bytes per step, and so its floor, from them.
         steps = row.get("tpot_samples") or 0
         row["lane_bytes_per_step"] = lane_bytes / steps if steps else None
+        timeline_s = row["timeline_record_s"] + row["timeline_resolve_s"]
+        row["timeline_host_ms_per_token"] = timeline_s / steps * 1e3 if steps else None
         row["timeline_sample_every"] = rt.timeline.sample_every
         if (row.get("bytes_per_step") is None or rt.timeline.sample_every > 1) and row["lane_bytes_per_step"] is not None:
             row["bytes_per_step"], row["bytes_per_step_from"] = row["lane_bytes_per_step"], "lane counts"
