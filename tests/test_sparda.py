@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -473,6 +474,15 @@ def test_bad_lookahead_is_refused_before_anything_changes():
             rt.decode(0, [0, 1], q, k, v, lookahead=torch.randn(2, 3, 32))
         with pytest.raises(ValueError, match="the last layer"):
             rt.decode(2, [0, 1], q, k, v, lookahead=torch.randn(2, 2, 32))
+        assert [rt.store.seq_len(s, 0) for s in (0, 1)] == lens
+    # `finite_check: auto` defers the NaN/inf check of a SparDA step on CUDA (no CPU lane: a sync
+    # check would wait for the device every layer; test_deferred_input_check covers that path), so
+    # "refused before anything changes" is the promise of `sync`, on every machine.
+    sync_cfg = sparda_config("proxy", top_k=4)
+    sync_cfg = dataclasses.replace(sync_cfg, scheduler=dataclasses.replace(sync_cfg.scheduler, finite_check="sync"))
+    with HybridRuntime(sync_cfg) as rt:
+        prefill(rt)
+        lens = [rt.store.seq_len(s, 0) for s in (0, 1)]
         bad = torch.randn(2, 2, 32)
         bad[0, 0, 0] = float("nan")
         with pytest.raises(ValueError, match="lookahead has 1 NaN/inf"):
