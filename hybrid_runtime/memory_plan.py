@@ -429,10 +429,7 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
     if window_on_gpu:
         from gpu_kernels.step_inputs import N_COUNTS, count_columns
 
-        from hybrid_runtime.input_check import DeferredInputCheck
-
-        # The step-inputs kernel's NaN/inf counts: one row for the sync check, a ring for the deferred one.
-        host_step += _on(host_kind, (1 + DeferredInputCheck.SLOTS) * N_COUNTS * count_columns(s * hq) * 4)
+        host_step += _on(host_kind, N_COUNTS * count_columns(s * hq) * 4)  # the step-inputs kernel's NaN/inf counts
     lane_where = GPU if lane_on_gpu else HOST
     lane_step = 2 * _on(lane_where, s * hq * d * _F32) + _on(lane_where, s * hq * _F32)
     parts.append(MemoryPart("step_buffers", host_kind, RESIDENT, host_step + (0 if lane_on_gpu else lane_step),
