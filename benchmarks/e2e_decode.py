@@ -755,7 +755,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                                    "claim_graph_captures", "gpu_selection_launches",
                                                    "gpu_selection_skipped_steps", "gpu_selection_tp_gpu_GBps",
                                                    "gpu_selection_cpu_lane_GBps", "gpu_selection_host_explore_steps",
-                                                   "gpu_selection_host_explore_after") if k in st}
+                                                   "gpu_selection_host_explore_after", "jit_launches_after_warmup")
+                                if k in st}
         return row
     finally:
         disable_hybrid_attention(model)  # closes the runtime it made

@@ -53,6 +53,7 @@ class CachedLaunch:
         key = (variant, tuple(options.items()), spec)
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
         if kernel is None:
+            CachedLaunch.jit_launches += 1
             if stream is not None:
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
                     kernel = self.fn[grid](*args, **constexprs, **options)
@@ -81,6 +82,11 @@ class CachedLaunch:
             self(grid, args, constexprs, variant, options, stream)
 
     fast_launches = 0
+    # Calls of every CachedLaunch in the process that went through the JIT (a first call of a
+    # variant or specialisation, every call under the interpreter or with a Triton whose launcher
+    # differs): after warm-up, each is one on the hot path that costs the JIT's host time
+    # (`HybridRuntime.stats()["jit_launches_after_warmup"]`).
+    jit_launches = 0
 
     def compiled(self, args: tuple, variant: tuple, options: dict) -> object | None:
         """The compiled kernel a call with these arguments runs, once a call compiled it; None

@@ -33,6 +33,7 @@ import torch
 
 from cpu_kernels.window_attention import merge_into as merge_host
 from cpu_kernels.window_attention import window_attention as window_attention_host
+from gpu_kernels.launch import CachedLaunch
 from gpu_kernels.step_inputs import N_COUNTS, StepInputsPlan, count_columns
 from gpu_kernels.streams import current_stream, use_stream
 from hybrid_runtime import native_pool
@@ -496,6 +497,7 @@ class HybridRuntime:
             freeze_collector()
         # Last: the kernels the decode step launches compile on a thread of their own while the
         # caller prefills; the first decode step waits for them (`await_warm_up`).
+        self._jit_launches_at_warmup: int | None = None  # CachedLaunch.jit_launches at the first decode step
         self._warm_up = BackgroundWarmUp(warm_jobs, device=self.device,
                                          stream=torch.cuda.Stream(self.device) if self.cuda else None).start()
 
@@ -854,8 +856,10 @@ class HybridRuntime:
         """
         t_entry = time.perf_counter()
         self._check_open()
-        if not self._warm_up.ready:
-            self._warm_up.wait()  # the first step: every kernel it launches has compiled (warmup.py)
+        if self._jit_launches_at_warmup is None:  # the first step (or one after a failed warm-up wait)
+            if not self._warm_up.ready:
+                self._warm_up.wait()  # every kernel the step launches has compiled (warmup.py)
+            self._jit_launches_at_warmup = CachedLaunch.jit_launches
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         # An earlier step's deferred input check that has run (one two calls old is waited for):
@@ -1312,6 +1316,12 @@ class HybridRuntime:
             # before it waits for the CPU workers' start: the two waits add up).
             "warmup_s": self._warm_up.seconds,
             "warmup_wait_s": self._warm_up.wait_s,
+            # Triton launches that went through the JIT since the first decode step, after the warm-up
+            # (process-wide: other runtimes' count too; None before that step). On CUDA each is a variant or
+            # an argument alignment the warm-up did not see, launched at the JIT's host cost on the
+            # hot path (under Triton's interpreter every launch goes through it).
+            "jit_launches_after_warmup": None if self._jit_launches_at_warmup is None
+            else CachedLaunch.jit_launches - self._jit_launches_at_warmup,
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # CPU tasks that attended the GPU lane's block selection (scheduler.cpu_task_selection),

@@ -111,6 +111,7 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert 0 <= row["pinned_host_bytes"] <= row["reserved_host_bytes"]
     assert seen["kv_cfg"].cpu_capacity_tokens == BATCH * (CONTEXT + NEW)
     assert row["runtime_stats"]["placement"] == "cpu_only"
+    assert row["runtime_stats"]["jit_launches_after_warmup"] == 0  # no Triton launch without CUDA
     assert row["torch_threads_decode"] >= 1
     # Where a step's time went around the layers: every part measured, the host parts of one step
     # within its token interval (they are disjoint host spans of the same step).

@@ -130,9 +130,13 @@ def test_cached_launch_hands_the_compiled_kernel_the_whole_grid(monkeypatch):
     sequence only on CUDA while every interpreter test passed."""
     compiled = _StandInCompiledKernel()
     launch = CachedLaunch(_stand_in_jit(monkeypatch, compiled))
+    jit_before = CachedLaunch.jit_launches
     for grid in ((4, 3, 5), (4, 3, 5), (7,), (7,), (2, 6), (2, 6)):
         launch(grid, (torch.zeros(8),), {"BLOCK": 64}, (len(grid),), {"num_warps": 1})
     assert launch.fast_launches == 3  # the first call of each variant compiled through the JIT
+    assert CachedLaunch.jit_launches - jit_before == 3  # ... and counted there, process-wide
+    launch((7,), (torch.zeros(8)[1:],), {"BLOCK": 64}, (1,), {"num_warps": 1})  # 4-byte aligned: a new key
+    assert CachedLaunch.jit_launches - jit_before == 4 and launch.fast_launches == 3
     assert compiled.grids == [(4, 3, 5), (7, 1, 1), (2, 6, 1)]
 
 

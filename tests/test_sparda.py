@@ -365,8 +365,9 @@ def _decode_steps(rt, steps, seed, forecast_layer=1):
 
 
 def comparable_stats(rt) -> dict:
-    """`rt.stats()` without its host timings (the warm-up's and the workers' start: seconds that differ run to run)."""
-    timings = ("warmup_s", "warmup_wait_s", "worker_start_s", "worker_start_wait_s")
+    """`rt.stats()` without its host timings (the warm-up's and the workers' start: seconds that differ run to run)
+    and the process-wide count of JIT launches (the Triton path's, interpreted, count there)."""
+    timings = ("warmup_s", "warmup_wait_s", "worker_start_s", "worker_start_wait_s", "jit_launches_after_warmup")
     return {k: v for k, v in rt.stats().items() if k not in timings}
 
 

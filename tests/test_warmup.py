@@ -82,6 +82,7 @@ def test_constructor_returns_before_the_warm_up_and_decode_waits_for_it(gated):
     with HybridRuntime(config()) as rt:
         assert gated["started"].wait(HANG_GUARD_S)  # the warm-up thread is running ...
         assert not rt._warm_up.done and rt.stats()["warmup_s"] is None  # ... and has not finished
+        assert rt.stats()["jit_launches_after_warmup"] is None  # counted from the first decode step on
         _prefill(rt)  # the prefill needs no kernel of the warm-up
         threading.Timer(hold_s, gated["gate"].set).start()
         t0 = time.perf_counter()
@@ -91,6 +92,7 @@ def test_constructor_returns_before_the_warm_up_and_decode_waits_for_it(gated):
         st = rt.stats()
         assert hold_s * 0.5 <= st["warmup_wait_s"] <= first_s
         assert st["warmup_s"] is not None and st["warmup_s"] >= st["warmup_wait_s"]
+        assert st["jit_launches_after_warmup"] is not None and st["jit_launches_after_warmup"] >= 0
         # Later steps do not wait again.
         _step(rt, seed=2)
         assert rt.stats()["warmup_wait_s"] == st["warmup_wait_s"]
