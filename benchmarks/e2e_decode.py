@@ -748,6 +748,10 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["worker_start_wait_s"], row["worker_start_s"] = st["worker_start_wait_s"], st["worker_start_s"]
         # ... and, before that, for the kernel warm-up, which took `kernel_warmup_s` from construction on.
         row["kernel_warmup_wait_s"], row["kernel_warmup_s"] = st["warmup_wait_s"], st["warmup_s"]
+        # The calling thread's core at each token against the cores the CPU workers are pinned to.
+        worker_cores = {c for c in rt.scheduler.cores.cpu if c is not None}
+        cpus = [c for c in row.get("decode_caller_cpus") or [] if c is not None]
+        row["decode_caller_on_worker_core_tokens"] = sum(c in worker_cores for c in cpus) if worker_cores and cpus else None
         row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps", "cpu_trailed_steps",
                                                    "trailing_claims_gated", "launcher_slack_us", "cpu_lane_device_starts", "window_graph_replays",
@@ -1057,15 +1061,19 @@ def markdown(result: dict) -> str:
                   "(to the merged output); `generate_timing.layer_time_split`; timeline host: the timeline's recording and "
                   "conversions on the decode path, not the CUDA timing events decode records for it; the host's cores over the decode "
                   "phase: busy share, and the share of their time a hypervisor gave to something else, from "
-                  "/proc/stat):", "",
+                  "/proc/stat; the calling thread over the decode phase: its involuntary context switches, and the "
+                  "tokens at which it was on a CPU worker's core, of all tokens):", "",
                   "| model | batch | context | variant | attention | lead | tasks | tail | CPU task busy | decode host "
-                  "| between layers | q wait | merge after return | timeline host | host cores busy / steal |", "|" + " --- |" * 15]
+                  "| between layers | q wait | merge after return | timeline host | host cores busy / steal "
+                  "| caller switches / on a worker's core |", "|" + " --- |" * 16]
         lines += [f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | "
                   + " | ".join(_num(p.get(f"step_{k}_ms_median"), ".1f") for k in (
                       "attention", "lead", "tasks", "tail", "cpu_task_busy", "decode_host", "between_layers_host",
                       "q_wait", "merge_after_return"))
                   + f" | {_num(p.get('timeline_host_ms_per_token'), '.2f')}"
-                  + f" | {_share(p.get('decode_host_busy_share'))} / {_share(p.get('decode_host_steal_share'))} |"
+                  + f" | {_share(p.get('decode_host_busy_share'))} / {_share(p.get('decode_host_steal_share'))}"
+                  + f" | {_num(p.get('decode_caller_switches_involuntary'), 'd')} / "
+                  + f"{_num(p.get('decode_caller_on_worker_core_tokens'), 'd')} of {len(p.get('decode_caller_cpus') or [])} |"
                   for p in split]
     repeats = repeat_spread(result["points"])
     if repeats:

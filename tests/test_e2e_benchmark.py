@@ -112,6 +112,12 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert seen["kv_cfg"].cpu_capacity_tokens == BATCH * (CONTEXT + NEW)
     assert row["runtime_stats"]["placement"] == "cpu_only"
     assert row["runtime_stats"]["jit_launches_after_warmup"] == 0  # no Triton launch without CUDA
+    # The calling thread over the decode: its switches and its core at every token (Linux /proc).
+    assert row["decode_caller_switches_involuntary"] >= 0 and row["decode_caller_switches_voluntary"] >= 0
+    assert len(row["decode_caller_cpus"]) == row["new_tokens"]
+    assert all(c in os.sched_getaffinity(0) for c in row["decode_caller_cpus"])
+    on_worker = row["decode_caller_on_worker_core_tokens"]
+    assert on_worker is None or 0 <= on_worker <= row["new_tokens"]
     assert row["torch_threads_decode"] >= 1
     # Where a step's time went around the layers: every part measured, the host parts of one step
     # within its token interval (they are disjoint host spans of the same step).

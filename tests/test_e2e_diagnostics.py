@@ -23,8 +23,10 @@ def test_e2e_lanes_prints_each_lanes_times_from_q_and_the_lane_estimates():
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     assert "## fluxion: TPOT median" in out and "1 layer-steps" in out
-    for line in ("cpu_first", "cpu_last", "merged", "host milestones", "estimates: gpu_share"):
+    for line in ("cpu_first", "cpu_last", "merged", "host milestones", "estimates: gpu_share",
+                 "jit_launches_after_warmup 0", "calling thread: "):
         assert line in out
+    assert "context switches; on a CPU worker's core at" in out
     # The launcher's milestones in order, each measured on the one layer-step (ms from q).
     stamps = out.split("host milestones", 1)[1].splitlines()[1:10]
     names = [line.split()[0] for line in stamps]

@@ -195,6 +195,7 @@ def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: i
             row = timed_generate(model, ids, mask, tokens, {}, on_first=decode_threads, measure_memory=False)
         recs = rt.timeline.records
         st = rt.stats()
+        worker_cores = {c for c in rt.scheduler.cores.cpu if c is not None}
     finally:
         with contextlib.suppress(Exception):
             disable_hybrid_attention(model)
@@ -206,6 +207,10 @@ def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: i
     recs = recs[first:]
     text = [f"## {name}: TPOT median {row['tpot_ms_median']:.2f} ms, mean {row['tpot_ms_mean']:.2f} ms, "
             f"{len(recs)} layer-steps", summary(marks)]
+    cpus = [c for c in row.get("decode_caller_cpus") or [] if c is not None]
+    text.append(f"  calling thread: {row.get('decode_caller_switches_involuntary')} involuntary and "
+                f"{row.get('decode_caller_switches_voluntary')} voluntary context switches; on a CPU worker's core at "
+                f"{sum(c in worker_cores for c in cpus)} of {len(cpus)} tokens (cores {sorted(set(cpus))})")
     text.append("  estimates: " + ", ".join(f"{k} {st[k]:.4g}" if isinstance(st.get(k), float) else f"{k} {st.get(k)}"
                                            for k in STATS if k in st))
     return "\n".join(text)

@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from hybrid_runtime.config import GeometryConfig
 from hybrid_runtime.profiling import LANE_CPU, LANE_GPU
-from hybrid_runtime.profiling.machine import cpu_jiffies, cpu_shares
+from hybrid_runtime.profiling.machine import cpu_jiffies, cpu_shares, thread_cpu, thread_switches
 
 # The published configs of the random-weight models: (transformers config class, its arguments).
 MODELS: dict[str, tuple[str, dict]] = {
@@ -195,12 +195,17 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
         torch.cuda.reset_peak_memory_stats()
 
     jiffies: dict = {}
+    caller_cpus: list = []  # the core the calling thread was on at each token
 
     def decode_start() -> None:
         jiffies["first"] = cpu_jiffies()
+        jiffies["switches"] = thread_switches()
+
+    def caller_cpu(_: int) -> None:
+        caller_cpus.append(thread_cpu())
 
     clock = StepClock(cuda, ([prefill_peak] if cuda and measure_memory else []) + [decode_start] + list(on_first),
-                      on_token)
+                      [caller_cpu] + list(on_token))
     rule = StopRule(clock, max_tokens=max_tokens, cap_s=cap_s)
     _sync(cuda)
     if cuda and measure_memory:
@@ -222,6 +227,13 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
         shares = cpu_shares(jiffies["first"], cpu_jiffies())
         row["decode_host_busy_share"], row["decode_host_steal_share"] = (
             None if v != v else v for v in (shares["busy"], shares["steal"]))  # NaN (no /proc/stat): None
+        # The calling thread -- the one that launches every layer's work -- over the decode: its
+        # context switches (involuntary: another runnable thread took its core) and its core at
+        # each token (the first token's included), None where /proc has no such file.
+        before, after = jiffies.get("switches"), thread_switches()
+        row["decode_caller_switches_voluntary"], row["decode_caller_switches_involuntary"] = (
+            (after[0] - before[0], after[1] - before[1]) if before is not None and after is not None else (None, None))
+        row["decode_caller_cpus"] = caller_cpus[:]
     if cuda and measure_memory:
         decode = torch.cuda.max_memory_allocated()
         row.update(prefill_peak_gpu_bytes=mem.get("prefill"), decode_peak_gpu_bytes=decode,

@@ -50,6 +50,34 @@ def cpu_jiffies() -> dict[int, np.ndarray]:
     return out
 
 
+def thread_switches() -> tuple[int, int] | None:
+    """The calling thread's context switches so far, (voluntary, involuntary), from
+    /proc/thread-self/status; None where there is none. Involuntary ones are the scheduler taking
+    the core from a thread that wanted to run (another runnable thread on its core)."""
+    try:
+        vals = {}
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    name, val = line.split(":")
+                    vals[name] = int(val)
+        return vals["voluntary_ctxt_switches"], vals["nonvoluntary_ctxt_switches"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def thread_cpu() -> int | None:
+    """The core the calling thread last ran on (/proc/thread-self/stat, field 39); None where
+    there is none."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            stat = f.read()
+        # Fields after the command (in parentheses, which may hold spaces): field 3 on.
+        return int(stat[stat.rindex(")") + 2:].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_shares(before: dict[int, np.ndarray], after: dict[int, np.ndarray],
                cores: list[int] | None = None) -> dict[str, float]:
     """Between two `cpu_jiffies` snapshots, over `cores` (default: every core in both): `busy`,
