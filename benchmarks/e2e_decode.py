@@ -204,6 +204,7 @@ from hybrid_runtime.config import (  # noqa: E402
 from hybrid_runtime.experiments.generate_timing import (  # noqa: E402
     MODELS,
     build_model,
+    caller_tokens_on,
     kv_bytes,
     model_config,
     param_count,
@@ -749,9 +750,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         # ... and, before that, for the kernel warm-up, which took `kernel_warmup_s` from construction on.
         row["kernel_warmup_wait_s"], row["kernel_warmup_s"] = st["warmup_wait_s"], st["warmup_s"]
         # The calling thread's core at each token against the cores the CPU workers are pinned to.
-        worker_cores = {c for c in rt.scheduler.cores.cpu if c is not None}
-        cpus = [c for c in row.get("decode_caller_cpus") or [] if c is not None]
-        row["decode_caller_on_worker_core_tokens"] = sum(c in worker_cores for c in cpus) if worker_cores and cpus else None
+        row["decode_caller_on_worker_core_tokens"] = caller_tokens_on(row, rt.scheduler.cores.cpu)
         row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps", "cpu_trailed_steps",
                                                    "trailing_claims_gated", "launcher_slack_us", "cpu_lane_device_starts", "window_graph_replays",

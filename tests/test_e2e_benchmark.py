@@ -532,6 +532,13 @@ def test_schedule_keeps_to_the_budget_and_records_why_units_do_not_run():
     assert all(u["state"] != "time budget" for u in everything)
 
 
+def test_caller_tokens_on_counts_the_tokens_on_pinned_cores():
+    row = {"decode_caller_cpus": [0, 3, 3, None, 5]}
+    assert gt.caller_tokens_on(row, [3, 4, 5]) == 3
+    assert gt.caller_tokens_on(row, [None, None]) is None  # no worker pinned
+    assert gt.caller_tokens_on({"decode_caller_cpus": []}, [3]) is None
+
+
 def test_timing_fields_and_stop_rule():
     f = gt.timing_fields(10.0, [10.5, 10.6, 10.8, 11.1], 11.2)
     assert f["ttft_s"] == pytest.approx(0.5) and f["tpot_samples"] == 3 and f["new_tokens"] == 4

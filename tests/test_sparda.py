@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from hybrid_runtime.config import ConfigError, config_from_dict
 from hybrid_runtime.reference import dense_attention, merge_attention
 from hybrid_runtime.runtime import HybridRuntime
 from tests.helpers import random_kv, reversed_interpreter_grid
+from tests.test_deferred_input_check import with_finite_check
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GEOM = {"layers": 3, "q_heads": 8, "kv_heads": 2, "head_dim": 32}
@@ -478,9 +478,7 @@ def test_bad_lookahead_is_refused_before_anything_changes():
     # `finite_check: auto` defers the NaN/inf check of a SparDA step on CUDA (no CPU lane: a sync
     # check would wait for the device every layer; test_deferred_input_check covers that path), so
     # "refused before anything changes" is the promise of `sync`, on every machine.
-    sync_cfg = sparda_config("proxy", top_k=4)
-    sync_cfg = dataclasses.replace(sync_cfg, scheduler=dataclasses.replace(sync_cfg.scheduler, finite_check="sync"))
-    with HybridRuntime(sync_cfg) as rt:
+    with HybridRuntime(with_finite_check(sparda_config("proxy", top_k=4), "sync")) as rt:
         prefill(rt)
         lens = [rt.store.seq_len(s, 0) for s in (0, 1)]
         bad = torch.randn(2, 2, 32)

@@ -39,7 +39,7 @@ from benchmarks.e2e_decode import (  # noqa: E402
     warmed_for_decode,
     with_variant_selection,
 )
-from hybrid_runtime.experiments.generate_timing import random_prompt, timed_generate  # noqa: E402
+from hybrid_runtime.experiments.generate_timing import caller_tokens_on, random_prompt, timed_generate  # noqa: E402
 from hybrid_runtime.profiling.timeline import LANE_CPU, LANE_GPU  # noqa: E402
 
 STATS = ("gpu_share", "gpu_share_balance", "cpu_lane_GBps", "cpu_lane_start_us", "tp_gpu_GBps", "gpu_launch_latency_us",
@@ -195,7 +195,7 @@ def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: i
             row = timed_generate(model, ids, mask, tokens, {}, on_first=decode_threads, measure_memory=False)
         recs = rt.timeline.records
         st = rt.stats()
-        worker_cores = {c for c in rt.scheduler.cores.cpu if c is not None}
+        on_worker_cores = caller_tokens_on(row, rt.scheduler.cores.cpu)
     finally:
         with contextlib.suppress(Exception):
             disable_hybrid_attention(model)
@@ -210,7 +210,7 @@ def run_variant(model, name: str, ids, mask, batch: int, context: int, tokens: i
     cpus = [c for c in row.get("decode_caller_cpus") or [] if c is not None]
     text.append(f"  calling thread: {row.get('decode_caller_switches_involuntary')} involuntary and "
                 f"{row.get('decode_caller_switches_voluntary')} voluntary context switches; on a CPU worker's core at "
-                f"{sum(c in worker_cores for c in cpus)} of {len(cpus)} tokens (cores {sorted(set(cpus))})")
+                f"{on_worker_cores} of {len(cpus)} tokens (cores {sorted(set(cpus))})")
     text.append("  estimates: " + ", ".join(f"{k} {st[k]:.4g}" if isinstance(st.get(k), float) else f"{k} {st.get(k)}"
                                            for k in STATS if k in st))
     return "\n".join(text)

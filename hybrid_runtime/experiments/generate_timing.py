@@ -241,6 +241,15 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
     return row
 
 
+def caller_tokens_on(row: dict, cores) -> int | None:
+    """Of the tokens at which `timed_generate` read the calling thread's core (`decode_caller_cpus`),
+    how many found it on one of `cores` (the CPU workers' pinned cores; None entries are unpinned
+    workers); None when no core is pinned or no token's core was read."""
+    pinned = {c for c in cores if c is not None}
+    cpus = [c for c in row.get("decode_caller_cpus") or [] if c is not None]
+    return sum(c in pinned for c in cpus) if pinned and cpus else None
+
+
 def release_memory() -> None:
     """Collect garbage and return the CUDA caching allocator's free blocks."""
     gc.collect()
