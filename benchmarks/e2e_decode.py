@@ -63,6 +63,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         layer of it); the other steps run as unprofiled ones.
     fluxion_w11         fluxion with 11 CPU workers (`scheduler.cpu_workers`; the default is every core
                         but the caller's): less memory traffic beside the generating thread.
+    fluxion_check_launch  fluxion with the deferred NaN/inf input check as a launch of its own (the
+                        default counts q, k, v in the step-inputs kernel the step launches anyway).
     fluxion_pinned_caller, fluxion and cpu_only with the thread that calls `generate` confined to the
     cpu_only_pinned_caller core the runtime leaves free of CPU workers (`rt.scheduler.cores.caller`)
                         from its first decode step on, after the runtime and every thread it starts
@@ -244,6 +246,9 @@ class Variant:
     needs_cuda: bool = False
     launch_plans: bool = True  # false: planned launches go through CachedLaunch (gpu_kernels/launch.py)
     pin_caller: bool = False  # the calling thread confined to the core the runtime leaves free of workers
+    # false: a deferred input check launches its own count kernel (the runtime's default counts it
+    # in the step-inputs kernel: `HybridRuntime.count_checks_in_inputs`)
+    fused_check: bool = True
     # enable_hybrid_attention(decode_graphs=...): "auto" (the default: the model's step between
     # attentions as CUDA graphs on CUDA), True, False
     decode_graphs: bool | str = "auto"
@@ -324,6 +329,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Four CPU workers fewer (11 on a 16-core host): less of the host's memory traffic beside the
     # generating thread, whose Python between layers ran ~1.5x its floor step's (notes/e2e_overlap.md).
     Variant("fluxion_w11", "hybrid", placement="fluxion", scheduler={"cpu_workers": 11}),
+    # The deferred NaN/inf check of a step started on the device's word as a launch of its own (the
+    # default counts q, k, v in the step-inputs kernel): what that launch costs the launching thread.
+    Variant("fluxion_check_launch", "hybrid", placement="fluxion", fused_check=False),
 )}
 
 
@@ -680,6 +688,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
     try:
         store = rt.store
         row["host_arena_pinned"] = bool(store.pinned)
+        rt.count_checks_in_inputs = variant.fused_check
         saved = torch.get_num_threads()
         with cores_for_runtime(rt) as n_free, torch.no_grad():  # restores `saved` on exit
             torch.set_num_threads(saved)  # prefill: every core (the prompt's block metadata is torch CPU work)

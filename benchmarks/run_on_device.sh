@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k pinned_ab_4x32k launch_ab_4x32k select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -112,6 +112,17 @@ for step in $steps; do
             --new-tokens 32 --no-limits --budget-s 540 \
             --variants fluxion,fluxion_pinned_caller,fluxion,fluxion_pinned_caller,fluxion,fluxion_pinned_caller \
             --out "$out/e2e_decode_pinned_ab_4x32k-$dev.json" ;;
+        # The deferred input check counted in the step-inputs kernel (the default) against its own
+        # launch, and the timeline on one token in 8, at both 4 x 32K points where the launching
+        # thread is the step, interleaved three times; first the CUDA tests of the check's paths.
+        check_ab_4x32k) rc=0
+            timeout 150 python -m pytest -q --tb=short -p no:cacheprovider tests/test_deferred_input_check.py \
+                tests/test_device_start.py tests/test_step_inputs.py "tests/test_sparda.py::test_bad_lookahead_is_refused_before_anything_changes" || rc=$?
+            timeout 430 python benchmarks/e2e_decode.py --models llama-3.1-8b,qwen2.5-7b --points 4x32K \
+                --new-tokens 32 --no-limits --budget-s 380 \
+                --variants fluxion,fluxion_check_launch,fluxion_sampled,fluxion,fluxion_check_launch,fluxion_sampled,fluxion,fluxion_check_launch,fluxion_sampled \
+                --out "$out/e2e_decode_check_ab_4x32k-$dev.json" || rc=$?
+            (exit $rc) ;;
         # The claim issued as one CUDA graph replay or one native call (less of the launcher's host time
         # a layer-step) and the selection on every step, against the default at the same point, twice.
         launch_ab_4x32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \

@@ -11,7 +11,8 @@ error, never a warning, and a bad input is never dropped: it is raised by the ca
               CPU workers need anyway; otherwise (a GPU-only step, a spill that must come first) it
               reads a flag back from the device: a device synchronisation every call.
     deferred  the check is queued on the device (`gpu_kernels/nonfinite_counts.py`: one launch
-              counting into pinned memory) and read once it has run, without waiting: by the next
+              counting into pinned memory; none on a step whose step-inputs kernel counts q, k, v
+              on its way, `gpu_kernels/step_inputs.py`) and read once it has run, without waiting: by the next
               `decode` (before it changes anything), or `prefill`, `release`, `close`; a check two
               calls old is waited for. The ValueError names the tensors, their counts and the step
               (layer, sequences, decode call) they came from; that step ran: its k, v are in the
@@ -147,12 +148,17 @@ class DeferredInputCheck:
 
     # Rows in the ring: pending checks never exceed WAIT_AFTER_CALLS + 1 (every call polls first).
     SLOTS = 8
+    # The fused ring's rows are padded to a multiple of this many int32 columns (16 bytes).
+    ROW_ALIGN_INTS = 4
     # A check is waited for once this many later calls have started (it has run long before in
     # practice: a GPU-only step that trails returns after the previous step's claims ended, and
     # those claims were queued after the previous step's check).
     WAIT_AFTER_CALLS = 2
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fused_columns: int = 0):
+        """`fused_columns`: on CUDA, also a ring of `[N_COUNTS, fused_columns]` rows that the
+        step-inputs kernel counts q, k and v into (`fused_row`, `issue_counted`): the check of a
+        step that launches that kernel anyway costs no launch of its own."""
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:  # "cuda": the inputs' devices carry an index
             device = torch.device("cuda", torch.cuda.current_device())
@@ -160,7 +166,10 @@ class DeferredInputCheck:
         self.calls = 0  # decode calls seen (`issue` numbers the checks with it)
         self.deferred_checks = 0  # checks issued
         self.device_checks = 0  # ... of them counted on the device (the others at once on the host)
-        self._pending: deque = deque()  # (slot, names, numel, layer, seq_ids, call, event); oldest first
+        self.fused_checks = 0  # ... of them counted by a kernel the step launched anyway (`issue_counted`)
+        # (slot, counts, names, numel, layer, seq_ids, call, event), oldest first; counts: the slot's
+        # rows as numpy, one per tensor, whose sums are the tensors' NaN/inf counts.
+        self._pending: deque = deque()
         self._busy = [False] * self.SLOTS
         self._turn = 0
         if self.cuda:
@@ -176,6 +185,20 @@ class DeferredInputCheck:
         else:
             self._ring = torch.zeros((self.SLOTS, 4, 1), dtype=torch.int32)
             self._events = [None] * self.SLOTS
+        self.fused_columns = fused_columns
+        if fused_columns:
+            from gpu_kernels.step_inputs import N_COUNTS
+
+            # Rows padded to 16 bytes, so that every slot's row starts 16-byte aligned: a launch with
+            # a pointer of another alignment is a new specialisation key, which goes through Triton's
+            # JIT once per process (gpu_kernels/launch.py). The unpadded ring (72-byte rows at
+            # C = 6) gave wrong first steps on CUDA (benchmarks/notes/e2e_overlap.md section 21);
+            # whether the alignment was why is what this branch tests.
+            padded = -(-fused_columns // self.ROW_ALIGN_INTS) * self.ROW_ALIGN_INTS
+            fused = torch.zeros((self.SLOTS, N_COUNTS, padded), dtype=torch.int32, pin_memory=self.cuda)
+            fused_dev = uva_view(fused, device.index) if self.cuda else fused  # the kernel writes the pinned rows
+            self._fused_dev = [fused_dev[i] for i in range(self.SLOTS)]
+            self._fused_np = fused.numpy()
         self._ring_np = self._ring.numpy()
 
     def next_call(self) -> None:
@@ -207,7 +230,38 @@ class DeferredInputCheck:
             for i, x in enumerate(xs):
                 row[i, 0] = nonfinite_count(x)
         self._busy[slot] = True
-        self._pending.append((slot, names, numel, layer, seq_ids, self.calls, event))
+        self._pending.append((slot, row, names, numel, layer, seq_ids, self.calls, event))
+        self.deferred_checks += 1
+
+    def fused_row(self) -> torch.Tensor:
+        """The UVA view (int32 `[N_COUNTS, C]`, `C >= fused_columns`, contiguous, 16-byte aligned) of the pinned row that the
+        next check counted by another kernel takes: pass it as the step-inputs kernel's `counts`,
+        then register the check with `issue_counted` on the same stream. Until then the row is
+        nobody's: a step that fails in between leaves it to the next check."""
+        if not self.fused_columns:
+            raise RuntimeError("this DeferredInputCheck has no fused rows (built with fused_columns=0)")
+        slot = self._turn
+        if self._busy[slot]:
+            self.poll(block=True)  # not reached: every call polls first (`SLOTS` > pending)
+        return self._fused_dev[slot]
+
+    def issue_counted(self, numel: dict[str, int], columns: int, layer: int, seq_ids: Sequence[int],
+                      stream: "torch.cuda.Stream | None") -> None:
+        """Register the check whose counts a kernel queued on `stream` wrote into `fused_row()`'s
+        row: `numel` names q, k and v (in the kernel's count order) with their sizes, `columns` the
+        columns that kernel wrote (`step_inputs.count_columns(B * Hq)`; the others hold an older
+        step's counts). Returns at once; read and raised as `issue`'s checks are. Without CUDA
+        (`stream` None) the row must hold its counts already."""
+        slot = self._turn
+        self._turn = (slot + 1) % self.SLOTS
+        event = self._events[slot]
+        if event is not None:
+            event.record(stream)
+        self._busy[slot] = True
+        self._pending.append((slot, self._fused_np[slot, :, :columns], tuple(numel), tuple(numel.values()), layer,
+                              seq_ids, self.calls, event))
+        self.device_checks += event is not None
+        self.fused_checks += 1
         self.deferred_checks += 1
 
     @property
@@ -220,14 +274,13 @@ class DeferredInputCheck:
         checks after it stay pending and are read by the next poll)."""
         pending = self._pending
         while pending:
-            slot, names, numel, layer, seq_ids, call, event = pending[0]
+            slot, row, names, numel, layer, seq_ids, call, event = pending[0]
             if event is not None and not event.query():
                 if not block and self.calls - call < self.WAIT_AFTER_CALLS:
                     return
                 event.synchronize()
             pending.popleft()
             self._busy[slot] = False
-            row = self._ring_np[slot]
             if row.any():  # unused rows of a check count 0: any count is a bad input
                 counts = row.sum(axis=1)
                 where = f"the decode step at layer {layer} for sequences {list(seq_ids)} (decode call {call})"

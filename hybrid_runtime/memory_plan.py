@@ -429,7 +429,11 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
     if window_on_gpu:
         from gpu_kernels.step_inputs import N_COUNTS, count_columns
 
-        host_step += _on(host_kind, N_COUNTS * count_columns(s * hq) * 4)  # the step-inputs kernel's NaN/inf counts
+        from hybrid_runtime.input_check import DeferredInputCheck
+
+        # The step-inputs kernel's NaN/inf counts: one row for the sync check, a ring for the deferred one.
+        padded = -(-count_columns(s * hq) // DeferredInputCheck.ROW_ALIGN_INTS) * DeferredInputCheck.ROW_ALIGN_INTS
+        host_step += _on(host_kind, N_COUNTS * (count_columns(s * hq) + DeferredInputCheck.SLOTS * padded) * 4)
     lane_where = GPU if lane_on_gpu else HOST
     lane_step = 2 * _on(lane_where, s * hq * d * _F32) + _on(lane_where, s * hq * _F32)
     parts.append(MemoryPart("step_buffers", host_kind, RESIDENT, host_step + (0 if lane_on_gpu else lane_step),

@@ -376,7 +376,9 @@ class HybridRuntime:
                                                window_attention_host, merge_host)
         # Deferred input checks (`scheduler.finite_check`): their counts land in a small pinned ring,
         # made whatever the mode (1 KiB), so that `finite_check` may be switched between calls.
-        self._input_check = DeferredInputCheck(self.device)
+        # On CUDA the step-inputs kernel counts into a ring of its own too: a deferred check of a step
+        # that launches it costs no launch of its own (`_decode`'s `counted_in_inputs`).
+        self._input_check = DeferredInputCheck(self.device, fused_columns=count_columns(s * hq) if self.cuda else 0)
         if self.cuda and self.finite_check != "sync":
             # Another dtype than these compiles its variant at its first step.
             variants = checked_dtypes(store.dtype, lookahead=cfg.selection.name == "sparda")
@@ -463,6 +465,10 @@ class HybridRuntime:
         # event on the device (a CUDA lane); the last layer waits, as for trailing CPU lanes.
         # Benchmarks switch it off to compare (`benchmarks/asynctls.py` mode lagged_waits).
         self.gpu_only_trails = bool(self.cuda and lane_cuda)
+        # A deferred input check of a step that launches the step-inputs kernel is counted by it,
+        # into the check's ring (no launch of its own). Benchmarks switch it off to compare
+        # (`benchmarks/e2e_decode.py` variant fluxion_check_launch).
+        self.count_checks_in_inputs = True
         # Native CPU workers start on a word the caller's stream writes after q's copy to the host
         # (`scheduler.cpu_lane_start`, native_pool "Starting on the device's word"); `_res_free`
         # marks the stream past the last read of the CPU lane's results, which the next step clears.
@@ -923,11 +929,26 @@ class HybridRuntime:
         # planner (`window_first`): it is read before that replay appends anything.
         q_copy_check = not defer_check and cuda and cpu_lane and (not append_first or window_first)
         checked = {"q": q, "k": k, "v": v} if lookahead is None else {"q": q, "k": k, "v": v, "lookahead": lookahead}
+        b, hq = len(seq_ids), geo.q_heads
+        # On CUDA one launch makes the step's inputs ready (gpu_kernels/step_inputs.py): scaled q
+        # on the device, on the host for the CPU workers and in the GPU lane's buffer, the lane's
+        # results cleared, and q, k, v's NaN/inf counts -- for the check that rides on q's copy, or
+        # into the deferred check's ring (`counted_in_inputs`: that check then launches nothing).
+        # Not while claims of a timed-out step may still write the lane's results (they are waited
+        # for first), nor for SparDA's lookahead, inputs on the host or a GPU lane computing there:
+        # separate ops.
+        fused = cuda and lookahead is None and not self.scheduler.has_orphan and (
+            not has_gpu or self.gpu_lane_device.type == "cuda") and q.device == k.device == v.device == self.device
+        counted_in_inputs = defer_check and fused and self.count_checks_in_inputs
 
         def issue_check() -> None:  # once the previous step's CPU tasks are settled (their errors come first)
-            self._input_check.issue(checked, layer, seq_ids, caller)
+            if counted_in_inputs:  # the step-inputs kernel, queued before on `caller`, counted them
+                self._input_check.issue_counted({"q": q.numel(), "k": k.numel(), "v": v.numel()},
+                                                count_columns(b * hq), layer, seq_ids, caller)
+            else:
+                self._input_check.issue(checked, layer, seq_ids, caller)
 
-        if defer_check and not late_settle:
+        if defer_check and not late_settle and not counted_in_inputs:
             issue_check()
         elif not defer_check and not q_copy_check:
             _check_finite(checked)
@@ -937,24 +958,17 @@ class HybridRuntime:
             if sparda is not None:
                 sparda.spilled(layer, seq_ids, old_lens)
 
-        b, hq = len(seq_ids), geo.q_heads
         views = self._step_views.get(b) or self._make_step_views(b)
         cpu_q, cpu_out, cpu_lse = views.cpu_q, views.cpu_out, views.cpu_lse
         if has_gpu:
             gq, gout, glse = views.gq, views.gout, views.glse
-        # On CUDA one launch makes the step's inputs ready (gpu_kernels/step_inputs.py): scaled q
-        # on the device, on the host for the CPU workers and in the GPU lane's buffer, the lane's
-        # results cleared, and q, k, v's NaN/inf counts for the check that rides on q's copy. Not
-        # while claims of a timed-out step may still write the lane's results (they are waited
-        # for first), nor for SparDA's lookahead, inputs on the host or a GPU lane computing there:
-        # separate ops.
-        fused = cuda and lookahead is None and not self.scheduler.has_orphan and (
-            not has_gpu or self.gpu_lane_device.type == "cuda") and q.device == k.device == v.device == self.device
         if fused:
             qs = views.qs
+            counts = self._input_counts if q_copy_check else self._input_check.fused_row() if counted_in_inputs else None
             self._step_inputs(q, k, v, self.scale, qs, q_host=views.q_host_uva if cpu_lane else None,
-                              lane=(gq, gout, glse) if has_gpu else None,
-                              counts=self._input_counts if q_copy_check else None, stream=caller.cuda_stream)
+                              lane=(gq, gout, glse) if has_gpu else None, counts=counts, stream=caller.cuda_stream)
+            if counted_in_inputs and not late_settle:
+                issue_check()
         elif cuda:
             qs = views.qs
             qs.copy_(q)
@@ -1349,6 +1363,8 @@ class HybridRuntime:
             # was deferred (read by a later call).
             "finite_check": self.finite_check,
             "deferred_input_checks": self._input_check.deferred_checks,
+            # ... of them counted by the step-inputs kernel on its way (no launch of their own).
+            "fused_input_checks": self._input_check.fused_checks,
             # Trailing steps that reserved no GPU claim because their CPU lane ended within the
             # launcher's time (scheduler.gate_trailing_claims), and that time (None until measured).
             "trailing_claims_gated": sch.trailing_claims_gated,

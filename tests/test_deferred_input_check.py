@@ -190,6 +190,33 @@ def test_count_nonfinite_counts_each_tensor_exactly(dtype):
         count_nonfinite(tensors, out[:, :2])
 
 
+def test_a_check_counted_by_another_kernel_sums_only_the_columns_it_wrote():
+    """`fused_row` / `issue_counted`: the step-inputs kernel writes a step's counts into the ring's
+    next row; columns past the step's own hold an older, larger batch's counts and are not read."""
+    check = DeferredInputCheck(torch.device("cpu"), fused_columns=6)
+    row = check.fused_row()
+    assert tuple(row.shape) == (3, 8)  # padded to 16 bytes a row
+    row[:] = 0
+    row[2, 5] = 7  # an older step's v count, beyond this step's 4 columns
+    check.next_call()
+    check.issue_counted({"q": 64, "k": 16, "v": 16}, 4, layer=1, seq_ids=[0, 1], stream=None)
+    check.next_call()
+    check.poll(block=True)  # nothing in its columns: no error
+    assert check.pending == 0 and check.fused_checks == 1 and check.deferred_checks == 1
+    assert check.device_checks == 0  # on the host: no event recorded
+    row = check.fused_row()
+    row[:] = 0
+    row[1, 3] = 2
+    check.issue_counted({"q": 64, "k": 16, "v": 16}, 4, layer=0, seq_ids=[1], stream=None)
+    check.next_call()
+    with pytest.raises(ValueError, match=r"k has 2 NaN/inf values of 16 in the inputs of the decode step at layer 0 "
+                                         r"for sequences \[1\] \(decode call 2\)"):
+        check.poll()
+    assert check.pending == 0
+    with pytest.raises(RuntimeError, match="no fused rows"):
+        DeferredInputCheck(torch.device("cpu")).fused_row()
+
+
 # ---------------------------------------------------------------------------- CUDA
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -208,6 +235,7 @@ def test_on_cuda_a_gpu_only_step_defers_its_check_and_trails_and_equals_the_wait
             if trails:
                 assert st["deferred_input_checks"] == 8 and st["gpu_trailed_steps"] == 4  # layer 0 of 2 trails
                 assert rt._input_check.device_checks == 8  # counted by the kernel, not on the host
+                assert st["fused_input_checks"] == 8  # ... by the step-inputs kernel: no launch of its own
             else:
                 assert st["deferred_input_checks"] == 0 and st["gpu_trailed_steps"] == 0
         finally:

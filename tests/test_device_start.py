@@ -191,8 +191,8 @@ def _runtime(start: str, placement: str):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("placement", ["cpu_only", "fluxion"])
-def test_layers_started_on_the_devices_word_give_the_host_started_output(placement):
+@pytest.mark.parametrize("placement,counted_in_inputs", [("cpu_only", True), ("fluxion", True), ("cpu_only", False)])
+def test_layers_started_on_the_devices_word_give_the_host_started_output(placement, counted_in_inputs):
     """Layers chained on the GPU (each layer's q from the previous layer's output, as in a model):
     the host publishes layer l + 1 before its q exists. Runtimes starting on the host and on the
     device's word, fed the same inputs, give the same output at every step, spills included."""
@@ -201,6 +201,7 @@ def test_layers_started_on_the_devices_word_give_the_host_started_output(placeme
     inputs, outs, stats = [], {}, {}
     for start in ("host", "device"):  # 40 steps of 3 layers: past the window's cap, so spills start some on the host
         rt = _runtime(start, placement)
+        rt.count_checks_in_inputs = counted_in_inputs  # the deferred check in the step-inputs kernel, or its own launch
         try:
             outs[start] = chained_decode(rt, [50000, 30000, 40000], inputs)
             stats[start] = rt.stats()
@@ -217,6 +218,8 @@ def test_layers_started_on_the_devices_word_give_the_host_started_output(placeme
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("placement,bad", [("cpu_only", "q"), ("fluxion", "q"), ("fluxion", "v")])
 def test_a_bad_input_of_a_device_started_step_is_raised_by_the_next_call(placement, bad):
+    """The deferred check of a step started on the device's word is counted by its step-inputs
+    kernel (no launch of its own) and raised by a later call, naming the tensor."""
     from tests.helpers import random_kv
 
     rt = _runtime("auto", placement)
@@ -230,7 +233,8 @@ def test_a_bad_input_of_a_device_started_step_is_raised_by_the_next_call(placeme
         q, v = q.clone(), v.clone()
         {"q": q, "v": v}[bad][1, 1, 5] = float("nan")
         rt.decode(1, [0, 1, 2], q, k, v)  # started on the device's word: nothing waited for q
-        assert rt.stats()["cpu_lane_device_starts"] == 2
+        st = rt.stats()
+        assert st["cpu_lane_device_starts"] == 2 and st["fused_input_checks"] == 2
         with pytest.raises(ValueError, match=f"{bad} has 1 NaN/inf value of .* at layer 1"):
             rt.decode(2, [0, 1, 2], *(torch.randn(3, h, 64, generator=gen, device="cuda") for h in (8, 2, 2)))
     finally:
