@@ -767,7 +767,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                                    "claim_graph_captures", "gpu_selection_launches",
                                                    "gpu_selection_skipped_steps", "gpu_selection_tp_gpu_GBps",
                                                    "gpu_selection_cpu_lane_GBps", "gpu_selection_host_explore_steps",
-                                                   "gpu_selection_host_explore_after", "jit_launches_after_warmup")
+                                                   "gpu_selection_host_explore_after", "jit_launches_after_warmup",
+                                                   "jit_kernels_after_warmup")
                                 if k in st}
         return row
     finally:

@@ -54,6 +54,9 @@ class CachedLaunch:
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
         if kernel is None:
             CachedLaunch.jit_launches += 1
+            if not interpreted():  # under the interpreter every call goes through the JIT: nothing to name
+                name = f"{getattr(self.fn, '__name__', self.fn)} {_describe_key(key)}"
+                CachedLaunch.jit_launch_keys[name] = CachedLaunch.jit_launch_keys.get(name, 0) + 1
             if stream is not None:
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
                     kernel = self.fn[grid](*args, **constexprs, **options)
@@ -87,6 +90,9 @@ class CachedLaunch:
     # differs): after warm-up, each is one on the hot path that costs the JIT's host time
     # (`HybridRuntime.stats()["jit_launches_after_warmup"]`).
     jit_launches = 0
+    # The same calls by kernel and key (outside the interpreter): which variant or specialisation a
+    # warm-up missed (`HybridRuntime.stats()["jit_kernels_after_warmup"]`).
+    jit_launch_keys: dict[str, int] = {}
 
     def compiled(self, args: tuple, variant: tuple, options: dict) -> object | None:
         """The compiled kernel a call with these arguments runs, once a call compiled it; None
@@ -138,6 +144,22 @@ def _pack_into(args: tuple, positions, argv: list) -> tuple:
             spec.append((a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool) else type(a))
             argv[i] = a
     return tuple(spec)
+
+
+def _describe_key(key: tuple) -> str:
+    """A `CachedLaunch` key in a line: the variant, the options, then per argument what Triton
+    specialises (a tensor's dtype and 16-byte alignment, `a16`/`u`; an integer being 1, a multiple
+    of 16 or neither, `1`/`d16`/`i`)."""
+    variant, options, spec = key
+    args = []
+    for s in spec:
+        if isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], torch.dtype):
+            args.append(f"{str(s[0]).removeprefix('torch.')}:{'a16' if s[1] else 'u'}")
+        elif isinstance(s, tuple):
+            args.append("1" if s[0] else "d16" if s[1] else "i")
+        else:
+            args.append(getattr(s, "__name__", str(s)))
+    return f"variant={variant} options={dict(options)} args=[{' '.join(args)}]"
 
 
 def _specialization(args: tuple) -> tuple:

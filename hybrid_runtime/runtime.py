@@ -504,6 +504,7 @@ class HybridRuntime:
         # Last: the kernels the decode step launches compile on a thread of their own while the
         # caller prefills; the first decode step waits for them (`await_warm_up`).
         self._jit_launches_at_warmup: int | None = None  # CachedLaunch.jit_launches at the first decode step
+        self._jit_keys_at_warmup: dict[str, int] = {}  # CachedLaunch.jit_launch_keys then
         self._warm_up = BackgroundWarmUp(warm_jobs, device=self.device,
                                          stream=torch.cuda.Stream(self.device) if self.cuda else None).start()
 
@@ -866,6 +867,7 @@ class HybridRuntime:
             if not self._warm_up.ready:
                 self._warm_up.wait()  # every kernel the step launches has compiled (warmup.py)
             self._jit_launches_at_warmup = CachedLaunch.jit_launches
+            self._jit_keys_at_warmup = dict(CachedLaunch.jit_launch_keys)
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         # An earlier step's deferred input check that has run (one two calls old is waited for):
@@ -1336,6 +1338,10 @@ class HybridRuntime:
             # hot path (under Triton's interpreter every launch goes through it).
             "jit_launches_after_warmup": None if self._jit_launches_at_warmup is None
             else CachedLaunch.jit_launches - self._jit_launches_at_warmup,
+            # ... by kernel and key (`gpu_kernels.launch._describe_key`), on CUDA: what the warm-up missed.
+            "jit_kernels_after_warmup": {} if self._jit_launches_at_warmup is None else {
+                name: n - self._jit_keys_at_warmup.get(name, 0) for name, n in CachedLaunch.jit_launch_keys.items()
+                if n > self._jit_keys_at_warmup.get(name, 0)},
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # CPU tasks that attended the GPU lane's block selection (scheduler.cpu_task_selection),

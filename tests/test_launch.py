@@ -137,6 +137,9 @@ def test_cached_launch_hands_the_compiled_kernel_the_whole_grid(monkeypatch):
     assert CachedLaunch.jit_launches - jit_before == 3  # ... and counted there, process-wide
     launch((7,), (torch.zeros(8)[1:],), {"BLOCK": 64}, (1,), {"num_warps": 1})  # 4-byte aligned: a new key
     assert CachedLaunch.jit_launches - jit_before == 4 and launch.fast_launches == 3
+    # ... named by kernel and key, so a run's stats say which specialisation the warm-up missed.
+    assert any(name.endswith("variant=(1,) options={'num_warps': 1} args=[float32:u]")
+               for name in CachedLaunch.jit_launch_keys), CachedLaunch.jit_launch_keys
     assert compiled.grids == [(4, 3, 5), (7, 1, 1), (2, 6, 1)]
 
 

@@ -47,7 +47,7 @@ STATS = ("gpu_share", "gpu_share_balance", "cpu_lane_GBps", "cpu_lane_start_us",
          "gpu_selection_launches", "gpu_selection_skipped_steps", "gpu_selection_host_explore_steps",
          "gpu_selection_host_explore_after", "gpu_selection_share_balance",
          "gpu_selection_cpu_lane_GBps", "gpu_selection_later_start_us", "cpu_split_tasks", "cpu_lane_device_starts",
-         "jit_launches_after_warmup")
+         "jit_launches_after_warmup", "jit_kernels_after_warmup")
 
 
 def lane_marks(recs: list) -> dict[str, np.ndarray]:
