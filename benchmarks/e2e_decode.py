@@ -59,8 +59,11 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_host_selection_unplanned  `CachedLaunch` instead.
     fluxion_unprofiled  fluxion with `profiling.enabled: false`: no timeline (no CUDA timing events or
                         records per layer-step), so its row has no lane split.
-    fluxion_sampled     fluxion with `profiling.sample_every: 8`: the timeline records one token in 8 (every
-                        layer of it); the other steps run as unprofiled ones.
+    fluxion_every_step  fluxion with `profiling.sample_every: 1`: the timeline records every token. The
+                        table's hybrid rows record one token in 8 (every layer of it; `--timeline-every`,
+                        default 8), the other steps running as unprofiled ones: recording every step cost
+                        the generating thread ~3 ms a token at 4 x 32K on the H200 (0.2 sampled), and
+                        that thread is the step there (benchmarks/notes/e2e_overlap.md section 22).
     fluxion_w11         fluxion with 11 CPU workers (`scheduler.cpu_workers`; the default is every core
                         but the caller's): less memory traffic beside the generating thread.
     fluxion_check_launch  fluxion with the deferred NaN/inf input check as a launch of its own (the
@@ -224,6 +227,9 @@ BENCHMARK = "e2e_decode"
 POINTS = [(4, 32768), (8, 32768), (2, 98304), (4, 131072)]
 NEW_TOKENS = 24
 BUDGET_S = 540.0
+# The table's hybrid rows record one token in 8 on their timeline (`--timeline-every`): recording every
+# token cost the generating thread ~3 ms a token at 4 x 32K, where that thread is the step.
+TIMELINE_EVERY = 8
 WARMUP_TOKENS = 1024  # warm-up prompt: longer than sink + local, so the runtime's CPU tasks run too
 FLOOR_PROMPT = 16
 LIMITS_S = 30.0  # measuring the machine limits once (pinned buffers, three rounds)
@@ -324,8 +330,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The runtime's timeline off (`profiling.enabled: false`): no CUDA timing events or records a
     # layer-step; what recording costs the token (this variant has no lane split in its row).
     Variant("fluxion_unprofiled", "hybrid", placement="fluxion", profiling={"enabled": False}),
-    # ... or on one token in eight (`profiling.sample_every`): what a sampled timeline costs.
-    Variant("fluxion_sampled", "hybrid", placement="fluxion", profiling={"sample_every": 8}),
+    # ... or on every token (the table samples one in `--timeline-every`): what recording every step costs.
+    Variant("fluxion_every_step", "hybrid", placement="fluxion", profiling={"sample_every": 1}),
     # Four CPU workers fewer (11 on a 16-core host): less of the host's memory traffic beside the
     # generating thread, whose Python between layers ran ~1.5x its floor step's (notes/e2e_overlap.md).
     Variant("fluxion_w11", "hybrid", placement="fluxion", scheduler={"cpu_workers": 11}),
@@ -443,15 +449,16 @@ def model_geometry_of(cfg) -> GeometryConfig:
 
 # ---------------------------------------------------------------------------- the hybrid variants' runtime config
 def hybrid_config(variant: Variant, batch: int, context: int, new_tokens: int, cpu_workers: int,
-                  overrides: dict | None = None) -> Config:
-    """The runtime's config for a hybrid variant: bf16 store sized for the point, fixed (16, 0.05)."""
+                  overrides: dict | None = None, timeline_every: int = 1) -> Config:
+    """The runtime's config for a hybrid variant: bf16 store sized for the point, fixed (16, 0.05);
+    the timeline records one token in `timeline_every` unless the variant says otherwise."""
     data = {
         "kv_cache": {"sink": 64, "local": 256, "generated_cap": 512, "dtype": "bf16",
                      "cpu_capacity_tokens": batch * (context + new_tokens), "max_sequences": batch, **variant.kv_cache},
         "selection": {"name": "fixed", "block_size": 16, "budget": 0.05},
         "scheduler": {"placement": variant.placement, "cpu_workers": cpu_workers, "gpu_worker": True, "pin_cores": True,
                       "step_timeout_s": 60.0, **variant.scheduler},
-        **({"profiling": dict(variant.profiling)} if variant.profiling else {}),
+        "profiling": {"sample_every": timeline_every, **variant.profiling},
     }
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)
@@ -799,8 +806,9 @@ def measure_variant(model, variant: Variant, batch: int, context: int, *, new_to
 def run_unit(model, model_name: str, variant: Variant, batch: int, context: int, *, new_tokens: int = NEW_TOKENS,
              warmup_tokens: int = WARMUP_TOKENS, cap_s: float | None = None, seed: int = 0, cpu_workers: int = 1,
              hybrid_overrides: dict | None = None, attempt_all: bool = False, gpu_bytes: int | None = None,
-             host_bytes: int | None = None) -> dict:
+             host_bytes: int | None = None, timeline_every: int = 1) -> dict:
     """One point row, whatever happens: ok, out of memory (estimated or caught), skipped or error.
+    A hybrid row's timeline records one token in `timeline_every` unless its variant says otherwise.
 
     `gpu_bytes` / `host_bytes`: the device's total memory and the host's available memory that the
     estimate is held to (default: measured now; no GPU check without CUDA).
@@ -814,7 +822,7 @@ def run_unit(model, model_name: str, variant: Variant, batch: int, context: int,
         return {**row, "status": "skipped", "reason": reason}
     cfg = None
     if variant.kind == "hybrid":
-        cfg = hybrid_config(variant, batch, context, new_tokens, cpu_workers, hybrid_overrides)
+        cfg = hybrid_config(variant, batch, context, new_tokens, cpu_workers, hybrid_overrides, timeline_every)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if gpu_bytes is None and cuda:
         gpu_bytes = torch.cuda.get_device_properties(model.device).total_memory
@@ -956,7 +964,7 @@ def assemble_metrics(points: list[dict]) -> dict:
     # The fluxion rows (and, apart, those with the model's own forward instead of the decode
     # graphs, and those without a timeline), repeats included: a repeated variant is held to the
     # target in each run.
-    for variant in ("fluxion", "fluxion_eager_model", "fluxion_unprofiled", "fluxion_sampled"):
+    for variant in ("fluxion", "fluxion_eager_model", "fluxion_unprofiled", "fluxion_every_step"):
         flux = [p for p in points if p.get("status") == "ok" and p["variant"] == variant
                 and p.get("tpot_ms_median") is not None]
         cands.update({
@@ -1036,6 +1044,10 @@ def markdown(result: dict) -> str:
                   f"`{d['command']}`" for d in parts]
     else:
         lines.append(f"concurrent ceiling (same run): {ceiling(result.get('limits'))}")
+    every = (result.get("config") or {}).get("timeline_every")
+    if every is not None:
+        lines += ["", f"The hybrid rows' timeline records one token in {every} (`--timeline-every`; a variant's "
+                  "own `profiling` wins): `timeline_sample_every` in each row."]
     lines += [
         "",
         "| model | batch | context | variant | status | TTFT s | TPOT med ms | mean | p99 | n | floor ms "
@@ -1249,7 +1261,7 @@ def run(args, device: str | None = None) -> Path | None:
               "cpu_workers": args.cpu_workers, "warmup_tokens": args.warmup_tokens, "decode_cap_s": args.decode_cap_s,
               "budget_s": args.budget_s, "attempt_all": args.attempt_all, "seed": args.seed, "torch": torch.__version__,
               "transformers": transformers.__version__, "pinning": cores.note, "runtime_overrides": args.runtime_set,
-              "selection": {"name": "fixed", "block_size": 16, "budget": 0.05}}
+              "timeline_every": args.timeline_every, "selection": {"name": "fixed", "block_size": 16, "budget": 0.05}}
 
     def save(complete: bool) -> Path:
         limits = best_limits(measured_limits) if measured_limits else None
@@ -1303,7 +1315,7 @@ def run(args, device: str | None = None) -> Path | None:
                     row = run_unit(model, name, variant, b, c, new_tokens=args.new_tokens,
                                    warmup_tokens=args.warmup_tokens, cap_s=args.decode_cap_s, seed=args.seed,
                                    cpu_workers=args.cpu_workers, hybrid_overrides=args.runtime_set,
-                                   attempt_all=args.attempt_all)
+                                   attempt_all=args.attempt_all, timeline_every=args.timeline_every)
                 finally:
                     LaunchPlan.enabled = True
                 if paired and row["status"] == "ok":
@@ -1392,6 +1404,9 @@ def parse_args(argv=None):
     ap.add_argument("--attempt-all", action="store_true", help="try variants the memory estimate says cannot fit")
     ap.add_argument("--set", dest="runtime_set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a key of the hybrid variants' runtime config, e.g. kv_cache.local=512 (repeatable)")
+    ap.add_argument("--timeline-every", type=int, default=TIMELINE_EVERY, metavar="N",
+                    help="the hybrid rows' timeline records one token in N (profiling.sample_every; a variant's own "
+                         "setting wins, fluxion_every_step records every token)")
     ap.add_argument("--no-limits", action="store_true", help="skip the machine limits (no floor metric)")
     ap.add_argument("--plan", action="store_true", help="print each unit's predicted time and exit (no GPU needed)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1420,6 +1435,8 @@ def parse_args(argv=None):
             ap.error(f"unknown {kind} {bad}; known: {', '.join(known)}")
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2 (TPOT needs a second token)")
+    if args.timeline_every < 1:
+        ap.error(f"--timeline-every {args.timeline_every}: allowed an integer >= 1 (1 records every token)")
     try:
         overrides = runtime_overrides(args.runtime_set)
     except ValueError as exc:

@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1 HYBRID_COMMIT=$commit PYTHONPATH=$PWD
   pip install -q --no-deps --no-build-isolation -e .; } \
     >"$out/setup.log" 2>&1
 # The e2e table's variants every part runs first.
-e2e_variants=fluxion,fluxion_sampled,fluxion_unprofiled,dense,offloaded,cpu_only
+e2e_variants=fluxion,fluxion_every_step,fluxion_unprofiled,dense,offloaded,cpu_only
 # The results files' device suffix (h100, h200, ...), as the benchmarks name them themselves.
 dev=$(python -c "from hybrid_runtime.profiling.results import device_slug; print(device_slug())" 2>>"$out/setup.log" || echo gpu)
 for step in $steps; do
@@ -84,17 +84,17 @@ for step in $steps; do
             timeout 300 python benchmarks/diag/e2e_host_profile.py --batch 4 --context 32768 --tokens 16 \
                 --variant fluxion --out "$out" || rc=$?
             (exit $rc) ;;
-        # What the timeline costs there: fluxion with it on every step, on one token in 8, off, and
-        # cpu_only, interleaved twice (the rows' `timeline host` column: the timeline's own host time a token).
+        # What the timeline costs there: fluxion with it on one token in 8 (the table's), on every token, off,
+        # and cpu_only, interleaved twice (the rows' `timeline host` column: the timeline's own host time a token).
         timeline_ab_4x32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \
             --new-tokens 32 --no-limits --budget-s 540 \
-            --variants fluxion,fluxion_sampled,fluxion_unprofiled,cpu_only,fluxion,fluxion_sampled,fluxion_unprofiled,cpu_only \
+            --variants fluxion,fluxion_every_step,fluxion_unprofiled,cpu_only,fluxion,fluxion_every_step,fluxion_unprofiled,cpu_only \
             --out "$out/e2e_decode_timeline_ab_4x32k-$dev.json" ;;
-        # The timeline on every step against one token in 8, four interleaved rounds at both 4 x 32K
-        # points: whether the e2e table's hybrid rows should record a sampled timeline.
+        # The timeline on one token in 8 (the e2e table's rows since section 22) against every token, four
+        # interleaved rounds at both 4 x 32K points.
         timeline_ab_both_4x32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b,qwen2.5-7b --points 4x32K \
             --new-tokens 32 --no-limits --budget-s 540 \
-            --variants fluxion,fluxion_sampled,fluxion_sampled,fluxion,fluxion,fluxion_sampled,fluxion_sampled,fluxion \
+            --variants fluxion,fluxion_every_step,fluxion_every_step,fluxion,fluxion,fluxion_every_step,fluxion_every_step,fluxion \
             --out "$out/e2e_decode_timeline_ab_both_4x32k-$dev.json" ;;
         # Host- against device-started layers, each in two fresh processes: a wrong first step showed
         # only in a process's first runtime (notes/e2e_overlap.md section 21), which one pytest run of
@@ -113,14 +113,14 @@ for step in $steps; do
             --variants fluxion,fluxion_pinned_caller,fluxion,fluxion_pinned_caller,fluxion,fluxion_pinned_caller \
             --out "$out/e2e_decode_pinned_ab_4x32k-$dev.json" ;;
         # The deferred input check counted in the step-inputs kernel (the default) against its own
-        # launch, and the timeline on one token in 8, at both 4 x 32K points where the launching
+        # launch, and the timeline on every token, at both 4 x 32K points where the launching
         # thread is the step, interleaved three times; first the CUDA tests of the check's paths.
         check_ab_4x32k) rc=0
             timeout 150 python -m pytest -q --tb=short -p no:cacheprovider tests/test_deferred_input_check.py \
                 tests/test_device_start.py tests/test_step_inputs.py "tests/test_sparda.py::test_bad_lookahead_is_refused_before_anything_changes" || rc=$?
             timeout 430 python benchmarks/e2e_decode.py --models llama-3.1-8b,qwen2.5-7b --points 4x32K \
                 --new-tokens 32 --no-limits --budget-s 380 \
-                --variants fluxion,fluxion_check_launch,fluxion_sampled,fluxion,fluxion_check_launch,fluxion_sampled,fluxion,fluxion_check_launch,fluxion_sampled \
+                --variants fluxion,fluxion_check_launch,fluxion_every_step,fluxion,fluxion_check_launch,fluxion_every_step,fluxion,fluxion_check_launch,fluxion_every_step \
                 --out "$out/e2e_decode_check_ab_4x32k-$dev.json" || rc=$?
             (exit $rc) ;;
         # The claim issued as one CUDA graph replay or one native call (less of the launcher's host time
@@ -138,8 +138,8 @@ for step in $steps; do
         # The full Llama-3.1-8B table in three calls (one step per call, made one after another so
         # the machine stays the same); then, here: python benchmarks/e2e_merge.py <the three files>.
         # In order of what the table needs most: what a unit would not fit in the call is left out.
-        # One variant list for every part: the issue's rows first (the runtime with its timeline on every
-        # step, on one token in 8, and off), then the baselines, then the rest; a unit the call's time
+        # One variant list for every part: the issue's rows first (the runtime with its timeline on one
+        # token in 8, on every token, and off), then the baselines, then the rest; a unit the call's time
         # limit cuts is lost, the units before it are saved. 540 s: a short step may share the call.
         e2e_part32k) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,8x32K \
             --variants $e2e_variants,static,fluxion_predictor,fluxion_eager_model --budget-s 900 \

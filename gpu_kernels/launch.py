@@ -24,6 +24,7 @@ launcher a `data_ptr()` call and a driver query per tensor.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -41,6 +42,13 @@ class CachedLaunch:
         self.fn = fn
         self._compiled: dict = {}
         self._broken = False
+        # Per runtime argument (the kernel's parameters before its constexprs): what Triton may
+        # specialise on it, from the kernel's own `do_not_specialize` / `do_not_specialize_on_alignment`.
+        # A key that specialised what Triton does not sent every new alignment or integer class of such
+        # an argument (a task offset, a length, a ring row) through the JIT after warm-up: 19-22 launches
+        # on the hot path of each process's first runtime at 4 x 32K on the H200 -- and a slower launch
+        # there made the first device-started step wrong (benchmarks/notes/e2e_overlap.md section 22).
+        self._rules = _specialization_rules(fn)
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, variant: tuple, options: dict,
                  stream: int | None = None) -> None:
@@ -49,7 +57,7 @@ class CachedLaunch:
         that selects a compiled kernel (pointer dtypes, integer arguments Triton specialises);
         `options`: launch options (num_warps, num_stages). `stream`: the raw CUDA stream handle to
         launch on; None: the current stream (the first, compiling call makes the handle current)."""
-        spec, packed = _pack(args)
+        spec, packed = _pack(args, self._rules)
         key = (variant, tuple(options.items()), spec)
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
         if kernel is None:
@@ -99,7 +107,7 @@ class CachedLaunch:
         before that, under the interpreter, or where the JIT launches every call."""
         if self._broken or interpreted():
             return None
-        return self._compiled.get((variant, tuple(options.items()), _specialization(args)))
+        return self._compiled.get((variant, tuple(options.items()), _specialization(args, self._rules)))
 
 
 def _launch_hooks() -> tuple:
@@ -117,54 +125,102 @@ def _hook_set(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _pack(args: tuple) -> tuple[tuple, tuple]:
+# What Triton specialises an argument on, by the kernel's declaration of that parameter.
+SPECIALISED, NOT_ON_ALIGNMENT, NOT_SPECIALISED = 0, 1, 2
+
+
+def _specialization_rules(fn) -> tuple[int, ...]:
+    """Per runtime parameter of the Triton kernel `fn` (those before its constexprs), in order:
+    `SPECIALISED`, `NOT_ON_ALIGNMENT` (`do_not_specialize_on_alignment`) or `NOT_SPECIALISED`
+    (`do_not_specialize`). Empty for an object without Triton's parameter list (a stand-in):
+    then every argument is keyed as specialised, which is never wrong, only more keys."""
+    rules = []
+    params = getattr(fn, "params", None)
+    if params is not None:  # a JITFunction: Triton's own reading of the declarations
+        for param in params:
+            if param.is_constexpr:
+                break
+            rules.append(NOT_SPECIALISED if param.do_not_specialize
+                         else NOT_ON_ALIGNMENT if param.do_not_specialize_on_alignment else SPECIALISED)
+        return tuple(rules)
+    kwargs, py_fn = getattr(fn, "kwargs", None), getattr(fn, "fn", None)
+    if not isinstance(kwargs, dict) or py_fn is None:
+        return ()
+    # The interpreter's function (no CUDA): the same declarations, read from its arguments.
+    dns = set(kwargs.get("do_not_specialize") or ())
+    dns_oa = set(kwargs.get("do_not_specialize_on_alignment") or ())
+    for i, (name, param) in enumerate(inspect.signature(py_fn).parameters.items()):
+        if "constexpr" in str(param.annotation):
+            break
+        rules.append(NOT_SPECIALISED if name in dns or i in dns
+                     else NOT_ON_ALIGNMENT if name in dns_oa or i in dns_oa else SPECIALISED)
+    return tuple(rules)
+
+
+def _int_width(a: int) -> str:
+    """The type Triton gives an integer argument (its launcher refuses a value outside it)."""
+    return "i32" if -(2 ** 31) <= a < 2 ** 31 else "u64" if 2 ** 63 <= a < 2 ** 64 else "i64"
+
+
+def _pack(args: tuple, rules: tuple[int, ...] = ()) -> tuple[tuple, tuple]:
     """What Triton may specialise a kernel on, per argument, and the arguments as its launcher
     takes them fastest (`_pack_into`)."""
     argv = list(args)
-    return _pack_into(args, range(len(args)), argv), tuple(argv)
+    return _pack_into(args, range(len(args)), argv, rules), tuple(argv)
 
 
-def _pack_into(args: tuple, positions, argv: list) -> tuple:
+def _pack_into(args: tuple, positions, argv: list, rules: tuple[int, ...] = ()) -> tuple:
     """For each of `positions` (in order): what Triton may specialise the kernel on in `args[i]`,
     returned as a tuple, and the argument as its launcher takes it fastest, written to `argv[i]`.
-    Specialisation: a tensor's dtype and 16-byte alignment, an integer being 1 or a multiple of 16;
-    a key that includes it can never hand a call to a kernel compiled for other arguments (an
-    argument Triton does not specialise only costs one more lookup through the JIT, never a
-    compile). Arguments: CUDA tensors as their addresses -- the launcher takes an int as the device
+    Specialisation (`rules[i]`, `_specialization_rules`; `SPECIALISED` past its end): a tensor's
+    dtype and, unless `NOT_ON_ALIGNMENT` or `NOT_SPECIALISED`, its 16-byte alignment; an integer's
+    width and, unless `NOT_SPECIALISED`, whether it is 1 and, unless either, a multiple of 16 -- what
+    Triton's JIT keys its compiled kernels on, so a key never hands a call to a kernel compiled for
+    other arguments, and an argument Triton does not specialise never sends a call through the JIT.
+    Arguments: CUDA tensors as their addresses -- the launcher takes an int as the device
     pointer it is (a CUDA tensor's `data_ptr()` is one, UVA views of pinned memory included) and
     skips its `data_ptr()` call and driver query."""
     spec = []
+    n_rules = len(rules)
     for i in positions:
         a = args[i]
+        rule = rules[i] if i < n_rules else SPECIALISED
         if isinstance(a, torch.Tensor):
             p = a.data_ptr()
-            spec.append((a.dtype, p % 16 == 0))
+            spec.append((a.dtype, p % 16 == 0) if rule == SPECIALISED else a.dtype)
             argv[i] = p if a.is_cuda else a
         else:
-            spec.append((a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool) else type(a))
+            if isinstance(a, int) and not isinstance(a, bool):
+                width = _int_width(a)
+                spec.append(width if rule == NOT_SPECIALISED else (width, a == 1) if rule == NOT_ON_ALIGNMENT
+                            else (width, a == 1, a % 16 == 0))
+            else:
+                spec.append(type(a))
             argv[i] = a
     return tuple(spec)
 
 
 def _describe_key(key: tuple) -> str:
     """A `CachedLaunch` key in a line: the variant, the options, then per argument what Triton
-    specialises (a tensor's dtype and 16-byte alignment, `a16`/`u`; an integer being 1, a multiple
-    of 16 or neither, `1`/`d16`/`i`)."""
+    specialises (a tensor's dtype and 16-byte alignment, `a16`/`u`, or its dtype alone; an integer
+    being 1, a multiple of 16 or neither, `1`/`d16`/its width `i32`)."""
     variant, options, spec = key
     args = []
     for s in spec:
-        if isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], torch.dtype):
+        if isinstance(s, torch.dtype):  # a tensor Triton does not specialise on alignment
+            args.append(str(s).removeprefix("torch."))
+        elif isinstance(s, tuple) and isinstance(s[0], torch.dtype):
             args.append(f"{str(s[0]).removeprefix('torch.')}:{'a16' if s[1] else 'u'}")
-        elif isinstance(s, tuple):
-            args.append("1" if s[0] else "d16" if s[1] else "i")
-        else:
-            args.append(getattr(s, "__name__", str(s)))
+        elif isinstance(s, tuple):  # an integer: (width, is 1[, multiple of 16])
+            args.append("1" if s[1] else "d16" if len(s) > 2 and s[2] else s[0])
+        else:  # an unspecialised integer's width, or another argument's type
+            args.append(s if isinstance(s, str) else getattr(s, "__name__", str(s)))
     return f"variant={variant} options={dict(options)} args=[{' '.join(args)}]"
 
 
-def _specialization(args: tuple) -> tuple:
+def _specialization(args: tuple, rules: tuple[int, ...] = ()) -> tuple:
     """What Triton may specialise a kernel on, per argument (see `_pack`)."""
-    return _pack(args)[0]
+    return _pack(args, rules)[0]
 
 
 class LaunchPlan:
@@ -209,7 +265,7 @@ class LaunchPlan:
         read), on the raw CUDA stream handle `stream` (None: the current stream)."""
         if len(args) != len(self._args):
             raise ValueError(f"{len(args)} arguments for a plan of {len(self._args)}")
-        key = _pack_into(args, self._per_call, self._argv)
+        key = _pack_into(args, self._per_call, self._argv, self._launch._rules)
         kernel = self._kernels.get(key)
         if kernel is None or not LaunchPlan.enabled or _launch_hooks()[0] is not None:
             self._slow(grid, args, stream, key)
@@ -232,7 +288,7 @@ class LaunchPlan:
         launch(grid, args, self._constexprs, self._variant, self._options, stream)
         if launch._broken or interpreted():
             return
-        kernel = launch._compiled.get((self._variant, tuple(self._options.items()), _specialization(args)))
+        kernel = launch._compiled.get((self._variant, tuple(self._options.items()), _specialization(args, launch._rules)))
         if kernel is not None:
             self._kernels[key] = kernel
 

@@ -171,11 +171,19 @@ def test_a_row_without_a_timeline_takes_its_bytes_per_step_from_the_lanes_counts
 
 
 def test_a_sampled_row_takes_its_bytes_per_step_from_the_lanes_counts_too(model):
-    row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_sampled"], BATCH, CONTEXT, new_tokens=NEW,
-                       warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    """The table's rows record one token in `--timeline-every` (8); fluxion_every_step records every token."""
+    assert e2e.parse_args([]).timeline_every == e2e.TIMELINE_EVERY == 8
+    row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion"], BATCH, CONTEXT, new_tokens=NEW,
+                       warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME, timeline_every=8)
     assert row["status"] == "ok" and row["timeline_sample_every"] == 8
     assert row["tpot_samples"] == NEW - 1 and row["timeline_records"] == 2  # the first decode token, both layers
     assert row["bytes_per_step_from"] == "lane counts" and row["bytes_per_step"] == row["lane_bytes_per_step"] > 0
+    every = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_every_step"], BATCH, CONTEXT, new_tokens=NEW,
+                         warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME, timeline_every=8)
+    assert every["status"] == "ok" and every["timeline_sample_every"] == 1
+    assert every["timeline_records"] == (NEW - 1) * 2 and "bytes_per_step_from" not in every
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--timeline-every", "0"])
 
 
 def test_the_model_is_left_as_it_was(model, measured):
@@ -512,7 +520,7 @@ def test_options_and_points():
                           "fluxion_gpu_selection", "fluxion_gpu_selection_ungated", "fluxion_no_spin", "fluxion_short_spin",
                           "fluxion_unplanned",
                           "cpu_only_unplanned", "fluxion_host_selection_unplanned",
-                          "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_unprofiled", "fluxion_sampled",
+                          "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_unprofiled", "fluxion_every_step",
                           "fluxion_w11", "fluxion_check_launch"]
     q = e2e.parse_args(["--quick"])
     assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants

@@ -143,6 +143,66 @@ def test_cached_launch_hands_the_compiled_kernel_the_whole_grid(monkeypatch):
     assert compiled.grids == [(4, 3, 5), (7, 1, 1), (2, 6, 1)]
 
 
+def _declared_stand_in_jit(monkeypatch, compiled, rules: dict):
+    """`_stand_in_jit` declaring Triton's parameter list: `rules` maps a parameter name to
+    "dns" (`do_not_specialize`), "dnsoa" (`do_not_specialize_on_alignment`) or "" (specialised);
+    then one constexpr, BLOCK."""
+    from types import SimpleNamespace
+
+    jit = _stand_in_jit(monkeypatch, compiled)
+    jit.params = [SimpleNamespace(is_constexpr=False, do_not_specialize=r == "dns", do_not_specialize_on_alignment=r == "dnsoa")
+                  for r in rules.values()] + [SimpleNamespace(is_constexpr=True, do_not_specialize=False,
+                                                               do_not_specialize_on_alignment=False)]
+    return jit
+
+
+def test_what_the_kernel_does_not_specialise_never_sends_a_launch_through_the_jit(monkeypatch):
+    """An argument the kernel declares `do_not_specialize` (a length, a task offset) or
+    `do_not_specialize_on_alignment` (a ring row) may change class or alignment from step to step:
+    Triton compiled one kernel for all of them, so the key must not tell them apart. Before, each
+    new class went through the JIT after warm-up: 19-22 launches in a process's first runtime at
+    4 x 32K on the H200, and one such launch made a device-started step wrong."""
+    compiled = _StandInCompiledKernel()
+    launch = CachedLaunch(_declared_stand_in_jit(monkeypatch, compiled,
+                                                 {"ring": "dnsoa", "data": "", "row0": "dns", "offset": "dnsoa", "stride": ""}))
+    ring, data = torch.zeros(64, dtype=torch.int32), torch.zeros(64)
+    jit_before = CachedLaunch.jit_launches
+    launch((4,), (ring, data, 16, 32, 48), {"BLOCK": 64}, (), {})  # the warm-up's call
+    assert CachedLaunch.jit_launches - jit_before == 1
+    # A misaligned ring row, row0 of every class, an offset that stops being a multiple of 16: fast.
+    for row, row0, offset in ((1, 1, 33), (3, 7, 17), (2, 0, 5)):
+        launch((4,), (ring[row:], data, row0, offset, 48), {"BLOCK": 64}, (), {})
+    assert CachedLaunch.jit_launches - jit_before == 1 and launch.fast_launches == 3
+    # What Triton does specialise still makes a new key: the data's alignment, the stride's class,
+    # an offset equal to 1 (a constant to Triton), an integer past int32 (another type).
+    launch((4,), (ring, data[1:], 16, 32, 48), {"BLOCK": 64}, (), {})
+    launch((4,), (ring, data, 16, 32, 5), {"BLOCK": 64}, (), {})
+    launch((4,), (ring, data, 16, 1, 48), {"BLOCK": 64}, (), {})
+    launch((4,), (ring, data, 2 ** 31, 32, 48), {"BLOCK": 64}, (), {})
+    assert CachedLaunch.jit_launches - jit_before == 5 and launch.fast_launches == 3
+    # LaunchPlan keys its per-call arguments the same way: its first call finds the kernel through
+    # `CachedLaunch` (no JIT), the second goes straight to it although its row and integers differ.
+    plan = LaunchPlan(launch, (ring, data, 16, 32, 48), {"BLOCK": 64}, (), {}, per_call=(0, 2, 3))
+    plan((4,), (ring[1:], data, 7, 17, 48))
+    plan((4,), (ring[2:], data, 0, 5, 48))
+    assert plan.fast_launches == 1 and CachedLaunch.jit_launches - jit_before == 5
+
+
+def test_the_rules_are_the_kernels_own_declarations():
+    """Read from Triton's parameter list on CUDA and from the interpreter's arguments here: the
+    same positions, constexprs excluded."""
+    from gpu_kernels.launch import NOT_ON_ALIGNMENT, NOT_SPECIALISED, SPECIALISED
+    from gpu_kernels.step_inputs import _launch as step_inputs
+
+    names = ["q_ptr", "q_s0", "q_s1", "q_s2", "k_ptr", "k_s0", "k_s1", "k_s2", "v_ptr", "v_s0", "v_s1", "v_s2",
+             "n_q_rows", "HQ", "n_kv_rows", "HKV", "D", "scale", "qs_ptr", "qhost_ptr", "gq_ptr", "gout_ptr",
+             "glse_ptr", "counts_ptr", "count_stride"]
+    rules = dict(zip(names, step_inputs._rules, strict=True))
+    assert rules["counts_ptr"] == NOT_ON_ALIGNMENT and rules["count_stride"] == NOT_SPECIALISED
+    assert rules["scale"] == SPECIALISED
+    assert CachedLaunch(_add_kernel)._rules == (SPECIALISED,) * 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cached_launch_on_a_given_stream():
@@ -302,7 +362,7 @@ def test_plan_falls_back_to_the_jit_when_the_launcher_refuses_its_arguments(monk
     launch = CachedLaunch(_CountingJit())
     t = torch.zeros(8)
     plan = LaunchPlan(launch, (t, 5), {"BLOCK": 64}, (1,), {"num_warps": 1}, (1,))
-    plan._kernels[((False, False),)] = compiled  # as a first call would have left it
+    plan._kernels[_specialization((5,))] = compiled  # as a first call would have left it (the key of 5)
     plan((2,), (t, 5))
     assert launch._broken and plan.fast_launches == 0 and not plan._kernels
     assert jit_calls == [(2,)]
