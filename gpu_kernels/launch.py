@@ -65,11 +65,17 @@ class CachedLaunch:
             if not interpreted():  # under the interpreter every call goes through the JIT: nothing to name
                 name = f"{getattr(self.fn, '__name__', self.fn)} {_describe_key(key)}"
                 CachedLaunch.jit_launch_keys[name] = CachedLaunch.jit_launch_keys.get(name, 0) + 1
-            if stream is not None:
-                with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                    kernel = self.fn[grid](*args, **constexprs, **options)
-            else:
+            # The JIT launches on torch's current stream, so `stream` is made current unless it is.
+            # Not with `ExternalStream(0)` for the default stream's handle: torch makes that a new
+            # stream from its pool (non-blocking, ordered after nothing on stream 0). A decode step on
+            # the default stream hands its launches 0; the first device-started runtime of a process
+            # ran one such JIT launch (step inputs) ahead of the stream's wait for the previous step's
+            # trailing CPU lane, overwriting the q its last tasks still read (notes/e2e_overlap.md 22).
+            if stream is None or stream == current_stream_handle():
                 kernel = self.fn[grid](*args, **constexprs, **options)
+            else:
+                with torch.cuda.stream(torch.cuda.default_stream() if stream == 0 else torch.cuda.ExternalStream(stream)):
+                    kernel = self.fn[grid](*args, **constexprs, **options)
             if not interpreted() and kernel is not None and _KNOBS is not None:
                 self._compiled[key] = kernel
             return
