@@ -189,11 +189,11 @@ class DeferredInputCheck:
         if fused_columns:
             from gpu_kernels.step_inputs import N_COUNTS
 
-            # Rows padded to 16 bytes, so that every slot's row starts 16-byte aligned: a launch with
-            # a pointer of another alignment is a new specialisation key, which goes through Triton's
-            # JIT once per process (gpu_kernels/launch.py). The unpadded ring (72-byte rows at
-            # C = 6) gave wrong first steps on CUDA (benchmarks/notes/e2e_overlap.md section 21);
-            # whether the alignment was why is what this branch tests.
+            # Rows padded to 16 bytes, so that every slot's row starts 16-byte aligned. The unpadded
+            # ring (72-byte rows at C = 6) gave wrong first steps on CUDA: a misaligned row was a new
+            # `CachedLaunch` key then, so its first launch went through Triton's JIT, which launched
+            # on a pool stream instead of the caller's (benchmarks/notes/e2e_overlap.md section 22).
+            # Both are fixed in gpu_kernels/launch.py; the rows stay aligned all the same.
             padded = -(-fused_columns // self.ROW_ALIGN_INTS) * self.ROW_ALIGN_INTS
             fused = torch.zeros((self.SLOTS, N_COUNTS, padded), dtype=torch.int32, pin_memory=self.cuda)
             fused_dev = uva_view(fused, device.index) if self.cuda else fused  # the kernel writes the pinned rows
