@@ -163,11 +163,6 @@ def _specialization_rules(fn) -> tuple[int, ...]:
     return tuple(rules)
 
 
-def _int_width(a: int) -> str:
-    """The type Triton gives an integer argument (its launcher refuses a value outside it)."""
-    return "i32" if -(2 ** 31) <= a < 2 ** 31 else "u64" if 2 ** 63 <= a < 2 ** 64 else "i64"
-
-
 def _pack(args: tuple, rules: tuple[int, ...] = ()) -> tuple[tuple, tuple]:
     """What Triton may specialise a kernel on, per argument, and the arguments as its launcher
     takes them fastest (`_pack_into`)."""
@@ -197,7 +192,9 @@ def _pack_into(args: tuple, positions, argv: list, rules: tuple[int, ...] = ()) 
             argv[i] = p if a.is_cuda else a
         else:
             if isinstance(a, int) and not isinstance(a, bool):
-                width = _int_width(a)
+                # The type Triton gives it (its launcher refuses a value outside it); inline: this
+                # runs for every per-call integer of every planned launch.
+                width = "i32" if -2147483648 <= a <= 2147483647 else "u64" if a >= 9223372036854775808 else "i64"
                 spec.append(width if rule == NOT_SPECIALISED else (width, a == 1) if rule == NOT_ON_ALIGNMENT
                             else (width, a == 1, a % 16 == 0))
             else:
