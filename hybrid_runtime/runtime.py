@@ -505,6 +505,8 @@ class HybridRuntime:
         # caller prefills; the first decode step waits for them (`await_warm_up`).
         self._jit_launches_at_warmup: int | None = None  # CachedLaunch.jit_launches at the first decode step
         self._jit_keys_at_warmup: dict[str, int] = {}  # CachedLaunch.jit_launch_keys then
+        self._jit_launches_seen = 0  # CachedLaunch.jit_launches when the last step looked (`_warn_jit_launches`)
+        self._jit_keys_warned: set[str] = set()
         self._warm_up = BackgroundWarmUp(warm_jobs, device=self.device,
                                          stream=torch.cuda.Stream(self.device) if self.cuda else None).start()
 
@@ -667,6 +669,19 @@ class HybridRuntime:
         self._forget_tasks(seq_id)
 
     # ------------------------------------------------------------------ decode
+    def _warn_jit_launches(self) -> None:
+        """Log, once per kernel and key, a Triton launch that went through the JIT since the previous
+        step: a variant the warm-up did not compile, launched at the JIT's host cost (a compile, or a
+        lookup) on the decode path. Under Triton's interpreter every launch does, unnamed: nothing to say."""
+        self._jit_launches_seen = CachedLaunch.jit_launches
+        new = [name for name in CachedLaunch.jit_launch_keys if name not in self._jit_keys_warned
+               and CachedLaunch.jit_launch_keys[name] > self._jit_keys_at_warmup.get(name, 0)]
+        if new:
+            self._jit_keys_warned.update(new)
+            log.warning("a decode step launched %d Triton kernel variant(s) through the JIT that the warm-up did not "
+                        "compile (host time on the decode path; stats()['jit_kernels_after_warmup'] counts them): %s",
+                        len(new), "; ".join(new))
+
     def _check_decode(
         self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         check_finite: bool = True,
@@ -866,8 +881,10 @@ class HybridRuntime:
         if self._jit_launches_at_warmup is None:  # the first step (or one after a failed warm-up wait)
             if not self._warm_up.ready:
                 self._warm_up.wait()  # every kernel the step launches has compiled (warmup.py)
-            self._jit_launches_at_warmup = CachedLaunch.jit_launches
+            self._jit_launches_at_warmup = self._jit_launches_seen = CachedLaunch.jit_launches
             self._jit_keys_at_warmup = dict(CachedLaunch.jit_launch_keys)
+        elif CachedLaunch.jit_launches != self._jit_launches_seen:
+            self._warn_jit_launches()
         cuda = self.cuda
         has_cpu, has_gpu = self.cpu_executor is not None, self.gpu_executor is not None
         # An earlier step's deferred input check that has run (one two calls old is waited for):

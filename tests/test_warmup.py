@@ -98,6 +98,28 @@ def test_constructor_returns_before_the_warm_up_and_decode_waits_for_it(gated):
         assert rt.stats()["warmup_wait_s"] == st["warmup_wait_s"]
 
 
+def test_a_launch_through_the_jit_after_warm_up_is_named_in_a_warning_once_and_in_stats(monkeypatch, caplog):
+    """A Triton launch that went through the JIT between two decode steps (a variant the warm-up did
+    not compile: host time on the decode path) is logged by the next step, once per kernel and key,
+    and counted by name in `stats()`. Without CUDA no launch is named, so one is stood in for."""
+    from gpu_kernels.launch import CachedLaunch
+
+    monkeypatch.setattr(CachedLaunch, "jit_launch_keys", dict(CachedLaunch.jit_launch_keys))
+    name = "_window_attn_kernel variant=(True,) options={'num_warps': 4} args=[float32:a16 i32]"
+    with HybridRuntime(config()) as rt:
+        _prefill(rt)
+        _step(rt)
+        assert rt.stats()["jit_kernels_after_warmup"] == {}
+        monkeypatch.setattr(CachedLaunch, "jit_launches", CachedLaunch.jit_launches + 1)  # during that step ...
+        CachedLaunch.jit_launch_keys[name] = CachedLaunch.jit_launch_keys.get(name, 0) + 1
+        with caplog.at_level("WARNING", logger="hybrid_runtime.runtime"):
+            _step(rt, seed=2)  # ... said by the next
+            _step(rt, seed=3)  # once
+        said = [r.getMessage() for r in caplog.records if "through the JIT" in r.getMessage()]
+        assert len(said) == 1 and name in said[0], said
+        assert rt.stats()["jit_kernels_after_warmup"] == {name: 1}
+
+
 def test_a_failed_compile_is_raised_at_the_first_decode_naming_the_kernel(gated):
     cause = RuntimeError("ptxas fatal: out of registers")
     gated["error"] = cause
