@@ -1223,63 +1223,16 @@ class HybridRuntime:
     def probe_gpu_lane(
         self, layer: int, seq_ids: Sequence[int], claim_sizes: Sequence[int] | None = None, repeats: int = 5
     ) -> list[dict]:
-        """Time the GPU lane alone on this step's tasks: one claim of the first k queue positions.
+        """Time the GPU lane alone on this step's tasks (`hybrid_runtime.lane_probe.probe_gpu_lane`:
+        per claim size, host and CUDA-event times and bytes). Call it between decode steps."""
+        from hybrid_runtime.lane_probe import probe_gpu_lane
 
-        For each k (default 1, 2, 4, ... and all tasks): `wall_s`, the median host time from the
-        claim to its completion (the launch's host work included: what delays a step), `gpu_s`,
-        the median CUDA-event time of its launches, `bytes` it read, and `upload_s`, the median
-        host time of the step's table upload that precedes the claims (once per step, not per
-        claim; packing is once per task set and not timed). A benchmark fits
-        `time = fixed cost + bytes / rate` over k. Uses the runtime's GPU-lane buffers: call it
-        between decode steps, never during one.
+        return probe_gpu_lane(self, layer, seq_ids, claim_sizes, repeats)
 
-        The claims above start on an idle stream, so their events also time the host's submission
-        of the launches (the first event fires before the kernels are queued). On CUDA each claim
-        is also timed behind a spin kernel on the lane's stream, as a claim queued behind earlier
-        work runs: `launch_s`, the median host time of the launch call alone, and `gpu_warm_s`,
-        the median event time of the claim's kernels alone.
-        """
-        probe = self._probe_claims(layer, seq_ids)
-        if probe is None:
-            return []
-        ex, ordered, packed, step = probe
-        n = len(ordered)
-        sizes = claim_sizes or sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)} | {n})
-        rows = []
-        for k in sizes:
-            if not 1 <= k <= n:
-                raise ValueError(f"claim size {k} outside 1..{n} (the step's tasks)")
-            walls, gpus, uploads, nbytes = [], [], [], 0
-            for r in range(repeats + 1):
-                if self.cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                plan = ex.upload(packed, ordered)
-                if self.cuda:
-                    torch.cuda.synchronize()
-                t_up = time.perf_counter()
-                uploads.append(t_up - t0)
-                t0 = t_up
-                handle = ex.launch(plan, 0, k, step)
-                nbytes = int(np.sum(handle.wait()))
-                t1 = time.perf_counter()
-                if r:  # the first round warms caches
-                    walls.append(t1 - t0)
-                    gpus.append(t1 - t0 if isinstance(handle.end, float) else handle.start.elapsed_time(handle.end) * 1e-3)
-            row = {"tasks": k, "bytes": nbytes, "wall_s": float(np.median(walls)), "gpu_s": float(np.median(gpus)),
-                   "upload_s": float(np.median(uploads))}
-            if self.cuda:
-                row.update(self._probe_claim_warm(ex, packed, ordered, k, step, repeats))
-            rows.append(row)
-        return rows
-
-    def _probe_claims(self, layer: int, seq_ids: Sequence[int]) -> tuple | None:
-        """What a probe claims from (`probe_gpu_lane`, diagnostics): (GPU executor, this step's tasks
-        in queue order, their packed table, the step on the lane's buffers with random queries), or
-        None when the step has no task. Settles earlier steps first: the probe's launches use the
-        lane's buffers and ring slots."""
-        from hybrid_runtime.task_building import native_table, queue_order
-
+    def _probe_step(self, layer: int, seq_ids: Sequence[int]) -> tuple | None:
+        """What a probe claims from (`lane_probe`): (GPU executor, this step's tasks, the step on the
+        lane's buffers), or None when the step has no task. Settles earlier steps first: the probe's
+        launches use the lane's buffers and ring slots."""
         self._check_open()
         self._warm_up.wait()
         ex = self.scheduler.lane.executor
@@ -1293,34 +1246,8 @@ class HybridRuntime:
         tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, self.store))
         if not tasks:
             return None
-        ordered, _ = queue_order(tasks)
-        tab, nsel, chunks, _ = native_table(ordered, self.geometry.group_size)
         b = len(seq_ids)
-        step = Step(layer, self._gq[:b], self._gout[:b], self._glse[:b], self.geometry.group_size)
-        step.q.normal_()
-        return ex, ordered, ex.pack(tab, nsel, chunks), step
-
-    # Cycles of the spin kernel queued before a warm probe claim: ~200 us at the H100's and H200's
-    # clocks, several times a launch call's host time with the workers idle (30-60 us), so the
-    # claim's first event and kernels are all queued before it ends.
-    PROBE_SPIN_CYCLES = 400_000
-
-    def _probe_claim_warm(self, ex, packed, ordered, k: int, step, repeats: int) -> dict:
-        """`launch_s` and `gpu_warm_s` of one claim of the first `k` positions (`probe_gpu_lane`)."""
-        launches, gpus = [], []
-        plan = ex.upload(packed, ordered)
-        for r in range(repeats + 1):
-            torch.cuda.synchronize()
-            with torch.cuda.stream(ex.stream):
-                torch.cuda._sleep(self.PROBE_SPIN_CYCLES)
-            t0 = time.perf_counter()
-            handle = ex.launch(plan, 0, k, step)
-            t1 = time.perf_counter()
-            handle.wait()
-            if r:
-                launches.append(t1 - t0)
-                gpus.append(handle.start.elapsed_time(handle.end) * 1e-3)
-        return {"launch_s": float(np.median(launches)), "gpu_warm_s": float(np.median(gpus))}
+        return ex, tasks, Step(layer, self._gq[:b], self._gout[:b], self._glse[:b], self.geometry.group_size)
 
     def stats(self) -> dict:
         """Scheduler estimates and placement, for reports; the GPU lane's only where there is one."""

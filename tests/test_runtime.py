@@ -155,6 +155,20 @@ def test_gpu_lane_probe_times_each_claim_on_an_idle_stream_and_behind_a_spin():
         assert 0 < r["launch_s"] < 0.1 and 0 < r["gpu_warm_s"] < 0.1
 
 
+def test_gpu_lane_probe_times_claims_of_the_first_positions_on_any_lane():
+    """`probe_gpu_lane` (hybrid_runtime/lane_probe.py) on whatever lane the machine has (the host's
+    stand-in without CUDA): one row per claim size, bytes growing with it; a size past the step's
+    tasks is refused; the timing behind a spin kernel is CUDA's only."""
+    with HybridRuntime(rt_config("fluxion", plan="fixed", block_size=16, budget=0.25)) as rt:
+        prefill_all(rt)
+        rows = rt.probe_gpu_lane(0, [0, 1, 2], claim_sizes=[1, 2], repeats=1)
+        with pytest.raises(ValueError, match="claim size 99 outside"):
+            rt.probe_gpu_lane(0, [0, 1, 2], claim_sizes=[99], repeats=1)
+    assert [r["tasks"] for r in rows] == [1, 2] and 0 < rows[0]["bytes"] < rows[1]["bytes"]
+    assert all(r["wall_s"] > 0 and r["gpu_s"] > 0 and r["upload_s"] > 0 for r in rows)
+    assert all(("launch_s" in r) == torch.cuda.is_available() for r in rows)
+
+
 def test_streaming_selection_attends_the_window_only():
     # On CUDA the whole output comes from the window kernel, whose dots over bf16 storage round q and
     # the softmax weights to tf32 (10-bit mantissa, `dot_precision`); where the CPU lane computes part
