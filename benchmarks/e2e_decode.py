@@ -1047,7 +1047,8 @@ def markdown(result: dict) -> str:
     every = (result.get("config") or {}).get("timeline_every")
     if every is not None:
         lines += ["", f"The hybrid rows' timeline records one token in {every} (`--timeline-every`; a variant's "
-                  "own `profiling` wins): `timeline_sample_every` in each row."]
+                  "own `profiling` wins, and `--set profiling.sample_every` over both): `timeline_sample_every` "
+                  "in each row."]
     lines += [
         "",
         "| model | batch | context | variant | status | TTFT s | TPOT med ms | mean | p99 | n | floor ms "
@@ -1406,7 +1407,7 @@ def parse_args(argv=None):
                     help="override a key of the hybrid variants' runtime config, e.g. kv_cache.local=512 (repeatable)")
     ap.add_argument("--timeline-every", type=int, default=TIMELINE_EVERY, metavar="N",
                     help="the hybrid rows' timeline records one token in N (profiling.sample_every; a variant's own "
-                         "setting wins, fluxion_every_step records every token)")
+                         "setting wins, fluxion_every_step records every token; --set profiling.sample_every wins over both)")
     ap.add_argument("--no-limits", action="store_true", help="skip the machine limits (no floor metric)")
     ap.add_argument("--plan", action="store_true", help="print each unit's predicted time and exit (no GPU needed)")
     ap.add_argument("--seed", type=int, default=0)

@@ -149,7 +149,8 @@ def _rank_main(rank: int, world: int, spec: dict, out_dir: str) -> None:
                                        warmup_tokens=spec["warmup_tokens"], cap_s=spec["decode_cap_s"],
                                        seed=spec["seed"], cpu_workers=spec["cpu_workers"],
                                        hybrid_overrides=spec["overrides"], attempt_all=spec["attempt_all"],
-                                       gpu_bytes=gpu_total, host_bytes=decide(psutil.virtual_memory().available))
+                                       timeline_every=spec["timeline_every"], gpu_bytes=gpu_total,
+                                       host_bytes=decide(psutil.virtual_memory().available))
                     rows.append({**row, "tp": world, "rank": rank, "predicted_s": pred})
                     if rank == 0:
                         said = row.get("reason", "")
@@ -302,6 +303,7 @@ def run_tp(args, device: str | None = None) -> Path:
         "points": args.points, "variants": args.variants, "new_tokens": args.new_tokens,
         "warmup_tokens": args.warmup_tokens, "decode_cap_s": args.decode_cap_s, "seed": args.seed,
         "attempt_all": args.attempt_all, "overrides": args.runtime_set, "limits": not args.no_limits,
+        "timeline_every": args.timeline_every,
     }
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -315,7 +317,7 @@ def run_tp(args, device: str | None = None) -> Path:
                         "new_tokens": args.new_tokens, "cpu_workers_tp1": args.cpu_workers,
                         "cpu_workers_per_rank": "auto (the rank's cores but the launcher's)",
                         "budget_s": args.budget_s, "seed": args.seed, "torch": torch.__version__,
-                        "runtime_overrides": args.runtime_set},
+                        "runtime_overrides": args.runtime_set, "timeline_every": args.timeline_every},
              "elapsed_s": time.perf_counter() - t_start}
     benchmark = f"e2e_decode_tp{world}"
     path = write_results(benchmark, metrics, e2e._plain(rows), extra=e2e._plain(extra), out_path=args.out)

@@ -7,11 +7,11 @@ variant (that call compiles it, at warm-up) and afterwards hands the arguments s
 compiled kernel's launcher, as the JIT itself does after its lookup.
 
 The cache key is the caller's `variant` (the constexprs), the launch options and, per argument,
-what Triton specialises on (dtype and 16-byte alignment of tensors, integers equal to 1 or
-divisible by 16), so a call never reaches a kernel compiled for other arguments. Arguments that
-vary from step to step belong in `do_not_specialize` / `do_not_specialize_on_alignment`: then a
-new key costs one lookup through the JIT, never a compile. Under the interpreter every call goes
-through the JIT.
+what Triton specialises on (dtype and 16-byte alignment of tensors, an integer's width and whether
+it is 1 or divisible by 16), so a call never reaches a kernel compiled for other arguments; and
+nothing more: what the kernel declares `do_not_specialize` / `do_not_specialize_on_alignment`
+(arguments that vary from step to step) is left out, so their changes never send a call through
+the JIT. Under the interpreter every call goes through the JIT.
 
 `LaunchPlan` is the plan/run split for the launches on a step's critical path: the argument list
 is packed once (tensors as their addresses), and a call only writes the arguments that change,
@@ -62,7 +62,7 @@ class CachedLaunch:
         kernel = None if self._broken or interpreted() else self._compiled.get(key)
         if kernel is None:
             CachedLaunch.jit_launches += 1
-            if not interpreted():  # under the interpreter every call goes through the JIT: nothing to name
+            if not (interpreted() or self._broken or _KNOBS is None):  # else every call goes through the JIT
                 name = f"{getattr(self.fn, '__name__', self.fn)} {_describe_key(key)}"
                 CachedLaunch.jit_launch_keys[name] = CachedLaunch.jit_launch_keys.get(name, 0) + 1
             # The JIT launches on torch's current stream, so `stream` is made current unless it is.

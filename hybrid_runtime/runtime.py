@@ -670,16 +670,18 @@ class HybridRuntime:
 
     # ------------------------------------------------------------------ decode
     def _warn_jit_launches(self) -> None:
-        """Log, once per kernel and key, a Triton launch that went through the JIT since the previous
-        step: a variant the warm-up did not compile, launched at the JIT's host cost (a compile, or a
-        lookup) on the decode path. Under Triton's interpreter every launch does, unnamed: nothing to say."""
+        """Log, once per kernel and key, a Triton launch that went through the JIT in this process
+        since the previous decode step (this runtime's steps mostly; a prefill's or another runtime's
+        too): a variant its warm-up did not compile, launched at the JIT's host cost (a compile, or a
+        lookup). Under Triton's interpreter every launch does, unnamed: nothing to say."""
         self._jit_launches_seen = CachedLaunch.jit_launches
-        new = [name for name in CachedLaunch.jit_launch_keys if name not in self._jit_keys_warned
-               and CachedLaunch.jit_launch_keys[name] > self._jit_keys_at_warmup.get(name, 0)]
+        keys = dict(CachedLaunch.jit_launch_keys)  # a copy: another runtime's warm-up thread may add one
+        new = [name for name, n in keys.items() if name not in self._jit_keys_warned
+               and n > self._jit_keys_at_warmup.get(name, 0)]
         if new:
             self._jit_keys_warned.update(new)
-            log.warning("a decode step launched %d Triton kernel variant(s) through the JIT that the warm-up did not "
-                        "compile (host time on the decode path; stats()['jit_kernels_after_warmup'] counts them): %s",
+            log.warning("%d Triton kernel variant(s) went through the JIT since the previous decode step, after the "
+                        "warm-up (host time on the decode path; stats()['jit_kernels_after_warmup'] counts them): %s",
                         len(new), "; ".join(new))
 
     def _check_decode(
@@ -1284,7 +1286,7 @@ class HybridRuntime:
             else CachedLaunch.jit_launches - self._jit_launches_at_warmup,
             # ... by kernel and key (`gpu_kernels.launch._describe_key`), on CUDA: what the warm-up missed.
             "jit_kernels_after_warmup": {} if self._jit_launches_at_warmup is None else {
-                name: n - self._jit_keys_at_warmup.get(name, 0) for name, n in CachedLaunch.jit_launch_keys.items()
+                name: n - self._jit_keys_at_warmup.get(name, 0) for name, n in dict(CachedLaunch.jit_launch_keys).items()
                 if n > self._jit_keys_at_warmup.get(name, 0)},
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,

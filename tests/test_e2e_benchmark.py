@@ -673,7 +673,7 @@ def test_tp_run_on_cpu_ranks(tmp_path, monkeypatch):
     args = e2e.parse_args(["--tp", "2", "--models", "tiny", "--points", f"{BATCH}x{CONTEXT}", "--new-tokens", str(NEW),
                            "--warmup-tokens", "64", "--cpu-workers", "1", "--budget-s", "600", "--out", str(out),
                            "--set", "kv_cache.sink=16", "--set", "kv_cache.local=32", "--set", "kv_cache.generated_cap=16",
-                           "--set", "scheduler.gpu_worker=false"])
+                           "--set", "scheduler.gpu_worker=false", "--timeline-every", "1"])  # every step's records
     path = e2e_tp.run_tp(args, device="cpu")
     result = json.loads(path.read_text())
     rows = result["points"]

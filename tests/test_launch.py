@@ -111,6 +111,8 @@ def _take_the_compiled_path(monkeypatch) -> None:
         pytest.skip("this Triton has no knobs: launches always go through the JIT")
     monkeypatch.setattr(launch_module, "interpreted", lambda: False)
     monkeypatch.setattr(launch_module, "current_stream_handle", lambda: 0)
+    # The stand-ins' names stay out of the process-wide record other tests read.
+    monkeypatch.setattr(CachedLaunch, "jit_launch_keys", dict(CachedLaunch.jit_launch_keys))
 
 
 def _stand_in_jit(monkeypatch, compiled):
