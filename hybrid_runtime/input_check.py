@@ -194,12 +194,16 @@ class DeferredInputCheck:
             # `CachedLaunch` key then, so its first launch went through Triton's JIT, which launched
             # on a pool stream instead of the caller's (benchmarks/notes/e2e_overlap.md section 22).
             # Both are fixed in gpu_kernels/launch.py; the rows stay aligned all the same.
-            padded = -(-fused_columns // self.ROW_ALIGN_INTS) * self.ROW_ALIGN_INTS
-            fused = torch.zeros((self.SLOTS, N_COUNTS, padded), dtype=torch.int32, pin_memory=self.cuda)
+            fused = torch.zeros((self.SLOTS, N_COUNTS, self.fused_row_columns(fused_columns)), dtype=torch.int32, pin_memory=self.cuda)
             fused_dev = uva_view(fused, device.index) if self.cuda else fused  # the kernel writes the pinned rows
             self._fused_dev = [fused_dev[i] for i in range(self.SLOTS)]
             self._fused_np = fused.numpy()
         self._ring_np = self._ring.numpy()
+
+    @classmethod
+    def fused_row_columns(cls, columns: int) -> int:
+        """The columns a fused ring row of `columns` counts takes: padded to `ROW_ALIGN_INTS`."""
+        return -(-columns // cls.ROW_ALIGN_INTS) * cls.ROW_ALIGN_INTS
 
     def next_call(self) -> None:
         """A decode call starts (the age of pending checks is counted in calls)."""

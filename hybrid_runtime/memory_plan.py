@@ -432,8 +432,9 @@ def estimate_runtime(cfg: Config, geometry: GeometryConfig | None = None, *, cud
         from hybrid_runtime.input_check import DeferredInputCheck
 
         # The step-inputs kernel's NaN/inf counts: one row for the sync check, a ring for the deferred one.
-        padded = -(-count_columns(s * hq) // DeferredInputCheck.ROW_ALIGN_INTS) * DeferredInputCheck.ROW_ALIGN_INTS
-        host_step += _on(host_kind, N_COUNTS * (count_columns(s * hq) + DeferredInputCheck.SLOTS * padded) * 4)
+        columns = count_columns(s * hq)
+        host_step += _on(host_kind, N_COUNTS * (columns + DeferredInputCheck.SLOTS
+                                                * DeferredInputCheck.fused_row_columns(columns)) * 4)
     lane_where = GPU if lane_on_gpu else HOST
     lane_step = 2 * _on(lane_where, s * hq * d * _F32) + _on(lane_where, s * hq * _F32)
     parts.append(MemoryPart("step_buffers", host_kind, RESIDENT, host_step + (0 if lane_on_gpu else lane_step),

@@ -675,14 +675,21 @@ class HybridRuntime:
         too): a variant its warm-up did not compile, launched at the JIT's host cost (a compile, or a
         lookup). Under Triton's interpreter every launch does, unnamed: nothing to say."""
         self._jit_launches_seen = CachedLaunch.jit_launches
-        keys = dict(CachedLaunch.jit_launch_keys)  # a copy: another runtime's warm-up thread may add one
-        new = [name for name, n in keys.items() if name not in self._jit_keys_warned
-               and n > self._jit_keys_at_warmup.get(name, 0)]
+        new = [name for name in self._jit_keys_since_warmup() if name not in self._jit_keys_warned]
         if new:
             self._jit_keys_warned.update(new)
             log.warning("%d Triton kernel variant(s) went through the JIT since the previous decode step, after the "
                         "warm-up (host time on the decode path; stats()['jit_kernels_after_warmup'] counts them): %s",
                         len(new), "; ".join(new))
+
+    def _jit_keys_since_warmup(self) -> dict[str, int]:
+        """`CachedLaunch.jit_launch_keys` counted since this runtime's first decode step: kernel and
+        key -> launches through the JIT ({} before that step)."""
+        if self._jit_launches_at_warmup is None:
+            return {}
+        at = self._jit_keys_at_warmup
+        keys = dict(CachedLaunch.jit_launch_keys)  # a copy: another runtime's warm-up thread may add one
+        return {name: n - at.get(name, 0) for name, n in keys.items() if n > at.get(name, 0)}
 
     def _check_decode(
         self, layer: int, seq_ids: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1285,9 +1292,7 @@ class HybridRuntime:
             "jit_launches_after_warmup": None if self._jit_launches_at_warmup is None
             else CachedLaunch.jit_launches - self._jit_launches_at_warmup,
             # ... by kernel and key (`gpu_kernels.launch._describe_key`), on CUDA: what the warm-up missed.
-            "jit_kernels_after_warmup": {} if self._jit_launches_at_warmup is None else {
-                name: n - self._jit_keys_at_warmup.get(name, 0) for name, n in dict(CachedLaunch.jit_launch_keys).items()
-                if n > self._jit_keys_at_warmup.get(name, 0)},
+            "jit_kernels_after_warmup": self._jit_keys_since_warmup(),
             # Tasks whose attention idle workers helped with at the end of a step (native workers).
             "cpu_split_tasks": int(sch.native.split_tasks[0]) if sch.native is not None else 0,
             # CPU tasks that attended the GPU lane's block selection (scheduler.cpu_task_selection),
