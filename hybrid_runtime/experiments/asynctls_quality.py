@@ -325,12 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", nargs="*", choices=list(BASELINES))
     parser.add_argument("--block-size", type=int, help="the block level's block size")
     parser.add_argument("--block-fraction", type=float, help="k_b * block_size >= this fraction of the CPU segment")
+    parser.add_argument("--text-offset", type=int, help="the corpus token the text starts at (a second text: the "
+                                                        "same experiment on other positions)")
     args = parser.parse_args(argv)
     try:
         settings = load_settings(args.config, {"lengths": args.lengths, "positions": args.positions,
                                                "budgets": args.budgets, "methods": args.methods,
                                                "baselines": args.baselines, "block_size": args.block_size,
-                                               "block_fraction": args.block_fraction})
+                                               "block_fraction": args.block_fraction,
+                                               "text_offset": args.text_offset})
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
