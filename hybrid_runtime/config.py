@@ -449,6 +449,16 @@ class ProfilingConfig:
     # profiling off. The timeline's events, columns and records cost host time on every step it
     # records (benchmarks/notes/e2e_overlap.md section 17); 1 records every step.
     sample_every: int = field(default=1, metadata=_range(1, None))
+    # Which token of each `sample_every` is recorded, counted from the first decode token after
+    # the timeline is cleared: 1 leaves out that first token, whose step is slower than the rest
+    # (the prompt's sequences are new to every kernel and buffer), from a small sample.
+    sample_offset: int = field(default=0, metadata=_range(0, None))
+
+    def _validate(self, path: str) -> None:
+        if self.sample_offset >= self.sample_every:
+            raise ConfigError(f"{path}.sample_offset: {self.sample_offset} is not allowed with {path}.sample_every "
+                              f"{self.sample_every}; allowed: 0 <= value < sample_every (which token of each "
+                              f"sample_every is recorded)")
 
 
 @dataclass(frozen=True)

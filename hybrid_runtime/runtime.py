@@ -486,7 +486,8 @@ class HybridRuntime:
             self.scheduler.clock = clock if lane_cuda else None
             self._timeline = Timeline(self.scheduler.worker_names, self.scheduler.worker_lanes,
                                       clock if cfg.profiling.enabled else None, enabled=cfg.profiling.enabled,
-                                      max_steps=cfg.profiling.max_steps, sample_every=cfg.profiling.sample_every)
+                                      max_steps=cfg.profiling.max_steps, sample_every=cfg.profiling.sample_every,
+                                      sample_offset=cfg.profiling.sample_offset)
             # A step may return before its last GPU claims ended (`GpuLane.trails`): they fill its
             # timeline columns when retired.
             self._timeline.before_resolve = self.scheduler.settle

@@ -175,12 +175,13 @@ def test_a_sampled_row_takes_its_bytes_per_step_from_the_lanes_counts_too(model)
     assert e2e.parse_args([]).timeline_every == e2e.TIMELINE_EVERY == 8
     row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion"], BATCH, CONTEXT, new_tokens=NEW,
                        warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME, timeline_every=8)
-    assert row["status"] == "ok" and row["timeline_sample_every"] == 8
-    assert row["tpot_samples"] == NEW - 1 and row["timeline_records"] == 2  # the first decode token, both layers
+    assert row["status"] == "ok" and row["timeline_sample_every"] == 8 and row["timeline_sample_offset"] == 1
+    # The second decode token, both layers (the first, slower than the rest, is left out of the sample).
+    assert row["tpot_samples"] == NEW - 1 and row["timeline_records"] == 2
     assert row["bytes_per_step_from"] == "lane counts" and row["bytes_per_step"] == row["lane_bytes_per_step"] > 0
     every = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_every_step"], BATCH, CONTEXT, new_tokens=NEW,
                          warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME, timeline_every=8)
-    assert every["status"] == "ok" and every["timeline_sample_every"] == 1
+    assert every["status"] == "ok" and every["timeline_sample_every"] == 1 and every["timeline_sample_offset"] == 0
     assert every["timeline_records"] == (NEW - 1) * 2 and "bytes_per_step_from" not in every
     with pytest.raises(SystemExit):
         e2e.parse_args(["--timeline-every", "0"])

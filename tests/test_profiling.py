@@ -271,12 +271,27 @@ def test_a_sampled_timeline_records_whole_tokens_one_in_n():
             Timeline(["cpu0"], [LANE_CPU], sample_every=bad)
 
 
+def test_a_sampled_timeline_records_the_offset_token_of_each_n():
+    tl = Timeline(["cpu0"], [LANE_CPU], clock=None, sample_every=3, sample_offset=1)
+    wanted = [(token, layer) for token in range(7) for layer in range(2) if tl.wants(layer)]
+    assert wanted == [(t, layer) for t in (1, 4) for layer in range(2)]  # not the first token after clear
+    assert tl.summary()["sample_offset"] == 1
+    for bad in (3, -1, 1.0, True):
+        with pytest.raises(ValueError, match=f"sample_offset is {bad!r}; expected an integer in \\[0, sample_every = 3\\)"):
+            Timeline(["cpu0"], [LANE_CPU], sample_every=3, sample_offset=bad)
+
+
 def test_profiling_sample_every_records_one_token_in_n_and_leaves_the_rest_unprofiled():
     from hybrid_runtime.config import ConfigError, config_from_dict
 
     base = rt_config().to_dict()
     with pytest.raises(ConfigError, match="profiling.sample_every"):
         config_from_dict({**base, "profiling": {"sample_every": 0}})
+    with pytest.raises(ConfigError, match=r"profiling.sample_offset: 2 is not allowed with profiling.sample_every 2; "
+                                          r"allowed: 0 <= value < sample_every"):
+        config_from_dict({**base, "profiling": {"sample_every": 2, "sample_offset": 2}})
+    with HybridRuntime(config_from_dict({**base, "profiling": {"sample_every": 2, "sample_offset": 1}})) as rt:
+        assert rt.timeline.sample_offset == 1 and not rt.timeline.wants(0) and rt.timeline.wants(0)
     with HybridRuntime(config_from_dict({**base, "profiling": {"sample_every": 2}})) as rt:
         prefill_all(rt)
         gen = torch.Generator().manual_seed(0)

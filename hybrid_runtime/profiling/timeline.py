@@ -15,10 +15,10 @@ ones it dropped (`dropped_steps`, also in `summary()`), so a runtime that decode
 profiling on holds a fixed amount of memory, and a report says when it covers only the tail.
 
 Recording can be sampled (`sample_every`): the timeline then records every layer of one decode
-token in every `sample_every` (`wants`, asked by the decode path before a step) and the other
-steps run as with profiling off -- no timing events, no per-task columns, no record. Whole tokens,
-not every n-th layer-step, so that per-token figures (the host time between layers, a token's
-attention summed over its layers) stay whole.
+token in every `sample_every`, the `sample_offset`-th of each (`wants`, asked by the decode path
+before a step), and the other steps run as with profiling off -- no timing events, no per-task
+columns, no record. Whole tokens, not every n-th layer-step, so that per-token figures (the host
+time between layers, a token's attention summed over its layers) stay whole.
 
 One clock: `time.perf_counter()` seconds. CUDA events are mapped onto it by `CudaClock`, which
 pairs one reference event with the host time at which the idle GPU executed it.
@@ -232,17 +232,21 @@ class Timeline:
     MAX_STEPS = 16384
 
     def __init__(self, worker_names: Sequence[str], worker_lanes: Sequence[int], clock: CudaClock | None = None,
-                 enabled: bool = True, max_steps: int = MAX_STEPS, sample_every: int = 1):
+                 enabled: bool = True, max_steps: int = MAX_STEPS, sample_every: int = 1, sample_offset: int = 0):
         for name, value, what in (("max_steps", max_steps, "steps a timeline retains"),
                                   ("sample_every", sample_every, "1 records every decode token, n one in n")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} is {value!r}; expected an integer >= 1 ({what})")
+        if isinstance(sample_offset, bool) or not isinstance(sample_offset, int) or not 0 <= sample_offset < sample_every:
+            raise ValueError(f"sample_offset is {sample_offset!r}; expected an integer in [0, sample_every = "
+                             f"{sample_every}) (which token of each sample_every is recorded)")
         self.worker_names = list(worker_names)
         self.worker_lanes = np.asarray(worker_lanes, dtype=np.int8)
         self.clock = clock
         self.enabled = enabled
         self.max_steps = max_steps
         self.sample_every = sample_every
+        self.sample_offset = sample_offset
         # Decode calls per layer since `clear` (`wants`): layer-steps of one token share a count.
         self._layer_calls: dict[int, int] = {}
         self.skipped_steps = 0  # layer-steps left unrecorded by sampling (since `clear`)
@@ -263,14 +267,15 @@ class Timeline:
     def wants(self, layer: int) -> bool:
         """Whether the decode step about to run at `layer` is to be recorded; counts the call.
         Each layer is called once per token, so counting per layer samples whole tokens, in
-        step with each other, starting with the first token after `clear`."""
+        step with each other: tokens `sample_offset`, `sample_offset + sample_every`, ... after
+        `clear`."""
         if not self.enabled:
             return False
         if self.sample_every == 1:
             return True
         calls = self._layer_calls.get(layer, 0)
         self._layer_calls[layer] = calls + 1
-        if calls % self.sample_every:
+        if calls % self.sample_every != self.sample_offset:
             self.skipped_steps += 1
             return False
         return True
@@ -443,6 +448,7 @@ class Timeline:
         summary = summarize(self)  # over the retained steps; resolves first, so the count below is final
         summary["dropped_steps"] = self.dropped_steps
         summary["sample_every"] = self.sample_every
+        summary["sample_offset"] = self.sample_offset
         summary["skipped_steps"] = self.skipped_steps
         return summary
 
