@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -63,6 +63,18 @@ for step in $steps; do
                 timeout 170 python benchmarks/diag/e2e_lanes.py --model $1 --batch $2 --context $3 \
                     --variants fluxion,fluxion_gpu_selection,cpu_only --rounds 1 >"$out/e2e_lanes-$1-$2x$3.txt" 2>&1 || rc=$?
                 grep -E "^## |GPU claim|share .all|steps on|steps sel" "$out/e2e_lanes-$1-$2x$3.txt"
+            done; (exit $rc) ;;
+        # The lead (q produced to the first task) at the long points, 8.1-8.8 ms a token at 887c1fa
+        # (benchmarks/notes/gpu_lane.md section 27): the lanes' host milestones under auto and under the
+        # host's selection (which starts on the device's word), interleaved, at Qwen2.5-7B's 2 x 96K and
+        # Llama-3.1-8B's 2 x 96K; one log per point.
+        e2e_lanes_long) rc=0
+            for spec in "qwen2.5-7b 2 98304" "llama-3.1-8b 2 98304"; do
+                set -- $spec
+                timeout 280 python benchmarks/diag/e2e_lanes.py --model $1 --batch $2 --context $3 \
+                    --variants fluxion,fluxion_host_selection,fluxion,fluxion_host_selection --rounds 1 \
+                    >"$out/e2e_lanes_long-$1-$2x$3.txt" 2>&1 || rc=$?
+                grep -E "^## |q_after_call|decode_host|cpu_first|gpu_first|wake|settled|share .all" "$out/e2e_lanes_long-$1-$2x$3.txt"
             done; (exit $rc) ;;
         # The selection on every step, with and without the trailing gate, against auto without the gate,
         # where the default (auto) and the selection on every step parted most (notes/gpu_lane.md s. 25).
