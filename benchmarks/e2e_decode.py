@@ -1013,6 +1013,32 @@ def repeat_spread(points: list[dict]) -> list[dict]:
             for (m, b, c, v), t in runs.items() if len(t) > 1]
 
 
+def paired_rounds(points: list[dict]) -> list[dict]:
+    """Interleaved A/B at a point read as pairs: the point's first variant (in run order) is the
+    reference; each other variant run as often as it, at least twice, is paired with it run by run
+    (the i-th run of each: one round of `--variants a,b,a,b,...`). Per pair: the TPOT medians'
+    ratio (variant over reference) -- a run moves with the host's phase, which both runs of a round
+    share more than runs of different rounds -- their median, and the rounds the variant was faster."""
+    runs: dict[tuple, dict[str, list[float]]] = {}
+    for p in points:
+        if p.get("status") == "ok" and p.get("tpot_ms_median") is not None:
+            runs.setdefault((p["model"], p["batch"], p["context"]), {}).setdefault(p["variant"], []).append(
+                p["tpot_ms_median"])
+    out = []
+    for (m, b, c), by_variant in runs.items():
+        ref, *others = by_variant  # dicts keep insertion order: the first variant run at the point
+        a = by_variant[ref]
+        for v in others:
+            t = by_variant[v]
+            if len(t) != len(a) or len(a) < 2:
+                continue
+            ratios = [y / x for x, y in zip(a, t)]
+            out.append({"model": m, "batch": b, "context": c, "reference": ref, "variant": v, "rounds": len(a),
+                        "ratios": ratios, "median_ratio": float(np.median(ratios)),
+                        "faster_rounds": sum(r < 1.0 for r in ratios)})
+    return out
+
+
 def _ctx(c: int) -> str:
     return f"{c // 1024}K" if c % 1024 == 0 else str(c)
 
@@ -1113,6 +1139,15 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['variant']} | {len(r['tpot_ms_medians'])} | "
                   f"{', '.join(f'{t:.1f}' for t in r['tpot_ms_medians'])} | {r['median_ms']:.1f} | {r['spread']:.2f} |"
                   for r in repeats]
+    pairs = paired_rounds(result["points"])
+    if pairs:
+        lines += ["", "paired rounds (each variant's i-th run against the point's first variant's i-th run: TPOT "
+                  "median over the reference's, per round; a round's two runs share the host's phase):", "",
+                  "| model | batch | context | variant / reference | rounds | ratios | median ratio | faster in |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['variant']} / {r['reference']} | "
+                  f"{r['rounds']} | {', '.join(f'{x:.2f}' for x in r['ratios'])} | {r['median_ratio']:.2f} | "
+                  f"{r['faster_rounds']} of {r['rounds']} |" for r in pairs]
     if result.get("floors"):
         lines += ["", "floors (decode step without attention, and dense at a 16-token context; a hybrid row's floor "
                   "uses the mean of the no-attention steps measured just before and after it, `floor_noattn_paired_ms`):", "",

@@ -452,6 +452,20 @@ def test_repeated_variants_all_count_and_their_spread_is_reported():
     assert "| m | 4 | 32K | fluxion | 2 | 60.0, 80.0 | 70.0 | 1.33 |" in md
 
 
+def test_interleaved_variants_are_read_as_paired_rounds():
+    rows = [_pt("m", 4, 32768, v, med=t) for v, t in
+            (("fluxion", 50.0), ("fluxion_graphs", 40.0), ("fluxion", 60.0), ("fluxion_graphs", 66.0),
+             ("fluxion", 40.0), ("fluxion_graphs", 30.0), ("cpu_only", 70.0))]
+    (r,) = e2e.paired_rounds(rows)  # cpu_only ran once: no pairs
+    assert (r["reference"], r["variant"], r["rounds"], r["faster_rounds"]) == ("fluxion", "fluxion_graphs", 3, 2)
+    assert r["ratios"] == pytest.approx([0.8, 1.1, 0.75]) and r["median_ratio"] == pytest.approx(0.8)
+    md = e2e.markdown({"device": "d", "host_cpu": "h", "commit": "c", "created": "t", "complete": True,
+                       "points": rows, "metrics": {}})
+    assert "| m | 4 | 32K | fluxion_graphs / fluxion | 3 | 0.80, 1.10, 0.75 | 0.80 | 2 of 3 |" in md
+    # Unequal run counts are not paired; nor is a point with one variant.
+    assert e2e.paired_rounds(rows[:4] + [_pt("m", 4, 32768, "fluxion", med=45.0)]) == []
+
+
 def test_metrics_with_missing_inputs_are_left_out():
     pts = [p for p in synthetic_points() if p["variant"] not in ("dense", "offloaded")]
     e2e.annotate_points(pts, {}, ceiling_GBps=None)  # no floors, no ceiling
