@@ -601,6 +601,11 @@ def test_quality_experiment_settings_selections_and_metrics(tmp_path):
     with pytest.raises(ValueError, match="level1_over_budget"):
         aq.AsyncTlsQualitySettings(level1_over_budget=0.5)
     assert aq.load_settings("configs/asynctls_smollm2.yaml").lengths == (2048, 4096, 8192)
+    # A second text: the command line's offset over the file's; a negative one is refused before any model loads.
+    assert aq.load_settings("configs/asynctls_smollm2.yaml", {"text_offset": 61000}).text_offset == 61000
+    with pytest.raises(ValueError, match="text_offset: -1; allowed: >= 0"):
+        aq.AsyncTlsQualitySettings(text_offset=-1)
+    assert aq.main(["--out", str(tmp_path / "x"), "--text-offset", "-1"]) == 2
 
     def run(method, budget, agreement, eps=None):
         r = {"method": method, "budget": budget, "selection": {"name": "fixed"} if budget is None else

@@ -99,6 +99,8 @@ class AsyncTlsQualitySettings:
         if not 0.0 < self.block_fraction <= 1.0 or self.level1_over_budget < 1.0:
             raise ValueError("asynctls_quality: block_fraction must lie in (0, 1] and level1_over_budget be >= 1 (the "
                              "block level must keep at least the token budget)")
+        if self.text_offset < 0:
+            raise ValueError(f"asynctls_quality.text_offset: {self.text_offset}; allowed: >= 0 (a token index of the corpus)")
         if "scheduler" in self.runtime or "selection" in self.runtime:
             raise ValueError("asynctls_quality.runtime: scheduler and selection are set per method; allowed sections: "
                              "kv_cache, profiling")
