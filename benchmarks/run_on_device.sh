@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -148,6 +148,14 @@ for step in $steps; do
             --new-tokens 32 --no-limits --budget-s 540 \
             --variants fluxion,fluxion_graphs,fluxion_native,fluxion_gpu_selection,fluxion,fluxion_graphs,fluxion_native,fluxion_gpu_selection \
             --out "$out/e2e_decode_launch_ab_4x32k-$dev.json" ;;
+        # The split form's scoring launch at other shapes (gpu_kernels/score_select.py SCORE_BLOCK_B / SCORE_NUM_WARPS;
+        # benchmarks/notes/gpu_lane.md section 28: 128 x 8 compiles to ~167 registers, one program an SM; 64 x 8 to ~98,
+        # 32 x 4 to ~96), at Llama-3.1-8B's 4 x 128K and Qwen2.5-7B's 2 x 96K, with each variant's registers.
+        score_shapes) rc=0
+            for spec in "--batch 4 --context 131072" "--batch 2 --context 98304 --kv-heads 4 --group 7"; do
+                timeout 150 python benchmarks/diag/select_latency.py $spec --reps 10 --no-claims \
+                    --score-shapes 128x8,64x8,64x4,32x4,32x8 || rc=$?
+            done; (exit $rc) ;;
         select_latency) timeout 100 python benchmarks/diag/select_latency.py --batch 4 --context 32768 &&
             timeout 150 python benchmarks/diag/select_latency.py --batch 4 --context 131072 --reps 10 ;;
         profiling_tests) timeout 120 python -m pytest -v --tb=short -p no:cacheprovider tests/test_profiling.py ;;

@@ -383,6 +383,12 @@ def _select_heads_kernel(
 BLOCK_B = 128
 SEL_ELEMS = 8192  # scores of one selection tile (all heads): 32 per thread at 8 warps
 NUM_WARPS = 8
+# The split form's scoring launch (`_score_kernel`) has no selection tile to hold, so its shape is
+# its own: at 128 x 8 it compiles to ~167 registers a thread, one program an SM (a 2-core host's
+# sm_90 compile; benchmarks/notes/gpu_lane.md section 28). Read at each call, like the above, so
+# `benchmarks/diag/select_latency.py --score-shapes` can time others.
+SCORE_BLOCK_B = BLOCK_B
+SCORE_NUM_WARPS = NUM_WARPS
 
 
 # Whether launches whose rows do not fit one selection tile of all heads select with a program per
@@ -433,12 +439,13 @@ def score_select(
         kth = torch.empty((n_tasks, nsel.shape[1], 2), dtype=torch.int64, device=scores.device)
     score_args, select_args = _split_args(args, kth)
     score_c, select_c = _split_constexprs(constexprs)
-    _launch_score(_grid(n_tasks, n_blocks_max), score_args, score_c, tuple(score_c.values()), _OPTIONS, stream)
+    _launch_score(_grid(n_tasks, n_blocks_max, SCORE_BLOCK_B), score_args, score_c, tuple(score_c.values()),
+                  {"num_warps": SCORE_NUM_WARPS}, stream)
     _launch_heads((n_tasks, nsel.shape[1]), select_args, select_c, tuple(select_c.values()), _OPTIONS, stream)
 
 
-def _grid(n_tasks: int, n_blocks_max: int) -> tuple[int, int]:
-    return n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B))
+def _grid(n_tasks: int, n_blocks_max: int, block_b: int | None = None) -> tuple[int, int]:
+    return n_tasks, max(1, cdiv(n_blocks_max, BLOCK_B if block_b is None else block_b))
 
 
 def _block_g(group_size: int) -> int:
@@ -470,7 +477,7 @@ def _split_args(args: tuple, kth) -> tuple[tuple, tuple]:
 
 def _split_constexprs(constexprs: dict) -> tuple[dict, dict]:
     c = constexprs
-    return (dict(N_COLS=c["N_COLS"], G=c["G"], D=c["D"], BLOCK_B=c["BLOCK_B"], CHUNK_ROWS=c["CHUNK_ROWS"],
+    return (dict(N_COLS=c["N_COLS"], G=c["G"], D=c["D"], BLOCK_B=SCORE_BLOCK_B, CHUNK_ROWS=c["CHUNK_ROWS"],
                  META_ROW=c["META_ROW"]),
             dict(N_COLS=c["N_COLS"], G=c["G"], BLOCK_G=c["BLOCK_G"], SEL_CHUNK=c["SEL_CHUNK"], SEL_TILE=SEL_ELEMS,
                  SIGNAL=c["SIGNAL"]))
@@ -512,16 +519,16 @@ class ScoreSelectPlan:
             if split:
                 score_args, select_args = _split_args(args, self.kth)
                 score_c, select_c = _split_constexprs(constexprs)
-                plan = (LaunchPlan(_launch_score, score_args, score_c, tuple(score_c.values()), _OPTIONS,
-                                   self._PER_CALL_SCORE),
+                plan = (LaunchPlan(_launch_score, score_args, score_c, tuple(score_c.values()),
+                                   {"num_warps": SCORE_NUM_WARPS}, self._PER_CALL_SCORE),
                         LaunchPlan(_launch_heads, select_args, select_c, tuple(select_c.values()), _OPTIONS,
-                                   self._PER_CALL_HEADS))
+                                   self._PER_CALL_HEADS), score_c["BLOCK_B"])
             else:
                 plan = LaunchPlan(_launch, args, constexprs, tuple(constexprs.values()), _OPTIONS, self._PER_CALL)
             self._plans[shape] = plan
         if split:
             score_args, select_args = _split_args(args, self.kth)
-            plan[0](_grid(n_tasks, n_blocks_max), score_args, stream)
+            plan[0](_grid(n_tasks, n_blocks_max, plan[2]), score_args, stream)
             plan[1]((n_tasks, g), select_args, stream)
         else:
             plan(_grid(n_tasks, n_blocks_max), args, stream)

@@ -113,6 +113,31 @@ def test_score_select_exact_topk_and_union(dtype, split):
     check_selection(c, 0, len(c.tasks), sc)
 
 
+@pytest.mark.parametrize("planned", [False, True])
+def test_split_scoring_launch_shape_is_its_own(monkeypatch, planned):
+    # The split form's scoring launch takes `SCORE_BLOCK_B` (its grid and its blocks a program), not the
+    # fused kernel's `BLOCK_B`: a smaller one scores the same rows in more programs, same selection.
+    from gpu_kernels import score_select as ss
+    from gpu_kernels.score_select import ScoreSelectPlan
+
+    monkeypatch.setattr(ss, "SCORE_BLOCK_B", 32)
+    monkeypatch.setattr(ss, "SCORE_NUM_WARPS", 4)
+    c = make_case(cpu_lens=[1200, 129, 40], hkv=2, g=2, d=32, dtype=torch.float32, blks=(16, 32, 64, 128),
+                  budget="random", streaming=True, seed=3)
+    table = upload(c)
+    n, nb = len(c.tasks), int(table.n_blocks.max())
+    sc = Scratch(n, c.g, nb, 32)
+    if planned:
+        nb_max, _ = table.claim_shape(0, n)
+        plan = ScoreSelectPlan(sc.scores, sc.tickets[0])
+        plan(table.table, table.n_select, table.chunks, 0, n, nb_max, c.q, c.ar.arena, sc.ublocks, sc.uheads,
+             sc.counts, split=True)
+    else:
+        select(c, table, 0, n, sc, True)
+    assert ss._grid(n, nb, ss.SCORE_BLOCK_B)[1] == -(-nb // 32) > ss._grid(n, nb)[1] == 1  # 75 blocks a row
+    check_selection(c, 0, n, sc)
+
+
 def test_planned_selection_in_both_forms_twice():
     # `ScoreSelectPlan` (the executor's launches), fused and split, each called twice: the second
     # call of a form goes through its plan (on CUDA the planned launch; the interpreter runs the JIT).

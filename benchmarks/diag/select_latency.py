@@ -20,9 +20,12 @@ tasks, each launch alone between CUDA events, median of `--reps`:
 Each is timed idle (a synchronize before, as the layer probe does) and warm (a ~50 us spin kernel
 queued right before the first event, as during decode where the window's kernels precede a claim).
 `--shapes`: also `score_gpu` / `select_gpu` (warm) for each `score_select` launch shape listed
-(blocks per program x warps), with each compiled variant's registers and spills.
+(blocks per program x warps, every launch of both forms), with each compiled variant's registers
+and spills. `--score-shapes`: the same in the split form for the shape of its scoring launch alone
+(`score_select.SCORE_BLOCK_B`, `SCORE_NUM_WARPS`; the per-head selection keeps its own).
 
     python benchmarks/diag/select_latency.py [--batch 4 --context 32768 --reps 20] [--shapes 128x8,64x4]
+        [--score-shapes 128x8,64x8,32x4]
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def timed(fn, reps: int, warm: bool) -> float:
 def main() -> None:
     ap = ClaimCase.arguments(__doc__, batch=4, reps=20)
     ap.add_argument("--shapes", default="", help="score_select launch shapes BLOCK_BxWARPS, comma-separated")
-    ap.add_argument("--no-claims", dest="claims", action="store_false", help="only the --shapes sweep")
+    ap.add_argument("--score-shapes", default="", help="the split form's scoring launch shapes BLOCK_BxWARPS, "
+                                                         "comma-separated")
+    ap.add_argument("--no-claims", dest="claims", action="store_false", help="only the --shapes sweeps")
     args = ap.parse_args()
     case = ClaimCase.from_args(args)
     host, arena, t, n_blocks, k, q, out, lse = (case.host, case.arena, case.t, case.n_blocks, case.k, case.q,
@@ -109,16 +114,26 @@ def main() -> None:
             line.append(f"claim {name} "
                         f"{timed(lambda: (select(n, tables['k'], meta_gpu, gpu_layout, form), attend(n)), args.reps, True):7.1f}")
         print("  ".join(line) + "  us", flush=True)
-    for shape in filter(None, args.shapes.split(",")):
-        block_b, warps = (int(x) for x in shape.split("x"))
-        ss.BLOCK_B, ss._OPTIONS = block_b, {"num_warps": warps}  # read at each call (grid, constexprs)
-        line = [f"shape {block_b:3d} x {warps} warps:"]
-        for n in sorted({1, t}):
-            for name, table in (("score_gpu", tables["zero"]), ("select_gpu", tables["k"])):
-                line.append(f"{n} tasks {name} {timed(lambda: select(n, table, meta_gpu, gpu_layout), args.reps, True):7.1f}")
-        print("  ".join(line) + "  us (warm)", flush=True)
-    for key, kernel in ss._launch._compiled.items():
-        print(f"score_select variant {key[0]} {key[1]}: {kernel.n_regs} registers, {kernel.n_spills} spills", flush=True)
+    defaults = ss.BLOCK_B, ss._OPTIONS, ss.SCORE_BLOCK_B, ss.SCORE_NUM_WARPS
+    for sweep, split, shapes in (("shape", None, args.shapes), ("score shape (split)", True, args.score_shapes)):
+        for shape in filter(None, shapes.split(",")):
+            block_b, warps = (int(x) for x in shape.split("x"))
+            # Read at each call (grid, constexprs, options); --shapes moves every launch, --score-shapes
+            # the split form's scoring launch alone.
+            ss.SCORE_BLOCK_B, ss.SCORE_NUM_WARPS = block_b, warps
+            if split is None:
+                ss.BLOCK_B, ss._OPTIONS = block_b, {"num_warps": warps}
+            line = [f"{sweep} {block_b:3d} x {warps} warps:"]
+            for n in sorted({1, t}):
+                for name, table in (("score_gpu", tables["zero"]), ("select_gpu", tables["k"])):
+                    us = timed(lambda: select(n, table, meta_gpu, gpu_layout, split), args.reps, True)
+                    line.append(f"{n} tasks {name} {us:7.1f}")
+            print("  ".join(line) + "  us (warm)", flush=True)
+            ss.BLOCK_B, ss._OPTIONS, ss.SCORE_BLOCK_B, ss.SCORE_NUM_WARPS = defaults
+    for launch in (ss._launch, ss._launch_score, ss._launch_heads):
+        for key, kernel in launch._compiled.items():
+            print(f"{getattr(launch.fn, '__name__', launch.fn)} variant {key[0]} {key[1]}: {kernel.n_regs} registers, {kernel.n_spills} spills",
+                  flush=True)
 
 
 if __name__ == "__main__":
