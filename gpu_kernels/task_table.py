@@ -260,35 +260,55 @@ class StepTableBuffer:
     """Pinned staging and device memory for the step tables, allocated once and grown rarely.
 
     The upload is one host copy into pinned memory and one asynchronous host-to-device copy on
-    the caller's stream (the kernels that read the table follow it on that stream). The staging
-    buffer is reused only after the previous upload's copy finished (an event), so a step never
-    overwrites bytes still in flight.
+    the caller's stream (the kernels that read the table follow it on that stream). `SLOTS`
+    buffers take the uploads in turn, and one is reused only after its previous upload's copy
+    finished (an event), so a step never overwrites bytes still in flight. More than one because
+    the caller's stream waits for the step's q before the copy: with a single buffer the next
+    layer's upload would make the host wait for this layer's q, and the host would lose its lead
+    over the device at every layer of a step that uploads.
     """
+
+    SLOTS = 2
 
     def __init__(self, device: torch.device, capacity: int = 1 << 16):
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        self._turn = 0
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
-        self.capacity = int(capacity)
-        self._host = torch.empty(self.capacity, dtype=torch.int32, pin_memory=self._cuda)
-        self._dev = torch.empty(self.capacity, dtype=torch.int32, device=self.device) if self._cuda else self._host
-        self._copied = None  # event of the last upload's copy
+        self.capacity = int(capacity)  # words a slot holds
+        self._host = [torch.empty(self.capacity, dtype=torch.int32, pin_memory=self._cuda) for _ in range(self.SLOTS)]
+        self._dev = [torch.empty(self.capacity, dtype=torch.int32, device=self.device) if self._cuda else h
+                     for h in self._host]
+        self._copied: list = [None] * self.SLOTS  # each slot's last upload's copy (an event)
 
     def upload(self, packed: np.ndarray, n_blocks: np.ndarray, union_pages: np.ndarray, block_size: np.ndarray,
                group_size: int) -> StepTable:
+        return step_table_views(self.stage(packed), n_blocks, union_pages, block_size, group_size)
+
+    def stage(self, packed: np.ndarray) -> torch.Tensor:
+        """The packed words on the device (the staging buffer's first `len(packed)`, valid on the
+        current stream until the next `stage`), copied as `upload` copies them."""
         n = packed.shape[0]
-        if self._copied is not None:
-            self._copied.synchronize()
         if n > self.capacity:
-            self._alloc(max(n, 2 * self.capacity))  # rare: a step with more tasks or chunks than before
-        self._host.numpy()[:n] = packed
+            # Rare: a step with more tasks or chunks than before. The old slots stay alive while
+            # copies or kernels still use them (the caching allocator's stream order).
+            for event in self._copied:
+                if event is not None:
+                    event.synchronize()
+            self._alloc(max(n, 2 * self.capacity))
+        slot = self._turn
+        self._turn = (slot + 1) % self.SLOTS
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()
+        host, dev = self._host[slot], self._dev[slot]
+        host.numpy()[:n] = packed
         if self._cuda:
-            self._dev[:n].copy_(self._host[:n], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return step_table_views(self._dev[:n], n_blocks, union_pages, block_size, group_size)
+            dev[:n].copy_(host[:n], non_blocking=True)
+            self._copied[slot] = torch.cuda.Event()
+            self._copied[slot].record()
+        return dev[:n]
 
 
 def step_table_views(dev: torch.Tensor, n_blocks: np.ndarray, union_pages: np.ndarray, block_size: np.ndarray,

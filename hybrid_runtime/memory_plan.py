@@ -226,7 +226,7 @@ def native_job_bytes(max_tasks: int, group_size: int, max_chunks: int, n_workers
 def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int]:
     """Bytes of each buffer kind of the CUDA GPU lane (`executors.gpu_uva`) at its largest: claim
     scratch and split partials for every task of a full batch at the most blocks a task can have,
-    the resident step tables it keeps, the step-table staging buffer (pinned and on the device),
+    the resident step tables it keeps, the step-table staging buffers (pinned and on the device),
     the union-size ring (pinned) and the link probe (one buffer of each kind)."""
     from gpu_kernels.sparse_attention import MAX_SPLITS
     from gpu_kernels.task_table import N_COLS, StepTableBuffer
@@ -249,7 +249,7 @@ def gpu_lane_sizes(kv: KVCacheConfig, geometry: GeometryConfig) -> dict[str, int
         "split_partials": tasks * MAX_SPLITS * g * (d + 1) * _F32,
         "step_table": table_words * 4,  # one table; the lane keeps up to `resident_tables` on the device
         "resident_tables": GpuUvaExecutor.RESIDENT,
-        "table_staging": max(initial_words, 2 * table_words) * 4,
+        "table_staging": StepTableBuffer.SLOTS * max(initial_words, 2 * table_words) * 4,
         "ring": GpuUvaExecutor.RING * tasks * 4,
         "link_probe": inspect.signature(link_bandwidth).parameters["nbytes"].default,
     }

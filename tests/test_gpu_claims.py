@@ -332,6 +332,24 @@ def test_pack_step_table_rejects_bad_rows():
 
 
 
+def _staging(ex) -> set[int]:
+    """Addresses of the executor's step-table staging slots (on the device)."""
+    return {d.data_ptr() for d in ex._tables._dev}
+
+
+def test_step_tables_are_staged_in_turn_through_slots_that_grow_together():
+    buf = StepTableBuffer(DEV, capacity=8)
+    words = [np.arange(k, k + 5, dtype=np.int32) for k in range(3)]
+    staged = [buf.stage(w) for w in words]
+    # Two slots in turn: the next layer's upload does not wait for this one's copy (nor for its q).
+    assert staged[0].data_ptr() != staged[1].data_ptr() == buf._dev[1].data_ptr()
+    assert staged[2].data_ptr() == staged[0].data_ptr() and torch.equal(staged[2].cpu(), torch.from_numpy(words[2]))
+    assert torch.equal(staged[1].cpu(), torch.from_numpy(words[1]))  # the other slot kept its words
+    big = np.arange(20, dtype=np.int32)
+    assert torch.equal(buf.stage(big).cpu(), torch.from_numpy(big)) and buf.capacity == 20
+    assert all(d.numel() == 20 for d in buf._dev) and len(buf._dev) == StepTableBuffer.SLOTS
+
+
 def test_executor_keeps_a_resident_table_per_task_set():
     from hybrid_runtime import native_pool
     from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
@@ -348,9 +366,10 @@ def test_executor_keeps_a_resident_table_per_task_set():
 
     p1 = packed()
     staged = ex.upload(p1, resident=True)  # first use: through the staging buffer, no copy of its own
-    assert not ex._resident and staged.table.data_ptr() == ex._tables._dev.data_ptr()
-    first = ex.upload(p1, resident=True)  # second use: its own device copy, kept
-    assert first.table.data_ptr() != ex._tables._dev.data_ptr() and len(ex._resident) == 1
+    assert not ex._resident and staged.table.data_ptr() in _staging(ex)
+    first = ex.upload(p1, resident=True)  # second use: its own device copy (staged, then copied), kept
+    assert first.table.data_ptr() not in _staging(ex) and len(ex._resident) == 1
+    assert torch.equal(first.table, staged.table) and torch.equal(first.chunks, staged.chunks)
     assert ex.upload(p1, resident=True) is first  # the same task set: nothing copied again
     p2 = packed()
     ex.upload(p2, resident=True)
@@ -386,7 +405,7 @@ def test_fresh_task_sets_are_staged_not_made_resident():
         tab[:, native_pool.T_CHUNK_OFF] = np.arange(n)
         packed = ex.pack(tab, np.ones((n, g), np.int32), np.zeros(n, np.int32))
         table = ex.upload(packed, resident=True)
-        assert table.n_tasks == n and table.table.data_ptr() == ex._tables._dev.data_ptr()
+        assert table.n_tasks == n and table.table.data_ptr() in _staging(ex)
         assert torch.equal(table.table.cpu(), torch.from_numpy(packed[0][: n * 9]).view(n, 9))
     assert made == [] and not ex._resident
 

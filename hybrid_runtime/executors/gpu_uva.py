@@ -332,9 +332,8 @@ class GpuUvaExecutor:
         `resident`: `packed` may be reused across steps (cached with its task set). Its first use
         goes through the pinned staging buffer like any other (asynchronous); from its second use
         on it has a device copy of its own, made then and kept, so a step that reuses the task set
-        copies nothing. A task set used once -- a new head plan every step -- so never pays the
-        resident copy, whose pageable source makes the host wait for it. Otherwise one copy
-        through the pinned staging buffer.
+        copies nothing. A task set used once -- a new head plan every step -- never pays for a
+        device copy of its own. Otherwise one copy through the pinned staging buffer.
         """
         data, n_blocks, union_pages, block_size = packed
         if n_blocks.shape[0]:
@@ -363,15 +362,22 @@ class GpuUvaExecutor:
         return self._tables.upload(data, n_blocks, union_pages, block_size, self.group_size)
 
     def _resident_table(self, packed: tuple) -> StepTable:
-        """A device copy of `packed` of its own (made once per task set, on the executor's stream)."""
+        """A device copy of `packed` of its own (made once per task set, on the executor's stream).
+
+        Staged through the pinned buffer, then copied on the device, both queued on the executor's
+        stream: a copy straight from the packed (pageable) array would make the host wait for it,
+        and that stream already waits for this step's q -- the host would lose its lead over the
+        device at every layer of the step that makes the copy (each task set's second step)."""
         data, n_blocks, union_pages, block_size = packed
-        host = torch.from_numpy(data)
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                dev = torch.empty(host.shape, dtype=host.dtype, device=self.dev)
-                dev.copy_(host)  # pageable source: the host waits for this one copy, once per task set
+                staged = self._tables.stage(data)
+                dev = torch.empty(staged.shape, dtype=staged.dtype, device=self.dev)
+                dev.copy_(staged, non_blocking=True)
+                self._upload_done = torch.cuda.Event()  # `pick` reads the copy from its own stream
+                self._upload_done.record(self.stream)
         else:
-            dev = host.clone()
+            dev = torch.from_numpy(data).clone()
         return step_table_views(dev, n_blocks, union_pages, block_size, self.group_size)
 
     # ------------------------------------------------------------------ run
