@@ -292,8 +292,8 @@ class StepTableBuffer:
         current stream until the next `stage`), copied as `upload` copies them."""
         n = packed.shape[0]
         if n > self.capacity:
-            # Rare: a step with more tasks or chunks than before. The old slots stay alive while
-            # copies or kernels still use them (the caching allocator's stream order).
+            # Rare: a step with more tasks or chunks than any before. Every slot's copy has ended
+            # before the slots are replaced.
             for event in self._copied:
                 if event is not None:
                     event.synchronize()
