@@ -1004,13 +1004,19 @@ def assemble_metrics(points: list[dict]) -> dict:
 def repeat_spread(points: list[dict]) -> list[dict]:
     """Per (model, batch, context, variant) run more than once: the runs' TPOT medians in run
     order, their median and their spread (largest over smallest)."""
+    return [{"model": m, "batch": b, "context": c, "variant": v, "tpot_ms_medians": t,
+             "median_ms": float(np.median(t)), "spread": max(t) / min(t)}
+            for (m, b, c, v), t in _tpot_runs(points).items() if len(t) > 1]
+
+
+def _tpot_runs(points: list[dict]) -> dict[tuple, list[float]]:
+    """(model, batch, context, variant) -> the TPOT medians of its measured runs, in run order; keys
+    in the order of each one's first run."""
     runs: dict[tuple, list[float]] = {}
     for p in points:
         if p.get("status") == "ok" and p.get("tpot_ms_median") is not None:
             runs.setdefault((p["model"], p["batch"], p["context"], p["variant"]), []).append(p["tpot_ms_median"])
-    return [{"model": m, "batch": b, "context": c, "variant": v, "tpot_ms_medians": t,
-             "median_ms": float(np.median(t)), "spread": max(t) / min(t)}
-            for (m, b, c, v), t in runs.items() if len(t) > 1]
+    return runs
 
 
 def paired_rounds(points: list[dict]) -> list[dict]:
@@ -1020,10 +1026,8 @@ def paired_rounds(points: list[dict]) -> list[dict]:
     ratio (variant over reference) -- a run moves with the host's phase, which both runs of a round
     share more than runs of different rounds -- their median, and the rounds the variant was faster."""
     runs: dict[tuple, dict[str, list[float]]] = {}
-    for p in points:
-        if p.get("status") == "ok" and p.get("tpot_ms_median") is not None:
-            runs.setdefault((p["model"], p["batch"], p["context"]), {}).setdefault(p["variant"], []).append(
-                p["tpot_ms_median"])
+    for (m, b, c, v), t in _tpot_runs(points).items():
+        runs.setdefault((m, b, c), {})[v] = t
     out = []
     for (m, b, c), by_variant in runs.items():
         ref, *others = by_variant  # dicts keep insertion order: the first variant run at the point
