@@ -384,11 +384,12 @@ BLOCK_B = 128
 SEL_ELEMS = 8192  # scores of one selection tile (all heads): 32 per thread at 8 warps
 NUM_WARPS = 8
 # The split form's scoring launch (`_score_kernel`) has no selection tile to hold, so its shape is
-# its own: at 128 x 8 it compiles to ~167 registers a thread, one program an SM (a 2-core host's
-# sm_90 compile; benchmarks/notes/gpu_lane.md section 28). Read at each call, like the above, so
-# `benchmarks/diag/select_latency.py --score-shapes` can time others.
-SCORE_BLOCK_B = BLOCK_B
-SCORE_NUM_WARPS = NUM_WARPS
+# its own. At the fused kernel's 128 x 8 it took 166 registers a thread (one program an SM); 32 x 4
+# takes 93 and scored 32 tasks of 8192 blocks in 52.6 us against 87.0, 8 tasks of 6144 in 19.6
+# against 30.4 (H200, benchmarks/notes/gpu_lane.md section 30). Read at each call, like the above,
+# so `benchmarks/diag/select_latency.py --score-shapes` can time others.
+SCORE_BLOCK_B = 32
+SCORE_NUM_WARPS = 4
 
 
 # Whether launches whose rows do not fit one selection tile of all heads select with a program per

@@ -116,12 +116,13 @@ def test_score_select_exact_topk_and_union(dtype, split):
 @pytest.mark.parametrize("planned", [False, True])
 def test_split_scoring_launch_shape_is_its_own(monkeypatch, planned):
     # The split form's scoring launch takes `SCORE_BLOCK_B` (its grid and its blocks a program), not the
-    # fused kernel's `BLOCK_B`: a smaller one scores the same rows in more programs, same selection.
+    # fused kernel's `BLOCK_B`: a smaller one scores the same rows in more programs, same selection. A
+    # shape other than the default (32 x 4), so the knob is what is exercised.
     from gpu_kernels import score_select as ss
     from gpu_kernels.score_select import ScoreSelectPlan
 
-    monkeypatch.setattr(ss, "SCORE_BLOCK_B", 32)
-    monkeypatch.setattr(ss, "SCORE_NUM_WARPS", 4)
+    monkeypatch.setattr(ss, "SCORE_BLOCK_B", 64)
+    monkeypatch.setattr(ss, "SCORE_NUM_WARPS", 8)
     c = make_case(cpu_lens=[1200, 129, 40], hkv=2, g=2, d=32, dtype=torch.float32, blks=(16, 32, 64, 128),
                   budget="random", streaming=True, seed=3)
     table = upload(c)
@@ -134,7 +135,7 @@ def test_split_scoring_launch_shape_is_its_own(monkeypatch, planned):
              sc.counts, split=True)
     else:
         select(c, table, 0, n, sc, True)
-    assert ss._grid(n, nb, ss.SCORE_BLOCK_B)[1] == -(-nb // 32) > ss._grid(n, nb)[1] == 1  # 75 blocks a row
+    assert ss._grid(n, nb, ss.SCORE_BLOCK_B)[1] == -(-nb // 64) > ss._grid(n, nb)[1] == 1  # 75 blocks a row
     check_selection(c, 0, n, sc)
 
 
