@@ -128,6 +128,11 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert split["decode_host_ms"] + split["between_layers_host_ms"] <= max(row["tpot_ms"]) + 1e-6
     # Without a GPU, attention ends when decode returns: nothing lags the return.
     assert split["merge_after_return_ms"] == 0.0
+    # Step by step too: one entry per recorded step, each labelled with its decode token.
+    series = row["step_series"]
+    assert len(series["token"]) == row["decode_steps"] and series["token"] == sorted(series["token"])
+    assert len(series["lead_ms"]) == len(series["gpu_byte_share"]) == row["decode_steps"]
+    assert float(np.median(series["decode_host_ms"])) == pytest.approx(split["decode_host_ms"], abs=1e-3)
     # The timeline's own host time on the decode path: some was spent, a part of the tokens' time.
     assert row["timeline_record_s"] > 0 and row["timeline_resolve_s"] >= 0
     assert 0 < row["timeline_host_ms_per_token"] < float(np.mean(row["tpot_ms"]))
@@ -155,6 +160,21 @@ def test_attention_splits_into_lead_tasks_and_tail():
     assert split["step_tail_ms_median"] == pytest.approx(2.0 + 3.0)  # 1.008 .. 1.010, and 1.020 .. 1.023
     assert split["step_cpu_task_busy_ms_median"] == pytest.approx(6.0)  # the CPU task only
     assert split["step_attention_ms_median"] == pytest.approx(1.0 + 7.0 + 5.0)
+
+    # The same parts step by step, with each lane's lead and the GPU's share of the bytes; a second step
+    # whose only task is a CPU one, and the tokens they were, sampled one in 8 from the second.
+    recs[0].bytes_read[:] = (300, 100)
+    recs += [rec(2.000, 2.006, starts=(2.003,), ends=(2.005,), lanes=(0,), t_entry=1.999, t_return=2.002),
+             rec(2.010, 2.011, t_entry=2.009, t_return=2.010)]
+    recs[2].bytes_read[:] = 50
+    series = gt.layer_time_series(recs, layers=2, sample_every=8, sample_offset=1)
+    assert series["token"] == [1, 9]
+    assert series["lead_ms"] == pytest.approx([1.0, 3.0])
+    assert series["cpu_lead_ms"] == pytest.approx([2.0, 3.0]) and series["gpu_lead_ms"] == pytest.approx([1.0, 0.0])
+    assert series["gpu_byte_share"] == pytest.approx([0.25, 0.0])
+    assert series["attention_ms"][0] == pytest.approx(split["step_attention_ms_median"])
+    assert gt.layer_time_split(recs, layers=2)["step_lead_ms_median"] == pytest.approx(2.0)  # median of 1 and 3
+    assert gt.layer_time_series(recs[:3], layers=2) == {}  # not whole steps
 
 
 def test_a_row_without_a_timeline_takes_its_bytes_per_step_from_the_lanes_counts(model):

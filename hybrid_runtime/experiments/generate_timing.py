@@ -274,6 +274,8 @@ def timeline_fields(rt, layers: int) -> dict:
         "gpu_byte_share": gpu / total if total else None,
         "attention_ms_per_step": attn / steps * 1e3 if steps else None,
         **layer_time_split(recs, layers),
+        "step_series": layer_time_series(recs, layers, rt.timeline.sample_every, rt.timeline.sample_offset,
+                                         rt.timeline.dropped_steps // layers),
     }
 
 
@@ -291,6 +293,38 @@ def layer_time_split(recs: list, layers: int) -> dict:
     `cpu_task_busy_ms` -- the CPU lane's task durations summed (over workers too). Empty when the
     records do not split into whole steps.
     """
+    parts = _step_parts(recs, layers)
+    return {f"step_{k}_median": float(np.median(v) * 1e3) for k, v in parts.items() if k in _SPLIT_PARTS}
+
+
+# The parts `layer_time_split` reports as medians; `layer_time_series` has these and more, per step.
+_SPLIT_PARTS = ("lead_ms", "tasks_ms", "tail_ms", "cpu_task_busy_ms", "decode_host_ms", "between_layers_host_ms",
+                "q_wait_ms", "attention_ms", "merge_after_return_ms")
+
+
+def layer_time_series(recs: list, layers: int, sample_every: int = 1, sample_offset: int = 0,
+                      first_recorded: int = 0) -> dict:
+    """`layer_time_split`'s parts for every recorded step, not their medians: a row's tokens read
+    side by side (which steps were slow, and whether the thread, the lead or the lanes made them so).
+
+    Besides the split's parts: `cpu_lead_ms` / `gpu_lead_ms` -- q produced to that lane's first task,
+    summed over the step's layers that ran a task on it (a layer without one adds nothing), and
+    `gpu_byte_share` -- the GPU lane's share of the step's bytes. `token`: each entry's decode step,
+    counted from the timeline's clear, given how it sampled (`sample_every`, `sample_offset`) and how
+    many recorded steps it had already dropped (`first_recorded`). Values in ms rounded to 1 us; `{}`
+    when the records do not split into whole steps.
+    """
+    parts = _step_parts(recs, layers)
+    if not parts:
+        return {}
+    series = {k: [round(float(x) * 1e3, 3) for x in v] for k, v in parts.items() if k != "gpu_byte_share"}
+    series["gpu_byte_share"] = [round(float(x), 4) for x in parts["gpu_byte_share"]]
+    series["token"] = [sample_offset + (first_recorded + i) * sample_every for i in range(len(parts["lead_ms"]))]
+    return series
+
+
+def _step_parts(recs: list, layers: int) -> dict:
+    """Per whole step (`layers` consecutive records), each part in seconds (the byte share a fraction)."""
     n = len(recs) // layers if layers else 0
     if not n or len(recs) != n * layers:
         return {}
@@ -303,7 +337,12 @@ def layer_time_split(recs: list, layers: int) -> dict:
     first = np.array([r.start.min() if r.n_tasks else r.t_start for r in recs]).reshape(n, layers)
     last = np.array([r.end.max() if r.n_tasks else r.t_start for r in recs]).reshape(n, layers)
     cpu_busy = np.array([float((r.end - r.start)[r.lane == LANE_CPU].sum()) for r in recs]).reshape(n, layers)
-    parts = {
+    # A lane's first task in a layer-step, as its lead from q (0 where the lane ran nothing there).
+    lane_lead = {lane: np.array([float(r.start[r.lane == lane].min() - r.t_start) if (r.lane == lane).any() else 0.0
+                                 for r in recs]).reshape(n, layers) for lane in (LANE_CPU, LANE_GPU)}
+    step_bytes = np.array([float(r.bytes_read.sum()) for r in recs]).reshape(n, layers).sum(axis=1)
+    gpu_bytes = np.array([float(r.bytes_read[r.lane == LANE_GPU].sum()) for r in recs]).reshape(n, layers).sum(axis=1)
+    return {
         "lead_ms": (first - t_start).sum(axis=1),
         "tasks_ms": (last - first).sum(axis=1),
         "tail_ms": (t_end - last).sum(axis=1),
@@ -313,8 +352,10 @@ def layer_time_split(recs: list, layers: int) -> dict:
         "q_wait_ms": np.maximum(t_start - t_entry, 0.0).sum(axis=1),
         "attention_ms": (t_end - t_start).sum(axis=1),
         "merge_after_return_ms": np.maximum(t_end - t_return, 0.0).sum(axis=1),
+        "cpu_lead_ms": lane_lead[LANE_CPU].sum(axis=1),
+        "gpu_lead_ms": lane_lead[LANE_GPU].sum(axis=1),
+        "gpu_byte_share": np.divide(gpu_bytes, step_bytes, out=np.zeros_like(gpu_bytes), where=step_bytes > 0),
     }
-    return {f"step_{k}_median": float(np.median(v) * 1e3) for k, v in parts.items()}
 
 
 __all__ = [
@@ -325,6 +366,7 @@ __all__ = [
     "config_for_geometry",
     "kv_bytes",
     "latency_stats",
+    "layer_time_series",
     "layer_time_split",
     "model_config",
     "model_dims",
