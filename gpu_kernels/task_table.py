@@ -292,11 +292,13 @@ class StepTableBuffer:
         current stream until the next `stage`), copied as `upload` copies them."""
         n = packed.shape[0]
         if n > self.capacity:
-            # Rare: a step with more tasks or chunks than any before. Every slot's copy has ended
-            # before the slots are replaced.
-            for event in self._copied:
-                if event is not None:
-                    event.synchronize()
+            # Rare: a step with more tasks or chunks than any before (the memory plan sizes the slots
+            # for the configured batch). The old device slots go back to the caching allocator, which
+            # only orders their reuse after work on the stream they were allocated on; claims and the
+            # CPU lane's selection read them on streams of their own, so the whole device is waited
+            # for before the slots are replaced (it also covers every slot's copy).
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
             self._alloc(max(n, 2 * self.capacity))
         slot = self._turn
         self._turn = (slot + 1) % self.SLOTS
