@@ -258,6 +258,10 @@ class Variant:
     # enable_hybrid_attention(decode_graphs=...): "auto" (the default: the model's step between
     # attentions as CUDA graphs on CUDA), True, False
     decode_graphs: bool | str = "auto"
+    # true: the warm-up generate runs over the whole prompt (the point's context), not `--warmup-tokens`
+    # of it, so the lanes' estimates are learned at full size before the measured call (a hybrid
+    # variant; what the first decode steps after a prompt owe to estimates learned on short steps).
+    warmup_context: bool = False
 
     def graphs_on(self, cuda: bool) -> bool:
         """Whether this hybrid variant's decode steps replay the decode graphs on this device."""
@@ -332,6 +336,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fluxion_unprofiled", "hybrid", placement="fluxion", profiling={"enabled": False}),
     # ... or on every token (the table samples one in `--timeline-every`): what recording every step costs.
     Variant("fluxion_every_step", "hybrid", placement="fluxion", profiling={"sample_every": 1}),
+    # ... after a warm-up over the whole prompt: against fluxion_every_step, whether the first decode
+    # steps after a prompt are slow because the lanes' estimates were learned on the short warm-up's steps
+    # (benchmarks/notes/gpu_lane.md sections 29-31).
+    Variant("fluxion_every_step_full_warmup", "hybrid", placement="fluxion", profiling={"sample_every": 1},
+            warmup_context=True),
     # Four CPU workers fewer (11 on a 16-core host): less of the host's memory traffic beside the
     # generating thread, whose Python between layers ran ~1.5x its floor step's (notes/e2e_overlap.md).
     Variant("fluxion_w11", "hybrid", placement="fluxion", scheduler={"cpu_workers": 11}),
@@ -721,6 +730,9 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             if variant.pin_caller:
                 row["caller_core"] = caller_core  # None: too few cores to keep one free, not pinned
             row["torch_threads_prefill"], row["torch_threads_decode"] = saved, n_free
+            if variant.warmup_context:
+                warmup_tokens = ids.shape[1]
+            row["warmup_tokens"] = warmup_tokens
             if warmup_tokens:
                 try:
                     row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, {}, on_first=decode_threads)
@@ -890,7 +902,10 @@ class CostModel:
             return 0.0
         layers, _, _, _, _, hkv, _ = _dims(cfg)
         kv = kv_bytes(cfg, batch, context)
-        t = 2.0 + 1.2 * prefill_flops(cfg, batch, min(context, WARMUP_TOKENS)) / self.prefill_flops  # warm-up
+        warm = context if variant.warmup_context else min(context, WARMUP_TOKENS)
+        t = 2.0 + 1.2 * prefill_flops(cfg, batch, warm) / self.prefill_flops  # warm-up
+        if variant.warmup_context and variant.kind == "hybrid":
+            t += kv_bytes(cfg, batch, context) / self.store_Bps  # ... and its handoff to the store
         t += prefill_flops(cfg, batch, context) / self.prefill_flops
         steps = new_tokens - 1
         if variant.kind == "hybrid":

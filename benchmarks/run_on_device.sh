@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k series_4x32k score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -135,19 +135,32 @@ for step in $steps; do
                 --variants fluxion,fluxion_check_launch,fluxion_every_step,fluxion,fluxion_check_launch,fluxion_every_step,fluxion,fluxion_check_launch,fluxion_every_step \
                 --out "$out/e2e_decode_check_ab_4x32k-$dev.json" || rc=$?
             (exit $rc) ;;
-        # The claim replayed from a CUDA graph against the default, six interleaved rounds at Llama-3.1-8B's
-        # 4 x 32K, where 887c1fa's three calls had graphs ahead in 6 of 7 pairs (benchmarks/notes/e2e_overlap.md
-        # section 23); read the markdown's paired rounds.
+        # The first decode steps after a prompt with the lanes' estimates learned on the short warm-up (the
+        # default) against a warm-up over the whole prompt, every step recorded, interleaved twice at two points
+        # (notes/gpu_lane.md section 31).
+        first_steps_ab) timeout 540 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K,2x96K \
+            --new-tokens 24 --no-limits --budget-s 500 \
+            --variants fluxion_every_step,fluxion_every_step_full_warmup,fluxion_every_step,fluxion_every_step_full_warmup \
+            --out "$out/e2e_decode_first_steps_ab-$dev.json" ;;
         # Every step's split (`step_series` in each row) at Llama's 4 x 32K, four runs in one process: which
         # of the thread, the lead or a lane carries the slow blocks of tokens (notes/e2e_overlap.md section 24).
         series_4x32k) timeout 330 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \
             --new-tokens 48 --no-limits --budget-s 300 \
             --variants fluxion_every_step,fluxion_every_step,fluxion_every_step,fluxion_every_step \
             --out "$out/e2e_decode_series_4x32k-$dev.json" ;;
+        # The claim replayed from a CUDA graph against the default, six interleaved rounds at Llama-3.1-8B's
+        # 4 x 32K, where 887c1fa's three calls had graphs ahead in 6 of 7 pairs (benchmarks/notes/e2e_overlap.md
+        # section 23); read the markdown's paired rounds.
         graphs_ab_llama_4x32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \
             --new-tokens 32 --no-limits --budget-s 540 \
             --variants fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs \
             --out "$out/e2e_decode_graphs_ab_llama_4x32k-$dev.json" ;;
+        # ... and at Qwen2.5-7B's 4 x 32K, where they had graphs ahead in 2 of 5 (the rule that settles the
+        # default from both: notes/gpu_lane.md section 31).
+        graphs_ab_qwen_4x32k) timeout 590 python benchmarks/e2e_decode.py --models qwen2.5-7b --points 4x32K \
+            --new-tokens 32 --no-limits --budget-s 540 \
+            --variants fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs,fluxion,fluxion_graphs \
+            --out "$out/e2e_decode_graphs_ab_qwen_4x32k-$dev.json" ;;
         # The claim issued as one CUDA graph replay or one native call (less of the launcher's host time
         # a layer-step) and the selection on every step, against the default at the same point, twice.
         launch_ab_4x32k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \

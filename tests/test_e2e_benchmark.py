@@ -190,6 +190,22 @@ def test_a_row_without_a_timeline_takes_its_bytes_per_step_from_the_lanes_counts
     assert row["floor_ms"] == pytest.approx(1.0 + row["bytes_per_step"] / 1e8)
 
 
+def test_a_full_warmup_variant_warms_up_over_the_whole_prompt(model):
+    # The warm-up generate of `fluxion_every_step_full_warmup` runs over the point's whole context (its
+    # lanes' estimates learned at full size); the other hybrid variants over --warmup-tokens of it.
+    full = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_every_step_full_warmup"], BATCH, CONTEXT, new_tokens=NEW,
+                        warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    short = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_every_step"], BATCH, CONTEXT, new_tokens=NEW,
+                         warmup_tokens=64, cpu_workers=1, hybrid_overrides=CPU_RUNTIME)
+    assert full["status"] == short["status"] == "ok"
+    assert full["warmup_tokens"] == CONTEXT and short["warmup_tokens"] == 64
+    assert full["step_series"]["token"][0] == 0  # every step recorded, the first after the prompt included
+    costs = e2e.CostModel()
+    cfg = e2e.model_config("llama-3.1-8b")
+    assert costs.predict(cfg, e2e.VARIANTS["fluxion_every_step_full_warmup"], 4, 32768, 24, None, 0) > \
+        costs.predict(cfg, e2e.VARIANTS["fluxion_every_step"], 4, 32768, 24, None, 0)
+
+
 def test_a_sampled_row_takes_its_bytes_per_step_from_the_lanes_counts_too(model):
     """The table's rows record one token in `--timeline-every` (8); fluxion_every_step records every token."""
     assert e2e.parse_args([]).timeline_every == e2e.TIMELINE_EVERY == 8
