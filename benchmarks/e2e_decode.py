@@ -1080,6 +1080,7 @@ def markdown(result: dict) -> str:
                 f"GPU {lim['gpu_concurrent_GBps']:.1f}" if lim else "not measured (no floor)")
 
     parts = result.get("parts") or []
+    part_column = ["part"] if parts else []  # merged parts: each row says which call measured it
     lines = [
         f"# e2e_decode on {result['device']}",
         "",
@@ -1130,16 +1131,17 @@ def markdown(result: dict) -> str:
             + (f" {p.get('part', '-')} |" if parts else ""))
     split = [p for p in result["points"] if p.get("status") == "ok" and p.get("step_lead_ms_median") is not None]
     if split:
-        lines += ["", "where a hybrid token's time went (ms per token, medians over tokens, summed over layers; "
-                  "attention = lead (q produced to the first task) + tasks (first task to the last one's end) + tail "
-                  "(to the merged output); `generate_timing.layer_time_split`; timeline host: the timeline's recording and "
-                  "conversions on the decode path, not the CUDA timing events decode records for it; the host's cores over the decode "
-                  "phase: busy share, and the share of their time a hypervisor gave to something else, from "
-                  "/proc/stat; the calling thread over the decode phase: its involuntary context switches, and the "
-                  "tokens at which it was on a CPU worker's core, of all tokens):", "",
-                  "| model | batch | context | variant | attention | lead | tasks | tail | CPU task busy | decode host "
-                  "| between layers | q wait | merge after return | timeline host | host cores busy / steal "
-                  "| caller switches / on a worker's core |", "|" + " --- |" * 16]
+        lines += _section("where a hybrid token's time went (ms per token, medians over tokens, summed over layers; "
+                          "attention = lead (q produced to the first task) + tasks (first task to the last one's end) + "
+                          "tail (to the merged output); `generate_timing.layer_time_split`; timeline host: the "
+                          "timeline's recording and conversions on the decode path, not the CUDA timing events decode "
+                          "records for it; the host's cores over the decode phase: busy share, and the share of their "
+                          "time a hypervisor gave to something else, from /proc/stat; the calling thread over the "
+                          "decode phase: its involuntary context switches, and the tokens at which it was on a CPU "
+                          "worker's core, of all tokens):",
+                          ["model", "batch", "context", "variant", "attention", "lead", "tasks", "tail", "CPU task busy",
+                           "decode host", "between layers", "q wait", "merge after return", "timeline host",
+                           "host cores busy / steal", "caller switches / on a worker's core"])
         lines += [f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | "
                   + " | ".join(_num(p.get(f"step_{k}_ms_median"), ".1f") for k in (
                       "attention", "lead", "tasks", "tail", "cpu_task_busy", "decode_host", "between_layers_host",
@@ -1151,28 +1153,28 @@ def markdown(result: dict) -> str:
                   for p in split]
     repeats = repeat_spread(result["points"])
     if repeats:
-        lines += ["", "repeats (a variant run more than once at a point, in run order; one variant's TPOT moves "
-                  "between runs on one machine, so compare spreads, not single runs):", "",
-                  "| model | batch | context | variant | runs | TPOT medians ms | median of runs | spread (max / min) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += _section("repeats (a variant run more than once at a point, in run order; one variant's TPOT moves "
+                          "between runs on one machine, so compare spreads, not single runs):",
+                          ["model", "batch", "context", "variant", "runs", "TPOT medians ms", "median of runs",
+                           "spread (max / min)"])
         lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['variant']} | {len(r['tpot_ms_medians'])} | "
                   f"{', '.join(f'{t:.1f}' for t in r['tpot_ms_medians'])} | {r['median_ms']:.1f} | {r['spread']:.2f} |"
                   for r in repeats]
     pairs = paired_rounds(result["points"])
     if pairs:
-        lines += ["", "paired rounds (each variant's i-th run against the point's first variant's i-th run: TPOT "
-                  "median over the reference's, per round; a round's two runs share the host's phase):", "",
-                  "| model | batch | context | variant / reference | rounds | ratios | median ratio | faster in |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += _section("paired rounds (each variant's i-th run against the point's first variant's i-th run: TPOT "
+                          "median over the reference's, per round; a round's two runs share the host's phase):",
+                          ["model", "batch", "context", "variant / reference", "rounds", "ratios", "median ratio",
+                           "faster in"])
         lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['variant']} / {r['reference']} | "
                   f"{r['rounds']} | {', '.join(f'{x:.2f}' for x in r['ratios'])} | {r['median_ratio']:.2f} | "
                   f"{r['faster_rounds']} of {r['rounds']} |" for r in pairs]
     if result.get("floors"):
-        lines += ["", "floors (decode step without attention, and dense at a 16-token context; a hybrid row's floor "
-                  "uses the mean of the no-attention steps measured just before and after it, `floor_noattn_paired_ms`):", "",
-                  "| model | batch | no-attention step ms (first) | samples: median (min - max, n) | dense ctx16 step ms |"
-                  + (" part |" if parts else ""),
-                  "|" + " --- |" * (6 if parts else 5)]
+        lines += _section("floors (decode step without attention, and dense at a 16-token context; a hybrid row's "
+                          "floor uses the mean of the no-attention steps measured just before and after it, "
+                          "`floor_noattn_paired_ms`):",
+                          ["model", "batch", "no-attention step ms (first)", "samples: median (min - max, n)",
+                           "dense ctx16 step ms"] + part_column)
         def spread(xs: list) -> str:
             xs = sorted(xs or [])
             return f"{xs[len(xs) // 2]:.2f} ({xs[0]:.2f} - {xs[-1]:.2f}, {len(xs)})" if xs else "-"
@@ -1183,14 +1185,18 @@ def markdown(result: dict) -> str:
                          + (f" {f.get('part', '-')} |" if parts else ""))
         graph_floors = [f for f in result["floors"] if f.get("noattn_graphs_samples_ms")]
         if graph_floors:
-            lines += ["", "the same with the decode graphs (the floors of the hybrid rows that replay them: the model's "
-                      "step between attentions as CUDA graph replays, attention left out):", "",
-                      "| model | batch | no-attention graphs step ms: median (min - max, n) |" + (" part |" if parts else ""),
-                      "|" + " --- |" * (4 if parts else 3)]
+            lines += _section("the same with the decode graphs (the floors of the hybrid rows that replay them: the "
+                              "model's step between attentions as CUDA graph replays, attention left out):",
+                              ["model", "batch", "no-attention graphs step ms: median (min - max, n)"] + part_column)
             lines += [f"| {f['model']} | {f['batch']} | {spread(f['noattn_graphs_samples_ms'])} |"
                       + (f" {f.get('part', '-')} |" if parts else "") for f in graph_floors]
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _section(caption: str, columns: list[str]) -> list[str]:
+    """A markdown table's lead-in: a blank line, its caption, a blank line, the header and the rule."""
+    return ["", caption, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
 def _plain(x: Any) -> Any:
