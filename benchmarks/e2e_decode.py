@@ -688,6 +688,11 @@ def _lane_bytes(st: dict) -> int:
     return int(st["cpu_bytes_read"]) + int(st.get("gpu_bytes_read", 0))
 
 
+def _lane_snapshot(sch) -> dict:
+    """The scheduler's lane estimates (`Scheduler.estimates`) and its count of gated trailing steps."""
+    return {**sch.estimates(), "trailing_claims_gated": sch.trailing_claims_gated}
+
+
 def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
                     cfg: Config, prefill_chunk_tokens: int | None = None) -> dict:
     from hybrid_runtime.integrations.transformers import (
@@ -743,13 +748,25 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             if store.sequences():
                 raise RuntimeError(f"runtime sequences {store.sequences()} still held before the measured call")
             rt.timeline.clear()
-            lane_bytes = _lane_bytes(rt.stats())  # settles the warm-up's trailing work first
+            st_before = rt.stats()  # settles the warm-up's trailing work first
+            lane_bytes = _lane_bytes(st_before)
+            # The lane estimates the measured call's first decode steps were sized with (what the
+            # warm-up taught them), and what they held after its first and second decode steps.
+            sch = rt.scheduler
+            row["lane_estimates_before"] = _lane_snapshot(sch)
+            estimates_after: dict = {}
+
+            def snapshot_estimates(token: int) -> None:  # token 0 is the prompt's: 1 and 2 follow decode steps
+                if token in (1, 2):
+                    estimates_after[str(token - 1)] = _lane_snapshot(sch)
+
+            row["lane_estimates_after_decode_step"] = estimates_after
             with GcWatch() as gcw:
                 gcw.label = variant.name
                 gen = {"prefill_chunk_size": prefill_chunk_tokens} if prefill_chunk_tokens else {}
                 try:
                     row.update(timed_generate(model, ids, mask, new_tokens, gen, cap_s=cap_s,
-                                              on_first=decode_threads))
+                                              on_first=decode_threads, on_token=[snapshot_estimates]))
                 finally:
                     unpin_caller()
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
@@ -785,6 +802,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["kernel_warmup_wait_s"], row["kernel_warmup_s"] = st["warmup_wait_s"], st["warmup_s"]
         # The calling thread's core at each token against the cores the CPU workers are pinned to.
         row["decode_caller_on_worker_core_tokens"] = caller_tokens_on(row, rt.scheduler.cores.cpu)
+        row["lane_estimates_after"] = _lane_snapshot(rt.scheduler)
         row["runtime_stats"] = {k: st[k] for k in ("placement", "cpu_workers", "gpu_worker", "pinning", "gpu_share",
                                                    "tp_cpu_worker_GBps", "tp_gpu_GBps", "cpu_trailed_steps",
                                                    "trailing_claims_gated", "launcher_slack_us", "cpu_lane_device_starts", "window_graph_replays",

@@ -175,6 +175,23 @@ class LaneRates:
         self.model = LaunchModel(lat=100e-6, bw=45e9, link_bw=link_bw)
         self.delay = Delay(200e-6)
 
+    def snapshot(self) -> dict:
+        """What these estimates would size the next claim with, in reporting units (GB/s, us):
+        a report reads it before and after a run to see what the run's first steps were sized by."""
+        return {
+            "cpu_lane_GBps": self.cpu_lane.bytes_per_s / 1e9,
+            "cpu_worker_GBps": self.cpu.bytes_per_s / 1e9,
+            "cpu_start_us": self.cpu_start.seconds * 1e6,
+            "cpu_first_us": self.cpu_first.seconds * 1e6,
+            "gpu_GBps": self.gpu.bytes_per_s / 1e9,
+            "gpu_launch_lat_us": self.model.lat * 1e6,
+            "gpu_launch_GBps": self.model.bw / 1e9,
+            "gpu_modeled_per_read": self.model.modeled_per_read,
+            "gpu_claim_delay_us": self.delay.seconds * 1e6,
+            "balance": self.balance,
+            "unclaimed_steps": self.unclaimed_steps,
+        }
+
     # Weight of one step's imbalance in `balance`, and its bound.
     BALANCE_GAIN = 0.5
     BALANCE_LIMIT = 0.5

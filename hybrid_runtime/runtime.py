@@ -636,6 +636,7 @@ class HybridRuntime:
                              "token at this layer ([q_heads, head_dim]), at every prefill; nothing was changed")
         _check_finite(tensors)
         self.scheduler.settle()  # no claim of an earlier step reads the store while it changes
+        self.scheduler.end_step_chain()
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._clock_stale = self._clock is not None
         self._forget_tasks(seq_id)
@@ -657,6 +658,7 @@ class HybridRuntime:
                 f"sequences in the store: {sorted(self.store.sequences())}"
             )
         self.scheduler.settle()  # its pages may be reused at once: no earlier claim may still read them
+        self.scheduler.end_step_chain()
         planner_release = getattr(self.planner, "release", None)
         if planner_release is not None:
             planner_release(seq_id)
@@ -1275,6 +1277,8 @@ class HybridRuntime:
             # the delay from the workers' release to their first task.
             "cpu_lane_GBps": sch.rates.cpu_lane.bytes_per_s / 1e9,
             "cpu_lane_start_us": sch.rates.cpu_start.seconds * 1e6,
+            # Every set of lane estimates (the placement's, and its steps' on the GPU's selection).
+            "lane_estimates": sch.estimates(),
             "cpu_workers_native": sch.native is not None,
             # The CPU workers' start-up (pinning, workspaces, numba's loop compiled or loaded): how
             # long it took in the background from construction, None until done, and how long

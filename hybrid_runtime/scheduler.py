@@ -240,6 +240,14 @@ class Scheduler:
             rates = self._rates[key] = LaneRates(self.link_bw, self.n_cpu)
         return rates
 
+    def estimates(self) -> dict:
+        """What the next shared step's claims would be sized and gated with: `lanes`, every set
+        of lane estimates learned so far by key (a placement, or a placement's steps on the GPU's
+        selection: `selection_rates`) as `LaneRates.snapshot` reports them, and `launcher_slack_us`
+        (None until measured)."""
+        return {"launcher_slack_us": self.launcher_slack.seconds * 1e6 if self.launcher_slack is not None else None,
+                "lanes": {key: rates.snapshot() for key, rates in self._rates.items()}}
+
     def gpu_share(self) -> float:
         """The static placements' GPU share: configured, else measured throughput ratio."""
         if 0.0 < self.gpu_share_cfg < 1.0:
@@ -452,6 +460,13 @@ class Scheduler:
             self.launcher_slack = Delay(sample)
         else:
             self.launcher_slack.update(sample)
+
+    def end_step_chain(self) -> None:
+        """The caller did something other than its next decode step (a prefill, a release): the
+        time to the next step's entry is not the launcher's own, so it is not a sample of
+        `launcher_slack`. Without this the first step after a prompt took the whole prefill as one
+        (clipped to 3x the estimate), and a larger slack gates more trailing claims."""
+        self._slack_from = None
 
     @staticmethod
     def cpu_lane_target(job: StepJob) -> int:

@@ -360,3 +360,31 @@ def test_by_default_steps_trail_but_the_last_layer_waits_and_raises_its_own_erro
     finally:
         FAULT[:] = 0
         rt.close()
+
+
+def test_a_prefill_or_release_between_steps_is_no_sample_of_the_launchers_time():
+    """`launcher_slack` is the launcher's own time from a trailing step's release to its next step:
+    a prefill between them (seconds of the caller's other work) is not, and one such sample taken
+    as the launcher's (clipped to 3x the estimate) gated the claims of the first step after every
+    prompt. `end_step_chain` (called by the runtime's prefill and release) drops the pending sample."""
+    s, hits = scheduler("fluxion", gpu=CountingGpu())
+    try:
+        for expect_sample in (True, False):
+            job = StepJob(0, id_tasks(N, seed=int(expect_sample)), batch=1)
+            s.run(job, cpu_trails=True)
+            before = s.launcher_slack.seconds if s.launcher_slack is not None else None
+            if not expect_sample:
+                s.end_step_chain()  # the caller prefilled a prompt here
+            time.sleep(0.02)
+            s.note_entry(time.perf_counter())
+            if expect_sample:
+                assert s.launcher_slack is not None and s.launcher_slack.seconds >= 0.02
+            else:
+                assert s.launcher_slack.seconds == before
+            open_gate(hits)
+            await_count(s, job)
+            hits[-1] = 0
+            s.settle()
+    finally:
+        hits[-1] = 1
+        s.close()

@@ -345,6 +345,21 @@ def test_reprefilled_sequence_is_not_served_stale_tasks():
         torch.testing.assert_close(out, dense_reference(rt, 0, [0, 1], q), **TOL)
 
 
+def test_prefill_and_release_end_the_launchers_step_chain():
+    """The launcher's time between two decode steps sizes the next trailing step's claims
+    (`Scheduler.launcher_slack`); a prefill or a release in between is the caller's other work, so
+    both end the chain before they change anything in the store."""
+    with HybridRuntime(rt_config("fluxion", plan="full")) as rt:
+        ended = []
+        real = rt.scheduler.end_step_chain
+        rt.scheduler.end_step_chain = lambda: (ended.append(len(rt.store.sequences())), real())
+        prefill_all(rt, lengths=[900], layers=(0,))
+        rt.decode(0, [0], torch.randn(1, 8, 32), torch.randn(1, 2, 32), torch.randn(1, 2, 32))
+        rt.release(0)
+        assert ended == [0, 1]  # the prefill's, before sequence 0 existed; the release's, before it went
+        assert rt.scheduler._slack_from is None
+
+
 # ---------------------------------------------------------------------------- native CPU workers
 def _flaky_native_kernel():
     """run_task wrapped by a kernel that raises (fail[0] == 1) or stalls 0.5 s (fail[0] == 2);
