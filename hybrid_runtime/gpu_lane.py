@@ -196,7 +196,7 @@ class GpuLane:
             return
         rates = self.rates
         # Modeled bytes the models ask for, with the learned correction (may be <= 0: none).
-        want = self.FIRST_FRACTION * min(self.share_bytes(job, gq) + rates.balance * gq.total_bytes,
+        want = self.FIRST_FRACTION * min(self.share_bytes(job, gq) + rates.balance_bytes(gq.total_bytes),
                                          gq.remaining_bytes)
         n = self.first_positions(gq, want)
         if n == 0 and rates.unclaimed_steps >= self.EXPLORE_AFTER:

@@ -166,6 +166,8 @@ class LaneRates:
         # Fraction of a shared step's modeled bytes added to the GPU's first claim, learned from
         # how far apart the lanes finished (see `learn_balance`).
         self.balance = 0.0
+        # The size (modeled bytes) of the steps that taught it: a moving average of their totals.
+        self.balance_scale_bytes = 0.0
         # Shared steps in a row sized with these estimates that gave the GPU lane no claim
         # (`GpuLane.EXPLORE_AFTER`). Counted per set of estimates: steps sized with another set (a
         # step on the GPU's selection, or one that selects on the host) must not keep this set
@@ -189,6 +191,7 @@ class LaneRates:
             "gpu_modeled_per_read": self.model.modeled_per_read,
             "gpu_claim_delay_us": self.delay.seconds * 1e6,
             "balance": self.balance,
+            "balance_scale_MB": self.balance_scale_bytes / 1e6,
             "unclaimed_steps": self.unclaimed_steps,
         }
 
@@ -216,6 +219,17 @@ class LaneRates:
         x = (cpu_end - gpu_end) / (1.0 / self.model.bw + 1.0 / self.cpu_lane.bytes_per_s)
         b = self.balance + self.BALANCE_GAIN * (x + excess_bytes) / total_bytes
         self.balance = min(self.BALANCE_LIMIT, max(-self.BALANCE_LIMIT, b))
+        scale = self.balance_scale_bytes
+        self.balance_scale_bytes = total_bytes if scale <= 0.0 else scale + self.BALANCE_GAIN * (total_bytes - scale)
+
+    def balance_bytes(self, total_bytes: float) -> float:
+        """The learned correction to a step's first claim, in modeled bytes: `balance` of the step,
+        but of no more bytes than the steps it was learned on. A fraction learned on short steps
+        (fixed costs and one position's rounding dominate them) says nothing about a step many
+        times their size: measured, a 1K-token warm-up left it at -0.5 and the first step of a
+        32K prompt gave the GPU lane 1-2% of its bytes against ~30% from the second step on
+        (benchmarks/notes/gpu_lane.md section 32)."""
+        return self.balance * min(total_bytes, self.balance_scale_bytes)
 
 
 __all__ = ["EMA", "Delay", "LaneRates", "LaunchModel", "OutlierClip", "Throughput"]

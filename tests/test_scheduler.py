@@ -629,6 +629,24 @@ def test_balance_moves_bytes_towards_the_lane_that_ended_first_and_is_bounded():
     assert r.balance == LaneRates.BALANCE_LIMIT
 
 
+def test_a_balance_learned_on_short_steps_does_not_keep_a_long_steps_first_claim_out():
+    """Measured on the H200: a 1K-token warm-up's steps (fixed costs and rounding dominate them)
+    left the balance at -0.5, and the first step of a 32K prompt then claimed nothing. The balance
+    moves a step's first claim by its fraction of the step, but by no more bytes than the steps it
+    was learned on held."""
+    from hybrid_runtime.lane_rates import LaneRates
+
+    r = LaneRates(n_cpu=4)
+    r.model.bw, r.cpu_lane.bytes_per_s = 40e9, 60e9
+    for _ in range(20):  # 3 MB steps whose GPU lane ended 0.2 ms late
+        r.learn_balance(cpu_end=1e-3, gpu_end=1.2e-3, total_bytes=3e6)
+    assert r.balance == -LaneRates.BALANCE_LIMIT and r.balance_scale_bytes == pytest.approx(3e6)
+    assert r.balance_bytes(1e6) == pytest.approx(-0.5e6)  # a shorter step: the fraction
+    assert r.balance_bytes(100e6) == pytest.approx(-1.5e6)  # a 33x longer one: the learned bytes, not 50 MB
+    r.learn_balance(cpu_end=1e-3, gpu_end=1e-3, total_bytes=100e6)  # the long steps take over the scale
+    assert r.balance_scale_bytes == pytest.approx(3e6 + LaneRates.BALANCE_GAIN * 97e6)
+
+
 def test_first_claim_follows_the_learned_balance():
     gpu = CountingGpu()
     s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(), gpu)
@@ -641,12 +659,18 @@ def test_first_claim_follows_the_learned_balance():
         s.split(job)
         s.lane.reserve_first(job)
         assert job.gpu_first is None or job.cpu_queue.range_bytes(*job.gpu_first) < 0.02 * total
-        s.rates.balance = 0.3  # learned: the GPU should take 30% more than modeled
+        s.rates.balance = 0.3  # learned on steps of this size: the GPU should take 30% more than modeled
+        s.rates.balance_scale_bytes = total
         job = StepJob(0, tasks, batch=1)
         s.split(job)
         s.lane.reserve_first(job)
         i, j = job.gpu_first
         assert job.cpu_queue.range_bytes(i, j) == pytest.approx(0.3 * total, rel=0.05)
+        s.rates.balance_scale_bytes = total / 30  # ... learned on steps 30x shorter: at most its bytes there
+        job = StepJob(0, tasks, batch=1)
+        s.split(job)
+        s.lane.reserve_first(job)
+        assert job.gpu_first is None or job.cpu_queue.range_bytes(*job.gpu_first) < 0.03 * total
     finally:
         s.close()
 
