@@ -689,8 +689,12 @@ def _lane_bytes(st: dict) -> int:
 
 
 def _lane_snapshot(sch) -> dict:
-    """The scheduler's lane estimates (`Scheduler.estimates`) and its count of gated trailing steps."""
-    return {**sch.estimates(), "trailing_claims_gated": sch.trailing_claims_gated}
+    """The scheduler's lane estimates (`Scheduler.estimates`), its count of gated trailing steps, and
+    the GPU lane's first claims so far (`GpuLane.first_claims`: steps, modeled bytes asked for and
+    reserved, the steps' bytes): the difference of two snapshots is what the steps between claimed."""
+    lane = getattr(sch, "lane", None)
+    return {**sch.estimates(), "trailing_claims_gated": sch.trailing_claims_gated,
+            "first_claims": dict(lane.first_claims) if lane is not None else None}
 
 
 def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,

@@ -167,6 +167,10 @@ class GpuLane:
         # `executor` wraps it).
         self.picks = picks
         self.pick_executor = pick_executor if pick_executor is not None else executor
+        # The shared steps' first claims so far (`reserve_first`): steps sized, modeled bytes the
+        # models asked for (with the balance; negative: none), bytes reserved, and the steps' total
+        # bytes -- what a report reads between two points of a run to see what its steps claimed.
+        self.first_claims = {"steps": 0, "asked_bytes": 0.0, "reserved_bytes": 0.0, "step_bytes": 0.0}
 
     @property
     def trails(self) -> bool:
@@ -201,10 +205,15 @@ class GpuLane:
         n = self.first_positions(gq, want)
         if n == 0 and rates.unclaimed_steps >= self.EXPLORE_AFTER:
             n = min(1, len(gq.cum_bytes) - 1)  # one position: re-measure the GPU lane
+        fc = self.first_claims
+        fc["steps"] += 1
+        fc["asked_bytes"] += want
+        fc["step_bytes"] += gq.total_bytes
         if n > 0:
             job.gpu_first = gq.reserve_head(n)
             job.gpu_first_t = time.perf_counter()
             job.gpu_first_excess = gq.range_bytes(*job.gpu_first) - want
+            fc["reserved_bytes"] += job.gpu_first_excess + want
 
     def first_positions(self, queue: Any, want: float) -> int:
         """How many head positions the first claim takes for `want` modeled bytes (0: none).

@@ -666,6 +666,9 @@ def test_first_claim_follows_the_learned_balance():
         s.lane.reserve_first(job)
         i, j = job.gpu_first
         assert job.cpu_queue.range_bytes(i, j) == pytest.approx(0.3 * total, rel=0.05)
+        fc = s.lane.first_claims  # the lane's count of what its first claims asked for and took
+        assert fc["steps"] == 2 and fc["step_bytes"] == pytest.approx(2 * total)
+        assert fc["reserved_bytes"] == pytest.approx(job.cpu_queue.range_bytes(i, j))
         s.rates.balance_scale_bytes = total / 30  # ... learned on steps 30x shorter: at most its bytes there
         job = StepJob(0, tasks, batch=1)
         s.split(job)
