@@ -1134,6 +1134,7 @@ class HybridRuntime:
                 self.scheduler.run(job, before_cpu=before_cpu, before_gpu=gpu_prep, side_work=window_part, collect=False,
                                    cpu_trails=cpu_trails, gpu_trails=self.gpu_only_trails and not last, q_signal=q_signal,
                                    after_settle=issue_check if defer_check and late_settle else None)
+                t_scheduler_return = time.perf_counter()
             except BaseException:
                 if self.scheduler.start_failed:
                     # The CPU workers never started (what a failed construction was before start-up
@@ -1203,6 +1204,7 @@ class HybridRuntime:
                     out_w, lse_w = self._merge(out_w, lse_w, gout.cpu(), glse.cpu())
                 else:
                     out_w, lse_w = self._merge(out_w, lse_w, gout, glse)
+        t_merge_issued = time.perf_counter()
         for executor in (self.cpu_executor, self.gpu_executor):
             merged = getattr(executor, "merged", None) if job is not None else None
             if merged is not None:
@@ -1228,6 +1230,8 @@ class HybridRuntime:
                 gpu_batches=job.gpu_batches if job is not None else [],
                 t_end_host=time.perf_counter(),
                 ev_end=ev_end,
+                host_marks=(job.t_run, job.t_release, t_scheduler_return, t_merge_issued) if job is not None
+                else (0.0, 0.0, 0.0, t_merge_issued),
             )
         return out
 

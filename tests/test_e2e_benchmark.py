@@ -133,6 +133,10 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert len(series["token"]) == row["decode_steps"] and series["token"] == sorted(series["token"])
     assert len(series["lead_ms"]) == len(series["gpu_byte_share"]) == row["decode_steps"]
     assert float(np.median(series["decode_host_ms"])) == pytest.approx(split["decode_host_ms"], abs=1e-3)
+    # ... and the thread's legs through decode, which add up to no more than its time there.
+    legs = np.sum([series[k] for k in ("host_to_scheduler_ms", "scheduler_to_release_ms", "release_to_scheduler_return_ms",
+                                       "scheduler_return_to_merge_ms", "merge_to_return_ms")], axis=0)
+    assert (legs > 0).all() and (legs <= np.asarray(series["decode_host_ms"]) + 1e-3).all()
     # The timeline's own host time on the decode path: some was spent, a part of the tokens' time.
     assert row["timeline_record_s"] > 0 and row["timeline_resolve_s"] >= 0
     assert 0 < row["timeline_host_ms_per_token"] < float(np.mean(row["tpot_ms"]))
@@ -175,6 +179,18 @@ def test_attention_splits_into_lead_tasks_and_tail():
     assert series["attention_ms"][0] == pytest.approx(split["step_attention_ms_median"])
     assert gt.layer_time_split(recs, layers=2)["step_lead_ms_median"] == pytest.approx(2.0)  # median of 1 and 3
     assert gt.layer_time_series(recs[:3], layers=2) == {}  # not whole steps
+
+    # The thread's path through decode between its milestones: the first layer-step has every one,
+    # the second (no tasks) only the merge's, which is then its only leg.
+    recs[0].t_scheduled, recs[0].t_release, recs[0].t_scheduler_return, recs[0].t_merge_issued = 0.9992, 0.9995, 1.0030, 1.0035
+    recs[1].t_merge_issued = 1.0205
+    legs = gt.layer_time_series(recs, layers=2)
+    assert legs["host_to_scheduler_ms"][0] == pytest.approx(0.2)
+    assert legs["scheduler_to_release_ms"][0] == pytest.approx(0.3)
+    assert legs["release_to_scheduler_return_ms"][0] == pytest.approx(3.5)
+    assert legs["scheduler_return_to_merge_ms"][0] == pytest.approx(0.5)
+    assert legs["merge_to_return_ms"][0] == pytest.approx(0.5 + 0.5)  # 1.0035 .. 1.004, and 1.0205 .. 1.021
+    assert legs["release_to_scheduler_return_ms"][1] == 0.0  # a step without marks adds nothing
 
 
 def test_a_row_without_a_timeline_takes_its_bytes_per_step_from_the_lanes_counts(model):

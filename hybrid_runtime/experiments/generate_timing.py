@@ -308,8 +308,12 @@ def layer_time_series(recs: list, layers: int, sample_every: int = 1, sample_off
     side by side (which steps were slow, and whether the thread, the lead or the lanes made them so).
 
     Besides the split's parts: `cpu_lead_ms` / `gpu_lead_ms` -- q produced to that lane's first task,
-    summed over the step's layers that ran a task on it (a layer without one adds nothing), and
-    `gpu_byte_share` -- the GPU lane's share of the step's bytes. `token`: each entry's decode step,
+    summed over the step's layers that ran a task on it (a layer without one adds nothing),
+    `gpu_byte_share` -- the GPU lane's share of the step's bytes, and the thread's path through
+    `decode` in five legs between its milestones: `host_to_scheduler_ms` (the call to the scheduler
+    taking the step), `scheduler_to_release_ms` (to the CPU workers' release, less any wait for an
+    earlier step's CPU tasks), `release_to_scheduler_return_ms` (the GPU lane's drive until the
+    scheduler returns), `scheduler_return_to_merge_ms` (to the merge issued) and `merge_to_return_ms`. `token`: each entry's decode step,
     counted from the timeline's clear, given how it sampled (`sample_every`, `sample_offset`) and how
     many recorded steps it had already dropped (`first_recorded`). Values in ms rounded to 1 us; `{}`
     when the records do not split into whole steps.
@@ -340,6 +344,13 @@ def _step_parts(recs: list, layers: int) -> dict:
     # A lane's first task in a layer-step, as its lead from q (0 where the lane ran nothing there).
     lane_lead = {lane: np.array([float(r.start[r.lane == lane].min() - r.t_start) if (r.lane == lane).any() else 0.0
                                  for r in recs]).reshape(n, layers) for lane in (LANE_CPU, LANE_GPU)}
+    # The host's path through `decode` between its milestones (`StepRecord.t_scheduled` ...), summed
+    # over the step's layers that have them (a layer-step without tasks has only the merge's).
+    marks = np.array([(r.t_entry, r.t_scheduled, r.t_release, r.t_scheduler_return, r.t_merge_issued, r.t_return)
+                      for r in recs], dtype=np.float64).reshape(n, layers, 6)
+    host_legs = {name: np.nansum(marks[:, :, i + 1] - marks[:, :, i], axis=1)
+                 for i, name in enumerate(("host_to_scheduler_ms", "scheduler_to_release_ms", "release_to_scheduler_return_ms",
+                                           "scheduler_return_to_merge_ms", "merge_to_return_ms"))}
     step_bytes = np.array([float(r.bytes_read.sum()) for r in recs]).reshape(n, layers).sum(axis=1)
     gpu_bytes = np.array([float(r.bytes_read[r.lane == LANE_GPU].sum()) for r in recs]).reshape(n, layers).sum(axis=1)
     return {
@@ -355,6 +366,7 @@ def _step_parts(recs: list, layers: int) -> dict:
         "cpu_lead_ms": lane_lead[LANE_CPU].sum(axis=1),
         "gpu_lead_ms": lane_lead[LANE_GPU].sum(axis=1),
         "gpu_byte_share": np.divide(gpu_bytes, step_bytes, out=np.zeros_like(gpu_bytes), where=step_bytes > 0),
+        **host_legs,
     }
 
 

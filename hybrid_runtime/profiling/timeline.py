@@ -115,6 +115,13 @@ class StepRecord:
     has_gpu: bool = False
     t_entry: float = float("nan")  # host time `decode` was called
     t_return: float = float("nan")  # host time `decode` was about to return (the merge may still run)
+    # Host milestones inside `decode` (NaN where the step had none): the scheduler took the step
+    # (moved later by any wait for an earlier step's trailing CPU tasks, so `t_release - t_scheduled`
+    # is its own path), released the CPU workers, returned; the merge was issued.
+    t_scheduled: float = float("nan")
+    t_release: float = float("nan")
+    t_scheduler_return: float = float("nan")
+    t_merge_issued: float = float("nan")
 
     @property
     def attention_s(self) -> float:
@@ -174,6 +181,7 @@ class _Pending:
     t_end_host: float
     ev_end: Any
     has_gpu: bool
+    host_marks: tuple  # (t_scheduled, t_release, t_scheduler_return, t_merge_issued), or ()
 
 
 class TimingEvents:
@@ -294,18 +302,21 @@ class Timeline:
         gpu_batches: list = (),
         t_end_host: float = 0.0,
         ev_end: Any = None,
+        host_marks: tuple = (),
     ) -> None:
         """Keep references to one step; conversion happens later.
 
         `columns` are the per-task arrays the lanes filled (see `StepJob.columns`); without them
         the fields are read from the task objects at resolution (slower, same result).
+        `host_marks`: `(t_scheduled, t_release, t_scheduler_return, t_merge_issued)` host times
+        (`StepRecord`; 0 or NaN where the step had none), or empty.
         """
         if not self.enabled:
             return
         t0 = time.perf_counter()
         self._pending.append(
             _Pending(self._next_index, layer, batch, placement, t_entry, ev_entry, tasks, columns, list(gpu_events),
-                     list(gpu_batches), t_end_host, ev_end, self.clock is not None)
+                     list(gpu_batches), t_end_host, ev_end, self.clock is not None, host_marks)
         )
         self._next_index += 1
         t1 = time.perf_counter()
@@ -384,6 +395,8 @@ class Timeline:
             # The step starts when both the host called decode and the GPU produced q.
             t_start = max(t_start, to_host(p.ev_entry))
         t_end = to_host(p.ev_end) if p.ev_end is not None else p.t_end_host
+        nan = float("nan")
+        marks = [m if m and m > 0.0 else nan for m in p.host_marks] if len(p.host_marks) == 4 else [nan] * 4
         return StepRecord(
             index=p.index,
             layer=p.layer,
@@ -405,6 +418,10 @@ class Timeline:
             has_gpu=p.has_gpu,
             t_entry=p.t_entry,
             t_return=p.t_end_host,
+            t_scheduled=marks[0],
+            t_release=marks[1],
+            t_scheduler_return=marks[2],
+            t_merge_issued=marks[3],
         )
 
     @property
