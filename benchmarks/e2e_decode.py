@@ -1046,6 +1046,35 @@ def repeat_spread(points: list[dict]) -> list[dict]:
             for (m, b, c, v), t in _tpot_runs(points).items() if len(t) > 1]
 
 
+def first_step(row: dict) -> dict | None:
+    """A hybrid row's first decode step against its later ones: the first TPOT over the row's
+    median; from `step_series` (when the timeline recorded decode token 0) step 0's GPU byte share
+    and lead against the median of steps 2 on; from the lane snapshots (`lane_estimates_*`) the
+    modeled MB the GPU lane's first claims asked for at step 0 and per later step, each with the
+    step's modeled MB. None for a row without TPOT samples."""
+    tpot = row.get("tpot_ms") or []
+    if row.get("status") != "ok" or len(tpot) < 2:
+        return None
+    out: dict = {"first_over_median": tpot[0] / float(np.median(tpot))}
+    series = row.get("step_series") or {}
+    tokens = series.get("token") or []
+    if tokens and tokens[0] == 0 and len(tokens) > 2:
+        for key in ("gpu_byte_share", "lead_ms"):
+            out[f"step0_{key}"], out[f"later_{key}"] = series[key][0], float(np.median(series[key][2:]))
+    claims = [((row.get(k) or {}).get(step) if step else row.get(k)) for k, step in
+              (("lane_estimates_before", None), ("lane_estimates_after_decode_step", "0"),
+               ("lane_estimates_after_decode_step", "1"), ("lane_estimates_after", None))]
+    claims = [(c or {}).get("first_claims") for c in claims]
+    if all(claims) and len(tpot) > 2:
+        before, after0, after1, end = claims
+        later = len(tpot) - 2  # decode steps after the second (tpot_ms[i]: decode step i)
+        out["step0_asked_MB"] = (after0["asked_bytes"] - before["asked_bytes"]) / 1e6
+        out["step0_step_MB"] = (after0["step_bytes"] - before["step_bytes"]) / 1e6
+        out["later_asked_MB"] = (end["asked_bytes"] - after1["asked_bytes"]) / 1e6 / later
+        out["later_step_MB"] = (end["step_bytes"] - after1["step_bytes"]) / 1e6 / later
+    return out
+
+
 def _tpot_runs(points: list[dict]) -> dict[tuple, list[float]]:
     """(model, batch, context, variant) -> the TPOT medians of its measured runs, in run order; keys
     in the order of each one's first run."""
@@ -1173,6 +1202,25 @@ def markdown(result: dict) -> str:
                   + f" | {_num(p.get('decode_caller_switches_involuntary'), 'd')} / "
                   + f"{_num(p.get('decode_caller_on_worker_core_tokens'), 'd')} of {len(p.get('decode_caller_cpus') or [])} |"
                   for p in split]
+    firsts = [(p, f) for p in result["points"] if p.get("kind") == "hybrid" and (f := first_step(p)) is not None]
+    if firsts:
+        lines += _section("the first decode step against the later ones (first TPOT over the median; from the "
+                          "step series where the timeline recorded decode token 0, step 0's GPU byte share and lead "
+                          "(ms, summed over layers) against the median of steps 2 on; from the lane snapshots, the MB "
+                          "the GPU lane's first claims asked for over the step's modeled MB, at step 0 and per step "
+                          "from step 2 on; `first_step`):",
+                          ["model", "batch", "context", "variant", "first / median", "GPU share: step 0 / later",
+                           "lead ms: step 0 / later", "first claims asked MB: step 0 / later (of step MB)"])
+
+        def pair(f: dict, key: str, fmt: str) -> str:
+            a, b = f.get(f"step0_{key}"), f.get(f"later_{key}")
+            return "-" if a is None else f"{a:{fmt}} / {b:{fmt}}"
+
+        lines += [f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | "
+                  f"{f['first_over_median']:.2f} | {pair(f, 'gpu_byte_share', '.2f')} | {pair(f, 'lead_ms', '.1f')} | "
+                  + ("-" if "step0_asked_MB" not in f else
+                     f"{f['step0_asked_MB']:.0f} / {f['later_asked_MB']:.0f} (of {f['step0_step_MB']:.0f})") + " |"
+                  for p, f in firsts]
     repeats = repeat_spread(result["points"])
     if repeats:
         lines += _section("repeats (a variant run more than once at a point, in run order; one variant's TPOT moves "

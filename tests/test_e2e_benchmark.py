@@ -518,6 +518,35 @@ def test_interleaved_variants_are_read_as_paired_rounds():
     assert e2e.paired_rounds(rows[:4] + [_pt("m", 4, 32768, "fluxion", med=45.0)]) == []
 
 
+def test_the_first_step_is_read_against_the_later_ones():
+    def claims(asked_mb, step_mb):
+        return {"first_claims": {"steps": 0, "asked_bytes": asked_mb * 1e6, "reserved_bytes": 0.0,
+                                 "step_bytes": step_mb * 1e6}}
+
+    row = {"status": "ok", "kind": "hybrid", "model": "m", "batch": 4, "context": 32768, "variant": "fluxion",
+           "tpot_ms": [90.0, 50.0, 40.0, 40.0, 44.0, 40.0],  # decode steps 0..5
+           "step_series": {"token": [0, 1, 2, 3, 4, 5], "gpu_byte_share": [0.02, 0.2, 0.3, 0.32, 0.3, 0.34],
+                           "lead_ms": [30.0, 9.0, 3.0, 2.0, 4.0, 3.0]},
+           "lane_estimates_before": claims(500, 1000),  # what the warm-up's steps had asked already
+           "lane_estimates_after_decode_step": {"0": claims(510, 5000), "1": claims(800, 9000)},
+           "lane_estimates_after": claims(800 + 4 * 1200, 9000 + 4 * 4000)}
+    f = e2e.first_step(row)
+    assert f["first_over_median"] == pytest.approx(90.0 / 42.0)
+    assert (f["step0_gpu_byte_share"], f["later_gpu_byte_share"]) == (0.02, pytest.approx(0.31))
+    assert (f["step0_lead_ms"], f["later_lead_ms"]) == (30.0, pytest.approx(3.0))
+    assert (f["step0_asked_MB"], f["step0_step_MB"]) == (pytest.approx(10.0), pytest.approx(4000.0))
+    assert (f["later_asked_MB"], f["later_step_MB"]) == (pytest.approx(1200.0), pytest.approx(4000.0))
+    md = e2e.markdown({"device": "d", "host_cpu": "h", "commit": "c", "created": "t", "complete": True,
+                       "points": [row], "metrics": {}})
+    assert "| m | 4 | 32K | fluxion | 2.14 | 0.02 / 0.31 | 30.0 / 3.0 | 10 / 1200 (of 4000) |" in md
+    # A timeline sampled from decode token 1 on, and no snapshots: the ratio alone.
+    sampled = dict(row, step_series={"token": [1, 9], "gpu_byte_share": [0.2, 0.3], "lead_ms": [9.0, 3.0]})
+    for key in ("lane_estimates_before", "lane_estimates_after_decode_step", "lane_estimates_after"):
+        sampled.pop(key)
+    assert set(e2e.first_step(sampled)) == {"first_over_median"}
+    assert e2e.first_step(dict(row, status="oom")) is None
+
+
 def test_metrics_with_missing_inputs_are_left_out():
     pts = [p for p in synthetic_points() if p["variant"] not in ("dense", "offloaded")]
     e2e.annotate_points(pts, {}, ceiling_GBps=None)  # no floors, no ceiling
