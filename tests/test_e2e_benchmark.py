@@ -133,10 +133,11 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert len(series["token"]) == row["decode_steps"] and series["token"] == sorted(series["token"])
     assert len(series["lead_ms"]) == len(series["gpu_byte_share"]) == row["decode_steps"]
     assert float(np.median(series["decode_host_ms"])) == pytest.approx(split["decode_host_ms"], abs=1e-3)
-    # ... and the thread's legs through decode, which add up to no more than its time there.
+    # ... and the thread's legs through decode, which add up to no more than its time there (each
+    # value is rounded to 1 us: six roundings).
     legs = np.sum([series[k] for k in ("host_to_scheduler_ms", "scheduler_to_release_ms", "release_to_scheduler_return_ms",
                                        "scheduler_return_to_merge_ms", "merge_to_return_ms")], axis=0)
-    assert (legs > 0).all() and (legs <= np.asarray(series["decode_host_ms"]) + 1e-3).all()
+    assert (legs > 0).all() and (legs <= np.asarray(series["decode_host_ms"]) + 3e-3).all()
     # The timeline's own host time on the decode path: some was spent, a part of the tokens' time.
     assert row["timeline_record_s"] > 0 and row["timeline_resolve_s"] >= 0
     assert 0 < row["timeline_host_ms_per_token"] < float(np.mean(row["tpot_ms"]))
@@ -617,7 +618,8 @@ def test_options_and_points():
                           "fluxion_unplanned",
                           "cpu_only_unplanned", "fluxion_host_selection_unplanned",
                           "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_unprofiled", "fluxion_every_step",
-                          "fluxion_every_step_full_warmup", "fluxion_w11", "fluxion_check_launch"]
+                          "fluxion_every_step_full_warmup", "fluxion_w11", "fluxion_check_launch",
+                          "fluxion_every_step_balance_claimed_only"]
     q = e2e.parse_args(["--quick"])
     assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants
     with pytest.raises(SystemExit):
