@@ -313,8 +313,8 @@ def layer_time_series(recs: list, layers: int, sample_every: int = 1, sample_off
     `decode` in five legs between its milestones: `host_to_scheduler_ms` (the call to the scheduler
     taking the step), `scheduler_to_release_ms` (to the CPU workers' release, less any wait for an
     earlier step's CPU tasks), `release_to_scheduler_return_ms` (the GPU lane's drive until the
-    scheduler returns), `scheduler_return_to_merge_ms` (to the merge issued) and `merge_to_return_ms`. `token`: each entry's decode step,
-    counted from the timeline's clear, given how it sampled (`sample_every`, `sample_offset`) and how
+    scheduler returns), `scheduler_return_to_merge_ms` (to the merge issued) and `merge_to_return_ms`.
+    `token`: each entry's decode step, counted from the timeline's clear, given how it sampled (`sample_every`, `sample_offset`) and how
     many recorded steps it had already dropped (`first_recorded`). Values in ms rounded to 1 us; `{}`
     when the records do not split into whole steps.
     """
