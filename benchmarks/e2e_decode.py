@@ -704,9 +704,8 @@ def _lane_snapshot(sch) -> dict:
     """The scheduler's lane estimates (`Scheduler.estimates`), its count of gated trailing steps, and
     the GPU lane's first claims so far (`GpuLane.first_claims`: steps, modeled bytes asked for and
     reserved, the steps' bytes): the difference of two snapshots is what the steps between claimed."""
-    lane = getattr(sch, "lane", None)
     return {**sch.estimates(), "trailing_claims_gated": sch.trailing_claims_gated,
-            "first_claims": dict(lane.first_claims) if lane is not None else None}
+            "first_claims": dict(sch.lane.first_claims) if sch.lane is not None else None}
 
 
 def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_tokens: int, cap_s,
@@ -766,8 +765,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             if store.sequences():
                 raise RuntimeError(f"runtime sequences {store.sequences()} still held before the measured call")
             rt.timeline.clear()
-            st_before = rt.stats()  # settles the warm-up's trailing work first
-            lane_bytes = _lane_bytes(st_before)
+            lane_bytes = _lane_bytes(rt.stats())  # settles the warm-up's trailing work first
             # The lane estimates the measured call's first decode steps were sized with (what the
             # warm-up taught them), and what they held after its first and second decode steps.
             sch = rt.scheduler
@@ -1075,10 +1073,9 @@ def first_step(row: dict) -> dict | None:
     if tokens and tokens[0] == 0 and len(tokens) > 2:
         for key in ("gpu_byte_share", "lead_ms"):
             out[f"step0_{key}"], out[f"later_{key}"] = series[key][0], float(np.median(series[key][2:]))
-    claims = [((row.get(k) or {}).get(step) if step else row.get(k)) for k, step in
-              (("lane_estimates_before", None), ("lane_estimates_after_decode_step", "0"),
-               ("lane_estimates_after_decode_step", "1"), ("lane_estimates_after", None))]
-    claims = [(c or {}).get("first_claims") for c in claims]
+    after = row.get("lane_estimates_after_decode_step") or {}
+    snapshots = (row.get("lane_estimates_before"), after.get("0"), after.get("1"), row.get("lane_estimates_after"))
+    claims = [(snap or {}).get("first_claims") for snap in snapshots]
     if all(claims) and len(tpot) > 2:
         before, after0, after1, end = claims
         later = len(tpot) - 2  # decode steps after the second (tpot_ms[i]: decode step i)

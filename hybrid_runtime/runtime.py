@@ -1281,8 +1281,6 @@ class HybridRuntime:
             # the delay from the workers' release to their first task.
             "cpu_lane_GBps": sch.rates.cpu_lane.bytes_per_s / 1e9,
             "cpu_lane_start_us": sch.rates.cpu_start.seconds * 1e6,
-            # Every set of lane estimates (the placement's, and its steps' on the GPU's selection).
-            "lane_estimates": sch.estimates(),
             "cpu_workers_native": sch.native is not None,
             # The CPU workers' start-up (pinning, workspaces, numba's loop compiled or loaded): how
             # long it took in the background from construction, None until done, and how long

@@ -396,7 +396,7 @@ class Timeline:
             t_start = max(t_start, to_host(p.ev_entry))
         t_end = to_host(p.ev_end) if p.ev_end is not None else p.t_end_host
         nan = float("nan")
-        marks = [m if m and m > 0.0 else nan for m in p.host_marks] if len(p.host_marks) == 4 else [nan] * 4
+        marks = [m if m > 0.0 else nan for m in p.host_marks] if len(p.host_marks) == 4 else [nan] * 4
         return StepRecord(
             index=p.index,
             layer=p.layer,
