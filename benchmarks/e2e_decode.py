@@ -64,10 +64,9 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         default 8), the other steps running as unprofiled ones: recording every step cost
                         the generating thread ~3 ms a token at 4 x 32K on the H200 (0.2 sampled), and
                         that thread is the step there (benchmarks/notes/e2e_overlap.md section 22).
-    fluxion_every_step_full_warmup, fluxion_every_step_balance_claimed_only  fluxion_every_step after a
-                        warm-up over the whole prompt, or with the first claims' balance learning only
-                        from steps whose GPU lane claimed: what the first decode steps after a prompt
-                        owe to the lanes' estimates (benchmarks/notes/gpu_lane.md sections 31-33).
+    fluxion_every_step_full_warmup  fluxion_every_step after a warm-up over the whole prompt: what the first
+                        decode steps after a prompt owe to the lanes' estimates (benchmarks/notes/
+                        gpu_lane.md sections 31-33).
     fluxion_w11         fluxion with 11 CPU workers (`scheduler.cpu_workers`; the default is every core
                         but the caller's): less memory traffic beside the generating thread.
     fluxion_check_launch  fluxion with the deferred NaN/inf input check as a launch of its own (the
@@ -266,9 +265,6 @@ class Variant:
     # of it, so the lanes' estimates are learned at full size before the measured call (a hybrid
     # variant; what the first decode steps after a prompt owe to estimates learned on short steps).
     warmup_context: bool = False
-    # false: the balance of the GPU lane's first claims learns only from steps whose GPU lane claimed
-    # (before 2026-12-01), not also from steps sized to claim nothing (`GpuLane.learn_unclaimed`)
-    balance_learns_unclaimed: bool = True
 
     def graphs_on(self, cuda: bool) -> bool:
         """Whether this hybrid variant's decode steps replay the decode graphs on this device."""
@@ -354,11 +350,6 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The deferred NaN/inf check of a step started on the device's word as a launch of its own (the
     # default counts q, k, v in the step-inputs kernel): what that launch costs the launching thread.
     Variant("fluxion_check_launch", "hybrid", placement="fluxion", fused_check=False),
-    # The balance learning only from steps whose GPU lane claimed, every step recorded: against
-    # fluxion_every_step, what learning from steps sized to claim nothing does to the first decode
-    # steps after a prompt and to the rest (benchmarks/notes/gpu_lane.md sections 32-33).
-    Variant("fluxion_every_step_balance_claimed_only", "hybrid", placement="fluxion", profiling={"sample_every": 1},
-            balance_learns_unclaimed=False),
 )}
 
 
@@ -730,8 +721,6 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         store = rt.store
         row["host_arena_pinned"] = bool(store.pinned)
         rt.count_checks_in_inputs = variant.fused_check
-        if rt.scheduler.lane is not None:
-            rt.scheduler.lane.learn_unclaimed = variant.balance_learns_unclaimed
         saved = torch.get_num_threads()
         with cores_for_runtime(rt) as n_free, torch.no_grad():  # restores `saved` on exit
             torch.set_num_threads(saved)  # prefill: every core (the prompt's block metadata is torch CPU work)

@@ -125,10 +125,6 @@ class GpuLane:
     # Shared-queue steps in a row in which the model kept the GPU out; after EXPLORE_AFTER of
     # them one small launch re-measures it (a model gone wrong must be able to recover).
     EXPLORE_AFTER = 8
-    # Whether a shared step sized to claim nothing, and that claimed nothing, teaches the balance
-    # what the GPU lane could have taken (`learn_balance`); an instance may turn it off (the e2e
-    # benchmark's A/B of it).
-    learn_unclaimed = True
 
     def __init__(
         self,
@@ -213,10 +209,9 @@ class GpuLane:
         fc["steps"] += 1
         fc["asked_bytes"] += want
         fc["step_bytes"] += gq.total_bytes
-        job.gpu_sized, job.gpu_first_asked = True, want
-        job.gpu_first_t = time.perf_counter()
         if n > 0:
             job.gpu_first = gq.reserve_head(n)
+            job.gpu_first_t = time.perf_counter()
             job.gpu_first_excess = gq.range_bytes(*job.gpu_first) - want
             fc["reserved_bytes"] += job.gpu_first_excess + want
 
@@ -530,27 +525,14 @@ class GpuLane:
         """After a shared step whose lanes both reported (CPU records collected, GPU claims
         retired): the first claim's learned correction, from where each lane ended. The first
         claim's rounding to whole positions is discounted when it was the step's only claim (later
-        claims are sized from the state of the step, not from the balance). A step whose first claim
-        was sized to nothing and whose GPU lane claimed nothing teaches it too (`learn_unclaimed`),
-        with the GPU lane's end where a claim of nothing would have ended."""
+        claims are sized from the state of the step, not from the balance)."""
         rates = job.rates or self.rates
-        if not job.shared or job.error is not None:
-            return
-        # Where the CPU lane ended; with no CPU task, where it could have started.
-        cpu_end = job.cpu_last_end or (job.t_release + rates.cpu_start.seconds if job.t_release > 0.0 else 0.0)
-        if cpu_end <= 0.0:
-            return
-        if job.gpu_last_end > 0.0:
-            excess = job.gpu_first_excess if len(job.gpu_batches) == 1 else 0.0
-            rates.learn_balance(cpu_end, job.gpu_last_end, job.gpu_queue.total_bytes, excess)
-        elif self.learn_unclaimed and job.gpu_sized and not job.gpu_batches:
-            # Sized to claim nothing and claimed nothing: without this the balance could never learn
-            # that it should have (it learns from where the lanes ended), and a balance left low by
-            # other steps kept every first claim of a prompt's first step out (benchmarks/notes/
-            # gpu_lane.md section 32). The GPU lane could have ended its fixed cost after the
-            # sizing; it took nothing where the models asked for `gpu_first_asked`.
-            gpu_end = job.gpu_first_t + rates.delay.seconds + rates.model.lat
-            rates.learn_balance(cpu_end, gpu_end, job.gpu_queue.total_bytes, -job.gpu_first_asked)
+        if job.shared and job.gpu_last_end > 0.0 and job.error is None:
+            # Where the CPU lane ended; with no CPU task, where it could have started.
+            cpu_end = job.cpu_last_end or (job.t_release + rates.cpu_start.seconds if job.t_release > 0.0 else 0.0)
+            if cpu_end > 0.0:
+                excess = job.gpu_first_excess if len(job.gpu_batches) == 1 else 0.0
+                rates.learn_balance(cpu_end, job.gpu_last_end, job.gpu_queue.total_bytes, excess)
 
     @staticmethod
     def _call(job: StepJob, fn: Callable[[], None]) -> None:

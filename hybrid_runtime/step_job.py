@@ -48,14 +48,10 @@ class StepJob:
     gpu_queue: Any = None
     shared: bool = False
     gpu_first: tuple | None = None  # queue positions the GPU lane reserved before the CPU workers woke
-    gpu_first_t: float = 0.0  # host time the first claim was sized (and reserved, if it took any)
+    gpu_first_t: float = 0.0  # host time of that reservation
     # Modeled bytes of that reservation beyond what the lane models asked for (whole positions; a
     # re-measuring claim where they asked for none): what `LaneRates.learn_balance` discounts.
     gpu_first_excess: float = 0.0
-    # The first claim was sized from the lane models (`reserve_first`, not gated), asking for this
-    # many modeled bytes (<= 0: none).
-    gpu_sized: bool = False
-    gpu_first_asked: float = 0.0
     # A trailing step whose CPU lane ends within the launcher's own time: no GPU claim (`GpuLane.reserve_first`).
     gpu_gated: bool = False
     # The GPU lane selects the CPU lane's blocks (gpu_picks.py); `picks_issued` once that selection

@@ -647,26 +647,6 @@ def test_a_balance_learned_on_short_steps_does_not_keep_a_long_steps_first_claim
     assert r.balance_scale_bytes == pytest.approx(3e6 + LaneRates.BALANCE_GAIN * 97e6)
 
 
-@pytest.mark.parametrize("learn", [True, False])
-def test_a_step_sized_to_claim_nothing_teaches_the_balance_what_it_could_have_taken(learn):
-    """Measured on the H200: the first step after a prompt sized its first claims to nothing (a
-    balance left at -0.5 by short steps) and the balance, which learned only from steps whose GPU
-    lane claimed, stayed there. A step sized to nothing that claimed nothing now teaches it: the GPU
-    lane could have ended its fixed cost after the sizing, and the CPU lane ended well after that."""
-    gpu = CountingGpu()
-    s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(delay=0.002), gpu)
-    try:
-        s.lane.learn_unclaimed = learn
-        s.rates.cpu_lane.bytes_per_s = 1e15  # the models: the CPU lane ends at once, the GPU lane 1 ms late
-        s.rates.cpu_start.seconds = s.gpu_model.lat = 0.0
-        s.rates.delay.seconds = 1e-3
-        job = run_job(s, fake_tasks(20))  # 20 tasks of 2 ms on two workers: ~20 ms
-        assert job.gpu_sized and job.gpu_first_asked <= 0 and not gpu.batches
-        assert s.rates.balance > 0 if learn else s.rates.balance == 0.0
-    finally:
-        s.close()
-
-
 def test_first_claim_follows_the_learned_balance():
     gpu = CountingGpu()
     s = Scheduler(sched_cfg("fluxion", cpu_workers=2), CountingCpu(), gpu)
