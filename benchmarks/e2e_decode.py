@@ -1075,6 +1075,30 @@ def first_step(row: dict) -> dict | None:
     return out
 
 
+# A token interval this many times its row's median is listed as slow (`slow_tokens`).
+SLOW_TOKEN_OVER_MEDIAN = 1.6
+
+
+def slow_tokens(row: dict, over: float = SLOW_TOKEN_OVER_MEDIAN) -> list[dict]:
+    """A measured row's decode steps after the first (`tpot_ms[i]`: step i) that took more than
+    `over` times the row's median, each with what the host lost over it (`tpot_steal_core_ms`,
+    `tpot_caller_switches_involuntary`; None where not measured) and whether the timeline recorded
+    it (`step_series`' tokens; None for a row without a series)."""
+    tpot = row.get("tpot_ms") or []
+    if row.get("status") != "ok" or len(tpot) < 3:
+        return []
+    median = float(np.median(tpot))
+    steal = row.get("tpot_steal_core_ms") or []
+    switches = row.get("tpot_caller_switches_involuntary") or []
+    series = row.get("step_series")
+    recorded = set(series.get("token") or []) if series else None
+    return [{"step": i, "ms": t, "over_median": t / median,
+             "steal_core_ms": steal[i] if i < len(steal) else None,
+             "caller_switches_involuntary": switches[i] if i < len(switches) else None,
+             "recorded": None if recorded is None else i in recorded}
+            for i, t in enumerate(tpot) if i > 0 and t > over * median]
+
+
 def _tpot_runs(points: list[dict]) -> dict[tuple, list[float]]:
     """(model, batch, context, variant) -> the TPOT medians of its measured runs, in run order; keys
     in the order of each one's first run."""
@@ -1221,6 +1245,19 @@ def markdown(result: dict) -> str:
                   + ("-" if "step0_asked_MB" not in f else
                      f"{f['step0_asked_MB']:.0f} / {f['later_asked_MB']:.0f} (of {f['step0_step_MB']:.0f})") + " |"
                   for p, f in firsts]
+    slow = [(p, t) for p in result["points"] for t in slow_tokens(p)]
+    if slow:
+        lines += _section(f"slow tokens (decode steps after the first over {SLOW_TOKEN_OVER_MEDIAN}x their row's median; "
+                          "what the host lost over each: the hypervisor's steal summed over cores, in ticks of ~10 ms, "
+                          "and the times another thread took the generating thread's core; whether the timeline "
+                          "recorded the step; `slow_tokens`):",
+                          ["model", "batch", "context", "variant", "step", "ms", "over median", "steal core-ms",
+                           "caller switches", "recorded"])
+        lines += [f"| {p['model']} | {p['batch']} | {_ctx(p['context'])} | {p['variant']} | {t['step']} | "
+                  f"{t['ms']:.1f} | {t['over_median']:.2f} | {_num(t['steal_core_ms'], '.0f')} | "
+                  f"{_num(t['caller_switches_involuntary'], 'd')} | "
+                  f"{'-' if t['recorded'] is None else ('yes' if t['recorded'] else 'no')} |"
+                  for p, t in slow]
     repeats = repeat_spread(result["points"])
     if repeats:
         lines += _section("repeats (a variant run more than once at a point, in run order; one variant's TPOT moves "

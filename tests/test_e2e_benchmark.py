@@ -116,6 +116,10 @@ def test_hybrid_bytes_per_step_equal_the_timeline_totals(measured):
     assert row["decode_caller_switches_involuntary"] >= 0 and row["decode_caller_switches_voluntary"] >= 0
     assert len(row["decode_caller_cpus"]) == row["new_tokens"]
     assert all(c in os.sched_getaffinity(0) for c in row["decode_caller_cpus"])
+    # ... and per token interval, what the host lost over it (no steal on a bare machine is 0, not None).
+    assert len(row["tpot_steal_core_ms"]) == len(row["tpot_caller_switches_involuntary"]) == len(row["tpot_ms"])
+    assert all(x >= 0 for x in row["tpot_steal_core_ms"] + row["tpot_caller_switches_involuntary"])
+    assert sum(row["tpot_caller_switches_involuntary"]) <= row["decode_caller_switches_involuntary"]
     on_worker = row["decode_caller_on_worker_core_tokens"]
     assert on_worker is None or 0 <= on_worker <= row["new_tokens"]
     assert row["torch_threads_decode"] >= 1
@@ -846,3 +850,43 @@ def test_graph_floor_runs_the_decode_pieces_without_attention():
     assert row["noattn_graphs_step_ms"] > 0 and "noattn_step_ms" not in row
     assert len(steps) == (3 - 1) + (5 - 1) and all(s == (2, 1) for s in steps)  # warm-up, then the measured call
     assert "forward" not in model.model.__dict__
+
+
+def test_token_interval_stats_read_each_interval_from_raw_snapshots():
+    """Steal summed over cores and the caller's involuntary switches, per interval between two
+    token snapshots, from the raw /proc texts (parsed after the call)."""
+    import os as _os
+    tick_ms = 1e3 / _os.sysconf("SC_CLK_TCK")
+
+    def stat(steal0: int, steal1: int) -> str:
+        return (f"cpu  1 0 1 10 0 0 0 {steal0 + steal1}\n"
+                f"cpu0 1 0 1 5 0 0 0 {steal0}\ncpu1 0 0 0 5 0 0 0 {steal1}\nintr 1\n")
+
+    def status(invol: int) -> str:
+        return f"Name:\tpython\nvoluntary_ctxt_switches:\t7\nnonvoluntary_ctxt_switches:\t{invol}\n"
+
+    snaps = [(stat(0, 0), status(1)), (stat(2, 1), status(1)), (stat(2, 1), status(4)), ("", "")]
+    out = gt.token_interval_stats(snaps)
+    assert out["tpot_steal_core_ms"] == [pytest.approx(3 * tick_ms), 0.0, None]
+    assert out["tpot_caller_switches_involuntary"] == [0, 3, None]
+    assert gt.token_interval_stats([]) == {"tpot_steal_core_ms": [], "tpot_caller_switches_involuntary": []}
+
+
+def test_slow_tokens_lists_steps_over_the_bar_after_the_first_with_what_the_host_lost():
+    row = {"status": "ok", "tpot_ms": [90.0, 50.0, 52.0, 150.0, 49.0, 51.0, 100.0],
+           "tpot_steal_core_ms": [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0],
+           "tpot_caller_switches_involuntary": [0, 1, 0, 2, 0, 0, 0],
+           "step_series": {"token": [1, 3]}}
+    slow = e2e.slow_tokens(row)
+    assert [t["step"] for t in slow] == [3, 6]  # step 0 (90 ms) is the first step's, left to first_step
+    assert slow[0] == {"step": 3, "ms": 150.0, "over_median": pytest.approx(150.0 / 52.0), "steal_core_ms": 40.0,
+                       "caller_switches_involuntary": 2, "recorded": True}
+    assert slow[1]["recorded"] is False
+    # Rows measured before the per-token stats, without a series, or not measured.
+    old = {"status": "ok", "tpot_ms": row["tpot_ms"]}
+    assert [(t["steal_core_ms"], t["recorded"]) for t in e2e.slow_tokens(old)] == [(None, None), (None, None)]
+    assert e2e.slow_tokens({"status": "oom"}) == [] and e2e.slow_tokens({"status": "ok", "tpot_ms": [1.0, 9.0]}) == []
+    md = e2e.markdown({"benchmark": "e2e_decode", "device": "cpu", "host_cpu": "x", "commit": "c", "created": "t",
+                       "command": "python benchmarks/e2e_decode.py", "metrics": {}, "complete": True,
+                       "points": [dict(row, model="m", batch=1, context=4096, variant="fluxion", kind="hybrid")]})
+    assert "slow tokens" in md and "| m | 1 | 4K | fluxion | 3 | 150.0 | 2.88 | 40 | 2 | yes |" in md

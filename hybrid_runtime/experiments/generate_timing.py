@@ -26,7 +26,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from hybrid_runtime.config import GeometryConfig
 from hybrid_runtime.profiling import LANE_CPU, LANE_GPU
-from hybrid_runtime.profiling.machine import cpu_jiffies, cpu_shares, thread_cpu, thread_switches
+from hybrid_runtime.profiling.machine import (cpu_jiffies, cpu_shares, parse_cpu_jiffies, parse_thread_switches,
+                                              read_cpu_stat, read_thread_status, steal_core_ms, thread_cpu,
+                                              thread_switches)
 
 # The published configs of the random-weight models: (transformers config class, its arguments).
 MODELS: dict[str, tuple[str, dict]] = {
@@ -196,6 +198,10 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
 
     jiffies: dict = {}
     caller_cpus: list = []  # the core the calling thread was on at each token
+    # At each token, /proc/stat and the calling thread's status, unparsed (two reads, ~40 us a
+    # token in all; parsed after the call): what each token's interval lost to the hypervisor and
+    # to other threads taking the caller's core, so a slow token can be told from a slow host.
+    token_stats: list = []
 
     def decode_start() -> None:
         jiffies["first"] = cpu_jiffies()
@@ -203,6 +209,7 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
 
     def caller_cpu(_: int) -> None:
         caller_cpus.append(thread_cpu())
+        token_stats.append((read_cpu_stat(), read_thread_status()))
 
     clock = StepClock(cuda, ([prefill_peak] if cuda and measure_memory else []) + [decode_start] + list(on_first),
                       [caller_cpu] + list(on_token))
@@ -234,11 +241,27 @@ def timed_generate(model, ids, mask, new_tokens: int, gen_kwargs: dict, *, cap_s
         row["decode_caller_switches_voluntary"], row["decode_caller_switches_involuntary"] = (
             (after[0] - before[0], after[1] - before[1]) if before is not None and after is not None else (None, None))
         row["decode_caller_cpus"] = caller_cpus[:]
+        row.update(token_interval_stats(token_stats))
     if cuda and measure_memory:
         decode = torch.cuda.max_memory_allocated()
         row.update(prefill_peak_gpu_bytes=mem.get("prefill"), decode_peak_gpu_bytes=decode,
                    peak_gpu_bytes=max(mem.get("prefill", 0), decode))
     return row
+
+
+def token_interval_stats(snapshots: list[tuple[str, str]]) -> dict:
+    """Per token interval (`tpot_ms[i]`: token i to token i + 1), from the raw snapshots taken at
+    each token (`/proc/stat` text, the calling thread's status text): `tpot_steal_core_ms`, the
+    time the hypervisor took from this machine's cores over the interval, summed over cores
+    (`steal_core_ms`), and `tpot_caller_switches_involuntary`, the times another thread took the
+    calling thread's core; None entries where /proc lacks what they need."""
+    jiffies = [parse_cpu_jiffies(stat) for stat, _ in snapshots]
+    switches = [parse_thread_switches(status) for _, status in snapshots]
+    return {
+        "tpot_steal_core_ms": [steal_core_ms(a, b) for a, b in zip(jiffies, jiffies[1:])],
+        "tpot_caller_switches_involuntary": [b[1] - a[1] if a is not None and b is not None else None
+                                             for a, b in zip(switches, switches[1:])],
+    }
 
 
 def caller_tokens_on(row: dict, cores) -> int | None:
@@ -389,4 +412,5 @@ __all__ = [
     "timed_generate",
     "timeline_fields",
     "timing_fields",
+    "token_interval_stats",
 ]

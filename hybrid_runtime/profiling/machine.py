@@ -35,35 +35,76 @@ def device_name() -> str:
     return gpu_name() or f"cpu ({host_cpu()})"
 
 
+def _read(path: str) -> str:
+    """A /proc file's text; empty where there is none."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def read_cpu_stat() -> str:
+    """/proc/stat as it is now, unparsed (a read is ~20 us; `parse_cpu_jiffies` later): for
+    snapshots taken where parsing would cost the measured thread time."""
+    return _read("/proc/stat")
+
+
+def parse_cpu_jiffies(text: str) -> dict[int, np.ndarray]:
+    """Per core, its time counters in a /proc/stat text (user, nice, system, idle, iowait, irq,
+    softirq, steal, in ticks); empty for an empty or unreadable text."""
+    out = {}
+    try:
+        for line in text.splitlines():
+            name, *vals = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                out[int(name[3:])] = np.array([int(v) for v in vals[:8]], dtype=np.int64)
+    except ValueError:
+        return {}
+    return out
+
+
 def cpu_jiffies() -> dict[int, np.ndarray]:
     """Per core, its time counters from /proc/stat (user, nice, system, idle, iowait, irq,
     softirq, steal, in ticks); empty where there is no /proc/stat."""
-    out = {}
+    return parse_cpu_jiffies(read_cpu_stat())
+
+
+def read_thread_status() -> str:
+    """/proc/thread-self/status of the calling thread, unparsed (`parse_thread_switches` later)."""
+    return _read("/proc/thread-self/status")
+
+
+def parse_thread_switches(text: str) -> tuple[int, int] | None:
+    """(voluntary, involuntary) context switches in a /proc/thread-self/status text; None where
+    they are missing."""
+    vals = {}
     try:
-        with open("/proc/stat") as f:
-            for line in f:
-                name, *vals = line.split()
-                if name.startswith("cpu") and name != "cpu":
-                    out[int(name[3:])] = np.array([int(v) for v in vals[:8]], dtype=np.int64)
-    except (OSError, ValueError):
-        pass
-    return out
+        for line in text.splitlines():
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                name, val = line.split(":")
+                vals[name] = int(val)
+        return vals["voluntary_ctxt_switches"], vals["nonvoluntary_ctxt_switches"]
+    except (ValueError, KeyError):
+        return None
 
 
 def thread_switches() -> tuple[int, int] | None:
     """The calling thread's context switches so far, (voluntary, involuntary), from
     /proc/thread-self/status; None where there is none. Involuntary ones are the scheduler taking
     the core from a thread that wanted to run (another runnable thread on its core)."""
-    try:
-        vals = {}
-        with open("/proc/thread-self/status") as f:
-            for line in f:
-                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                    name, val = line.split(":")
-                    vals[name] = int(val)
-        return vals["voluntary_ctxt_switches"], vals["nonvoluntary_ctxt_switches"]
-    except (OSError, ValueError, KeyError):
+    return parse_thread_switches(read_thread_status())
+
+
+def steal_core_ms(before: dict[int, np.ndarray], after: dict[int, np.ndarray]) -> float | None:
+    """Between two `cpu_jiffies` snapshots, the time a hypervisor ran something else while this
+    machine's cores wanted to run, summed over the cores in both (core-ms; ticks are ~10 ms, so
+    it counts in steps of a tick); None where either snapshot is empty."""
+    keys = [c for c in before if c in after]
+    if not keys:
         return None
+    ticks = sum(int(after[c][7] - before[c][7]) for c in keys)
+    return ticks * 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu() -> int | None:
