@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps first_step_host slow_tokens_96k score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -149,6 +149,18 @@ for step in $steps; do
             --new-tokens 16 --no-limits --budget-s 480 --timeline-every 1 \
             --variants fluxion,fluxion_ungated,fluxion,fluxion_ungated \
             --out "$out/e2e_decode_slack_first_steps-$dev.json" ;;
+        # The host time of the first decode step after a prompt against later ones, layer by layer, and the
+        # functions whose host time differs most (benchmarks/diag/first_step_host.py; notes/gpu_lane.md s. 35).
+        first_step_host) rc=0
+            timeout 240 python benchmarks/diag/first_step_host.py --batch 4 --context 32768 --layers 8 --steps 6 || rc=$?
+            timeout 240 python benchmarks/diag/first_step_host.py --batch 2 --context 98304 --layers 8 --steps 6 || rc=$?
+            (exit $rc) ;;
+        # The 2 x 96K rows of the 2a4c43b table had single tokens at ~3x the median (Llama steps 12 and 20, Qwen
+        # step 12): both models, the table's fluxion, twice each, with the rows' per-token host losses (the
+        # markdown's slow-token table; benchmarks/notes/e2e_overlap.md section 26).
+        slow_tokens_96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b,qwen2.5-7b --points 2x96K \
+            --variants fluxion,fluxion --no-limits --budget-s 540 \
+            --out "$out/e2e_decode_slow_tokens_96k-$dev.json" ;;
         # Every step's split (`step_series` in each row) at Llama's 4 x 32K, four runs in one process: which
         # of the thread, the lead or a lane carries the slow blocks of tokens (notes/e2e_overlap.md section 24).
         series_4x32k) timeout 330 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \
