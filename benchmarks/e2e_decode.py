@@ -67,6 +67,8 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
     fluxion_every_step_full_warmup  fluxion_every_step after a warm-up over the whole prompt: what the first
                         decode steps after a prompt owe to the lanes' estimates (benchmarks/notes/
                         gpu_lane.md sections 31-33).
+    fluxion_unprepared  fluxion whose first decode step builds its task lists itself, as before 2026-12-01 (the
+                        prefill leaves them built: `HybridRuntime.prepare_decode`).
     fluxion_w11         fluxion with 11 CPU workers (`scheduler.cpu_workers`; the default is every core
                         but the caller's): less memory traffic beside the generating thread.
     fluxion_check_launch  fluxion with the deferred NaN/inf input check as a launch of its own (the
@@ -265,6 +267,9 @@ class Variant:
     # of it, so the lanes' estimates are learned at full size before the measured call (a hybrid
     # variant; what the first decode steps after a prompt owe to estimates learned on short steps).
     warmup_context: bool = False
+    # false: the first decode step builds its task lists itself, as before 2026-12-01, instead of the
+    # prefill leaving them built (`HybridRuntime.prepares_decode`)
+    prepares_decode: bool = True
 
     def graphs_on(self, cuda: bool) -> bool:
         """Whether this hybrid variant's decode steps replay the decode graphs on this device."""
@@ -350,6 +355,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # The deferred NaN/inf check of a step started on the device's word as a launch of its own (the
     # default counts q, k, v in the step-inputs kernel): what that launch costs the launching thread.
     Variant("fluxion_check_launch", "hybrid", placement="fluxion", fused_check=False),
+    # The first decode step building its own task lists (the prefill does not prepare them): against
+    # fluxion, what that host work costs the first step after a prompt (gpu_lane.md section 36).
+    Variant("fluxion_unprepared", "hybrid", placement="fluxion", prepares_decode=False),
 )}
 
 
@@ -721,6 +729,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         store = rt.store
         row["host_arena_pinned"] = bool(store.pinned)
         rt.count_checks_in_inputs = variant.fused_check
+        rt.prepares_decode = variant.prepares_decode
         saved = torch.get_num_threads()
         with cores_for_runtime(rt) as n_free, torch.no_grad():  # restores `saved` on exit
             torch.set_num_threads(saved)  # prefill: every core (the prompt's block metadata is torch CPU work)

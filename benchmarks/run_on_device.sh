@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps first_step_host slow_tokens_96k score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps first_step_host slow_tokens_96k prepare_ab score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -161,6 +161,12 @@ for step in $steps; do
         slow_tokens_96k) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b,qwen2.5-7b --points 2x96K \
             --variants fluxion,fluxion --no-limits --budget-s 540 \
             --out "$out/e2e_decode_slow_tokens_96k-$dev.json" ;;
+        # The prefill leaving the first decode step's task lists built against the step building them, interleaved
+        # at both models' 4 x 32K and 2 x 96K; read by the rule of benchmarks/notes/gpu_lane.md section 36.
+        prepare_ab) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b,qwen2.5-7b --points 4x32K,2x96K \
+            --new-tokens 16 --no-limits --budget-s 540 \
+            --variants fluxion,fluxion_unprepared,fluxion,fluxion_unprepared \
+            --out "$out/e2e_decode_prepare_ab-$dev.json" ;;
         # Every step's split (`step_series` in each row) at Llama's 4 x 32K, four runs in one process: which
         # of the thread, the lead or a lane carries the slow blocks of tokens (notes/e2e_overlap.md section 24).
         series_4x32k) timeout 330 python benchmarks/e2e_decode.py --models llama-3.1-8b --points 4x32K \

@@ -53,7 +53,7 @@ from hybrid_runtime.pinning import confine_current_thread
 from hybrid_runtime.profiling.timeline import CudaClock, Timeline
 from hybrid_runtime.scheduler import Scheduler
 from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
-from hybrid_runtime.task_building import build_tasks
+from hybrid_runtime.task_building import TaskList, build_tasks, native_table, queue_order
 from hybrid_runtime.tasks import Step
 from hybrid_runtime.tensor_parallel import TensorParallelShard
 from hybrid_runtime.warmup import BackgroundWarmUp, host_step_kernel_jobs, step_kernel_jobs
@@ -639,7 +639,7 @@ class HybridRuntime:
         self.scheduler.end_step_chain()
         self.store.prefill(seq_id, layer, k, v, extend=bool(extend))
         self._clock_stale = self._clock is not None
-        self._forget_tasks(seq_id)
+        self._forget_tasks(seq_id, layer)
         if self.sparda is not None:
             self.sparda.prefill(seq_id, layer)
         if planner_prefill is not None:
@@ -670,6 +670,52 @@ class HybridRuntime:
             self.sparda.release(seq_id)
         self.store.release(seq_id)
         self._forget_tasks(seq_id)
+
+    # Whether callers that know a batch's prompt is in (the transformers integration after each
+    # layer's prefill) build its first decode step's tables then (`prepare_decode`); the e2e
+    # benchmark's A/B turns it off.
+    prepares_decode = True
+
+    def prepare_decode(self, seq_ids: Sequence[int], layer: int) -> bool:
+        """Build now, off the decode path, what the next decode step of the batch `seq_ids` needs
+        at `layer` and would otherwise build at its start: the step's task list, its queue order,
+        the CPU lane's native table and the GPU lane's packed table, kept with the task list the
+        step then reuses (`_tasks`). Measured on the CPU, building them for a new batch was the
+        first step's extra host work (`benchmarks/diag/first_step_host.py`). A GPU executor that
+        readies a table ahead (`prepare`: the UVA executor grows its claims' scratch and makes the
+        table's device copy) does it now too: device and pinned allocations the first two steps
+        would otherwise make. A prefill or release of one of the sequences
+        forgets the tables, as it forgets any task list.
+
+        Returns False, building nothing, where the plan is not known before the step: a planner
+        that plans from the step's queries or keeps state across steps, or SparDA's selection."""
+        self._check_open()
+        layer = _as_int(layer, "layer")
+        if not 0 <= layer < self.store.layers:
+            raise ValueError(f"layer {layer} is out of range: the store has {self.store.layers} layers")
+        seq_ids = [_as_int(s, "seq_id") for s in seq_ids]
+        held = self.store.sequences()
+        missing = [s for s in seq_ids if s not in held]
+        if missing or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"prepare_decode: seq_ids {seq_ids} must be distinct sequences in the store; not in it: "
+                             f"{missing} (in the store: {sorted(held)})")
+        planner = self.planner
+        if not seq_ids or self.sparda is not None or not getattr(planner, "stateless", False) \
+                or getattr(planner, "uses_queries", False):
+            return False
+        tasks = self._tasks(layer, seq_ids, planner(layer, seq_ids, self.store))
+        if not isinstance(tasks, TaskList) or not len(tasks):
+            return True
+        if tasks._native is None:
+            tasks._native = native_table(queue_order(tasks)[0], self.geometry.group_size)
+        lane = self.scheduler.lane
+        pack = getattr(lane.executor, "pack", None) if lane is not None else None
+        if pack is not None and tasks._gpu_packed is None:
+            tasks._gpu_packed = pack(*tasks._native[:3])
+        prepare = getattr(lane.executor, "prepare", None) if lane is not None else None
+        if prepare is not None and tasks._gpu_packed is not None:
+            prepare(tasks._gpu_packed)  # scratch grown, device copy made (`GpuUvaExecutor.prepare`)
+        return True
 
     # ------------------------------------------------------------------ decode
     def _warn_jit_launches(self) -> None:
@@ -837,8 +883,10 @@ class HybridRuntime:
         entries.append((kept, cpu_lens, tasks))
         return tasks
 
-    def _forget_tasks(self, seq_id: int) -> None:
-        for key in [k for k in self._task_cache if seq_id in k[1]]:
+    def _forget_tasks(self, seq_id: int, layer: int | None = None) -> None:
+        """Drop the task lists holding `seq_id`: at `layer` (a prefill changes that layer's chunks
+        only), or at every layer (a release)."""
+        for key in [k for k in self._task_cache if seq_id in k[1] and (layer is None or k[0] == layer)]:
             del self._task_cache[key]
 
     def _will_spill(self, layer: int, seq_ids: list[int]) -> bool:

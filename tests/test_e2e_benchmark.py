@@ -622,7 +622,8 @@ def test_options_and_points():
                           "fluxion_unplanned",
                           "cpu_only_unplanned", "fluxion_host_selection_unplanned",
                           "fluxion_pinned_caller", "cpu_only_pinned_caller", "fluxion_unprofiled", "fluxion_every_step",
-                          "fluxion_every_step_full_warmup", "fluxion_w11", "fluxion_check_launch"]
+                          "fluxion_every_step_full_warmup", "fluxion_w11", "fluxion_check_launch",
+                          "fluxion_unprepared"]
     q = e2e.parse_args(["--quick"])
     assert q.models == ["llama-3.1-8b"] and q.points == [(4, 32768)] and "static" not in q.variants
     with pytest.raises(SystemExit):

@@ -387,6 +387,31 @@ def test_executor_keeps_a_resident_table_per_task_set():
     assert torch.equal(streamed.table, first.table) and torch.equal(streamed.chunks, first.chunks)
 
 
+def test_a_prepared_table_is_resident_with_its_scratch_grown_before_its_first_upload():
+    """`prepare` (a prefill's `prepare_decode`): the claims' scratch grown for the table and its
+    device copy made, so its first upload copies nothing and grows nothing."""
+    from cpu_kernels import layout
+    from hybrid_runtime import native_pool
+    from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
+    from tests.helpers import make_store
+
+    store = make_store()
+    ex = GpuUvaExecutor(store)
+    g = store.geometry.group_size
+    tab = np.zeros((1, native_pool.T_COLS), dtype=np.int64)
+    blocks = 2 * ex._blocks_cap  # more blocks a task than the scratch holds
+    n_chunks = -(-16 * blocks // layout.CHUNK_TOKENS)
+    tab[0, native_pool.T_BLOCK], tab[0, native_pool.T_CPULEN], tab[0, native_pool.T_N_CHUNKS] = 16, 16 * blocks, n_chunks
+    p1 = ex.pack(tab, np.ones((1, g), np.int32), (np.arange(n_chunks) % store.n_chunks).astype(np.int32))
+    ex.prepare(p1)
+    caps, resident = (ex._tasks_cap, ex._blocks_cap), ex._resident[id(p1[0])][1]
+    assert caps[1] >= blocks and resident.table.data_ptr() not in _staging(ex)
+    assert ex.upload(p1, resident=True) is resident and (ex._tasks_cap, ex._blocks_cap) == caps
+    ex.prepare(p1)  # already ready: nothing made again
+    assert ex._resident[id(p1[0])][1] is resident and len(ex._resident) == 1
+    assert torch.equal(resident.table, ex.upload(p1).table)  # the same words as a staged upload
+
+
 def test_fresh_task_sets_are_staged_not_made_resident():
     """A new head plan every step gives a new task set every step: each is uploaded through the
     pinned staging buffer (asynchronous), never copied into a resident table of its own."""

@@ -477,3 +477,84 @@ def test_native_scheduling_overhead_per_task_is_recorded():
         assert np.isfinite(over).all() and (over >= 0).all()
         med = float(np.median(over)) * 1e6
         print(f"\nnative scheduling overhead per task: median {med:.2f} us over {over.size} tasks")
+
+
+def test_prepare_decode_builds_the_first_steps_tables_and_the_step_reuses_them(monkeypatch):
+    """After the prompt is in, `prepare_decode` builds the batch's task list with its queue order,
+    native table and the GPU lane's packed table; the first decode step builds none of them and
+    gives the output of a runtime that did not prepare."""
+    import hybrid_runtime.runtime as runtime_mod
+
+    seq_ids = [0, 1, 2]
+    q = torch.randn(3, GEOM["q_heads"], GEOM["head_dim"], generator=torch.Generator().manual_seed(5))
+    k = torch.randn(3, GEOM["kv_heads"], GEOM["head_dim"], generator=torch.Generator().manual_seed(6))
+    outs = []
+    for prepare in (False, True):
+        with HybridRuntime(rt_config("fluxion", plan="fixed", block_size=16, budget=0.1)) as rt:
+            prefill_all(rt)
+            if prepare:
+                assert all(rt.prepare_decode(seq_ids, layer) for layer in (0, 1))
+                prepared = [rt._task_cache[(layer, tuple(seq_ids))][-1][2] for layer in (0, 1)]
+                assert all(t._native is not None and t._sorted is not None for t in prepared)
+                if torch.cuda.is_available():  # the UVA executor's table (a host executor packs nothing)
+                    assert all(t._gpu_packed is not None for t in prepared)
+                built = []
+                real = runtime_mod.build_tasks
+                monkeypatch.setattr(runtime_mod, "build_tasks", lambda *a, **kw: built.append(a[1]) or real(*a, **kw))
+            outs.append([rt.decode(layer, seq_ids, q, k, k).clone() for layer in (0, 1)])
+            if prepare:
+                assert built == []  # both layers' lists were the prepared ones
+                assert [rt._task_cache[(layer, tuple(seq_ids))][-1][2] for layer in (0, 1)] == prepared
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_prefill_forgets_only_its_layers_task_lists_and_a_release_every_layers():
+    with HybridRuntime(rt_config("cpu_only", plan="fixed", block_size=16, budget=0.1)) as rt:
+        prefill_all(rt)
+        for layer in (0, 1):
+            rt.prepare_decode([0, 1], layer)
+            rt.prepare_decode([2], layer)
+        rt.prefill(1, 1, *random_kv(200, GEOM["kv_heads"], GEOM["head_dim"], seed=9), extend=True)
+        assert set(rt._task_cache) == {(0, (0, 1)), (0, (2,)), (1, (2,))}
+        rt.release(2)
+        assert set(rt._task_cache) == {(0, (0, 1))}
+
+
+def test_prepare_decode_refuses_bad_batches_and_skips_plans_made_at_the_step():
+    with HybridRuntime(rt_config("cpu_only", plan="fixed", block_size=16, budget=0.1)) as rt:
+        prefill_all(rt)
+        for seq_ids, layer, what in (([0, 7], 0, "not in it: \\[7\\]"), ([0, 0], 0, "distinct"),
+                                     ([0], 2, "out of range")):
+            with pytest.raises(ValueError, match=what):
+                rt.prepare_decode(seq_ids, layer)
+        assert rt._task_cache == {}  # nothing built by a refused call
+    # A planner that keeps no `stateless` promise (its plan may change at the step): nothing built.
+    with HybridRuntime(rt_config("cpu_only"), head_planner=RandomPlanner()) as rt:
+        prefill_all(rt)
+        assert rt.prepare_decode([0, 1], 0) is False and rt._task_cache == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepare_decode_grows_the_claims_scratch_so_the_step_does_not():
+    """A prompt larger than any before needs larger claim scratch (device and pinned memory, the
+    claim graphs dropped): `prepare_decode` grows it and makes the tables' device copies, and the
+    first decode step grows nothing."""
+    with HybridRuntime(rt_config("fluxion", plan="fixed", block_size=16, budget=0.1)) as rt:
+        prefill_all(rt, lengths=[6000, 2000])
+        ex = rt.scheduler.lane.executor
+        assert ex._blocks_cap < -(-6000 // 16)
+        for layer in (0, 1):
+            assert rt.prepare_decode([0, 1], layer)
+        caps = (ex._tasks_cap, ex._blocks_cap)
+        assert caps[1] >= -(-6000 // 16)
+        # ... and each layer's table has its device copy (`upload` made it at the second step).
+        tables = [rt._task_cache[(layer, (0, 1))][-1][2]._gpu_packed[0] for layer in (0, 1)]
+        assert all(ex._resident[id(t)][0] is t for t in tables)
+        q = torch.randn(2, GEOM["q_heads"], GEOM["head_dim"], device="cuda")
+        k = torch.randn(2, GEOM["kv_heads"], GEOM["head_dim"], device="cuda")
+        for layer in (0, 1):
+            rt.decode(layer, [0, 1], q, k, k)
+        torch.cuda.synchronize()
+        assert (ex._tasks_cap, ex._blocks_cap) == caps

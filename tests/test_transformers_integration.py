@@ -470,3 +470,36 @@ def test_smollm2_left_padded_batch_matches_per_sequence(smollm2):
         finally:
             disable_hybrid_attention(model)
         assert torch.equal(batch, torch.cat(singles)), selection
+
+
+def test_the_prefill_prepares_the_first_decode_steps_tables_for_every_layer(monkeypatch):
+    """With a plan known before the step (fixed), each layer's prefill leaves the batch's task list
+    built (`HybridRuntime.prepare_decode`): the first decode step builds none; turned off, it does."""
+    import hybrid_runtime.runtime as runtime_mod
+
+    model = tiny_model("llama")
+    ids, mask = left_padded([300, 180])
+    cont = torch.randint(3, 256, (2, 1), generator=torch.Generator().manual_seed(2))
+    built = []
+    real = runtime_mod.build_tasks
+    monkeypatch.setattr(runtime_mod, "build_tasks", lambda *a, **kw: built.append(a[1]) or real(*a, **kw))
+    outs = []
+    for prepares in (True, False):
+        rt = enable_hybrid_attention(model, hybrid_cfg(dtype="bf16", selection={"name": "fixed", "block_size": 16,
+                                                                                   "budget": 0.1}))
+        rt.prepares_decode = prepares
+        try:
+            cache = HybridCache(model)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                assert set(rt._task_cache) == ({(0, tuple(cache.seq_ids)), (1, tuple(cache.seq_ids))} if prepares else set())
+                built.clear()
+                m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                out = model(input_ids=cont, attention_mask=m, position_ids=pos[:, -1:] + 1, past_key_values=cache,
+                            use_cache=True)
+            outs.append(out.logits.float())
+            assert built == ([] if prepares else [0, 1])
+        finally:
+            disable_hybrid_attention(model)
+    torch.testing.assert_close(outs[0], outs[1])

@@ -7,7 +7,8 @@ task) is 13-35 ms summed over layers against 2-14 later. This replays what `gene
 runtime around that step, without the model: a short warm-up prompt decoded a few steps and released
 (the e2e benchmark's warm-up), then the measured prompt prefilled into every layer and `--steps`
 decode steps over all layers, with Llama-3.1-8B's heads (or `--geometry`) and its fixed (16, 0.05)
-selection, `--layers` layers. Each layer's `decode` is timed on the host (on CUDA after a
+selection, `--layers` layers; after each layer's prefill the first step's tables are built
+(`HybridRuntime.prepare_decode`, as the transformers integration does) unless `--no-prepare`. Each layer's `decode` is timed on the host (on CUDA after a
 synchronize, so a layer's host time is its own); cProfile runs over step 0 and over step `--steps - 1`
 separately, and the functions whose cumulative host time differs most between the two are printed:
 what step 0 does that a later step does not.
@@ -51,6 +52,9 @@ def main() -> None:
     ap.add_argument("--placement", default=None, help="default: fluxion with CUDA, cpu_only without")
     ap.add_argument("--workers", type=int, default=None, help="CPU workers (default: every core but one)")
     ap.add_argument("--top", type=int, default=25, help="functions listed by their step-0 excess")
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="do not build the first step's tables after the prefill (`HybridRuntime.prepare_decode`, "
+                         "which the transformers integration calls after each layer's prefill)")
     args = ap.parse_args()
     if args.steps < 3:
         ap.error(f"--steps {args.steps}: at least 3 (step 0, a step to settle, a step to compare)")
@@ -79,6 +83,8 @@ def main() -> None:
             for s in range(b):
                 k, v = randn(tokens, geo.kv_heads, geo.head_dim), randn(tokens, geo.kv_heads, geo.head_dim)
                 rt.prefill(s, layer, k, v, q_last=randn(geo.q_heads, geo.head_dim))
+            if not args.no_prepare:
+                rt.prepare_decode(list(range(b)), layer)
 
     def step(rt: HybridRuntime, times: list | None) -> None:
         for layer in range(geo.layers):
@@ -120,7 +126,7 @@ def main() -> None:
             per_step.append(times)
     ms = np.asarray(per_step) * 1e3  # [steps, layers]
     print(f"{args.geometry} heads, {geo.layers} layers, batch {b}, context {ctx}, {cfg.scheduler.placement} on {device}; "
-          f"prefill {prefill_s:.2f} s; profiled steps 0 and {args.steps - 1} (cProfile slows both alike)")
+          f"prefill {prefill_s:.2f} s ({'without' if args.no_prepare else 'with'} prepare_decode); profiled steps 0 and {args.steps - 1} (cProfile slows both alike)")
     print("decode host ms per step (layers summed), then per layer:")
     for i, row in enumerate(ms):
         print(f"  step {i}: {row.sum():8.2f}   " + " ".join(f"{x:7.2f}" for x in row))

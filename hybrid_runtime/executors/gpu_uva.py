@@ -262,6 +262,28 @@ class GpuUvaExecutor:
     # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
     RING = 8
 
+    def prepare(self, packed: tuple) -> None:
+        """Ready a packed table (`pack`) that steps will reuse before the first of them: grow the
+        claims' scratch for it and make its resident device copy now, rather than in `upload` at
+        its first and second steps. A growth allocates device and pinned memory and drops the
+        claim graphs, and the copy allocates device memory: work for a caller with no claim in
+        flight (a prefill: `HybridRuntime.prepare_decode`), not for a decode step's critical path."""
+        data, n_blocks = packed[0], packed[1]
+        if n_blocks.shape[0]:
+            self._grow(int(n_blocks.shape[0]), int(n_blocks.max()))
+        key = id(data)
+        hit = self._resident.get(key)
+        if hit is not None and hit[0] is data:
+            return
+        self._seen_once.pop(key, None)
+        while len(self._resident) >= self.RESIDENT:
+            self._resident.pop(next(iter(self._resident)))
+        self._resident[key] = (data, self._resident_table(packed))
+        if self.cuda:
+            # A step that finds the copy resident gives `pick` (its own stream) no event to wait for.
+            self._pick_stream.wait_event(self._upload_done)
+        self._upload_done = None
+
     def _grow(self, tasks: int, blocks: int) -> None:
         """Scratch for claims of up to `tasks` tasks of up to `blocks` blocks (at plan time only)."""
         # Powers of two: few regrowths, and the block capacity (a kernel argument) stays a

@@ -905,6 +905,10 @@ class HybridCache(Cache):
                 q_b = None if last_query is None else last_query[b]
                 rt.prefill(s, layer, k_b, v_b, extend=self._holds(s, layer), q_last=q_b)
         self.layers[layer].prefilled = True
+        # The batch is known here and the prompt is in: the first decode step's tables are built
+        # now rather than at that step (a later chunk of the prompt forgets and rebuilds them).
+        if rt.prepares_decode and all(self._holds(s, layer) for s in self.seq_ids):
+            rt.prepare_decode(self.seq_ids, layer)
 
     def _holds(self, seq_id: int, layer: int) -> bool:
         store = self.runtime.store
