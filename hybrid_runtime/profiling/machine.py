@@ -56,7 +56,7 @@ def parse_cpu_jiffies(text: str) -> dict[int, np.ndarray]:
     out = {}
     try:
         for line in text.splitlines():
-            name, *vals = line.split()
+            name, *vals = line.split() or [""]
             if name.startswith("cpu") and name != "cpu":
                 out[int(name[3:])] = np.array([int(v) for v in vals[:8]], dtype=np.int64)
     except ValueError:
