@@ -161,6 +161,10 @@ class SelectionConfig:
     # asynctls: the token level reads the blocks chosen at the previous step, resident already, while
     # this step's missing blocks are copied on a side stream; false copies them first (synchronously).
     lagged: bool = True
+    # asynctls: the resident cache keeps the blocks chosen at any of the last `resident_steps` steps
+    # (1: `C_{t+1} = M_t`, the paper's); the token level reads all of them, so a lagged step misses
+    # fewer of this step's blocks, for `resident_steps` times the cache's device memory.
+    resident_steps: int = field(default=1, metadata=_range(1, 16))
     # asynctls: the calibrated channel file of the model (python -m hybrid_runtime.experiments.
     # asynctls_calibration; looked up like `checkpoint`), and how many of its ranked channels per KV
     # head the token index keeps in INT4 (d_c).
@@ -760,7 +764,7 @@ def resolve_checkpoint(path: str) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
-ASYNCTLS_KEYS = ("blocks", "tokens", "lagged", "channel_file", "index_channels")
+ASYNCTLS_KEYS = ("blocks", "tokens", "lagged", "resident_steps", "channel_file", "index_channels")
 
 
 def _validate_asynctls(selection: SelectionConfig, geometry: GeometryConfig, path: str) -> None:
@@ -782,6 +786,9 @@ def _validate_asynctls(selection: SelectionConfig, geometry: GeometryConfig, pat
             f"{path}.tokens: {selection.tokens} exceeds the {selection.blocks} x {selection.block_size} tokens the block "
             f"level keeps, so the token level would keep all of them; allowed: at most "
             f"{selection.blocks * selection.block_size}, or 'all' (Quest blocks alone)")
+    if selection.blocks == "all" and selection.resident_steps != 1:
+        raise ConfigError(f"{path}.resident_steps: {selection.resident_steps}; with {path}.blocks 'all' the cache holds "
+                          "every block already; allowed: 1, or a number of blocks")
     if resolve_checkpoint(selection.channel_file) is None:
         raise ConfigError(
             f"{path}.channel_file: {selection.channel_file!r} is not a file (looked up from the working directory and the "

@@ -22,7 +22,7 @@ from hybrid_runtime.executors.asynctls import (
 )
 from hybrid_runtime.memory_plan import estimate_runtime, estimate_synthetic_run
 from hybrid_runtime.reference import dense_attention
-from hybrid_runtime.resident_cache import ResidentCache, plan_insert, plan_update
+from hybrid_runtime.resident_cache import ResidentCache, fresh_age, plan_insert, plan_update, plan_update_aged
 from hybrid_runtime.runtime import HybridRuntime
 from hybrid_runtime.tasks import Step
 from hybrid_runtime.token_index import ChannelSets, channel_scores, dequantize_int4, quantize_int4
@@ -250,6 +250,47 @@ def test_plan_update_keeps_exactly_the_chosen_blocks():
             assert bool((dest[i][~miss[i]] == -1).all())
 
 
+@pytest.mark.parametrize("keep_steps", [1, 2, 3])
+def test_plan_update_aged_keeps_the_union_of_the_last_chosen_sets(keep_steps):
+    gen = torch.Generator().manual_seed(70 + keep_steps)
+    r, k = 4, 5
+    s = keep_steps * k + 1
+    cached, age = torch.full((r, s), -1), torch.zeros((r, s), dtype=torch.int64)
+    history: list[list[set]] = [[] for _ in range(r)]
+    for _ in range(30):
+        chosen = torch.stack([torch.randperm(12, generator=gen)[:k] for _ in range(r)])  # small ids: many repeats
+        chosen[torch.rand(r, k, generator=gen) < 0.2] = -1
+        new, new_age, miss, dest = plan_update_aged(cached, age, chosen, keep_steps)
+        for i in range(r):
+            m = set(chosen[i][chosen[i] >= 0].tolist())
+            c = set(cached[i][cached[i] >= 0].tolist())
+            history[i].append(m)
+            union = set().union(*history[i][-keep_steps:])
+            assert set(new[i][new[i] >= 0].tolist()) == union and int((new[i] >= 0).sum()) == len(union)
+            assert set(chosen[i][miss[i]].tolist()) == m - c
+            for slot in range(s):  # blocks that stay keep their slots
+                if int(cached[i, slot]) in union:
+                    assert new[i, slot] == cached[i, slot]
+            for j in torch.nonzero(miss[i]).flatten().tolist():
+                assert new[i, dest[i, j]] == chosen[i, j]
+            assert bool((dest[i][~miss[i]] == -1).all())
+            for slot in range(s):  # a block's age: the updates since it was last chosen
+                blk = int(new[i, slot])
+                if blk >= 0:
+                    last = max(j for j, ms in enumerate(history[i]) if blk in ms)
+                    assert int(new_age[i, slot]) == len(history[i]) - 1 - last
+        cached, age = new, new_age
+    if keep_steps == 1:
+        table, miss1, dest1 = plan_update(cached, chosen)
+        want = plan_update_aged(cached, age, chosen, 1)
+        assert torch.equal(table, want[0]) and torch.equal(miss1, want[2]) and torch.equal(dest1, want[3])
+
+
+def test_fresh_age_zeroes_the_named_slots_only():
+    age = torch.tensor([[3, 1, 2, 0], [5, 5, 5, 5]])
+    assert fresh_age(age, torch.tensor([[2, -1], [-1, -1]])).tolist() == [[3, 1, 0, 0], [5, 5, 5, 5]]
+
+
 def test_plan_insert_adds_without_evicting():
     cached = torch.tensor([[3, -1, 7, -1, -1]])
     wanted = torch.tensor([[7, 8, 9, -1]])
@@ -257,13 +298,18 @@ def test_plan_insert_adds_without_evicting():
     assert new.tolist() == [[3, 8, 7, 9, -1]] and dest.tolist() == [[2, 1, 3, -1]]
 
 
-def test_cache_after_a_step_holds_m_t_and_fetches_m_t_minus_c_t():
-    cfg = asynctls_config(blocks=5, tokens=40)
+@pytest.mark.parametrize("resident_steps", [1, 2])
+def test_cache_after_a_step_holds_m_t_and_fetches_m_t_minus_c_t(resident_steps):
+    # resident_steps 1: C_{t+1} = M_t (the paper's); 2: C_{t+1} = M_t and M_{t-1}.
+    cfg = asynctls_config(blocks=5, tokens=40, resident_steps=resident_steps)
     g = cfg.geometry
     with runtime(cfg) as rt:
         prefill_random(rt, 0, 1000, seed=8)
         ex, store = rt.gpu_executor, rt.store
+        assert ex.cache.slots == 5 * resident_steps + 64 // 16 + 2  # and one spill's room
         slot = store.slot(0)
+        warm = ex.cache.table[0][slot].cpu()
+        history = [[set(warm[h][warm[h] >= 0].tolist())] for h in range(2)]  # the prefill's choice
         gen = torch.Generator().manual_seed(9)
         table = torch.from_numpy(np.ascontiguousarray(store.chunk_table(0, 0))).long()
         cpu_len = torch.full((2,), store.cpu_len(0, 0))
@@ -285,7 +331,9 @@ def test_cache_after_a_step_holds_m_t_and_fetches_m_t_minus_c_t():
             for h in range(2):
                 m = set(m_t[h][m_t[h] >= 0].tolist())
                 c = set(c_t[h][c_t[h] >= 0].tolist())
-                assert set(after[h][after[h] >= 0].tolist()) == m and len(m) == 5
+                history[h].append(m)
+                assert set(after[h][after[h] >= 0].tolist()) == set().union(*history[h][-resident_steps:])
+                assert len(m) == 5
                 fetched += len(m - c)
                 for s_i, blk in enumerate(after[h].tolist()):  # every slot holds its block's K and V
                     if blk < 0:
@@ -338,6 +386,34 @@ def test_lag_token_level_reads_the_blocks_chosen_at_the_previous_step(lagged):
             ref, _ = dense_attention(q_b[0], kk, vv)
             assert torch.allclose(out, ref, atol=1e-5) == expect
         assert set(ex.cache.table[0][store.slot(0)][:, 0].tolist()) == {b}  # C_{t+1} = M_t either way
+
+
+def test_lagged_token_level_reads_the_last_two_steps_blocks_with_resident_steps_2():
+    # k_b = 1, every token of the cached blocks: steps choose A, then B; the next lagged step reads
+    # C = M_{t-1} and M_{t-2} = A and B, where resident_steps 1 would read B alone.
+    cfg = asynctls_config(blocks=1, tokens="all", resident_steps=2, kv={"generated_cap": 256})
+    g = cfg.geometry
+    a, b = 3, 11
+    with runtime(cfg) as rt:
+        k, v = needle_prompt(600, [a, b])
+        for layer in range(2):
+            rt.prefill(0, layer, k, v, q_last=torch.zeros(g.q_heads, g.head_dim))
+        store = rt.store
+        q_a, q_b = torch.zeros(1, g.q_heads, g.head_dim), torch.zeros(1, g.q_heads, g.head_dim)
+        q_a[..., 0], q_b[..., 1] = 10.0, 10.0
+        kv_new = torch.zeros(2, 1, g.kv_heads, g.head_dim)
+        rt.decode(0, [0], q_a, *kv_new)
+        rt.decode(0, [0], q_b, *kv_new)
+        table = rt.gpu_executor.cache.table[0][store.slot(0)].cpu()
+        assert all(set(row[row >= 0].tolist()) == {a, b} for row in table)
+        out = rt.decode(0, [0], q_b, *kv_new)[0]
+        cpu = 16  # sink
+        window = torch.cat([k[:cpu], k[cpu + store.cpu_len(0, 0):]]), torch.cat([v[:cpu], v[cpu + store.cpu_len(0, 0):]])
+        blocks = [slice(cpu + x * 16, cpu + (x + 1) * 16) for x in (a, b)]
+        kk = torch.cat([window[0], kv_new[0], kv_new[0], kv_new[0], *(k[sl] for sl in blocks)])
+        vv = torch.cat([window[1], kv_new[1], kv_new[1], kv_new[1], *(v[sl] for sl in blocks)])
+        ref, _ = dense_attention(q_b[0], kk, vv)
+        assert torch.allclose(out, ref, atol=1e-5)
 
 
 def test_prefill_warms_the_cache_from_the_last_query_and_needs_it():
@@ -405,11 +481,17 @@ def test_config_selects_the_executor_and_refuses_what_it_cannot_run(tmp_path):
     bad(r"selection.index_channels: 64 exceeds the head dim 32", selection={"index_channels": 64})
     bad(r"selection.channel_file: 'nowhere.json' is not a file", selection={"channel_file": "nowhere.json"})
     bad(r"selection.lagged: read only by selection.name 'asynctls'", selection={"name": "fixed", "lagged": False})
+    bad(r"selection.resident_steps: read only by selection.name 'asynctls'",
+        selection={"name": "fixed", "resident_steps": 2})
+    bad(r"selection.resident_steps: 2; with selection.blocks 'all'", selection={"blocks": "all", "resident_steps": 2})
+    bad(r"selection.resident_steps: 0 is out of range; allowed: 1 <= value <= 16", selection={"resident_steps": 0})
     bad(r"selection.name: 'asynctls2' is not allowed", selection={"name": "asynctls2"})
     bad(r"experiment.variants\[0\].selection: 'asynctls' runs in its own GPU-lane executor",
         experiment={"variants": [{"name": "a", "selection": {"tokens": 64}}]})
     bad(r"experiment.variants\[0\].placement: 'cpu_only'", experiment={"variants": [{"name": "a", "placement": "cpu_only"}]})
     assert cache_slots(config_from_dict(base).selection, config_from_dict(base).kv_cache) == 128 + 33 + 1
+    base["selection"]["resident_steps"] = 2
+    assert cache_slots(config_from_dict(base).selection, config_from_dict(base).kv_cache) == 2 * 128 + 33 + 1
 
 
 def test_cache_fetch_kernel_matches_torch():
@@ -606,6 +688,14 @@ def test_quality_experiment_settings_selections_and_metrics(tmp_path):
     with pytest.raises(ValueError, match="text_offset: -1; allowed: >= 0"):
         aq.AsyncTlsQualitySettings(text_offset=-1)
     assert aq.main(["--out", str(tmp_path / "x"), "--text-offset", "-1"]) == 2
+    # The resident cache's history reaches AsyncTLS's runs only; the levels alone keep the paper's cache.
+    s2 = aq.AsyncTlsQualitySettings(resident_steps=2)
+    assert aq.selection_of(s2, "asynctls", 256, 7616)["resident_steps"] == 2
+    assert aq.runtime_config(s2, aq.selection_of(s2, "asynctls", 256, 7616)).selection.resident_steps == 2
+    assert all("resident_steps" not in aq.selection_of(s2, m, 256, 7616) for m in ("quest", "doublesparsity"))
+    with pytest.raises(ValueError, match="resident_steps: 0; allowed: 1 to 16"):
+        aq.AsyncTlsQualitySettings(resident_steps=0)
+    assert aq.main(["--out", str(tmp_path / "x"), "--resident-steps", "0"]) == 2
 
     def run(method, budget, agreement, eps=None):
         r = {"method": method, "budget": budget, "selection": {"name": "fixed"} if budget is None else

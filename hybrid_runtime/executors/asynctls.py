@@ -13,8 +13,9 @@ Per task -- one (sequence, KV group) of a step, the runtime's unit -- and step t
    `selection.tokens` (`k_t`) tokens are chosen.
 3. **Exact attention** of the group's heads over the full K, V of the chosen tokens, read from
    the cache; `out`/`lse` go to the step's rows and the runtime merges them with the window's.
-4. **Cache update** (`resident_cache.plan_update`): the cache of the row held `C_t`; the blocks
-   `T_t = M_t \\ C_t` are copied in, into the slots of evicted blocks, and it holds `C_{t+1} = M_t`.
+4. **Cache update** (`resident_cache.plan_update_aged`): the cache of the row held `C_t`; the blocks
+   `T_t = M_t \\ C_t` are copied in, into the slots of evicted blocks, and it holds `C_{t+1} = M_t`
+   (the paper's; with `selection.resident_steps` n, the union of `M_t` .. `M_{t-n+1}`).
    Only `T_t` crosses the link; those bytes are what a task reports as read.
 
 With `selection.lagged` (AsyncTLS) step 2 runs on `C_t = M_{t-1}`, already resident, and the copy
@@ -57,7 +58,7 @@ from cpu_kernels import layout
 from hybrid_runtime import native_pool
 from hybrid_runtime.config import ConfigError, GeometryConfig, KVCacheConfig, SelectionConfig, resolve_checkpoint
 from hybrid_runtime.kvcache import KVStore
-from hybrid_runtime.resident_cache import ResidentCache, block_tokens, cache_bytes, plan_insert, plan_update
+from hybrid_runtime.resident_cache import ResidentCache, block_tokens, cache_bytes, fresh_age, plan_insert, plan_update_aged
 from hybrid_runtime.task_building import native_table
 from hybrid_runtime.tasks import Step, Task
 from hybrid_runtime.token_index import ChannelSets, TokenIndex, index_bytes
@@ -66,14 +67,14 @@ log = logging.getLogger(__name__)
 
 
 def cache_slots(selection: SelectionConfig, kv: KVCacheConfig) -> int:
-    """Blocks the resident cache holds per sequence and KV head: `blocks` plus room for the blocks one
-    spill adds (they join the cache at once: their tokens just left the GPU window), or every block
-    of the longest CPU segment a sequence can have for `blocks: all`."""
+    """Blocks the resident cache holds per sequence and KV head: `blocks` times `resident_steps` plus
+    room for the blocks one spill adds (they join the cache at once: their tokens just left the GPU
+    window), or every block of the longest CPU segment a sequence can have for `blocks: all`."""
     blk = selection.block_size
     if selection.blocks == "all":
         return max(1, -(-kv.cpu_capacity_tokens // blk))
     spill = kv.generated_cap + layout.PAGE_SIZE
-    return int(selection.blocks) + -(-spill // blk) + 1
+    return int(selection.blocks) * selection.resident_steps + -(-spill // blk) + 1
 
 
 @dataclass
@@ -177,6 +178,7 @@ class AsyncTlsExecutor:
         self.blocks = selection.blocks
         self.tokens = selection.tokens
         self.lagged = selection.lagged
+        self.resident_steps = selection.resident_steps
         g = store.geometry
         self.group_size, self.kv_heads, self.head_dim = g.group_size, g.kv_heads, g.head_dim
         self.scale = 1.0 / math.sqrt(g.head_dim)
@@ -376,10 +378,11 @@ class AsyncTlsExecutor:
             wanted = torch.from_numpy(np.where(wanted <= last[:, None], wanted, -1)).to(self.dev)
             sub = torch.from_numpy(rows).to(self.dev)
             d = {k: v[sub] for k, v in packed.dev.items()}
-            table = self.cache.table[layer]
+            table, age = self.cache.table[layer], self.cache.age[layer]
             cached = table[d["seq_slot"], d["kv_head"]]  # [n, S]
             updated, dest = plan_insert(cached, wanted)
             table[d["seq_slot"], d["kv_head"]] = updated
+            age[d["seq_slot"], d["kv_head"]] = fresh_age(age[d["seq_slot"], d["kv_head"]], dest)
             self.cache.fetch(layer, self._arena(layer), d["chunks"], d["seq_slot"], d["kv_head"], wanted, dest,
                              stream=self.stream.cuda_stream if self.cuda else None)
             tokens = torch.zeros(len(packed.batch), dtype=torch.int64, device=self.dev)
@@ -474,18 +477,18 @@ class AsyncTlsExecutor:
             counts = torch.stack([sel_valid.sum(1) * token_bytes, none, none])  # no cache: no epsilon
             self._mark("outputs")
             return chosen, torch.full_like(chosen, -1), counts
-        table = self.cache.table[layer]
+        table, age = self.cache.table[layer], self.cache.age[layer]
         cached = table[slot, h]
         if self.lagged:
             sel, sel_valid = self._select_tokens(layer, q, active, cached, h, chunks, cpu_len)
             out, lse = self._attend(layer, q, active, slot, h, sel, sel_valid)
             self._mark("attention")
-            new, miss, dest = plan_update(cached, chosen)
-            table[slot, h] = new
+            new, ages, miss, dest = plan_update_aged(cached, age[slot, h], chosen, self.resident_steps)
+            table[slot, h], age[slot, h] = new, ages
             self._mark("cache update")
         else:
-            new, miss, dest = plan_update(cached, chosen)
-            table[slot, h] = new
+            new, ages, miss, dest = plan_update_aged(cached, age[slot, h], chosen, self.resident_steps)
+            table[slot, h], age[slot, h] = new, ages
             self._mark("cache update")
             self._fetch(layer, arena, chunks, slot, h, chosen, dest, fetch_events, side=False)
             self._mark("fetch")
@@ -624,8 +627,9 @@ class AsyncTlsExecutor:
         lens = torch.full((hkv,), cpu_len, dtype=torch.int64, device=dev)
         chunks_t = torch.from_numpy(chunks).to(dev)
         chosen = self._select_blocks(layer, q, active.to(dev), chunks_t, lens)
-        new, miss, dest = plan_update(self.cache.table[layer][seq_slot], chosen)
-        self.cache.table[layer][seq_slot] = new
+        new, ages, miss, dest = plan_update_aged(self.cache.table[layer][seq_slot], self.cache.age[layer][seq_slot],
+                                                 chosen, self.resident_steps)
+        self.cache.table[layer][seq_slot], self.cache.age[layer][seq_slot] = new, ages
         self.cache.fetch(layer, self._arena(layer), chunks_t, slot, h, chosen, dest,
                          stream=torch.cuda.current_stream().cuda_stream if self.cuda else None)
         moved = int(torch.where(miss, block_tokens(chosen, lens, self.block_size), 0).sum())

@@ -80,6 +80,7 @@ class AsyncTlsQualitySettings:
     block_fraction: float = 0.25  # k_b * block_size >= this fraction of the CPU-resident tokens ...
     level1_over_budget: float = 2.0  # ... and >= this many times the token budget
     index_channels: int = 16  # d_c of the INT4 token index (AsyncTLS: 32 at head dim 128)
+    resident_steps: int = 1  # AsyncTLS's resident cache: the blocks of the last this many steps (1: the paper's)
     channel_file: str = "hybrid_runtime/calibration/smollm2_channels.json"
     text_offset: int = 30000  # the quality harness's text: novel at 2K, 4K and 8K
     model_dtype: str = "float32"
@@ -99,6 +100,8 @@ class AsyncTlsQualitySettings:
         if not 0.0 < self.block_fraction <= 1.0 or self.level1_over_budget < 1.0:
             raise ValueError("asynctls_quality: block_fraction must lie in (0, 1] and level1_over_budget be >= 1 (the "
                              "block level must keep at least the token budget)")
+        if not 1 <= self.resident_steps <= 16:
+            raise ValueError(f"asynctls_quality.resident_steps: {self.resident_steps}; allowed: 1 to 16")
         if self.text_offset < 0:
             raise ValueError(f"asynctls_quality.text_offset: {self.text_offset}; allowed: >= 0 (a token index of the corpus)")
         if "scheduler" in self.runtime or "selection" in self.runtime:
@@ -128,7 +131,8 @@ def selection_of(settings: AsyncTlsQualitySettings, method: str, budget: int, cp
     if method == "doublesparsity":
         return {**common, "blocks": "all", "tokens": tokens, "lagged": False}
     kb = level1_blocks(settings, cpu_len, budget)
-    return {**common, "blocks": kb, "tokens": min(tokens, kb * settings.block_size), "lagged": method == "asynctls"}
+    return {**common, "blocks": kb, "tokens": min(tokens, kb * settings.block_size), "lagged": method == "asynctls",
+            "resident_steps": settings.resident_steps}
 
 
 def runtime_config(settings: AsyncTlsQualitySettings, selection: dict) -> Config:
@@ -260,7 +264,8 @@ def markdown(results: dict) -> str:
     lines += [f"Text: corpus tokens from {s['text_offset']}; {s['positions']} teacher-forced positions per length; "
               f"KV store {s['store_dtype']}; block level: blocks of {s['block_size']}, `k_b * {s['block_size']} = "
               f"max({s['block_fraction']} * L_cpu, {s['level1_over_budget']} * budget)`; token index: "
-              f"{s['index_channels']} channels in INT4 (`{s['channel_file']}`). Bytes: K and V moved into the resident "
+              f"{s['index_channels']} channels in INT4 (`{s['channel_file']}`); resident cache: the blocks of the last "
+              f"{s.get('resident_steps', 1)} step(s). Bytes: K and V moved into the resident "
               "cache per decode step, all layers (the fixed policy: what its tasks read). Epsilon: blocks missing "
               "from the cache over blocks chosen, per layer step (median / p90).", ""]
     metrics = metrics_of(results)
@@ -327,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", nargs="*", choices=list(BASELINES))
     parser.add_argument("--block-size", type=int, help="the block level's block size")
     parser.add_argument("--block-fraction", type=float, help="k_b * block_size >= this fraction of the CPU segment")
+    parser.add_argument("--resident-steps", type=int, help="AsyncTLS's resident cache keeps the blocks of the last this "
+                                                           "many steps (1: the paper's)")
     parser.add_argument("--text-offset", type=int, help="the corpus token the text starts at (a second text: the "
                                                         "same experiment on other positions)")
     args = parser.parse_args(argv)
@@ -335,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "budgets": args.budgets, "methods": args.methods,
                                                "baselines": args.baselines, "block_size": args.block_size,
                                                "block_fraction": args.block_fraction,
+                                               "resident_steps": args.resident_steps,
                                                "text_offset": args.text_offset})
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
