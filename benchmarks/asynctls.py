@@ -179,7 +179,7 @@ def run_point(args, batch: int, context: int) -> dict:
                      "cpu_capacity_tokens": batch * context, "max_sequences": batch},
         "scheduler": {"placement": "gpu_only", "gpu_worker": True, "cpu_workers": 0, "pin_cores": False},
         "selection": {"name": "asynctls", "block_size": 64, "blocks": args.blocks, "tokens": args.tokens,
-                      "index_channels": args.channels},
+                      "index_channels": args.channels, "resident_steps": args.resident_steps},
         "profiling": {"enabled": False},
     })
     g = cfg.geometry
@@ -339,6 +339,7 @@ def markdown(result: dict) -> str:
     lines = [f"# AsyncTLS: lagged prefetch vs the same selection fetched synchronously ({result['device']})", "",
              f"commit {result['commit']}; `{result['command']}`", "",
              f"Llama-3.1-8B geometry, {c['layers']} layers, blocks of 64, k_b {c['blocks']}, k_t {c['tokens']}, "
+             f"resident cache of the last {c.get('resident_steps', 1)} step(s)' blocks, "
              f"d_c {c['channels']}, query drift {c['drift']}, model work {'on' if c['model_work'] else 'off'}, "
              f"CUDA graphs {'on' if c['graphs'] else 'off'}, "
              f"{c['steps']} measured steps per mode. Modes (benchmarks/asynctls.py): `lagged` AsyncTLS; "
@@ -380,6 +381,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps per mode")
     ap.add_argument("--blocks", type=int, default=128, help="k_b, blocks of 64 (the paper's 128)")
     ap.add_argument("--tokens", type=int, default=512, help="k_t")
+    ap.add_argument("--resident-steps", type=int, default=1,
+                    help="the resident cache keeps the blocks of the last this many steps (1: the paper's)")
     ap.add_argument("--channels", type=int, default=32, help="d_c (the paper's 32 at head dim 128)")
     ap.add_argument("--drift", type=float, default=0.1, help="query change per step, relative to a unit-variance query")
     ap.add_argument("--no-model-work", dest="model_work", action="store_false", help="attention alone, no GEMMs between layers")
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> Path:
     for b, c in points:
         print(f"point batch={b} context={c}", flush=True)
         rows.append(run_point(args, b, c))
-    config = {k: getattr(args, k) for k in ("layers", "steps", "warmup", "blocks", "tokens", "channels", "drift",
+    config = {k: getattr(args, k) for k in ("layers", "steps", "warmup", "blocks", "tokens", "resident_steps", "channels", "drift",
                                             "model_work", "graphs", "breakdown", "seed", "smoke")}
     config["torch"] = torch.__version__
     extra = {"config": config}
