@@ -540,6 +540,35 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selected_attention_kernel_matches_the_torch_form(dtype):
+    from gpu_kernels.asynctls_attention import selected_attention
+
+    gen = torch.Generator().manual_seed(31)
+    s, hkv, c, blk, d, g, bsz = 3, 2, 5, 16, 32, 3, 2
+    cache_k = torch.randn(s, hkv, c, blk, d, generator=gen).to(dtype)
+    cache_v = torch.randn(s, hkv, c, blk, d, generator=gen).to(dtype)
+    q = torch.randn(bsz, hkv * g, d, generator=gen) / math.sqrt(d)
+    # Four tasks: (batch row, slot, KV head); 70 chosen positions each (two tiles of 64, the second partial).
+    batch, slot, head = torch.tensor([0, 0, 1, 1]), torch.tensor([2, 2, 0, 0]), torch.tensor([0, 1, 0, 1])
+    sel = torch.stack([torch.randperm(c * blk, generator=gen)[:70] for _ in range(4)])
+    valid = torch.rand(4, 70, generator=gen) < 0.8
+    valid[3] = False  # a task with no valid token: out 0, lse -inf
+    active = torch.tensor([[True, True, True], [True, False, True], [False, False, False], [True, True, True]])
+    out, lse = torch.full((bsz, hkv * g, d), 7.0), torch.full((bsz, hkv * g), 7.0)
+    selected_attention(*(x.to(DEV) for x in (q, cache_k, cache_v, slot, head, batch, sel, valid, active, out, lse)))
+    kk = cache_k.view(s, hkv, c * blk, d)[slot[:, None], head[:, None], sel].float()
+    vv = cache_v.view(s, hkv, c * blk, d)[slot[:, None], head[:, None], sel].float()
+    want_out, want_lse = exact_attention(q.view(bsz, hkv, g, d)[batch, head], kk, vv, valid, active)
+    got_out, got_lse = out.view(bsz, hkv, g, d)[batch, head].cpu(), lse.view(bsz, hkv, g)[batch, head].cpu()
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse)) and int(torch.isinf(want_lse).sum()) == 3 + 1 + 3
+    fin = torch.isfinite(want_lse)
+    assert torch.allclose(got_lse[fin], want_lse[fin], atol=1e-4)
+    assert torch.allclose(got_out, want_out, atol=1e-4) and bool((got_out[~fin] == 0).all())
+    with pytest.raises(ValueError, match="sel_valid has shape"):
+        selected_attention(q, cache_k, cache_v, slot, head, batch, sel, valid[:, :5], active, out, lse)
+
+
 def test_fused_int4_token_scores_match_the_dequantized_index():
     from gpu_kernels.asynctls_token_scores import int4_token_scores
 
@@ -581,6 +610,29 @@ def test_fused_token_level_chooses_what_the_torch_form_chooses(lagged):
                     q = torch.randn(1, g.q_heads, g.head_dim, generator=gen)
                     k, v = torch.randn(2, 1, g.kv_heads, g.head_dim, generator=gen)
                     res.append(rt.decode(layer, [0], q, k, v))
+            outs.append(torch.stack(res))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("lagged", [True, False])
+def test_fused_attention_gives_what_the_torch_form_gives(lagged):
+    # Streaming heads (inactive in their groups) and a spill along the way (generated_cap 16).
+    cfg = asynctls_config(blocks=6, tokens=24, lagged=lagged, streaming_heads={1: [0, 4]}, kv={"generated_cap": 16})
+    g = cfg.geometry
+    outs = []
+    for fused in (False, True):
+        with runtime(cfg) as rt:
+            rt.gpu_executor.fused_attention = fused
+            prefill_random(rt, 0, 700, seed=24)
+            prefill_random(rt, 1, 500, seed=25)
+            gen = torch.Generator().manual_seed(26)
+            res = []
+            for _ in range(20):
+                for layer in range(g.layers):
+                    q = torch.randn(2, g.q_heads, g.head_dim, generator=gen)
+                    k, v = torch.randn(2, 2, g.kv_heads, g.head_dim, generator=gen)
+                    res.append(rt.decode(layer, [0, 1], q, k, v))
+            assert rt.store.cpu_len(0, 0) > 700 - 16 - 64  # a spill happened
             outs.append(torch.stack(res))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 

@@ -32,7 +32,8 @@ the prompt's last query chooses (`prefill`); a spill that grows the CPU segment 
 and refreshes resident blocks that gained tokens before the step's claims (`upload`).
 
 On CUDA the token level's approximate scores come from one Triton launch over the INT4 codes
-(`gpu_kernels/asynctls_token_scores.py`). `offload_selection` (not AsyncTLS: the benchmark's
+(`gpu_kernels/asynctls_token_scores.py`), and the exact attention from one more that reads the chosen
+tokens in the cache in place (`gpu_kernels/asynctls_attention.py`). `offload_selection` (not AsyncTLS: the benchmark's
 synchronous baseline) reads the chosen tokens' K and V from the CPU store every step instead of the
 cache, and `marks` times an eager claim's stages (`benchmarks/asynctls.py --breakdown`).
 
@@ -221,6 +222,11 @@ class AsyncTlsExecutor:
         # (it runs there under TRITON_INTERPRET=1); the kernel needs d_c / 2 a power of two.
         half = self.index.d_c // 2
         self.fused_token_scores = self.cuda and half & (half - 1) == 0
+        # The exact attention over the chosen tokens in one Triton launch reading the cache in place,
+        # writing the step's rows (`gpu_kernels/asynctls_attention.py`); the torch form gathers the
+        # tokens' K and V, copies them to float32 and scatters the result (~15 kernels). Host: torch
+        # unless a test turns it on; the kernel needs a power-of-two head dim.
+        self.fused_attention = self.cuda and self.head_dim & (self.head_dim - 1) == 0
         # The benchmark's synchronous sparse-offload baseline (`benchmarks/asynctls.py`,
         # `sync_selection`), not AsyncTLS: the same two-level selection, its token level over this
         # step's blocks `M_t` on the index, and the K and V of the chosen tokens read from the CPU
@@ -316,6 +322,20 @@ class AsyncTlsExecutor:
         kk = arena[cid, layout.K_ROW + row].float()
         vv = arena[cid, layout.V_ROW + row].float()
         return exact_attention(q, kk, vv, sel_valid, active)
+
+    def _attend_into(self, layer: int, step: Step, q: torch.Tensor, active: torch.Tensor, b: torch.Tensor,
+                     seq_slot: torch.Tensor, kv_head: torch.Tensor, sel: torch.Tensor, sel_valid: torch.Tensor) -> None:
+        """Exact attention over the selected cached tokens, written into the step's `out`/`lse` rows."""
+        if self.fused_attention:
+            from gpu_kernels.asynctls_attention import selected_attention
+
+            selected_attention(step.q, self.cache.k[layer], self.cache.v[layer], seq_slot, kv_head, b, sel, sel_valid,
+                               active, step.out, step.lse)
+            return
+        out, lse = self._attend(layer, q, active, seq_slot, kv_head, sel, sel_valid)
+        bsz, _, dim = step.q.shape
+        step.out.view(bsz, self.kv_heads, self.group_size, dim)[b, kv_head] = out
+        step.lse.view(bsz, self.kv_heads, self.group_size)[b, kv_head] = lse
 
     def _attend(self, layer: int, q: torch.Tensor, active: torch.Tensor, seq_slot: torch.Tensor,
                 kv_head: torch.Tensor, sel: torch.Tensor, sel_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,7 +501,7 @@ class AsyncTlsExecutor:
         cached = table[slot, h]
         if self.lagged:
             sel, sel_valid = self._select_tokens(layer, q, active, cached, h, chunks, cpu_len)
-            out, lse = self._attend(layer, q, active, slot, h, sel, sel_valid)
+            self._attend_into(layer, step, q, active, b, slot, h, sel, sel_valid)
             self._mark("attention")
             new, ages, miss, dest = plan_update_aged(cached, age[slot, h], chosen, self.resident_steps)
             table[slot, h], age[slot, h] = new, ages
@@ -493,10 +513,8 @@ class AsyncTlsExecutor:
             self._fetch(layer, arena, chunks, slot, h, chosen, dest, fetch_events, side=False)
             self._mark("fetch")
             sel, sel_valid = self._select_tokens(layer, q, active, new, h, chunks, cpu_len)
-            out, lse = self._attend(layer, q, active, slot, h, sel, sel_valid)
+            self._attend_into(layer, step, q, active, b, slot, h, sel, sel_valid)
             self._mark("attention")
-        step.out.view(bsz, self.kv_heads, g, dim)[b, h] = out
-        step.lse.view(bsz, self.kv_heads, g)[b, h] = lse
         moved = torch.where(miss, block_tokens(chosen, cpu_len, self.block_size), 0).sum(1)
         counts = torch.stack([moved * token_bytes, (chosen >= 0).sum(1), miss.sum(1)])
         self._mark("outputs")
@@ -513,8 +531,8 @@ class AsyncTlsExecutor:
         (they replay one after another on the executor's stream). A capture that fails turns
         graphs off for the executor, with a warning.
         """
-        key = (plan.layer, start, stop, self.lagged, self.offload_selection, self.fused_token_scores, step.q.data_ptr(),
-               step.out.data_ptr(), step.lse.data_ptr())
+        key = (plan.layer, start, stop, self.lagged, self.offload_selection, self.fused_token_scores, self.fused_attention,
+               step.q.data_ptr(), step.out.data_ptr(), step.lse.data_ptr())
         graphs = plan.plan.graphs
         entry = graphs.get(key)
         if entry is None:
@@ -639,8 +657,8 @@ class AsyncTlsExecutor:
 
     # ------------------------------------------------------------------ lifecycle and reports
     def warm_up(self) -> None:
-        """Compile the copy kernel and the token scores' now (launches that read no token), not in the
-        first decode step."""
+        """Compile the copy kernel, the token scores' and the attention's now (launches that read no
+        token), not in the first decode step."""
         if not self.cuda:
             return
         none = torch.full((1, 1), -1, dtype=torch.int64, device=self.dev)
@@ -653,6 +671,15 @@ class AsyncTlsExecutor:
             q_c = torch.zeros((1, self.group_size, self.index.d_c), dtype=torch.float32, device=self.dev)
             int4_token_scores(q_c, self.index.codes[0], self.index.qparams[0], none, torch.zeros_like(none), zero,
                               self.block_size)
+        if self.fused_attention:
+            from gpu_kernels.asynctls_attention import selected_attention
+
+            hq = self.kv_heads * self.group_size
+            q = torch.zeros((1, hq, self.head_dim), dtype=torch.float32, device=self.dev)
+            selected_attention(q, self.cache.k[0], self.cache.v[0], zero, zero, zero, torch.zeros_like(none),
+                               torch.zeros((1, 1), dtype=torch.bool, device=self.dev),
+                               torch.zeros((1, self.group_size), dtype=torch.bool, device=self.dev), q.clone(),
+                               torch.zeros((1, hq), dtype=torch.float32, device=self.dev))
         torch.cuda.synchronize()
 
     def epsilon_per_step(self) -> np.ndarray:
