@@ -555,18 +555,22 @@ def test_selected_attention_kernel_matches_the_torch_form(dtype):
     valid = torch.rand(4, 70, generator=gen) < 0.8
     valid[3] = False  # a task with no valid token: out 0, lse -inf
     active = torch.tensor([[True, True, True], [True, False, True], [False, False, False], [True, True, True]])
-    out, lse = torch.full((bsz, hkv * g, d), 7.0), torch.full((bsz, hkv * g), 7.0)
-    selected_attention(*(x.to(DEV) for x in (q, cache_k, cache_v, slot, head, batch, sel, valid, active, out, lse)))
+    out, lse = torch.full((bsz, hkv * g, d), 7.0, device=DEV), torch.full((bsz, hkv * g), 7.0, device=DEV)
+    selected_attention(*(x.to(DEV) for x in (q, cache_k, cache_v, slot, head, batch, sel, valid, active)), out, lse)
     kk = cache_k.view(s, hkv, c * blk, d)[slot[:, None], head[:, None], sel].float()
     vv = cache_v.view(s, hkv, c * blk, d)[slot[:, None], head[:, None], sel].float()
     want_out, want_lse = exact_attention(q.view(bsz, hkv, g, d)[batch, head], kk, vv, valid, active)
     got_out, got_lse = out.view(bsz, hkv, g, d)[batch, head].cpu(), lse.view(bsz, hkv, g)[batch, head].cpu()
     assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse)) and int(torch.isinf(want_lse).sum()) == 3 + 1 + 3
     fin = torch.isfinite(want_lse)
-    assert torch.allclose(got_lse[fin], want_lse[fin], atol=1e-4)
-    assert torch.allclose(got_out, want_out, atol=1e-4) and bool((got_out[~fin] == 0).all())
+    # On CUDA a bf16 cache's dots run in tf32 (q and the softmax weights round to its 10-bit mantissa).
+    atol = 2e-3 if dtype == torch.bfloat16 and DEV.type == "cuda" else 1e-4
+    assert torch.allclose(got_lse[fin], want_lse[fin], atol=atol), float((got_lse[fin] - want_lse[fin]).abs().max())
+    assert torch.allclose(got_out, want_out, atol=atol), float((got_out - want_out).abs().max())
+    assert bool((got_out[~fin] == 0).all())
     with pytest.raises(ValueError, match="sel_valid has shape"):
-        selected_attention(q, cache_k, cache_v, slot, head, batch, sel, valid[:, :5], active, out, lse)
+        selected_attention(*(x.to(DEV) for x in (q, cache_k, cache_v, slot, head, batch, sel, valid[:, :5], active)),
+                           out, lse)
 
 
 def test_fused_int4_token_scores_match_the_dequantized_index():
