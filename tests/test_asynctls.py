@@ -24,7 +24,6 @@ from hybrid_runtime.memory_plan import estimate_runtime, estimate_synthetic_run
 from hybrid_runtime.reference import dense_attention
 from hybrid_runtime.resident_cache import ResidentCache, fresh_age, plan_insert, plan_update, plan_update_aged
 from hybrid_runtime.runtime import HybridRuntime
-from hybrid_runtime.tasks import Step
 from hybrid_runtime.token_index import ChannelSets, channel_scores, dequantize_int4, quantize_int4
 from tests.helpers import DEV
 
@@ -359,31 +358,41 @@ def needle_prompt(length: int, blocks: list[int], hkv: int = 2, d: int = 32):
     return k, v
 
 
+def needle_steps(rt: HybridRuntime, a: int, b: int):
+    """Both layers prefilled with needle blocks `a` and `b`; queries pointing at each, zero new K/V."""
+    g = rt.geometry
+    k, v = needle_prompt(600, [a, b])
+    for layer in range(2):
+        rt.prefill(0, layer, k, v, q_last=torch.zeros(g.q_heads, g.head_dim))
+    q_a, q_b = torch.zeros(1, g.q_heads, g.head_dim), torch.zeros(1, g.q_heads, g.head_dim)
+    q_a[..., 0], q_b[..., 1] = 10.0, 10.0
+    return k, v, q_a, q_b, torch.zeros(2, 1, g.kv_heads, g.head_dim)
+
+
+def needle_reference(rt: HybridRuntime, k, v, q, kv_new, blocks: list[int], steps: int) -> torch.Tensor:
+    """Dense attention of `q` over the GPU window, `steps` appended `kv_new` tokens and the CPU blocks."""
+    cpu = 16  # sink
+    n_cpu = rt.store.cpu_len(0, 0)
+    parts = [slice(cpu + x * 16, cpu + (x + 1) * 16) for x in blocks]
+    kk = torch.cat([k[:cpu], k[cpu + n_cpu:], *[kv_new[0]] * steps, *(k[sl] for sl in parts)])
+    vv = torch.cat([v[:cpu], v[cpu + n_cpu:], *[kv_new[1]] * steps, *(v[sl] for sl in parts)])
+    return dense_attention(q[0], kk, vv)[0]
+
+
 @pytest.mark.parametrize("lagged", [True, False])
 def test_lag_token_level_reads_the_blocks_chosen_at_the_previous_step(lagged):
     # k_b = 1: query t-1 points at needle block A, query t at needle block B. Lagged, step t attends A
     # (chosen at t-1, resident); unlagged it attends B.
     cfg = asynctls_config(blocks=1, tokens="all", lagged=lagged, kv={"generated_cap": 256})
-    g = cfg.geometry
     a, b = 3, 11
     with runtime(cfg) as rt:
-        k, v = needle_prompt(600, [a, b])
-        for layer in range(2):
-            rt.prefill(0, layer, k, v, q_last=torch.zeros(g.q_heads, g.head_dim))
+        k, v, q_a, q_b, kv_new = needle_steps(rt, a, b)
         ex, store = rt.gpu_executor, rt.store
-        q_a, q_b = torch.zeros(1, g.q_heads, g.head_dim), torch.zeros(1, g.q_heads, g.head_dim)
-        q_a[..., 0], q_b[..., 1] = 10.0, 10.0
-        kv_new = torch.zeros(2, 1, g.kv_heads, g.head_dim)
         rt.decode(0, [0], q_a, *kv_new)  # step t-1: chooses A
         assert set(ex.cache.table[0][store.slot(0)][:, 0].tolist()) == {a}
         out = rt.decode(0, [0], q_b, *kv_new)[0]  # step t: chooses B
-        cpu = 16  # sink
-        window = torch.cat([k[:cpu], k[cpu + store.cpu_len(0, 0):]]), torch.cat([v[:cpu], v[cpu + store.cpu_len(0, 0):]])
         for blk, expect in ((a, lagged), (b, not lagged)):
-            sel = slice(cpu + blk * 16, cpu + (blk + 1) * 16)
-            kk = torch.cat([window[0], kv_new[0], kv_new[0], k[sel]])
-            vv = torch.cat([window[1], kv_new[1], kv_new[1], v[sel]])
-            ref, _ = dense_attention(q_b[0], kk, vv)
+            ref = needle_reference(rt, k, v, q_b, kv_new, [blk], steps=2)
             assert torch.allclose(out, ref, atol=1e-5) == expect
         assert set(ex.cache.table[0][store.slot(0)][:, 0].tolist()) == {b}  # C_{t+1} = M_t either way
 
@@ -392,28 +401,17 @@ def test_lagged_token_level_reads_the_last_two_steps_blocks_with_resident_steps_
     # k_b = 1, every token of the cached blocks: steps choose A, then B; the next lagged step reads
     # C = M_{t-1} and M_{t-2} = A and B, where resident_steps 1 would read B alone.
     cfg = asynctls_config(blocks=1, tokens="all", resident_steps=2, kv={"generated_cap": 256})
-    g = cfg.geometry
     a, b = 3, 11
     with runtime(cfg) as rt:
-        k, v = needle_prompt(600, [a, b])
-        for layer in range(2):
-            rt.prefill(0, layer, k, v, q_last=torch.zeros(g.q_heads, g.head_dim))
+        k, v, q_a, q_b, kv_new = needle_steps(rt, a, b)
         store = rt.store
-        q_a, q_b = torch.zeros(1, g.q_heads, g.head_dim), torch.zeros(1, g.q_heads, g.head_dim)
-        q_a[..., 0], q_b[..., 1] = 10.0, 10.0
-        kv_new = torch.zeros(2, 1, g.kv_heads, g.head_dim)
         rt.decode(0, [0], q_a, *kv_new)
         rt.decode(0, [0], q_b, *kv_new)
         table = rt.gpu_executor.cache.table[0][store.slot(0)].cpu()
         assert all(set(row[row >= 0].tolist()) == {a, b} for row in table)
         out = rt.decode(0, [0], q_b, *kv_new)[0]
-        cpu = 16  # sink
-        window = torch.cat([k[:cpu], k[cpu + store.cpu_len(0, 0):]]), torch.cat([v[:cpu], v[cpu + store.cpu_len(0, 0):]])
-        blocks = [slice(cpu + x * 16, cpu + (x + 1) * 16) for x in (a, b)]
-        kk = torch.cat([window[0], kv_new[0], kv_new[0], kv_new[0], *(k[sl] for sl in blocks)])
-        vv = torch.cat([window[1], kv_new[1], kv_new[1], kv_new[1], *(v[sl] for sl in blocks)])
-        ref, _ = dense_attention(q_b[0], kk, vv)
-        assert torch.allclose(out, ref, atol=1e-5)
+        assert torch.allclose(out, needle_reference(rt, k, v, q_b, kv_new, [a, b], steps=3), atol=1e-5)
+        assert not torch.allclose(out, needle_reference(rt, k, v, q_b, kv_new, [b], steps=3), atol=1e-5)
 
 
 def test_prefill_warms_the_cache_from_the_last_query_and_needs_it():
@@ -598,35 +596,17 @@ def test_fused_int4_token_scores_match_the_dequantized_index():
                           cpu_len, blk)
 
 
+@pytest.mark.parametrize("fused", ["fused_token_scores", "fused_attention"])
 @pytest.mark.parametrize("lagged", [True, False])
-def test_fused_token_level_chooses_what_the_torch_form_chooses(lagged):
-    cfg = asynctls_config(blocks=6, tokens=24, lagged=lagged)
-    g = cfg.geometry
-    outs = []
-    for fused in (False, True):
-        with runtime(cfg) as rt:
-            rt.gpu_executor.fused_token_scores = fused
-            prefill_random(rt, 0, 800, seed=22)
-            gen = torch.Generator().manual_seed(23)
-            res = []
-            for _ in range(6):
-                for layer in range(g.layers):
-                    q = torch.randn(1, g.q_heads, g.head_dim, generator=gen)
-                    k, v = torch.randn(2, 1, g.kv_heads, g.head_dim, generator=gen)
-                    res.append(rt.decode(layer, [0], q, k, v))
-            outs.append(torch.stack(res))
-    assert torch.allclose(outs[0], outs[1], atol=1e-5)
-
-
-@pytest.mark.parametrize("lagged", [True, False])
-def test_fused_attention_gives_what_the_torch_form_gives(lagged):
-    # Streaming heads (inactive in their groups) and a spill along the way (generated_cap 16).
+def test_fused_kernels_give_what_the_torch_forms_give(lagged, fused):
+    # The token level's scores and the exact attention, each in its Triton form and its torch form;
+    # streaming heads (inactive in their groups) and a spill along the way (generated_cap 16).
     cfg = asynctls_config(blocks=6, tokens=24, lagged=lagged, streaming_heads={1: [0, 4]}, kv={"generated_cap": 16})
     g = cfg.geometry
     outs = []
-    for fused in (False, True):
+    for on in (False, True):
         with runtime(cfg) as rt:
-            rt.gpu_executor.fused_attention = fused
+            setattr(rt.gpu_executor, fused, on)
             prefill_random(rt, 0, 700, seed=24)
             prefill_random(rt, 1, 500, seed=25)
             gen = torch.Generator().manual_seed(26)
