@@ -1173,6 +1173,13 @@ def _validate_cross(cfg: Config) -> None:
         if sc.gpu_worker is False:
             raise ConfigError("scheduler.gpu_worker: false; selection 'asynctls' runs on the GPU lane; allowed: true, or "
                               "'auto' on a machine with CUDA (true without CUDA runs it on the host)")
+        # The cache keeps room for one spill's blocks; those stay resident for resident_steps steps, so
+        # two spills must lie further apart than that (they come at least generated_cap - 15 tokens apart).
+        most = kv.generated_cap - PAGE_SIZE + 1
+        if cfg.selection.resident_steps > most:
+            raise ConfigError(f"selection.resident_steps: {cfg.selection.resident_steps} exceeds the {most} steps between "
+                              f"two spills of kv_cache.generated_cap={kv.generated_cap} tokens; allowed: at most {most}, or "
+                              "a larger generated_cap")
     _validate_sparda(cfg)
     if cfg.evosparse is not None:
         _validate_evosparse(cfg)

@@ -483,6 +483,8 @@ def test_config_selects_the_executor_and_refuses_what_it_cannot_run(tmp_path):
         selection={"name": "fixed", "resident_steps": 2})
     bad(r"selection.resident_steps: 2; with selection.blocks 'all'", selection={"blocks": "all", "resident_steps": 2})
     bad(r"selection.resident_steps: 0 is out of range; allowed: 1 <= value <= 16", selection={"resident_steps": 0})
+    bad(r"selection.resident_steps: 2 exceeds the 1 steps between two spills of kv_cache.generated_cap=16",
+        selection={"resident_steps": 2}, kv_cache={"generated_cap": 16})
     bad(r"selection.name: 'asynctls2' is not allowed", selection={"name": "asynctls2"})
     bad(r"experiment.variants\[0\].selection: 'asynctls' runs in its own GPU-lane executor",
         experiment={"variants": [{"name": "a", "selection": {"tokens": 64}}]})
