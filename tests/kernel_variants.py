@@ -246,8 +246,9 @@ def sparda(geometry: GeometryConfig, dtype: str) -> None:
 
 
 def asynctls(geometry: GeometryConfig, dtype: str) -> None:
-    """AsyncTLS's block fetch into the resident cache, with the arguments of the executor's warm-up
-    (`AsyncTlsExecutor.warm_up`, CUDA only) on a cache sized as the executor sizes it."""
+    """AsyncTLS's block fetch into the resident cache and its attention over the chosen tokens there,
+    with the arguments of the executor's warm-up (`AsyncTlsExecutor.warm_up`, CUDA only) on a cache sized
+    as the executor sizes it."""
     from gpu_kernels.block_fetch import fetch_blocks
     from hybrid_runtime.config import config_from_dict
     from hybrid_runtime.executors.asynctls import cache_slots
@@ -279,6 +280,14 @@ def asynctls(geometry: GeometryConfig, dtype: str) -> None:
             int4_token_scores(q_c, index.codes[0], index.qparams[0], none, torch.zeros_like(none), zero, blk)
     gather_tokens(store.arena(0), torch.zeros((1, 1), dtype=torch.int64), torch.zeros((1, 1), dtype=torch.int64),
                   torch.zeros((1, 1), dtype=torch.bool))
+    # The exact attention over the chosen tokens in the cache, with the warm-up's arguments.
+    from gpu_kernels.asynctls_attention import selected_attention
+
+    g, hq = geometry.group_size, store.kv_heads * geometry.group_size
+    q = torch.zeros((1, hq, store.head_dim), dtype=torch.float32)
+    selected_attention(q, cache.k[0], cache.v[0], zero, zero, zero, torch.zeros_like(none),
+                       torch.zeros((1, 1), dtype=torch.bool), torch.zeros((1, g), dtype=torch.bool), q.clone(),
+                       torch.zeros((1, hq), dtype=torch.float32))
     store.close()
 
 
