@@ -14,7 +14,11 @@ memory (`cuStreamWaitValue64`, as a trailing CPU lane's merge holds the caller's
 queued kernel behind it, the replays going to a high-priority side stream as the window part's do.
 If the host's calls slow down only then, the stream wait is what the decode path's replays pay.
 
-    python benchmarks/diag/graph_replay_cost.py [--kernels 4] [--reps 2000] [--blocked]
+`--idle`: the device synchronised before each timed call, so a call never waits for room in a
+queue the device is still draining: the launch's own host cost, to set against the node count
+(`--kernels 4 16 64 128`: one row block per size).
+
+    python benchmarks/diag/graph_replay_cost.py [--kernels 4 ...] [--reps 2000] [--blocked] [--idle]
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ def _other_work(buf: list) -> None:
     buf.clear()
 
 
-def _time(fn, reps: int, between: bool) -> np.ndarray:
+def _time(fn, reps: int, between: bool, idle: bool = False) -> np.ndarray:
     out = np.empty(reps)
     scratch: list = []
     for r in range(reps):
         if between:
             _other_work(scratch)
+        if idle:
+            torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
         fn()
         out[r] = time.perf_counter() - t0
@@ -54,17 +60,24 @@ def _time(fn, reps: int, between: bool) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", type=int, default=4)
+    ap.add_argument("--kernels", type=int, nargs="+", default=[4], help="kernels per graph (one run per value)")
     ap.add_argument("--reps", type=int, default=2000)
     ap.add_argument("--blocked", action="store_true", help="another stream held by a host-memory wait meanwhile")
+    ap.add_argument("--idle", action="store_true", help="synchronise before each timed call (no queue to wait for)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
+    for n in args.kernels:
+        run(n, args)
+
+
+def run(n_kernels: int, args: argparse.Namespace) -> None:
+    torch.cuda.set_stream(torch.cuda.default_stream())
     x = torch.zeros(1024, device="cuda")
     stream = torch.cuda.Stream()
 
     def kernels() -> None:
-        for _ in range(args.kernels):
+        for _ in range(n_kernels):
             x.add_(1.0)
 
     with torch.cuda.stream(stream):
@@ -89,7 +102,7 @@ def main() -> None:
         cur = side
     ways = {"torch CUDAGraph.replay": graph.replay,
             "torch._C._CUDAGraph.replay": lambda: torch._C._CUDAGraph.replay(graph),
-            f"{args.kernels} plain launches": kernels}
+            f"{n_kernels} plain launches": kernels}
     exec_handle = getattr(graph, "raw_cuda_graph_exec", None)
     if exec_handle is not None:
         try:
@@ -107,15 +120,16 @@ def main() -> None:
             print(f"(driver launch unavailable: {type(exc).__name__}: {exc})")
     else:
         print("(this torch has no CUDAGraph.raw_cuda_graph_exec)")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; a graph of {args.kernels} kernels; "
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; a graph of {n_kernels} kernels; "
           f"{args.reps} calls per row; host us per call"
-          + ("; another stream held by a host-memory wait throughout" if args.blocked else ""))
+          + ("; another stream held by a host-memory wait throughout" if args.blocked else "")
+          + ("; the device idle at each call" if args.idle else ""))
     print(f"{'way':<30} {'loop med':>9} {'p90':>7} {'between med':>12} {'p90':>7}")
     for name, fn in ways.items():
         fn()
         torch.cuda.current_stream().synchronize()
-        tight = _time(fn, args.reps, between=False)
-        cold = _time(fn, args.reps, between=True)
+        tight = _time(fn, args.reps, between=False, idle=args.idle)
+        cold = _time(fn, args.reps, between=True, idle=args.idle)
         print(f"{name:<30} {np.median(tight):>9.1f} {np.percentile(tight, 90):>7.1f} "
               f"{np.median(cold):>12.1f} {np.percentile(cold, 90):>7.1f}")
     if word is not None:
