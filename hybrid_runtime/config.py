@@ -31,6 +31,11 @@ def _choices(*allowed: Any) -> dict:
     return {"choices": allowed}
 
 
+# The most steps AsyncTLS's resident cache may keep blocks for (`selection.resident_steps`): each costs
+# the cache's device memory once more.
+MAX_RESIDENT_STEPS = 16
+
+
 def _range(lo: float | None = None, hi: float | None = None) -> dict:
     return {"range": (lo, hi)}
 
@@ -164,7 +169,7 @@ class SelectionConfig:
     # asynctls: the resident cache keeps the blocks chosen at any of the last `resident_steps` steps
     # (1: `C_{t+1} = M_t`, the paper's); the token level reads all of them, so a lagged step misses
     # fewer of this step's blocks, for `resident_steps` times the cache's device memory.
-    resident_steps: int = field(default=1, metadata=_range(1, 16))
+    resident_steps: int = field(default=1, metadata=_range(1, MAX_RESIDENT_STEPS))
     # asynctls: the calibrated channel file of the model (python -m hybrid_runtime.experiments.
     # asynctls_calibration; looked up like `checkpoint`), and how many of its ranked channels per KV
     # head the token index keeps in INT4 (d_c).

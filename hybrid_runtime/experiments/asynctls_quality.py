@@ -47,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hybrid_runtime.config import Config, config_from_dict
+from hybrid_runtime.config import MAX_RESIDENT_STEPS, Config, config_from_dict
 from hybrid_runtime.experiments.quality_settings import (
     length_tag,
     load_section_settings,
@@ -100,8 +100,8 @@ class AsyncTlsQualitySettings:
         if not 0.0 < self.block_fraction <= 1.0 or self.level1_over_budget < 1.0:
             raise ValueError("asynctls_quality: block_fraction must lie in (0, 1] and level1_over_budget be >= 1 (the "
                              "block level must keep at least the token budget)")
-        if not 1 <= self.resident_steps <= 16:
-            raise ValueError(f"asynctls_quality.resident_steps: {self.resident_steps}; allowed: 1 to 16")
+        if not 1 <= self.resident_steps <= MAX_RESIDENT_STEPS:
+            raise ValueError(f"asynctls_quality.resident_steps: {self.resident_steps}; allowed: 1 to {MAX_RESIDENT_STEPS}")
         if self.text_offset < 0:
             raise ValueError(f"asynctls_quality.text_offset: {self.text_offset}; allowed: >= 0 (a token index of the corpus)")
         if "scheduler" in self.runtime or "selection" in self.runtime:
