@@ -1384,6 +1384,8 @@ class HybridRuntime:
             # Window parts replayed from a CUDA graph, and the graphs captured (kv_cache.window_graphs).
             "window_graph_replays": self._window_graphs.replays if self._window_graphs is not None else 0,
             "window_graph_captures": self._window_graphs.captures if self._window_graphs is not None else 0,
+            # Of them, graphs that read the caller's k, v in place (the same tensors handed twice in a row).
+            "window_graph_direct_captures": self._window_graphs.direct_captures if self._window_graphs is not None else 0,
             # GPU-lane claims replayed from a CUDA graph, and the graphs captured (scheduler.claim_launch
             # graphs); claims issued by the native launcher, and why it could not be built (None: it
             # could, or was not asked for).

@@ -65,6 +65,7 @@ class TaskList(_SequenceABC):
         self._sorted: tuple | None = None
         self._native: tuple | None = None
         self._gpu_packed: Any = None
+        self._queue_layout: tuple | None = None  # a TaskQueue's (order, ordered tasks, byte sums), made once
 
     # -- the Sequence of Task objects
     def objects(self) -> list[Task]:

@@ -7,7 +7,11 @@ the CPU workers' memory traffic is on the step's critical path (benchmarks/notes
 sections 12-13). A replay is one driver call. What a graph needs fixed, it gets:
 
 * the step's k and v are copied into the graph's own buffers (one copy each, which also converts
-  them to the window's dtype), q is read from the runtime's fp32 buffer of scaled queries;
+  them to the window's dtype), q is read from the runtime's fp32 buffer of scaled queries. A caller
+  that hands the same k and v tensors every step (a model's own decode graph writes its outputs in
+  place), contiguous and in the window's dtype, gets a second graph once it did so twice in a row:
+  that one reads them where they are, and the two copies (~20 us of host time each on the H200
+  machine, `benchmarks/diag/decode_host_timers.py`) go. Other tensors take the copies again;
 * the append's (slot, row) and the window's (slot, length) live in pinned rows of each graph's
   own that the kernels read through UVA; the host rewrites it only after the graph's previous replay ended
   (an event; in a model it ended a whole model step earlier);
@@ -56,6 +60,11 @@ class _Graph:
     lse: torch.Tensor  # [B, Hq] fp32
     workspace: WindowWorkspace
     done: torch.cuda.Event  # recorded after each replay: the rows are rewritten only after it
+    # The graph that reads the caller's k, v in place, and their (address, address); captured once the
+    # caller handed the same ones twice in a row (`last_src`).
+    direct: torch.cuda.CUDAGraph | None = None
+    direct_src: tuple[int, int] | None = None
+    last_src: tuple[int, int] | None = None
 
 
 class WindowGraphs:
@@ -78,8 +87,10 @@ class WindowGraphs:
         self._free_rows = list(range(max_graphs))
         self._capture_stream = torch.cuda.Stream(device)
         self.captures = 0
+        self.direct_captures = 0  # of the captures, graphs that read the caller's k, v in place
         self.replays = 0
         self.capture_error: str | None = None  # after a failed capture, every graph launches eagerly
+        self.direct_error: str | None = None  # after a failed capture of a direct graph, k and v are copied
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -107,6 +118,18 @@ class WindowGraphs:
         gr.append_np[0], gr.append_np[1] = slots, rows
         gr.window_np[0], gr.window_np[1] = slots, rows
         gr.window_np[1] += 1  # the window's length: the new token's row + 1
+        # The caller's k, v where a graph may read them in place: the staging buffers' dtype and layout.
+        src = (k.data_ptr(), v.data_ptr()) if k.dtype == gr.k.dtype and v.dtype == gr.v.dtype and \
+            k.shape == gr.k.shape and v.shape == gr.v.shape and k.is_contiguous() and v.is_contiguous() and \
+            k.device == gr.k.device and v.device == gr.v.device else None
+        if gr.graph is not None and src is not None and src != gr.direct_src and src == gr.last_src:
+            self._capture_direct(layer, gr, qs, k, v, src)
+        gr.last_src = src
+        if gr.direct is not None and src == gr.direct_src:
+            gr.direct.replay()  # k, v read in place: no staging copies
+            self.replays += 1
+            gr.done.record(stream)
+            return gr.out, gr.lse
         gr.k.copy_(k)
         gr.v.copy_(v)
         if fresh:
@@ -144,9 +167,12 @@ class WindowGraphs:
             done=torch.cuda.Event(),
         )
 
-    def _kernels(self, layer: int, gr: _Graph, qs: torch.Tensor) -> None:
+    def _kernels(self, layer: int, gr: _Graph, qs: torch.Tensor, k: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None) -> None:
+        """The append (of `k, v`, by default the graph's staging buffers) and the window attention."""
         win_k, win_v = self.store.window(layer)
-        append_window(win_k, win_v, gr.k, gr.v, gr.append_rows_dev, validate=False)
+        append_window(win_k, win_v, gr.k if k is None else k, gr.v if v is None else v, gr.append_rows_dev,
+                      validate=False)
         # The full width sizes the split grid: the same grid whatever the lengths at a replay.
         rows = gr.window_rows_dev
         window_attention(qs, win_k, win_v, rows[0], rows[1], gr.out, gr.lse, max_len=win_k.shape[2],
@@ -161,3 +187,19 @@ class WindowGraphs:
             return
         gr.graph = graph
         self.captures += 1
+
+    def _capture_direct(self, layer: int, gr: _Graph, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        src: tuple[int, int]) -> None:
+        """Capture `gr`'s kernels reading `k, v` in place (replacing a graph of other addresses); a
+        failed capture leaves the staging graph to serve, and tries no more direct graphs."""
+        if self.direct_error is not None:
+            return
+        try:
+            graph = capture_graph(lambda: self._kernels(layer, gr, qs, k, v), self._capture_stream)
+        except RuntimeError as exc:
+            self.direct_error = f"{type(exc).__name__}: {exc}"
+            log.warning("window graphs: capture of a graph reading k, v in place failed (%s); they are copied", exc)
+            return
+        gr.direct, gr.direct_src = graph, src
+        self.captures += 1
+        self.direct_captures += 1

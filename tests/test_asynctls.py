@@ -537,6 +537,8 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
             if dev == "cuda":
                 assert ex.graphs == graphs  # no capture failed
                 assert ex.transfer_seconds() > 0 or (graphs and not lagged)  # graphed synchronous copies have no events
+                # A graphed lagged claim's copy replays its own graph on the copy stream.
+                assert (ex.fetch_replays > 0) == (graphs and lagged)
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
 
 

@@ -137,3 +137,47 @@ def test_an_output_without_cpu_parts_is_the_callers_own_tensor():
         assert len({out.data_ptr() for out, _ in firsts}) == 3
     finally:
         rt.close()
+
+
+@pytest.mark.gpu
+def test_a_caller_handing_the_same_k_v_gets_a_graph_reading_them_in_place():
+    """A model's decode graph writes k, v into the same tensors every step: once handed twice in a
+    row (contiguous, in the window's dtype), the window part replays a graph that reads them where
+    they are (no staging copies). Outputs equal a runtime launching kernel by kernel, also when the
+    caller switches to other tensors midway (copied again, then read in place again) and when the
+    tensors are in another dtype (always copied)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    steps = []
+    for i in range(30):
+        steps.append((torch.randn(3, 8, 64, generator=gen, device="cuda"),
+                      torch.randn(3, 2, 64, generator=gen, device="cuda"),
+                      torch.randn(3, 2, 64, generator=gen, device="cuda")))
+    outs, direct = {}, {}
+    for graphs in (True, False):
+        rt = _runtime(graphs, "cpu_only")
+        dtype = rt.store.window(0)[0].dtype
+        assert dtype == torch.bfloat16  # the config's default: the steps' fp32 k, v are another dtype
+        static = [(torch.empty(3, 2, 64, dtype=dtype, device="cuda"), torch.empty(3, 2, 64, dtype=dtype, device="cuda"))
+                  for _ in range(2)]
+        try:
+            for s, n in enumerate([5000, 3000, 200]):
+                for layer in range(2):
+                    rt.prefill(s, layer, *(x.cuda() for x in random_kv(n, 2, 64, seed=10 * s + layer)))
+            got = []
+            for i, (q, k, v) in enumerate(steps):
+                for layer in range(2):
+                    if i >= 25:  # fp32 beside a bf16 window: copied (and converted) every step
+                        kk, vv = k, v
+                    else:
+                        kk, vv = static[0 if i < 12 else 1]  # the caller's buffers, switched at step 12
+                        kk.copy_(k)
+                        vv.copy_(v)
+                    got.append(rt.decode(layer, [0, 1, 2], q, kk, vv))
+            outs[graphs] = got
+            direct[graphs] = rt.stats()["window_graph_direct_captures"]
+        finally:
+            rt.close()
+    # Per layer: one graph for the first buffers (captured at their second step), one for the second (at step 13).
+    assert direct == {True: 4, False: 0}
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from cpu_kernels import layout
+from gpu_kernels.streams import use_stream
 from hybrid_runtime import native_pool
 from hybrid_runtime.config import ConfigError, GeometryConfig, KVCacheConfig, SelectionConfig, resolve_checkpoint
 from hybrid_runtime.kvcache import KVStore
@@ -205,6 +206,7 @@ class AsyncTlsExecutor:
         self._ring = torch.zeros((self.RING, 3, max_tasks), dtype=torch.int64, pin_memory=self.cuda)
         self._ring_users: list[AsyncTlsLaunch | None] = [None] * self.RING
         self.launches = 0
+        self.fetch_replays = 0  # lagged copies replayed from a graph (`_graph`) rather than launched
         self.steps = 0
         self.bytes_read = 0
         self.blocks_selected = 0
@@ -440,7 +442,7 @@ class AsyncTlsExecutor:
         if self.cuda:
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             f0, f1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.stream):
+            with use_stream(self.stream):  # torch.cuda.stream's device lookups cost host time here
                 ev0.record(self.stream)
                 self._claim(plan, start, stop, step, counts_host, (f0, f1), ev1)
         else:
@@ -472,7 +474,8 @@ class AsyncTlsExecutor:
         if end is not None:
             end.record(self.stream)
         if self.lagged and not self.offload_selection:
-            self._fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest, fetch_events, side=True)
+            self._fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest, fetch_events, side=True,
+                        graph=graph[2] if graph is not None else None)
 
     def _claim_ops(self, layer: int, d: dict, step: Step, arena: torch.Tensor,
                    fetch_events: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -542,6 +545,7 @@ class AsyncTlsExecutor:
             return entry
         r = stop - start
         bufs = self._graph_outputs(plan.layer, r)
+        fetch_graph = None
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
@@ -551,12 +555,19 @@ class AsyncTlsExecutor:
                 outs = (bufs[0][: r * k].view(r, k), bufs[1][: r * k].view(r, k), bufs[2][: 3 * r].view(3, r))
                 for buf, value in zip(outs, (chosen, dest, counts)):
                     buf.copy_(value)
+            if self.lagged and not self.offload_selection:
+                # The lagged copy of the misses, on the copy stream after the claim: a graph of its own
+                # (a replay costs the host less than the kernel's launch), reading the claim's outputs.
+                fetch_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(fetch_graph, stream=self.copy_stream, capture_error_mode="thread_local"):
+                    self.cache.fetch(plan.layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], outs[0], outs[1],
+                                     stream=self.copy_stream.cuda_stream)
         except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly from now on
             log.warning("AsyncTLS: capturing a claim as a CUDA graph failed (%r); claims run eagerly from now on", exc)
             self.graphs = False
             graphs[key] = None
             return None
-        entry = graphs[key] = (graph, outs)
+        entry = graphs[key] = (graph, outs, fetch_graph)
         return entry
 
     def _graph_outputs(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -571,23 +582,32 @@ class AsyncTlsExecutor:
         return bufs
 
     def _fetch(self, layer: int, arena: torch.Tensor, chunks: torch.Tensor, slot: torch.Tensor, kv_head: torch.Tensor,
-               chosen: torch.Tensor, dest: torch.Tensor, events: tuple | None, side: bool) -> None:
+               chosen: torch.Tensor, dest: torch.Tensor, events: tuple | None, side: bool,
+               graph: torch.cuda.CUDAGraph | None = None) -> None:
         """Copy the missing blocks; on CUDA on the copy stream (`side`, after the claim's reads of
-        the cache) or the executor's stream, bracketed by `events`; the layer's event marks its end."""
+        the cache) or the executor's stream, bracketed by `events`; the layer's event marks its end.
+        `graph`: the same copy captured (`_graph`: it reads the graphed claim's outputs), replayed."""
         if not self.cuda:
             self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest)
             return
         stream = self.copy_stream if side else self.stream
         if side:
             stream.wait_stream(self.stream)
-            for t in (chunks, slot, kv_head, chosen, dest):
-                t.record_stream(stream)  # made on the executor's stream, read on the copy stream
+            # Made on the executor's stream, read on the copy stream. A graphed claim's outputs are
+            # the executor's own buffers, kept for its life.
+            for t in (chunks, slot, kv_head) if graph is not None else (chunks, slot, kv_head, chosen, dest):
+                t.record_stream(stream)
         if events is None:  # inside a graph capture: the copy is part of the graph
             self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
             return
         f0, f1 = events
         f0.record(stream)
-        self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
+        if graph is not None:
+            with use_stream(stream, self.stream):  # a replay goes to the current stream
+                graph.replay()
+            self.fetch_replays += 1
+        else:
+            self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
         f1.record(stream)
         self._fetched[layer] = f1
         self.fetch_events.append((layer, f0, f1))
