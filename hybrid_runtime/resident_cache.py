@@ -7,9 +7,10 @@ updates a row whose cache holds `C` by `plan_update`: blocks of `C` not in `M` a
 missing blocks `T = M \\ C` are assigned the freed slots in order, and afterwards the row holds
 exactly `M`. `plan_update_aged` keeps more history (`selection.resident_steps` = n): each slot's age
 counts the updates since its block was last chosen (or inserted), and a block leaves only when its
-age reaches n, so the row holds the union of the last n chosen sets; n = 1 is `plan_update`. Only `T` moves (`fetch`): on CUDA one Triton launch reading the pinned arena through
-its UVA view (`gpu_kernels/block_fetch.py`), with the set decided on the device, so nothing
-waits for the host; on the host the same copies as torch indexing.
+age reaches n, so the row holds the union of the last n chosen sets; n = 1 is `plan_update`.
+Only `T` moves (`fetch`): on CUDA one Triton launch reading the pinned arena through its UVA view
+(`gpu_kernels/block_fetch.py`), with the set decided on the device, so nothing waits for the
+host; on the host the same copies as torch indexing.
 """
 
 from __future__ import annotations
