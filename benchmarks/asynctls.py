@@ -273,7 +273,10 @@ def run_point(args, batch: int, context: int) -> dict:
         for mode, smp in samples.items():
             attn = np.maximum(np.array(smp["step_s"]) - np.array(smp["work_s"]), 0.0) / g.layers
             row[mode] = {"attention_ms_per_layer": float(np.median(attn)) * 1e3,
+                         # The spread: a median that hides slow steps is not the result.
+                         "attention_ms_per_layer_mean": float(np.mean(attn)) * 1e3,
                          "attention_ms_per_layer_p90": float(np.percentile(attn, 90)) * 1e3,
+                         "attention_ms_per_layer_p99": float(np.percentile(attn, 99)) * 1e3,
                          "step_ms": float(np.median(smp["step_s"])) * 1e3,
                          "model_work_ms": float(np.median(smp["work_s"])) * 1e3,
                          # Host time in `decode` per layer: when it exceeds the GPU's work, the step is host-bound.
@@ -325,6 +328,11 @@ def metrics_of(rows: list[dict]) -> dict:
             out[f"hidden_fraction_{tag}"] = r["hidden_fraction"]
         for mode in MODES:
             out[f"attention_ms_per_layer_{mode}_{tag}"] = r[mode]["attention_ms_per_layer"]
+            if "attention_ms_per_layer_mean" in r[mode]:
+                out[f"attention_mean_over_median_{mode}_{tag}"] = (r[mode]["attention_ms_per_layer_mean"]
+                                                                   / r[mode]["attention_ms_per_layer"])
+                out[f"attention_p99_over_median_{mode}_{tag}"] = (r[mode]["attention_ms_per_layer_p99"]
+                                                                  / r[mode]["attention_ms_per_layer"])
             out[f"claim_ms_per_layer_{mode}_{tag}"] = r[mode]["claim_ms_per_layer"]
             out[f"bytes_per_layer_step_{mode}_{tag}"] = r[mode]["bytes_per_layer_step"]
         out[f"transfer_ms_per_layer_{tag}"] = r["transfer_ms_per_layer"]
@@ -349,13 +357,16 @@ def markdown(result: dict) -> str:
              "`lagged_waits` lagged with every layer waiting for its claim and a synchronous NaN/inf check (the runtime's "
              "step before GPU-only steps trailed). Claim: "
              "GPU time of the executor's claim; the rest of the attention time is the runtime's step around it.", "",
-             "| batch | context | mode | attention ms/layer | claim ms/layer | host ms/layer in decode | MB moved per layer step | lagged / mode |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| batch | context | mode | attention ms/layer | mean / p99 | claim ms/layer | host ms/layer in decode | "
+             "MB moved per layer step | lagged / mode |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["points"]:
         for mode in MODES:
             m = r[mode]
             ratio = r["lagged"]["attention_ms_per_layer"] / m["attention_ms_per_layer"]
-            lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {mode} | {m['attention_ms_per_layer']:.3f} | "
+            spread = f"{m['attention_ms_per_layer_mean']:.3f} / {m['attention_ms_per_layer_p99']:.3f}" \
+                if "attention_ms_per_layer_mean" in m else "-"
+            lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {mode} | {m['attention_ms_per_layer']:.3f} | {spread} | "
                          f"{m['claim_ms_per_layer']:.3f} | {m['host_ms_per_layer']:.3f} | "
                          f"{m['bytes_per_layer_step'] / 1e6:.2f} | {ratio:.2f} |")
     lines += ["", "| batch | context | transfer ms/layer (lagged copies) | hidden (vs sync_misses) | epsilon median / p90 | "
