@@ -128,6 +128,36 @@ def build(args):
     return rt, cfg
 
 
+def add_point_args(ap: argparse.ArgumentParser) -> None:
+    """The point of the diagnostics that build this census's runtime at Llama-3.1-8B's heads
+    (`asynctls_replay_cost.py`, `decode_host_timers.py`, `decode_host_sampler.py`, `asynctls_host_ab.py`)."""
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=512)
+
+
+def prefilled(args: argparse.Namespace) -> tuple:
+    """The census's runtime (`build`, Llama-3.1-8B heads, blocks of 64, 32 index channels) at
+    `add_point_args`'s point, every sequence prefilled with random bf16 KV on the runtime's device.
+    Returns (runtime, config, queries `[B, layers, Hq, D]`, seq_ids, zero k/v `[B, Hkv, D]`)."""
+    build_args = argparse.Namespace(geometry="llama", layers=args.layers, batch=args.batch, context=args.context,
+                                    block_size=64, blocks=args.blocks, tokens=args.tokens, channels=32)
+    rt, cfg = build(build_args)
+    g = cfg.geometry
+    dev = rt.device
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn((args.batch, g.layers, g.q_heads, g.head_dim), generator=gen).to(dev)
+    for s in range(args.batch):
+        for layer in range(g.layers):
+            k = torch.randn((args.context, g.kv_heads, g.head_dim), generator=gen, dtype=torch.bfloat16)
+            v = torch.randn((args.context, g.kv_heads, g.head_dim), generator=gen, dtype=torch.bfloat16)
+            rt.prefill(s, layer, k.to(dev), v.to(dev), q_last=q[s, layer])
+    zeros = torch.zeros((args.batch, g.kv_heads, g.head_dim), dtype=torch.bfloat16, device=dev)
+    return rt, cfg, q, list(range(args.batch)), zeros
+
+
 def frame_of(e):
     m = PROJECT.match(e.name)
     return f"{m.group(1)}:{m.group(3)}" if m else None

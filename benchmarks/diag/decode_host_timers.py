@@ -112,27 +112,12 @@ def wrap_all(spent: dict, calls: dict) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--blocks", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=512)
+    asynctls_census.add_point_args(ap)
     ap.add_argument("--steps", type=int, default=100, help="timed steps (all layers)")
     args = ap.parse_args()
-    build_args = argparse.Namespace(geometry="llama", layers=args.layers, batch=args.batch, context=args.context,
-                                    block_size=64, blocks=args.blocks, tokens=args.tokens, channels=32)
-    rt, cfg = asynctls_census.build(build_args)
+    rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
     g = cfg.geometry
     dev = rt.device
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn((args.batch, g.layers, g.q_heads, g.head_dim), generator=gen).to(dev)
-    for s in range(args.batch):
-        for layer in range(g.layers):
-            k = torch.randn((args.context, g.kv_heads, g.head_dim), generator=gen, dtype=torch.bfloat16)
-            v = torch.randn((args.context, g.kv_heads, g.head_dim), generator=gen, dtype=torch.bfloat16)
-            rt.prefill(s, layer, k.to(dev), v.to(dev), q_last=q[s, layer])
-    seq_ids = list(range(args.batch))
-    zeros = torch.zeros((args.batch, g.kv_heads, g.head_dim), dtype=torch.bfloat16, device=dev)
     noise = torch.empty_like(q[:, 0])
 
     def step(per_call: list | None, spent: dict, calls: dict) -> None:
