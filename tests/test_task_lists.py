@@ -106,6 +106,29 @@ def test_a_queue_over_the_whole_list_takes_the_vectorised_table(store):
     assert np.array_equal(tab, ref[0]) and np.array_equal(nsel, ref[1]) and np.array_equal(chunks, ref[2])
 
 
+def test_queues_over_a_reused_list_share_its_layout_and_nothing_else(store):
+    """A reused task list keeps one queue layout (order, ordered tasks, byte sums); each queue over
+    it still hands every task out once and counts its own progress; the layout is that of a queue
+    given the priorities and bytes explicitly (which does not cache)."""
+    rng = np.random.default_rng(9)
+    tasks = build_tasks(store, 1, [3, 0, 2], random_plan(rng, 3, "mixed"))
+    first, second = TaskQueue(tasks), TaskQueue(tasks)
+    explicit = TaskQueue(tasks, tasks.priority, tasks.modeled_bytes)
+    assert tasks._queue_layout is not None and first.tasks is second.tasks and first.order is second.order
+    assert explicit.tasks is not first.tasks and np.array_equal(explicit.order, first.order)
+    assert [t.index for t in explicit.tasks] == [t.index for t in first.tasks]
+    assert np.array_equal(explicit.cum_bytes, first.cum_bytes)
+    i, j = first.claim_range(float("inf"))
+    first.finish(j - i)
+    assert (i, j) == (0, len(tasks)) and first.done() and first.finished == len(tasks)
+    assert len(second) == len(tasks) and second.finished == 0 and not second.done()
+    handed = []
+    while (task := second.pop()) is not None:
+        handed.append(task.index)
+        second.finish()
+    assert sorted(handed) == list(range(len(tasks))) and second.done()
+
+
 def test_bad_plans_are_refused(store):
     with pytest.raises(ValueError, match=r"block size 24 is not one of kv_cache.block_sizes"):
         build_tasks(store, 0, [0], HeadPlan(np.array([[16, 24]]), np.full((1, HKV * G), 0.1, np.float32)))
