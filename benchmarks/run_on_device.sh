@@ -4,7 +4,7 @@
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
 #   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps first_step_host slow_tokens_96k prepare_ab score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
-#   tpot_grid nosa asynctls asynctls_host sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
+#   tpot_grid nosa asynctls asynctls_host host_timers_fluxion sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
 #   code and expectations the compiled path does not: two such test bugs and a launcher bug hid there). Experiments need matplotlib: carry its wheels
@@ -272,6 +272,9 @@ for step in $steps; do
                 --out "$out/asynctls-$dev.json" &&
             timeout 150 python benchmarks/diag/decode_host_timers.py --batch 8 --context 32768 --steps 150 &&
             timeout 150 python benchmarks/diag/asynctls_host_ab.py --batch 8 --context 32768 --steps 250 ;;
+        # The hybrid lanes' step (fluxion, fixed (16, 0.05), 15 workers) timed function by function, without a profiler.
+        host_timers_fluxion) timeout 240 python benchmarks/diag/decode_host_timers.py --runtime fluxion --batch 4 \
+            --context 32768 --layers 4 --steps 100 ;;
         sparda) timeout 590 python benchmarks/sparda.py --out "$out/sparda-$dev.json" ;;
         evosparse) timeout 590 python benchmarks/evosparse.py --out "$out/evosparse-$dev.json" ;;
         *) echo "unknown step $step"; false ;;

@@ -9,9 +9,13 @@ such call by its GIL hand-over (the call took 1.5 ms under it against 0.6-0.9 wi
 
 Each function in TIMED (and torch's event, stream, graph and copy calls) is wrapped; per decode call
 the table gives its calls and inclusive host time (median and mean over calls), and `decode` itself.
-Nested functions overlap (inclusive times do not add up).
+Nested functions overlap (inclusive times do not add up). `--runtime fluxion`: the same for the
+hybrid lanes' step instead (fixed (16, 0.05), placement fluxion, `--cpu-workers` pinned workers and
+the UVA GPU lane, as `benchmarks/layer_attention.py` builds it); functions called on the workers'
+threads are timed there too, so their rows are not the caller's time.
 
     python benchmarks/diag/decode_host_timers.py --batch 8 --context 32768 --steps 100
+    python benchmarks/diag/decode_host_timers.py --runtime fluxion --batch 4 --context 32768 --steps 100
 """
 
 from __future__ import annotations
@@ -65,6 +69,11 @@ TIMED = [
     ("hybrid_runtime.kvcache", "KVStore.advance"),
     ("gpu_kernels.launch", "CachedLaunch.__call__"),
     ("gpu_kernels.launch", "LaunchPlan.__call__"),
+    ("hybrid_runtime.scheduler", "Scheduler.settle_cpu"),
+    ("hybrid_runtime.workers", "CpuWorkers.queue"),
+    ("hybrid_runtime.gpu_lane", "GpuLane.reserve_first"),
+    ("hybrid_runtime.executors.gpu_uva", "GpuUvaExecutor.upload"),
+    ("hybrid_runtime.executors.gpu_uva", "GpuUvaExecutor.launch"),
     ("torch.cuda", "CUDAGraph.replay"),
     ("torch.cuda", "Event.record"),
     ("torch.cuda", "Event.synchronize"),
@@ -110,12 +119,34 @@ def wrap_all(spent: dict, calls: dict) -> list:
     return undo
 
 
+def fluxion_prefilled(args: argparse.Namespace) -> tuple:
+    """`benchmarks/layer_attention.py`'s runtime (fluxion, fixed (16, 0.05)) at the point, prefilled;
+    the same returns as `asynctls_census.prefilled`."""
+    from benchmarks.common import prefill_random
+    from benchmarks.layer_attention import layer_setup
+    from hybrid_runtime.runtime import HybridRuntime
+
+    cfg, geo = layer_setup(args.layers, args.batch, args.context, args.cpu_workers)
+    rt = HybridRuntime(cfg, geo)
+    dev = rt.device
+    prefill_random(rt, args.batch, args.context, torch.Generator(device=dev).manual_seed(0))
+    torch.set_num_threads(1)  # idle intra-op threads must not spin on the workers' cores
+    q = torch.randn((args.batch, geo.layers, geo.q_heads, geo.head_dim), device=dev)
+    zeros = torch.zeros((args.batch, geo.kv_heads, geo.head_dim), dtype=torch.bfloat16, device=dev)
+    return rt, cfg, q, list(range(args.batch)), zeros
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     asynctls_census.add_point_args(ap)
     ap.add_argument("--steps", type=int, default=100, help="timed steps (all layers)")
+    ap.add_argument("--runtime", choices=("asynctls", "fluxion"), default="asynctls")
+    ap.add_argument("--cpu-workers", type=int, default=15, help="--runtime fluxion: CPU workers")
     args = ap.parse_args()
-    rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
+    if args.runtime == "asynctls":
+        rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
+    else:
+        rt, cfg, q, seq_ids, zeros = fluxion_prefilled(args)
     g = cfg.geometry
     dev = rt.device
     noise = torch.empty_like(q[:, 0])
