@@ -129,10 +129,11 @@ class TaskQueue:
         # A reused task list (the runtime's, while batch, plan and CPU segments are unchanged) keeps
         # its queue layout -- order, tasks in that order, byte prefix sums -- which no queue changes:
         # a step's queue over it is then only its counters (~60 us less host time a GPU-only step).
-        layout = getattr(tasks, "_queue_layout", None) if priorities is None and nbytes is None else None
+        cached = priorities is None and nbytes is None and hasattr(tasks, "_queue_layout")
+        layout = tasks._queue_layout if cached else None
         if layout is None:
             layout = self._layout(tasks, priorities, nbytes)
-            if hasattr(tasks, "_queue_layout") and priorities is None and nbytes is None:
+            if cached:
                 tasks._queue_layout = layout
         self.order, self._tasks, self._cum = layout  # order: position in the queue -> index in `tasks`
         self.rows: np.ndarray | None = None  # position -> row of the step's task list (StepJob.queue_rows)

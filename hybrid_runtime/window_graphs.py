@@ -128,20 +128,19 @@ class WindowGraphs:
         if gr.direct is not None and src == gr.direct_src:
             gr.direct.replay()  # k, v read in place: no staging copies
             self.replays += 1
-            gr.done.record(stream)
-            return gr.out, gr.lse
-        gr.k.copy_(k)
-        gr.v.copy_(v)
-        if fresh:
-            self._kernels(layer, gr, qs)  # this step, eagerly: compiles what is missing, sizes the workspace
-            if self.capture_error is None:
-                self._capture(layer, gr, qs)
-            self._graphs[key] = gr
-        elif gr.graph is None:
-            self._kernels(layer, gr, qs)  # capture failed once: launched kernel by kernel
         else:
-            gr.graph.replay()
-            self.replays += 1
+            gr.k.copy_(k)
+            gr.v.copy_(v)
+            if fresh:
+                self._kernels(layer, gr, qs)  # this step, eagerly: compiles what is missing, sizes the workspace
+                if self.capture_error is None:
+                    self._capture(layer, gr, qs)
+                self._graphs[key] = gr
+            elif gr.graph is None:
+                self._kernels(layer, gr, qs)  # capture failed once: launched kernel by kernel
+            else:
+                gr.graph.replay()
+                self.replays += 1
         gr.done.record(stream)
         return gr.out, gr.lse
 
