@@ -31,15 +31,19 @@ drifts of the machine hit all alike:
                     layer waits for its claim (`rt.gpu_only_trails` off) and checks its inputs for
                     NaN/inf with a device sync (`scheduler.finite_check: sync`); lagged over it is
                     what those two serialisations cost (benchmarks/notes/asynctls.md section 7)
+    lagged_general  `lagged` with every step through the scheduler's and GPU lane's loop (the runtime's
+                    express path for GPU-only steps off, `rt.express_path`); lagged over it is what the
+                    express path saves (benchmarks/notes/asynctls.md section 14). The other modes take
+                    the express path where the runtime does (steps without a spill).
 
-`lagged`, `sync_misses` and `lagged_waits` each drift the queries and keep the cache at `M_{t-1}`
+`lagged`, `sync_misses`, `lagged_waits` and `lagged_general` each drift the queries and keep the cache at `M_{t-1}`
 for the next; `sync_selection` reuses the queries of the step before it and leaves the cache alone,
 so the cached modes see the same temporal locality as before it was added.
 
 Attention time per layer = (step time - the same step's model work alone) / layers, medians over
 `--steps` measured steps per mode. `lagged_over_sync_time` is lagged over sync_selection;
 `lagged_over_sync_misses_time` lagged over sync_misses; `lagged_over_lagged_waits_time` lagged over
-lagged_waits. The transfer time is the GPU time of the
+lagged_waits; `lagged_over_lagged_general_time` lagged over lagged_general. The transfer time is the GPU time of the
 lagged mode's copies (CUDA events on the copy kernels; sync_misses copies the same blocks);
 hidden fraction = (sync_misses - lagged) / transfer, in [0, 1]. `claim_ms_per_layer` is the GPU
 time of the executor's claim (its start and end events: block level, token level, attention,
@@ -101,8 +105,8 @@ class ModelWork:
             torch.mm(x, w)
 
 
-MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits")
-CLAIM_MODES = MODES[:3]  # lagged_waits runs lagged's claims: no breakdown or profile of its own
+MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits", "lagged_general")
+CLAIM_MODES = MODES[:3]  # lagged_waits and lagged_general run lagged's claims: no breakdown or profile of their own
 
 
 def set_mode(rt: HybridRuntime, mode: str) -> None:
@@ -110,12 +114,13 @@ def set_mode(rt: HybridRuntime, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: allowed {', '.join(MODES)}")
     ex = rt.gpu_executor
-    ex.lagged = mode in ("lagged", "lagged_waits")
+    ex.lagged = mode in ("lagged", "lagged_waits", "lagged_general")
     ex.offload_selection = mode == "sync_selection"
     waits = mode == "lagged_waits"
     rt.scheduler.settle()  # nothing of the previous mode still trails
     rt.gpu_only_trails = rt.cuda and not waits  # the runtime's default on CUDA (a GPU-only runtime)
     rt.finite_check = "sync" if waits else "auto"  # this benchmark's config leaves the key at its default
+    rt.express_path = mode != "lagged_general"
 
 
 def breakdown(rt: HybridRuntime, step, steps: int) -> dict:
@@ -292,6 +297,9 @@ def run_point(args, batch: int, context: int) -> dict:
         # What the step's two serialisations with the host cost (GPU-only steps waiting for their claim,
         # the input check's device sync): lagged over the same claims with both back.
         row["lagged_over_lagged_waits_time"] = lag["attention_ms_per_layer"] / row["lagged_waits"]["attention_ms_per_layer"]
+        # What the express path for GPU-only steps saves: lagged over the same steps through the lanes' loop.
+        row["lagged_over_lagged_general_time"] = (lag["attention_ms_per_layer"]
+                                                  / row["lagged_general"]["attention_ms_per_layer"])
         # The copies' GPU time, timed on the lagged mode's side stream (a synchronous copy inside a
         # replayed CUDA graph has no events of its own); sync_misses moves the same blocks.
         row["transfer_ms_per_layer"] = lag["transfer_ms_per_layer"]
@@ -304,7 +312,10 @@ def run_point(args, batch: int, context: int) -> dict:
               f"({row['lagged_over_sync_misses_time']:.2f}x); transfer {row['transfer_ms_per_layer']:.3f} ms per layer, "
               f"hidden {row.get('hidden_fraction', float('nan')):.2f}; epsilon median {row['epsilon_median']:.3f}; "
               f"lagged_waits {row['lagged_waits']['attention_ms_per_layer']:.3f} ms "
-              f"({row['lagged_over_lagged_waits_time']:.2f}x)", flush=True)
+              f"({row['lagged_over_lagged_waits_time']:.2f}x); lagged_general "
+              f"{row['lagged_general']['attention_ms_per_layer']:.3f} ms ({row['lagged_over_lagged_general_time']:.2f}x); "
+              f"host ms/layer lagged {lag['host_ms_per_layer']:.3f}, lagged_general "
+              f"{row['lagged_general']['host_ms_per_layer']:.3f}", flush=True)
         if args.breakdown:
             row["breakdown"] = breakdown(rt, step, args.breakdown)
             for mode, stages in row["breakdown"].items():
@@ -324,6 +335,7 @@ def metrics_of(rows: list[dict]) -> dict:
         out[f"lagged_over_sync_time_{tag}"] = r["lagged_over_sync_time"]
         out[f"lagged_over_sync_misses_time_{tag}"] = r["lagged_over_sync_misses_time"]
         out[f"lagged_over_lagged_waits_time_{tag}"] = r["lagged_over_lagged_waits_time"]
+        out[f"lagged_over_lagged_general_time_{tag}"] = r["lagged_over_lagged_general_time"]
         if "hidden_fraction" in r:
             out[f"hidden_fraction_{tag}"] = r["hidden_fraction"]
         for mode in MODES:
@@ -335,7 +347,8 @@ def metrics_of(rows: list[dict]) -> dict:
             out[f"claim_ms_per_layer_{mode}_{tag}"] = r[mode]["claim_ms_per_layer"]
             out[f"bytes_per_layer_step_{mode}_{tag}"] = r[mode]["bytes_per_layer_step"]
         out[f"transfer_ms_per_layer_{tag}"] = r["transfer_ms_per_layer"]
-        out[f"host_ms_per_layer_lagged_{tag}"] = r["lagged"]["host_ms_per_layer"]
+        for mode in MODES:
+            out[f"host_ms_per_layer_{mode}_{tag}"] = r[mode]["host_ms_per_layer"]
         out[f"epsilon_median_{tag}"] = r["epsilon_median"]
         out[f"cache_mib_per_layer_sequence_{tag}"] = r["cache_mib_per_layer_sequence"]
     return out
@@ -354,7 +367,8 @@ def markdown(result: dict) -> str:
              "attention, no resident cache (the issue's baseline); `sync_misses` AsyncTLS unlagged, the missing blocks "
              "copied into the resident cache before the token level (the row called `sync` up to b8b6c1a); "
              "`lagged_waits` lagged with every layer waiting for its claim and a synchronous NaN/inf check (the runtime's "
-             "step before GPU-only steps trailed). Claim: "
+             "step before GPU-only steps trailed); `lagged_general` lagged through the scheduler's and GPU lane's loop "
+             "(the runtime's express path for GPU-only steps off). Claim: "
              "GPU time of the executor's claim; the rest of the attention time is the runtime's step around it.", "",
              "| batch | context | mode | attention ms/layer | mean / p99 | claim ms/layer | host ms/layer in decode | "
              "MB moved per layer step | lagged / mode |",

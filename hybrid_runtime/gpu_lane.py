@@ -32,10 +32,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hybrid_runtime.executors.base import Executor, GpuLaunchExecutor
+from hybrid_runtime.express_claims import ExpressClaims
 from hybrid_runtime.lane_rates import LaneRates
 from hybrid_runtime.task_building import TaskList, queue_arrays
 from hybrid_runtime.step_job import RuntimeBrokenError, StepJob
-from hybrid_runtime.tasks import Step, Task
+from hybrid_runtime.tasks import Step, Task, TaskQueue
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,10 @@ class GpuLane:
         # models asked for (with the balance; negative: none), bytes reserved, and the steps' total
         # bytes -- what a report reads between two points of a run to see what its steps claimed.
         self.first_claims = {"steps": 0, "asked_bytes": 0.0, "reserved_bytes": 0.0, "step_bytes": 0.0}
+        # GPU-only steps' claims launched past this lane's loop (express_claims.py), where the executor
+        # runs a whole queue as one claim and may retire it later; they hold landing slots too.
+        self.express = ExpressClaims(executor, max(1, (self.ring or 2) - 1), poll_sleep) if executor is not None and \
+            getattr(executor, "claims_whole_queue", False) and self.trails else None
 
     @property
     def trails(self) -> bool:
@@ -439,7 +444,8 @@ class GpuLane:
         if self.ring is None:
             return False
         trailing = self.trailing
-        return in_flight + (len(trailing[0].gpu_pending) if trailing is not None else 0) >= self.ring
+        express = len(self.express) if self.express is not None else 0
+        return in_flight + express + (len(trailing[0].gpu_pending) if trailing is not None else 0) >= self.ring
 
     def _retire(self, job: StepJob, rows: np.ndarray, entry: tuple, prev_done: float | None, counted: bool) -> float:
         """Retire one finished claim of `job`: its bytes, timeline columns and what the lane learns
@@ -501,6 +507,8 @@ class GpuLane:
         trailing = self.trailing  # read once: a settle on another thread may clear it
         if trailing is not None:
             parts.append(self._describe_trailing(trailing))
+        if self.express is not None and self.express.describe():
+            parts.append(self.express.describe())
         return "; ".join(parts) or "nothing"
 
     @staticmethod
@@ -512,9 +520,64 @@ class GpuLane:
         """Retire the previous step's trailing claims (between steps: before the store changes,
         a probe, a placement switch or reading the timeline); with `block` wait for them. Returns
         whether claims are still trailing."""
+        if self.express is not None and self.express.pending:
+            with self._trail_lock:
+                self.express.retire(block)
         if self.trailing is not None:
             self._retire_trailing(block)
-        return self.trailing is not None
+        return self.trailing is not None or bool(self.express is not None and self.express.pending)
+
+    def settle_express(self, timeout: float, layer: int) -> None:
+        """Before a step of the general path: retire every express claim (they hold landing slots and
+        precede this step's claims), waiting at most `timeout` for each. A stall raises
+        `StepTimeoutError` for the step at `layer`; one a whole timeout later breaks the lane."""
+        if self.express is None or not self.express.pending:
+            return
+        try:
+            with self._trail_lock:
+                self.express.retire(block=True, timeout=timeout, waiting_layer=layer)
+        except RuntimeBrokenError as exc:
+            self.broken = str(exc)
+            raise
+
+    def express_table(self, tasks: Any) -> tuple | None:
+        """(the executor's packed table, the tasks in queue order) of a whole task list for an express
+        step: packed once per task list and kept on it, as `_plan` keeps it; None for tasks that are
+        not a `TaskList` (nothing to keep it on)."""
+        if not isinstance(tasks, TaskList):
+            return None
+        table = getattr(tasks, "_express_table", None)
+        if table is None:
+            gq = TaskQueue(tasks)  # its layout (queue order) is cached on the list too
+            packed = getattr(tasks, "_gpu_packed", None)
+            if packed is None:
+                packed = tasks._gpu_packed = self.executor.pack(*queue_arrays(gq, tasks))
+            table = tasks._express_table = (packed, gq.tasks)
+        return table
+
+    def express_room(self, timeout: float, layer: int) -> None:
+        """Before an express step launches: room for its claim (`ExpressClaims.make_room`)."""
+        try:
+            with self._trail_lock:
+                self.express.make_room(timeout, layer)
+        except RuntimeBrokenError as exc:
+            self.broken = str(exc)
+            raise
+
+    def settle_within(self, timeout: float) -> bool:
+        """Retire the previous step's trailing claims, waiting at most `timeout` seconds (polling:
+        a stalled claim is left to a step's own timeout); True once none trails. Raises a
+        retired claim's failure."""
+        end = time.monotonic() + timeout
+        while self.trailing is not None:
+            self._retire_trailing(block=False)
+            if self.trailing is None:
+                break
+            if time.monotonic() > end:
+                return False
+            if self.poll_sleep:
+                time.sleep(self.poll_sleep)
+        return True
 
     def _count_unclaimed(self, job: StepJob, launched: bool) -> None:
         """A shared step ended: count it, for the estimates that sized it, as claimed or not."""
@@ -579,6 +642,14 @@ class GpuLane:
             except BaseException as exc:  # no step to fail any more (a timeout or close): say what it was
                 log.warning("a trailing GPU claim failed after its step: %r", exc)
             if self.trailing is not None:
+                return False
+        if self.express is not None and self.express.pending:
+            try:
+                with self._trail_lock:
+                    self.express.retire(block=False)
+            except BaseException as exc:
+                log.warning("an express GPU claim failed after its step: %r", exc)
+            if self.express.pending:
                 return False
         job = self.orphan
         if job is None:

@@ -465,6 +465,19 @@ class HybridRuntime:
         # event on the device (a CUDA lane); the last layer waits, as for trailing CPU lanes.
         # Benchmarks switch it off to compare (`benchmarks/asynctls.py` mode lagged_waits).
         self.gpu_only_trails = bool(self.cuda and lane_cuda)
+        # GPU-only steps whose executor runs a whole queue as one claim and may retire it later (the
+        # AsyncTLS executor) skip the lanes' loop: `_decode_express` launches the claim itself
+        # (express_claims.py). Only where nothing of the general path applies -- no spill, no
+        # planner that reads the step, no SparDA, no profiled step, a deferred input check counted by
+        # the step-inputs kernel, the window from its graphs; `_express_static` holds the part fixed
+        # at construction. Benchmarks switch it off to compare (`benchmarks/asynctls.py`).
+        self.express_path = True
+        self._express_static = bool(
+            self.cuda and lane_cuda and self.scheduler.lane.express is not None and self.sparda is None
+            and self._window_graphs is not None and getattr(self.gpu_executor, "merged", None) is None
+            and getattr(self.planner, "lagged_plan", None) is None and not getattr(self.planner, "reads_window", False)
+            and not getattr(self.planner, "uses_queries", False))
+        self._express_ready = torch.cuda.Event() if self._express_static else None  # q and the lane's buffers ready
         # A deferred input check of a step that launches the step-inputs kernel is counted by it,
         # into the check's ring (no launch of its own). Benchmarks switch it off to compare
         # (`benchmarks/e2e_decode.py` variant fluxion_check_launch).
@@ -963,6 +976,10 @@ class HybridRuntime:
             self._check_lookahead(layer, seq_ids, lookahead)
         store, geo = self.store, self.geometry
         prof = self._timeline.wants(layer)  # profiling on and this step sampled
+        if self._express_static and not prof and self.express_path and lookahead is None and self.gpu_only_trails:
+            out = self._decode_express(layer, seq_ids, q, k, v)
+            if out is not None:
+                return out
         timing = self._timeline.events.record  # the timeline's events, reused once it has read them
         caller = current_stream() if cuda else None  # looked up once: each lookup costs host time
         ev_entry = timing(caller) if cuda and prof else None
@@ -1283,6 +1300,62 @@ class HybridRuntime:
             )
         return out
 
+    def _decode_express(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> torch.Tensor | None:
+        """`decode` of a GPU-only step past the lanes' loop, or None (decided before anything changed)
+        when the step must take the general path.
+
+        The same device work as the general path's GPU-only step, in the same order on the device:
+        the step-inputs kernel on the caller's stream (scaled q, the lane's buffers, q, k, v's
+        NaN/inf counts into the deferred check's ring), the claim on the executor's stream after it,
+        the window graph on the caller's stream beside the claim (nothing else runs there: the
+        general path's high-priority side stream and its two joins would only add host time), then
+        the merge behind the claim's end event. What it leaves out is host work: the `StepJob`, the
+        split into queues, the GPU lane's loop and its retirement into the lane models (a GPU-only
+        step of a whole-queue executor has no claim to size). The claim is retired by a later call
+        (`ExpressClaims`); the last layer waits for every claim, as the general path's does.
+        """
+        if self.cpu_executor is not None and self.scheduler.placement != "gpu_only":
+            return None
+        if self.finite_check == "sync" or not self.count_checks_in_inputs:
+            return None
+        dev = self.device
+        if q.device != dev or k.device != dev or v.device != dev or self._will_spill(layer, seq_ids):
+            return None
+        store = self.store
+        tasks = self._tasks(layer, seq_ids, self.planner(layer, seq_ids, store))
+        if not tasks:
+            return None
+        picked = self.scheduler.express_claims(layer, tasks)
+        if picked is None:
+            return None
+        express, (packed, ordered) = picked
+        caller = current_stream()
+        b, hq = len(seq_ids), self.geometry.q_heads
+        views = self._step_views.get(b) or self._make_step_views(b)
+        qs, gq, gout, glse = views.qs, views.gq, views.gout, views.glse
+        check = self._input_check
+        self._step_inputs(q, k, v, self.scale, qs, q_host=None, lane=(gq, gout, glse), counts=check.fused_row(),
+                          stream=caller.cuda_stream)
+        check.issue_counted({"q": q.numel(), "k": k.numel(), "v": v.numel()}, count_columns(b * hq), layer, seq_ids,
+                            caller)
+        ready = self._express_ready
+        ready.record(caller)
+        ex = express.executor
+        ex.stream.wait_event(ready)
+        handle = express.launch(ex.upload(packed, ordered, resident=True), len(ordered),
+                                Step(layer, gq, gout, glse, self.geometry.group_size), layer)
+        self.scheduler.express_steps += 1
+        out_w, lse_w = self._window_graphs.run(layer, seq_ids, qs, k, v, caller)
+        caller.wait_event(handle.end)
+        out = torch.empty(q.shape, dtype=q.dtype, device=dev) if q.dtype in self._merge_out_dtypes else None
+        self._merge_gpu(out_w, lse_w, gout, glse, out=out_w if out is None else out, lse=lse_w, validate=False)
+        if out is None:
+            out = out_w.to(dtype=q.dtype, copy=True)  # the window graph's buffer: the next step rewrites it
+        if layer == store.layers - 1:
+            self.scheduler.lane.settle_express(self.scheduler.cfg.step_timeout_s, layer)
+        return out
+
     # ------------------------------------------------------------------ introspection
     def probe_gpu_lane(
         self, layer: int, seq_ids: Sequence[int], claim_sizes: Sequence[int] | None = None, repeats: int = 5
@@ -1371,6 +1444,8 @@ class HybridRuntime:
             "cpu_lane_device_starts": sch.device_started_steps,
             # Steps without CPU tasks that returned before their GPU claims ended (`gpu_only_trails`).
             "gpu_trailed_steps": sch.gpu_trailed_steps,
+            # GPU-only steps launched past the lanes' loop (`_decode_express`; not in gpu_trailed_steps).
+            "express_steps": sch.express_steps,
             # When a NaN/inf input is reported (scheduler.finite_check), and the steps whose check
             # was deferred (read by a later call).
             "finite_check": self.finite_check,

@@ -135,6 +135,7 @@ class Scheduler:
         self.cpu_inflight: StepJob | None = None
         self.cpu_trailed_steps = 0  # steps that returned before their CPU tasks ended
         self.gpu_trailed_steps = 0  # steps without CPU tasks that returned before their GPU claims ended
+        self.express_steps = 0  # GPU-only steps launched past the lanes' loop (`express_claims`)
         # The launcher thread's time from releasing a trailing step's CPU workers to the next
         # step's entry (the model's work between layers included): what a trailing step's CPU
         # lane may take before it delays anything (`GpuLane.reserve_first`). None until measured.
@@ -351,6 +352,7 @@ class Scheduler:
         timeout = self.cfg.step_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         self.lane.await_orphan(timeout)
+        self.lane.settle_express(timeout, job.layer)
         job.t_run = time.perf_counter()  # what this step's own path costs (less the wait for the previous one below)
         self.split(job)
         if not self.workers.ready and job.cpu_used:
@@ -439,6 +441,29 @@ class Scheduler:
             return
         if collect:
             self.collect(job)
+
+    def express_claims(self, layer: int, tasks: Sequence[Task]) -> tuple | None:
+        """For a GPU-only step at `layer` that the caller launches itself (express_claims.py): the
+        express claims, with room made for one more, and the executor's table of `tasks` (packed
+        once per task list, `GpuLane.express_table`); or None when the step must take `run`: no
+        such executor, a closed scheduler, a timed-out step's work still running, tasks that keep
+        no table, or the general path's trailing claims not retired within the step timeout (`run`
+        then waits for them under it). Raises a retired claim's failure, the timeout of a stalled
+        express claim, and `RuntimeBrokenError` once the lane is broken."""
+        lane = self.lane
+        express = lane.express
+        if express is None or self._closed or lane.orphan is not None or self.cpu_inflight is not None:
+            return None
+        if lane.broken is not None:
+            raise RuntimeBrokenError(lane.broken)
+        table = lane.express_table(tasks)
+        if table is None:
+            return None
+        timeout = self.cfg.step_timeout_s
+        if lane.trailing is not None and not lane.settle_within(timeout):
+            return None
+        lane.express_room(timeout, layer)
+        return express, table
 
     @staticmethod
     def _before_gpu(job: StepJob, before_gpu: Callable[[], None] | None, cpu_trails: bool) -> None:
@@ -562,7 +587,7 @@ class Scheduler:
         worker's start-up (compiling its loop; waited for first) after `CpuWorkers.START_WAIT_S`.
         Calling it again waits once more."""
         if self._closed and not any(t.is_alive() for t in self.workers.threads) and self.lane.orphan is None \
-                and self.lane.trailing is None:
+                and self.lane.trailing is None and not (self.lane.express is not None and self.lane.express.pending):
             return
         self._closed = True
         timeout = self.cfg.step_timeout_s if timeout is None else timeout

@@ -542,6 +542,47 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
 
 
+@pytest.mark.gpu
+def test_express_steps_give_the_general_paths_outputs():
+    """GPU-only steps past the lanes' loop (`HybridRuntime._decode_express`) against the same steps
+    through it: same outputs, bytes and cache, across spills (which take the general path) and a
+    switch between the two paths midway; every claim retired by settle and close."""
+    g = asynctls_config().geometry
+    results = {}
+    for express in (True, False, "switch"):
+        cfg = asynctls_config(blocks=5, tokens=40, kv={"device": "cuda"})
+        with runtime(cfg, device="cuda") as rt:
+            rt.express_path = express is True
+            prefill_random(rt, 0, 900, seed=13)
+            prefill_random(rt, 1, 700, seed=15)
+            gen = torch.Generator().manual_seed(14)
+            res = []
+            for step in range(80):
+                if express == "switch":
+                    rt.express_path = step % 20 >= 10
+                for layer in range(g.layers):
+                    q = torch.randn(2, g.q_heads, g.head_dim, generator=gen)
+                    k, v = torch.randn(2, 2, g.kv_heads, g.head_dim, generator=gen)
+                    res.append(rt.decode(layer, [0, 1], q.cuda(), k.cuda(), v.cuda()))
+            stats = rt.stats()  # settles: every claim retired
+            ex = rt.gpu_executor
+            assert len(rt.scheduler.lane.express) == 0
+            results[express] = (torch.stack(res).cpu(), ex.bytes_read, ex.blocks_selected, ex.blocks_missed,
+                                ex.cache.table[0].cpu())
+            steps = 80 * g.layers
+            if express is True:
+                # Spill steps (one in generated_cap 64 per sequence and layer) take the general path.
+                assert steps - 8 * g.layers <= stats["express_steps"] < steps
+            elif express is False:
+                assert stats["express_steps"] == 0
+            else:
+                assert 0 < stats["express_steps"] < steps // 2 + 1
+    for other in (False, "switch"):
+        want, got = results[other], results[True]
+        assert torch.allclose(got[0], want[0], atol=1e-5), (other, (got[0] - want[0]).abs().max())
+        assert got[1:4] == want[1:4] and torch.equal(got[4], want[4])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selected_attention_kernel_matches_the_torch_form(dtype):
     from gpu_kernels.asynctls_attention import selected_attention

@@ -42,6 +42,13 @@ TIMED = [
     ("hybrid_runtime.runtime", "HybridRuntime._check_decode"),
     ("hybrid_runtime.runtime", "HybridRuntime._will_spill"),
     ("hybrid_runtime.runtime", "HybridRuntime._tasks"),
+    ("hybrid_runtime.runtime", "HybridRuntime._decode_express"),
+    ("hybrid_runtime.scheduler", "Scheduler.express_claims"),
+    ("hybrid_runtime.gpu_lane", "GpuLane.express_table"),
+    ("hybrid_runtime.gpu_lane", "GpuLane.express_room"),
+    ("hybrid_runtime.gpu_lane", "GpuLane.settle_express"),
+    ("hybrid_runtime.express_claims", "ExpressClaims.launch"),
+    ("hybrid_runtime.express_claims", "ExpressClaims.retire"),
     ("hybrid_runtime.input_check", "DeferredInputCheck.next_call"),
     ("hybrid_runtime.input_check", "DeferredInputCheck.poll"),
     ("hybrid_runtime.input_check", "DeferredInputCheck.issue_counted"),
@@ -142,11 +149,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="timed steps (all layers)")
     ap.add_argument("--runtime", choices=("asynctls", "fluxion"), default="asynctls")
     ap.add_argument("--cpu-workers", type=int, default=15, help="--runtime fluxion: CPU workers")
+    ap.add_argument("--general", action="store_true",
+                    help="every step through the scheduler's and GPU lane's loop (the runtime's express path off)")
     args = ap.parse_args()
     if args.runtime == "asynctls":
         rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
     else:
         rt, cfg, q, seq_ids, zeros = fluxion_prefilled(args)
+    rt.express_path = not args.general
     g = cfg.geometry
     dev = rt.device
     noise = torch.empty_like(q[:, 0])
