@@ -31,12 +31,13 @@ GEOMETRY = {"layers": 2, "q_heads": 6, "kv_heads": 2, "head_dim": 32}
 D_C = 8
 
 
-def asynctls_config(geometry: dict | None = None, kv: dict | None = None, **selection) -> "Config":  # noqa: F821
+def asynctls_config(geometry: dict | None = None, kv: dict | None = None, profiling: dict | None = None,
+                    **selection) -> "Config":  # noqa: F821
     kv_cache = {"sink": 16, "local": 64, "generated_cap": 64, "cpu_capacity_tokens": 2048, "max_sequences": 2,
                 "dtype": "fp32"}
     kv_cache.update(kv or {})
     return config_from_dict({
-        "geometry": geometry or GEOMETRY, "kv_cache": kv_cache,
+        "geometry": geometry or GEOMETRY, "kv_cache": kv_cache, "profiling": profiling or {},
         "scheduler": {"placement": "gpu_only", "gpu_worker": True, "cpu_workers": 0, "pin_cores": False},
         "selection": {"name": "asynctls", "block_size": 16, "blocks": 4, "tokens": 32, "index_channels": D_C,
                       **selection}})
@@ -546,13 +547,15 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
 def test_express_steps_give_the_general_paths_outputs():
     """GPU-only steps past the lanes' loop (`HybridRuntime._decode_express`) against the same steps
     through it: same outputs, bytes and cache, across spills (which take the general path) and a
-    switch between the two paths midway; every claim retired by settle and close."""
+    switch between the two paths midway; every claim retired by settle and close. Profiled steps
+    take the general path (it records the timeline)."""
     g = asynctls_config().geometry
     results = {}
-    for express in (True, False, "switch"):
-        cfg = asynctls_config(blocks=5, tokens=40, kv={"device": "cuda"})
+    for express in (True, False, "switch", "profiled"):
+        cfg = asynctls_config(blocks=5, tokens=40, kv={"device": "cuda"},
+                              profiling={"enabled": express == "profiled"})
         with runtime(cfg, device="cuda") as rt:
-            rt.express_path = express is True
+            rt.express_path = express is not False
             prefill_random(rt, 0, 900, seed=13)
             prefill_random(rt, 1, 700, seed=15)
             gen = torch.Generator().manual_seed(14)
@@ -573,11 +576,11 @@ def test_express_steps_give_the_general_paths_outputs():
             if express is True:
                 # Spill steps (one in generated_cap 64 per sequence and layer) take the general path.
                 assert steps - 8 * g.layers <= stats["express_steps"] < steps
-            elif express is False:
+            elif express in (False, "profiled"):
                 assert stats["express_steps"] == 0
             else:
                 assert 0 < stats["express_steps"] < steps // 2 + 1
-    for other in (False, "switch"):
+    for other in (False, "switch", "profiled"):
         want, got = results[other], results[True]
         assert torch.allclose(got[0], want[0], atol=1e-5), (other, (got[0] - want[0]).abs().max())
         assert got[1:4] == want[1:4] and torch.equal(got[4], want[4])
