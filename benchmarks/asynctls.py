@@ -54,7 +54,8 @@ CUDA graph from its second step on (`--no-graphs`: every claim eagerly, as torch
 (block level, token scores, token top-k, attention, cache update, fetch, outputs) and reports each
 stage's median time per layer (eager: a stage's time includes the host's launch gaps when the host
 is slower than the GPU); `--profile DIR` writes torch.profiler tables (GPU time and host time by op)
-of 3 graphed steps per mode. Writes `benchmarks/results/asynctls-<device>.json` (results contract,
+of 3 graphed steps per mode; `--trace DIR` Chrome traces of 2 steps of lagged and sync_selection, each
+with where its GPU time goes (`benchmarks/diag/gpu_trace_gaps.py`). Writes `benchmarks/results/asynctls-<device>.json` (results contract,
 docs/architecture.md) and a markdown table beside it.
 
     python benchmarks/asynctls.py                                # both points, a few minutes on an H100 host
@@ -171,6 +172,32 @@ def profile_steps(rt: HybridRuntime, step, path: Path, cuda: bool) -> None:
             parts.append(f"## {mode}: 3 steps, sorted by {sort}\n\n{table.table(sort_by=sort, row_limit=40)}\n")
     path.write_text("\n".join(parts))
     print(f"  profile: {path}", flush=True)
+
+
+def trace_steps(rt: HybridRuntime, step, out_dir: Path, tag: str) -> None:
+    """Chrome traces of 2 steps of lagged and of sync_selection (gzipped) and, beside each, where the
+    GPU time goes (`benchmarks/diag/gpu_trace_gaps.py`: per stream busy time, the gaps of their union)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.diag.gpu_trace_gaps import summarize
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for mode in ("lagged", "sync_selection"):
+        set_mode(rt, mode)
+        step(True, drift=mode != "sync_selection")  # the mode's first step after a switch, untraced
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step(True, drift=mode != "sync_selection")
+        raw = out_dir / f"asynctls-trace-{tag}-{mode}.json"
+        prof.export_chrome_trace(str(raw))
+        gz = raw.with_suffix(".json.gz")
+        gz.write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
+        summary = summarize(gz)
+        gz.with_suffix("").with_suffix(".txt").write_text(summary + "\n")
+        print(summary, flush=True)
 
 
 def run_point(args, batch: int, context: int) -> dict:
@@ -323,6 +350,8 @@ def run_point(args, batch: int, context: int) -> dict:
                       flush=True)
         if args.profile:
             profile_steps(rt, step, Path(args.profile) / f"asynctls-profile-{batch}x{context // 1024}k.txt", cuda)
+        if args.trace and cuda:
+            trace_steps(rt, step, Path(args.trace), f"{batch}x{context // 1024}k")
         return row
     finally:
         rt.close()
@@ -413,6 +442,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--breakdown", type=int, default=5, metavar="N",
                     help="eager steps per mode with the claim's stages timed (0: none)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="write torch.profiler tables of 3 steps per mode here")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write Chrome traces of 2 steps of lagged and sync_selection here, each with its GPU gaps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="on the CPU at a tiny shape (2 x 4K, 2 layers, 3 steps): checks the script")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/asynctls-<device slug>.json); "
