@@ -1,0 +1,113 @@
+"""Diagnostic (device): the GPU chain of lagged AsyncTLS layer-steps, interval by interval, from CUDA
+events -- where a layer's time goes between its claim and its neighbours' (benchmarks/notes/asynctls.md
+section 14).
+
+The census's runtime (`asynctls_census.prefilled`: Llama-3.1-8B heads, random KV) decodes `--steps`
+steps of `--layers` layers back to back, no model work between layers. Per call, events on the
+caller's stream just before `decode` (`in`) and just after it (`out`: after the merge), the claim's
+own start and end events (`claim0`, `claim1`) and its lagged copy's (`fetch0`, `fetch1`, on the copy
+stream). Medians over the calls, in us:
+
+    in -> claim0        step inputs and the hand-over to the executor's stream
+    claim0 -> claim1    the claim
+    claim1 -> out       the window's tail and the merge behind the claim
+    out -> next in      the device waiting for the host's next call (0 when the GPU is the bound)
+    fetch0 - claim1     when the copy starts after its claim; fetch0 -> fetch1 its length
+    layer               in -> next in
+
+`--skip-fetch` leaves the copy out (the cache never changes: timing only); `--general` runs every step
+through the lanes' loop (the runtime's express path off).
+
+    python benchmarks/diag/asynctls_layer_chain.py --batch 8 --context 32768 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.diag import asynctls_census  # noqa: E402
+from hybrid_runtime.executors.asynctls import AsyncTlsExecutor  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    asynctls_census.add_point_args(ap)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--skip-fetch", action="store_true", help="leave the lagged copy out (timing only)")
+    ap.add_argument("--general", action="store_true", help="the runtime's express path off")
+    args = ap.parse_args()
+    rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
+    rt.express_path = not args.general
+    ex = rt.gpu_executor
+    layers = cfg.geometry.layers
+    if args.skip_fetch:
+        fetch = AsyncTlsExecutor._fetch
+
+        def no_fetch(self, layer, *a, **kw):
+            self._fetched[layer] = None
+
+        AsyncTlsExecutor._fetch = no_fetch
+    launches: list = []
+    launch = ex.launch
+
+    def keep(*a, **kw):
+        handle = launch(*a, **kw)
+        launches.append(handle)
+        return handle
+
+    ex.launch = keep
+    noise = torch.empty_like(q[:, 0])
+    rows = []
+    try:
+        for i in range(args.steps + 5):
+            torch.cuda.synchronize()
+            launches.clear()
+            ex.fetch_events.clear()
+            marks = []
+            for layer in range(layers):
+                q[:, layer].add_(noise.normal_().mul_(0.1))
+                e_in, e_out = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e_in.record()
+                rt.decode(layer, seq_ids, q[:, layer], zeros, zeros)
+                e_out.record()
+                marks.append((e_in, e_out))
+            torch.cuda.synchronize()
+            if i < 5 or len(launches) != layers:
+                continue
+            fetches = {layer: (f0, f1) for layer, f0, f1 in ex.fetch_events}
+            for layer, ((e_in, e_out), h) in enumerate(zip(marks, launches)):
+                row = {"in->claim0": e_in.elapsed_time(h.start) * 1e3, "claim": h.start.elapsed_time(h.end) * 1e3,
+                       "claim1->out": h.end.elapsed_time(e_out) * 1e3}
+                if layer + 1 < layers:
+                    nxt = marks[layer + 1][0]
+                    row["out->next in"] = e_out.elapsed_time(nxt) * 1e3
+                    row["layer"] = e_in.elapsed_time(nxt) * 1e3
+                if layer in fetches:
+                    f0, f1 = fetches[layer]
+                    row["fetch0-claim1"] = h.end.elapsed_time(f0) * 1e3
+                    row["fetch"] = f0.elapsed_time(f1) * 1e3
+                rows.append(row)
+    finally:
+        if args.skip_fetch:
+            AsyncTlsExecutor._fetch = fetch
+        rt.close()
+    print(f"{args.batch} x {args.context}, {layers} layers, {args.steps} steps; express path "
+          f"{'off' if args.general else 'on'}; lagged copy {'skipped' if args.skip_fetch else 'on'}; "
+          f"express steps {rt.scheduler.express_steps}")
+    for key in ("in->claim0", "claim", "claim1->out", "out->next in", "layer", "fetch0-claim1", "fetch"):
+        vals = np.array([r[key] for r in rows if key in r])
+        if vals.size:
+            print(f"  {key:<14} median {np.median(vals):7.1f} us   mean {vals.mean():7.1f}   p90 "
+                  f"{np.percentile(vals, 90):7.1f}   n {vals.size}")
+
+
+if __name__ == "__main__":
+    main()
