@@ -18,32 +18,45 @@ from gpu_kernels._checks import check_tensor
 from gpu_kernels.launch import CachedLaunch
 
 
-@triton.jit(do_not_specialize=["k_sel", "c_max", "s_seq", "s_head", "s_slot"])
+# Programs of one fetch: each walks the selection's entries with this stride, copying the missed
+# blocks. One program per entry (8,192 at 8 x 32K, k_b 128) held the GPU's block dispatcher until
+# the last of them was dispatched, and each missed block's program waited on the link for its
+# whole 32 KiB: kernels queued behind it on other streams -- the merge the caller's stream runs
+# right after the claim -- started only once the copy had ended, which put the lagged copy back
+# on the step's critical path (measured: the merge 188 us after its claim with the copy, 16 us
+# without; benchmarks/notes/asynctls.md section 14). A few programs dispatch at once and leave
+# the other SMs free; their loads in flight (PROGRAMS x 2 tiles of TOKENS x D) keep the link busy.
+PROGRAMS = 64
+# Tokens of a block copied per load: a whole block's K and V (64 x 128 bf16 each) in registers
+# would cap the programs per SM.
+TOKENS = 32
+
+
+@triton.jit(do_not_specialize=["n_entries", "k_sel", "c_max", "s_seq", "s_head", "s_slot"])
 def _fetch_kernel(
     arena_ptr, chunks_ptr, seq_slot_ptr, kv_head_ptr, blocks_ptr, dest_ptr, cache_k_ptr, cache_v_ptr,
-    k_sel, c_max, s_seq, s_head, s_slot,
+    n_entries, k_sel, c_max, s_seq, s_head, s_slot,
     BLK: tl.constexpr, D: tl.constexpr, CT: tl.constexpr, ROWS: tl.constexpr, V_ROW: tl.constexpr,
+    TOK: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    r = e // k_sel
-    dst = tl.load(dest_ptr + e)
-    # Programs of entries that are not copied read only their dest: block 0 of chunk 0, masked off.
-    hit = dst >= 0
-    blk = tl.where(hit, tl.load(blocks_ptr + e), 0)
-    tok0 = blk * BLK
-    chunk = tl.where(hit, tl.load(chunks_ptr + r.to(tl.int64) * c_max + tok0 // CT), 0).to(tl.int64)
-    t = tl.arange(0, BLK)
+    t = tl.arange(0, TOK)
     d = tl.arange(0, D)
     tile = t[:, None] * D + d[None, :]
-    mask = (tile * 0 + dst) >= 0
-    src = arena_ptr + chunk * (ROWS * D) + (tok0 % CT) * D + tile
-    keys = tl.load(src, mask=mask, other=0.0)
-    values = tl.load(src + V_ROW * D, mask=mask, other=0.0)
-    seq = tl.load(seq_slot_ptr + r).to(tl.int64)
-    head = tl.load(kv_head_ptr + r).to(tl.int64)
-    out = seq * s_seq + head * s_head + tl.maximum(dst, 0) * s_slot + tile
-    tl.store(cache_k_ptr + out, keys, mask=mask)
-    tl.store(cache_v_ptr + out, values, mask=mask)
+    for e in range(tl.program_id(0), n_entries, tl.num_programs(0)):
+        dst = tl.load(dest_ptr + e)
+        if dst >= 0:  # entries that hit the cache read only their dest
+            r = e // k_sel
+            tok0 = tl.load(blocks_ptr + e) * BLK
+            chunk = tl.load(chunks_ptr + r.to(tl.int64) * c_max + tok0 // CT).to(tl.int64)
+            seq = tl.load(seq_slot_ptr + r).to(tl.int64)
+            head = tl.load(kv_head_ptr + r).to(tl.int64)
+            src = arena_ptr + chunk * (ROWS * D) + (tok0 % CT) * D + tile
+            out = seq * s_seq + head * s_head + dst * s_slot + tile
+            for i in tl.static_range(0, BLK, TOK):
+                keys = tl.load(src + i * D)
+                values = tl.load(src + (V_ROW + i) * D)
+                tl.store(cache_k_ptr + out + i * D, keys)
+                tl.store(cache_v_ptr + out + i * D, values)
 
 
 def fetch_blocks(arena: torch.Tensor, chunks: torch.Tensor, seq_slot: torch.Tensor, kv_head: torch.Tensor,
@@ -75,9 +88,13 @@ def fetch_blocks(arena: torch.Tensor, chunks: torch.Tensor, seq_slot: torch.Tens
     if r * k == 0:
         return
     s_seq, s_head, s_slot = cache_k.stride(0), cache_k.stride(1), cache_k.stride(2)
-    args = (arena, chunks, seq_slot, kv_head, blocks, dest, cache_k, cache_v, k, chunks.shape[1], s_seq, s_head, s_slot)
-    constexprs = {"BLK": blk, "D": d, "CT": layout.CHUNK_TOKENS, "ROWS": layout.CHUNK_ROWS, "V_ROW": layout.V_ROW}
-    _launch((r * k,), args, constexprs, (blk, d, str(arena.dtype)), {"num_warps": 4}, stream)
+    n = r * k
+    args = (arena, chunks, seq_slot, kv_head, blocks, dest, cache_k, cache_v, n, k, chunks.shape[1], s_seq, s_head,
+            s_slot)
+    tok = min(blk, TOKENS)
+    constexprs = {"BLK": blk, "D": d, "CT": layout.CHUNK_TOKENS, "ROWS": layout.CHUNK_ROWS, "V_ROW": layout.V_ROW,
+                  "TOK": tok}
+    _launch((min(n, PROGRAMS),), args, constexprs, (blk, d, tok, str(arena.dtype)), {"num_warps": 4}, stream)
 
 
 _launch = CachedLaunch(_fetch_kernel)

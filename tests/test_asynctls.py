@@ -495,8 +495,13 @@ def test_config_selects_the_executor_and_refuses_what_it_cannot_run(tmp_path):
     assert cache_slots(config_from_dict(base).selection, config_from_dict(base).kv_cache) == 2 * 128 + 33 + 1
 
 
-def test_cache_fetch_kernel_matches_torch():
+@pytest.mark.parametrize("programs", [64, 2])
+def test_cache_fetch_kernel_matches_torch(programs, monkeypatch):
+    from gpu_kernels import block_fetch
     from gpu_kernels.block_fetch import fetch_blocks
+
+    # Two programs stride over the six entries (each copies some and skips others).
+    monkeypatch.setattr(block_fetch, "PROGRAMS", programs)
 
     gen = torch.Generator().manual_seed(12)
     arena = torch.randn(6, layout.CHUNK_ROWS, 16, generator=gen)
