@@ -15,10 +15,12 @@ stream). Medians over the calls, in us:
     fetch0 - claim1     when the copy starts after its claim; fetch0 -> fetch1 its length
     layer               in -> next in
 
-`--skip-fetch` leaves the copy out (the cache never changes: timing only); `--general` runs every step
+`--variants` runs several forms in turn on one runtime (new task lists for each, so claims and copies
+are captured again): `copy` as configured, `skip` the copy left out (the cache never changes: timing
+only), `programs=N` the copy kernel on N programs (`gpu_kernels/block_fetch.py`), `general` every step
 through the lanes' loop (the runtime's express path off).
 
-    python benchmarks/diag/asynctls_layer_chain.py --batch 8 --context 32768 --steps 40
+    python benchmarks/diag/asynctls_layer_chain.py --batch 8 --context 32768 --steps 40 --variants copy,skip,programs=132
 """
 
 from __future__ import annotations
@@ -34,40 +36,28 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.diag import asynctls_census  # noqa: E402
+from gpu_kernels import block_fetch  # noqa: E402
 from hybrid_runtime.executors.asynctls import AsyncTlsExecutor  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    asynctls_census.add_point_args(ap)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--skip-fetch", action="store_true", help="leave the lagged copy out (timing only)")
-    ap.add_argument("--general", action="store_true", help="the runtime's express path off")
-    args = ap.parse_args()
-    rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
-    rt.express_path = not args.general
+def chain(rt, cfg, q, seq_ids, zeros, steps: int) -> tuple[list[dict], int]:
+    """`steps` measured steps (after 5 unmeasured), one row of intervals per layer-step."""
     ex = rt.gpu_executor
     layers = cfg.geometry.layers
-    if args.skip_fetch:
-        fetch = AsyncTlsExecutor._fetch
-
-        def no_fetch(self, layer, *a, **kw):
-            self._fetched[layer] = None
-
-        AsyncTlsExecutor._fetch = no_fetch
     launches: list = []
-    launch = ex.launch
+    launch = AsyncTlsExecutor.launch
 
     def keep(*a, **kw):
-        handle = launch(*a, **kw)
+        handle = launch(ex, *a, **kw)
         launches.append(handle)
         return handle
 
     ex.launch = keep
     noise = torch.empty_like(q[:, 0])
     rows = []
+    express0 = rt.scheduler.express_steps
     try:
-        for i in range(args.steps + 5):
+        for i in range(steps + 5):
             torch.cuda.synchronize()
             launches.clear()
             ex.fetch_events.clear()
@@ -96,17 +86,48 @@ def main() -> None:
                     row["fetch"] = f0.elapsed_time(f1) * 1e3
                 rows.append(row)
     finally:
-        if args.skip_fetch:
-            AsyncTlsExecutor._fetch = fetch
+        del ex.launch
+    return rows, rt.scheduler.express_steps - express0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    asynctls_census.add_point_args(ap)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--variants", default="copy",
+                    help="comma list, each run in turn on one runtime: copy (as configured), skip (the lagged copy "
+                         "left out: timing only), programs=N (the copy kernel on N programs), general (the express "
+                         "path off)")
+    args = ap.parse_args()
+    rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
+    fetch = AsyncTlsExecutor._fetch
+    programs = block_fetch.PROGRAMS
+
+    def no_fetch(self, layer, *a, **kw):
+        self._fetched[layer] = None
+
+    try:
+        for variant in args.variants.split(","):
+            name, _, value = variant.partition("=")
+            if name not in ("copy", "skip", "programs", "general"):
+                raise SystemExit(f"variant {variant!r}: allowed copy, skip, programs=N, general")
+            AsyncTlsExecutor._fetch = no_fetch if name == "skip" else fetch
+            block_fetch.PROGRAMS = int(value) if name == "programs" else programs
+            rt.express_path = name != "general"
+            rt.scheduler.settle()
+            rt._task_cache.clear()  # new task lists: claims and copies captured again with this variant
+            rows, express = chain(rt, cfg, q, seq_ids, zeros, args.steps)
+            print(f"{args.batch} x {args.context}, {cfg.geometry.layers} layers, {args.steps} steps; variant {variant}; "
+                  f"copy kernel programs {block_fetch.PROGRAMS}; express steps {express}")
+            for key in ("in->claim0", "claim", "claim1->out", "out->next in", "layer", "fetch0-claim1", "fetch"):
+                vals = np.array([r[key] for r in rows if key in r])
+                if vals.size:
+                    print(f"  {key:<14} median {np.median(vals):7.1f} us   mean {vals.mean():7.1f}   p90 "
+                          f"{np.percentile(vals, 90):7.1f}   n {vals.size}", flush=True)
+    finally:
+        AsyncTlsExecutor._fetch = fetch
+        block_fetch.PROGRAMS = programs
         rt.close()
-    print(f"{args.batch} x {args.context}, {layers} layers, {args.steps} steps; express path "
-          f"{'off' if args.general else 'on'}; lagged copy {'skipped' if args.skip_fetch else 'on'}; "
-          f"express steps {rt.scheduler.express_steps}")
-    for key in ("in->claim0", "claim", "claim1->out", "out->next in", "layer", "fetch0-claim1", "fetch"):
-        vals = np.array([r[key] for r in rows if key in r])
-        if vals.size:
-            print(f"  {key:<14} median {np.median(vals):7.1f} us   mean {vals.mean():7.1f}   p90 "
-                  f"{np.percentile(vals, 90):7.1f}   n {vals.size}")
 
 
 if __name__ == "__main__":
