@@ -107,6 +107,9 @@ class ModelWork:
 
 
 MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits", "lagged_general")
+# `--step-graphs`: the runtime replays each GPU-only step on its express path from one CUDA graph
+# (hybrid_runtime/step_graphs.py; off by default), in every mode that takes that path.
+STEP_GRAPHS = [False]
 CLAIM_MODES = MODES[:3]  # lagged_waits and lagged_general run lagged's claims: no breakdown or profile of their own
 
 
@@ -122,6 +125,7 @@ def set_mode(rt: HybridRuntime, mode: str) -> None:
     rt.gpu_only_trails = rt.cuda and not waits  # the runtime's default on CUDA (a GPU-only runtime)
     rt.finite_check = "sync" if waits else "auto"  # this benchmark's config leaves the key at its default
     rt.express_path = mode != "lagged_general"
+    rt.step_graphs_enabled = STEP_GRAPHS[0]
 
 
 def breakdown(rt: HybridRuntime, step, steps: int) -> dict:
@@ -268,6 +272,14 @@ def run_point(args, batch: int, context: int) -> dict:
             return handle
 
         ex.launch = launch_and_keep
+        replayed = ex.replayed
+
+        def replayed_and_kept(*a, **kw):  # a claim inside a graph of the whole step (`--step-graphs`)
+            handle = replayed(*a, **kw)
+            claims.append(handle)
+            return handle
+
+        ex.replayed = replayed_and_kept
 
         def claim_seconds() -> float:
             """GPU time of the step's claims (after the step synchronised), and forget them."""
@@ -391,6 +403,7 @@ def markdown(result: dict) -> str:
              f"resident cache of the last {c.get('resident_steps', 1)} step(s)' blocks, "
              f"d_c {c['channels']}, query drift {c['drift']}, model work {'on' if c['model_work'] else 'off'}, "
              f"CUDA graphs {'on' if c['graphs'] else 'off'}, "
+             f"graphs of whole GPU-only steps {'on' if c.get('step_graphs') else 'off'}, "
              f"{c['steps']} measured steps per mode. Modes (benchmarks/asynctls.py): `lagged` AsyncTLS; "
              "`sync_selection` the same selection, its k_t tokens' K and V read from the CPU store before the "
              "attention, no resident cache (the issue's baseline); `sync_misses` AsyncTLS unlagged, the missing blocks "
@@ -442,6 +455,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--breakdown", type=int, default=5, metavar="N",
                     help="eager steps per mode with the claim's stages timed (0: none)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="write torch.profiler tables of 3 steps per mode here")
+    ap.add_argument("--step-graphs", action="store_true",
+                    help="the runtime's graphs of whole GPU-only steps on (hybrid_runtime/step_graphs.py; off by default)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="write Chrome traces of 2 steps of lagged and sync_selection here, each with its GPU gaps")
     ap.add_argument("--seed", type=int, default=0)
@@ -457,13 +472,14 @@ def main(argv: list[str] | None = None) -> Path:
     elif not torch.cuda.is_available():
         sys.exit("asynctls.py measures CUDA streams and needs a CUDA device (--smoke runs it on the CPU at a tiny shape)")
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+    STEP_GRAPHS[0] = args.step_graphs
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []
     for b, c in points:
         print(f"point batch={b} context={c}", flush=True)
         rows.append(run_point(args, b, c))
     config = {k: getattr(args, k) for k in ("layers", "steps", "warmup", "blocks", "tokens", "resident_steps", "channels", "drift",
-                                            "model_work", "graphs", "breakdown", "seed", "smoke")}
+                                            "model_work", "graphs", "step_graphs", "breakdown", "seed", "smoke")}
     config["torch"] = torch.__version__
     extra = {"config": config}
     path = write_results("asynctls", metrics_of(rows), rows, extra=extra, out_path=args.out)

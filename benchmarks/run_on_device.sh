@@ -274,9 +274,12 @@ for step in $steps; do
             timeout 150 python benchmarks/diag/asynctls_host_ab.py --batch 8 --context 32768 --steps 250 ;;
         # The express path for GPU-only steps (benchmarks/notes/asynctls.md section 14): its GPU tests, then the
         # AsyncTLS bar at (8, 32K) with lagged_general (the same steps through the lanes' loop) beside it.
+        # And the same with the runtime's graphs of whole GPU-only steps on (hybrid_runtime/step_graphs.py).
         express) timeout 240 python -m pytest -v --tb=short -p no:cacheprovider tests/test_asynctls.py \
-                tests/test_express_claims.py tests/test_window_graphs.py tests/test_gpu_lane_trails.py &&
-            timeout 240 python benchmarks/asynctls.py --points 8x32768 --breakdown 0 --out "$out/asynctls-$dev.json" ;;
+                tests/test_express_claims.py tests/test_step_graphs.py tests/test_window_graphs.py tests/test_gpu_lane_trails.py &&
+            timeout 240 python benchmarks/asynctls.py --points 8x32768 --breakdown 0 --out "$out/asynctls-$dev.json" &&
+            timeout 240 python benchmarks/asynctls.py --points 8x32768 --breakdown 0 --step-graphs \
+                --out "$out/asynctls_step_graphs-$dev.json" ;;
         # The host timers of a GPU-only AsyncTLS step on the express path and through the lanes' loop.
         express_timers) timeout 120 python benchmarks/diag/decode_host_timers.py --batch 8 --context 32768 --steps 100 &&
             timeout 120 python benchmarks/diag/decode_host_timers.py --batch 8 --context 32768 --steps 100 --general ;;

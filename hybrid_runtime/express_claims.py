@@ -54,6 +54,11 @@ class ExpressClaims:
         self.launched += 1
         return handle
 
+    def push(self, handle: Any, layer: int, n_tasks: int) -> None:
+        """A claim the caller launched itself (replayed inside a graph of its step: step_graphs.py)."""
+        self.pending.append((handle, layer, n_tasks))
+        self.launched += 1
+
     def retire(self, block: bool = False, timeout: float | None = None, waiting_layer: int | None = None) -> None:
         """Retire claims from the oldest on: those that have ended, or every one with `block`
         (waiting at most `timeout` seconds for each; None: no limit). Raises a retired claim's

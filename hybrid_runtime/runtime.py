@@ -478,6 +478,17 @@ class HybridRuntime:
             and getattr(self.planner, "lagged_plan", None) is None and not getattr(self.planner, "reads_window", False)
             and not getattr(self.planner, "uses_queries", False))
         self._express_ready = torch.cuda.Event() if self._express_static else None  # q and the lane's buffers ready
+        # ... and the whole step (window, claim, merge, lagged copy) replayed from one CUDA graph where the
+        # executor can capture its claim (`step_graphs.py`). Off by default until measured on a GPU machine;
+        # `benchmarks/asynctls.py --step-graphs` turns it on.
+        self.step_graphs_enabled = False
+        self._step_graphs = None
+        if self._express_static and getattr(self.gpu_executor, "capture_claim", None) is not None:
+            from hybrid_runtime.step_graphs import StepGraphs
+
+            self._step_graphs = StepGraphs(self._window_graphs, self._merge_gpu, self.device,
+                                           max_graphs=4 * store.layers,
+                                           max_tasks=store.cfg.max_sequences * geometry.kv_heads)
         # A deferred input check of a step that launches the step-inputs kernel is counted by it,
         # into the check's ring (no launch of its own). Benchmarks switch it off to compare
         # (`benchmarks/e2e_decode.py` variant fluxion_check_launch).
@@ -550,6 +561,7 @@ class HybridRuntime:
             # Only once no worker can read them: the pinned arenas go back to the system.
             self.store.close()
             self._window_graphs = None  # their buffers, and kernels that read the store's windows
+            self._step_graphs = None  # (every claim they replayed was retired by the scheduler's close)
         finally:
             if first and self._froze_gc:
                 thaw_collector()
@@ -1332,6 +1344,21 @@ class HybridRuntime:
         express, (packed, ordered) = picked
         caller = current_stream()
         b, hq = len(seq_ids), self.geometry.q_heads
+        ex = express.executor
+        # The whole step from one graph (step_graphs.py) where one is captured or due: decided here,
+        # before the window's rows advance the store.
+        graphs, window, key, kv = self._step_graphs, None, None, None
+        if graphs is not None and self.step_graphs_enabled and ex.graphs and ex.marks is None and \
+                q.dtype in self._merge_out_dtypes and not ex.stale(layer, packed):
+            entry = self._window_graphs.entry(layer, b)
+            if entry is not None:
+                direct = k.dtype == entry.k.dtype and v.dtype == entry.v.dtype and k.is_contiguous() and \
+                    v.is_contiguous() and k.shape == entry.k.shape and v.shape == entry.v.shape
+                kv = (k, v) if direct else None
+                key = graphs.key(layer, b, packed, (k.data_ptr(), v.data_ptr()) if direct else None, q.dtype,
+                                 (ex.lagged, ex.offload_selection, ex.fused_token_scores, ex.fused_attention))
+                if graphs.wants(key, layer, b):
+                    window = self._window_graphs.prepared(layer, seq_ids)
         views = self._step_views.get(b) or self._make_step_views(b)
         qs, gq, gout, glse = views.qs, views.gq, views.gout, views.glse
         check = self._input_check
@@ -1339,14 +1366,41 @@ class HybridRuntime:
                           stream=caller.cuda_stream)
         check.issue_counted({"q": q.numel(), "k": k.numel(), "v": v.numel()}, count_columns(b * hq), layer, seq_ids,
                             caller)
+        if window is not None and kv is None:
+            window.k.copy_(k)  # staged: the graph reads the window entry's buffers
+            window.v.copy_(v)
         ready = self._express_ready
         ready.record(caller)
-        ex = express.executor
-        ex.stream.wait_event(ready)
-        handle = express.launch(ex.upload(packed, ordered, resident=True), len(ordered),
-                                Step(layer, gq, gout, glse, self.geometry.group_size), layer)
+        stream = ex.stream
+        stream.wait_event(ready)
+        plan = ex.upload(packed, ordered, resident=True)
+        step = Step(layer, gq, gout, glse, self.geometry.group_size)
         self.scheduler.express_steps += 1
-        out_w, lse_w = self._window_graphs.run(layer, seq_ids, qs, k, v, caller)
+        replayed = None
+        if window is not None:
+            fetched = ex._fetched[layer]
+            if fetched is not None:
+                stream.wait_event(fetched)  # a copy launched at this layer outside the graph
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            replayed = graphs.run(key, ex, plan, step, window, qs, kv, stream, len(ordered), q.dtype)
+        if replayed is not None:
+            end.record(stream)
+            window.done.record(stream)
+            handle = replayed.last = ex.replayed(plan, replayed.counts, start, end)
+            express.push(handle, layer, len(ordered))
+            caller.wait_event(replayed.merged)
+            out = replayed.out.clone()  # the graph's buffer: its next replay rewrites it
+            if layer == store.layers - 1:
+                self.scheduler.lane.settle_express(self.scheduler.cfg.step_timeout_s, layer)
+            return out
+        handle = express.launch(plan, len(ordered), step, layer)
+        if window is not None:  # its capture failed: the window kernels launched one by one
+            self._window_graphs.kernels(layer, window, qs, *(kv or ()))
+            window.done.record(caller)
+            out_w, lse_w = window.out, window.lse
+        else:
+            out_w, lse_w = self._window_graphs.run(layer, seq_ids, qs, k, v, caller)
         caller.wait_event(handle.end)
         out = torch.empty(q.shape, dtype=q.dtype, device=dev) if q.dtype in self._merge_out_dtypes else None
         self._merge_gpu(out_w, lse_w, gout, glse, out=out_w if out is None else out, lse=lse_w, validate=False)

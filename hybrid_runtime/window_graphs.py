@@ -144,6 +144,34 @@ class WindowGraphs:
         gr.done.record(stream)
         return gr.out, gr.lse
 
+    def prepared(self, layer: int, seq_ids: list[int]) -> _Graph | None:
+        """For a caller that captures the window kernels into a graph of its own (step_graphs.py):
+        the (layer, batch size) entry with this step's append and window rows written and the store
+        advanced, as `run` leaves them before its replay; None, with nothing changed, while the
+        entry has no captured graph of its own (its first step sizes the workspace and captures).
+        The caller launches the kernels (`kernels`) and records `done` after them."""
+        key = (layer, len(seq_ids))
+        gr = self._graphs.get(key)
+        if gr is None or gr.graph is None:
+            return None
+        self._graphs.move_to_end(key)
+        gr.done.synchronize()  # its rows were read (a step of this layer ago)
+        slots, rows = self.store.advance(layer, seq_ids)
+        gr.append_np[0], gr.append_np[1] = slots, rows
+        gr.window_np[0], gr.window_np[1] = slots, rows
+        gr.window_np[1] += 1
+        return gr
+
+    def entry(self, layer: int, b: int) -> _Graph | None:
+        """The (layer, batch size) entry as it is now (a dropped one's buffers go to another)."""
+        return self._graphs.get((layer, b))
+
+    def kernels(self, layer: int, gr: _Graph, qs: torch.Tensor, k: torch.Tensor | None = None,
+                v: torch.Tensor | None = None) -> None:
+        """`gr`'s append (of `k, v`, by default its staging buffers) and window attention, launched on
+        the current stream (for a caller's capture)."""
+        self._kernels(layer, gr, qs, k, v)
+
     def _make(self, b: int, row: int) -> _Graph:
         win_k, _ = self.store.window(0)
         _, hkv, _, d = win_k.shape

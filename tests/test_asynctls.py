@@ -553,14 +553,17 @@ def test_express_steps_give_the_general_paths_outputs():
     """GPU-only steps past the lanes' loop (`HybridRuntime._decode_express`) against the same steps
     through it: same outputs, bytes and cache, across spills (which take the general path) and a
     switch between the two paths midway; every claim retired by settle and close. Profiled steps
-    take the general path (it records the timeline)."""
+    take the general path (it records the timeline). With `step_graphs_enabled` the express steps
+    replay whole-step CUDA graphs (step_graphs.py), k and v staged or read in place: the same again."""
     g = asynctls_config().geometry
     results = {}
-    for express in (True, False, "switch", "profiled"):
+    kv_in = torch.empty(2, 2, g.kv_heads, g.head_dim, device="cuda")  # "graphs_direct": the same k, v tensors
+    for express in (True, False, "switch", "profiled", "graphs", "graphs_direct"):
         cfg = asynctls_config(blocks=5, tokens=40, kv={"device": "cuda"},
                               profiling={"enabled": express == "profiled"})
         with runtime(cfg, device="cuda") as rt:
             rt.express_path = express is not False
+            rt.step_graphs_enabled = express in ("graphs", "graphs_direct")
             prefill_random(rt, 0, 900, seed=13)
             prefill_random(rt, 1, 700, seed=15)
             gen = torch.Generator().manual_seed(14)
@@ -571,21 +574,31 @@ def test_express_steps_give_the_general_paths_outputs():
                 for layer in range(g.layers):
                     q = torch.randn(2, g.q_heads, g.head_dim, generator=gen)
                     k, v = torch.randn(2, 2, g.kv_heads, g.head_dim, generator=gen)
+                    if express == "graphs_direct":
+                        kv_in.copy_(torch.stack([k, v]))
+                        k, v = kv_in[0], kv_in[1]
                     res.append(rt.decode(layer, [0, 1], q.cuda(), k.cuda(), v.cuda()))
             stats = rt.stats()  # settles: every claim retired
+            graphs = rt._step_graphs
+            if express in ("graphs", "graphs_direct"):
+                # Captured at each task set's second step, replayed after (a spill makes a new task set).
+                assert graphs.capture_error is None and graphs.captures >= g.layers
+                assert graphs.replays >= 60 * g.layers and rt.gpu_executor.graph_step_replays == graphs.replays
+            else:
+                assert graphs.replays == 0
             ex = rt.gpu_executor
             assert len(rt.scheduler.lane.express) == 0
             results[express] = (torch.stack(res).cpu(), ex.bytes_read, ex.blocks_selected, ex.blocks_missed,
                                 ex.cache.table[0].cpu())
             steps = 80 * g.layers
-            if express is True:
+            if express in (True, "graphs", "graphs_direct"):
                 # Spill steps (one in generated_cap 64 per sequence and layer) take the general path.
                 assert steps - 8 * g.layers <= stats["express_steps"] < steps
             elif express in (False, "profiled"):
                 assert stats["express_steps"] == 0
-            else:
+            elif express == "switch":
                 assert 0 < stats["express_steps"] < steps // 2 + 1
-    for other in (False, "switch", "profiled"):
+    for other in (False, "switch", "profiled", "graphs", "graphs_direct"):
         want, got = results[other], results[True]
         assert torch.allclose(got[0], want[0], atol=1e-5), (other, (got[0] - want[0]).abs().max())
         assert got[1:4] == want[1:4] and torch.equal(got[4], want[4])

@@ -207,6 +207,7 @@ class AsyncTlsExecutor:
         self._ring_users: list[AsyncTlsLaunch | None] = [None] * self.RING
         self.launches = 0
         self.fetch_replays = 0  # lagged copies replayed from a graph (`_graph`) rather than launched
+        self.graph_step_replays = 0  # claims replayed inside a caller's graph of the whole step (`capture_claim`)
         self.steps = 0
         self.bytes_read = 0
         self.blocks_selected = 0
@@ -573,6 +574,37 @@ class AsyncTlsExecutor:
             return None
         entry = graphs[key] = (graph, outs, fetch_graph)
         return entry
+
+    def capture_claim(self, plan: AsyncTlsStepPlan, step: Step, counts_out: torch.Tensor) -> "torch.cuda.Stream | None":
+        """Inside a caller's capture on this executor's stream (`stream` current: hybrid_runtime/step_graphs.py):
+        the whole table's claim -- selection, attention into the step's rows, the cache update -- with its
+        counts `[3, T]` copied into `counts_out` (pinned), and, lagged, the copy of the missed blocks forked
+        onto the copy stream after it. Returns that stream, which the caller joins before its capture ends
+        (None when nothing was forked)."""
+        layer, d = plan.layer, plan.plan.dev
+        arena = self._arena(layer)
+        chosen, dest, counts = self._claim_ops(layer, d, step, arena, None)
+        counts_out.copy_(counts, non_blocking=True)
+        if not self.lagged or self.offload_selection:
+            return None
+        self.copy_stream.wait_stream(self.stream)
+        self.cache.fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest,
+                         stream=self.copy_stream.cuda_stream)
+        return self.copy_stream
+
+    def replayed(self, plan: AsyncTlsStepPlan, counts_host: torch.Tensor, start: Any, end: Any) -> AsyncTlsLaunch:
+        """The handle of a claim a caller replayed inside its own graph (`capture_claim`), bracketed by
+        `start`/`end` on this executor's stream; the layer's next claim waits for `end` (its copy ended
+        inside that graph)."""
+        self._fetched[plan.layer] = end
+        self.graph_step_replays += 1
+        return AsyncTlsLaunch(self, plan.step, plan.layer, counts_host, start, end)
+
+    def stale(self, layer: int, packed: AsyncTlsPlan) -> bool:
+        """Whether this task set's next upload at `layer` has work beyond the copies: its first upload,
+        or a spill that grew a CPU segment since the index saw it (`_grow_segments`)."""
+        return packed.seq_slot is None or not packed.dev or \
+            bool((self._indexed[layer, packed.seq_slot] != packed.cpu_len).any())
 
     def _graph_outputs(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-layer flat (chosen, dest, counts) buffers for graphed claims of up to `rows` tasks
