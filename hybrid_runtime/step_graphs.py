@@ -66,7 +66,9 @@ class StepGraphs:
         self._seen: set = set()  # keys stepped once (captured at the second step)
         # Pinned once here (decode allocates no pinned memory).
         cuda = device.type == "cuda"
-        self._counts = torch.zeros((max_graphs, 3, max(1, max_tasks)), dtype=torch.int64, pin_memory=cuda)
+        # Flat rows: a slot's `[3, T]` view is contiguous whatever T (a copy into a strided pinned view
+        # would go through a host-side copy, which a capture cannot hold).
+        self._counts = torch.zeros((max_graphs, 3 * max(1, max_tasks)), dtype=torch.int64, pin_memory=cuda)
         self._free = list(range(max_graphs))
         self._window_stream = torch.cuda.Stream(device) if cuda else None  # the window branch while capturing
         self.captures = 0
@@ -127,12 +129,12 @@ class StepGraphs:
             old_key = next(iter(self._graphs))
             self._drop(old_key)
         slot = self._free.pop()
-        counts = self._counts[slot, :, :n_tasks]
+        counts = self._counts[slot, : 3 * n_tasks].view(3, n_tasks)
         out = torch.empty(tuple(window.out.shape), dtype=out_dtype, device=window.out.device)
-        merged = torch.cuda.Event(external=True)
-        graph = torch.cuda.CUDAGraph()
         side = self._window_stream
         try:
+            merged = torch.cuda.Event(external=True)
+            graph = torch.cuda.CUDAGraph()
             with use_stream(stream):
                 graph.capture_begin(pool=executor._pool, capture_error_mode="thread_local")
                 try:

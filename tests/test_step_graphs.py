@@ -45,7 +45,7 @@ def test_a_graph_whose_window_entry_was_replaced_is_dropped_and_its_claim_retire
     waited = []
     last = SimpleNamespace(bytes_read=None, wait=lambda: waited.append(1))
     slot = sg._free.pop()
-    sg._graphs[key] = _StepGraph(None, window, None, None, None, slot, sg._counts[slot], last)
+    sg._graphs[key] = _StepGraph(None, window, None, None, None, slot, sg._counts[slot].view(3, 4), last)
     assert sg.wants(key, 1, 4) and len(sg) == 1
     windows.entries[(1, 4)] = SimpleNamespace(graph="captured")  # the window graphs dropped and remade it
     assert sg.wants(key, 1, 4) is False  # dropped (and this key counts as seen once more)
