@@ -1387,7 +1387,7 @@ class HybridRuntime:
         if replayed is not None:
             end.record(stream)
             window.done.record(stream)
-            handle = replayed.last = ex.replayed(plan, replayed.counts, start, end)
+            handle = replayed.last = ex.replayed(plan, replayed.counts, start, end, replayed.copy)
             express.push(handle, layer, len(ordered))
             caller.wait_event(replayed.merged)
             out = replayed.out.clone()  # the graph's buffer: its next replay rewrites it

@@ -9,19 +9,20 @@ Here they are captured once per (layer, batch size, task set, caller's k/v addre
 replayed as one graph on the executor's stream:
 
     window branch:  append, window attention (the window graph's kernels, its pinned index rows)
-    main:           claim (selection, attention, cache update) -> counts into a pinned slot
-                    -> [join window] -> merge into the graph's output -> `merged` (external event)
-    copy branch:    after the claim, the copy of the missed blocks; joined at the graph's end
+    main:           claim (selection, attention, cache update) -> counts into a pinned slot, the
+                    blocks to copy into buffers of the graph's own -> [join window] -> merge into
+                    the graph's output -> `merged` (an external event)
 
 The caller's stream waits on `merged`, an event recorded inside the graph
-(`torch.cuda.Event(external=True)`), not on the graph's end: the lagged copy stays off its chain,
-as it is on the express path (where it runs on the executor's copy stream). The next replay on the
-executor's stream starts after the whole graph, copy included, as the next claim of that layer
-waits for its copy anyway.
+(`torch.cuda.Event(external=True)`). The lagged copy of the missed blocks is a second, small graph
+replayed on the executor's copy stream after this one (`executor.replayed`), as on the express path:
+inside the step's graph, joined at its end, it held the next layer's graph -- which replays on the
+same stream -- until it ended, and put itself back on the step's chain (0.79 against 0.64 ms a
+layer at 8 x 32K on the H200, benchmarks/notes/asynctls.md section 14).
 
 What stays on the host per call: the step-inputs kernel (its deferred input check takes a ring row
-per call), the window's index rows (`WindowGraphs.prepared`), one replay, two events, the wait, a
-copy of the output. Each graph has its own pinned counts slot: a replay first retires the previous
+per call), the window's index rows (`WindowGraphs.prepared`), the two replays, their events, the
+wait, a copy of the output. Each graph has its own pinned counts slot: a replay first retires the previous
 replay's claim if it is still unretired (it read that slot). A task set is captured at its second
 step (its first runs the express path's launches); a spill makes a new task set, so its graphs
 are captured again. Graphs are dropped least recently used past `max_graphs`, and with the window
@@ -52,6 +53,10 @@ class _StepGraph:
     slot: int  # its row of the pinned counts slots
     counts: torch.Tensor  # [3, T] pinned view: the claim's counts, written by each replay
     last: Any = None  # the handle of the previous replay (its counts live in `counts`)
+    # Lagged: the copy of the missed blocks, a graph of its own on the executor's copy stream replayed
+    # after this one (`executor.replayed`), and the buffers it reads (this graph writes them).
+    copy: Any = None
+    blocks: tuple | None = None
 
 
 class StepGraphs:
@@ -130,8 +135,14 @@ class StepGraphs:
             self._drop(old_key)
         slot = self._free.pop()
         counts = self._counts[slot, : 3 * n_tasks].view(3, n_tasks)
-        out = torch.empty(tuple(window.out.shape), dtype=out_dtype, device=window.out.device)
+        dev = window.out.device
+        out = torch.empty(tuple(window.out.shape), dtype=out_dtype, device=dev)
+        # The lagged copy's inputs, made outside the capture's pool (the copy reads them after this
+        # graph ended, while the next one -- another layer's, on the same pool -- may run).
+        width = n_tasks * executor.block_capacity()
+        flat = (torch.full((width,), -1, dtype=torch.int64, device=dev), torch.full((width,), -1, dtype=torch.int64, device=dev))
         side = self._window_stream
+        blocks = copy = None
         try:
             merged = torch.cuda.Event(external=True)
             graph = torch.cuda.CUDAGraph()
@@ -142,20 +153,26 @@ class StepGraphs:
                     with use_stream(side, stream):
                         k, v = kv if kv is not None else (None, None)
                         self.window_graphs.kernels(plan.layer, window, qs, k, v)
-                    branch = executor.capture_claim(plan, step, counts)
+                    chosen = executor.capture_claim(plan, step, counts)
+                    if chosen is not None:
+                        r, width_k = chosen[0].shape
+                        blocks = tuple(buf[: r * width_k].view(r, width_k) for buf in flat)
+                        for buf, value in zip(blocks, chosen):
+                            buf.copy_(value)
                     stream.wait_stream(side)
                     self.merge(window.out, window.lse, step.out, step.lse, out=out, lse=window.lse, validate=False)
                     merged.record(stream)
-                    if branch is not None:
-                        stream.wait_stream(branch)
                 finally:
                     graph.capture_end()
+            if blocks is not None:
+                copy = executor.capture_copy(plan, *blocks)
         except Exception as exc:  # noqa: BLE001 - any capture failure: the express path's launches from now on
             self.capture_error = f"{type(exc).__name__}: {exc}"
             self._free.append(slot)
             log.warning("step graphs: capturing a GPU-only step failed (%s); steps launch their parts separately", exc)
             return None
-        entry = self._graphs[key] = _StepGraph(graph, window, plan.plan, out, merged, slot, counts)
+        entry = self._graphs[key] = _StepGraph(graph, window, plan.plan, out, merged, slot, counts, copy=copy,
+                                               blocks=blocks)
         self._seen.discard(key)
         self.captures += 1
         return entry

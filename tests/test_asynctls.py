@@ -584,6 +584,7 @@ def test_express_steps_give_the_general_paths_outputs():
                 # Captured at each task set's second step, replayed after (a spill makes a new task set).
                 assert graphs.capture_error is None and graphs.captures >= g.layers
                 assert graphs.replays >= 60 * g.layers and rt.gpu_executor.graph_step_replays == graphs.replays
+                assert rt.gpu_executor.fetch_replays >= graphs.replays  # each lagged copy from its own graph
             else:
                 assert graphs.replays == 0
             ex = rt.gpu_executor

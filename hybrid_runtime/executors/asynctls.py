@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from cpu_kernels import layout
-from gpu_kernels.streams import use_stream
+from gpu_kernels.streams import capture_graph, use_stream
 from hybrid_runtime import native_pool
 from hybrid_runtime.config import ConfigError, GeometryConfig, KVCacheConfig, SelectionConfig, resolve_checkpoint
 from hybrid_runtime.kvcache import KVStore
@@ -575,30 +575,52 @@ class AsyncTlsExecutor:
         entry = graphs[key] = (graph, outs, fetch_graph)
         return entry
 
-    def capture_claim(self, plan: AsyncTlsStepPlan, step: Step, counts_out: torch.Tensor) -> "torch.cuda.Stream | None":
+    def capture_claim(self, plan: AsyncTlsStepPlan, step: Step, counts_out: torch.Tensor) -> tuple | None:
         """Inside a caller's capture on this executor's stream (`stream` current: hybrid_runtime/step_graphs.py):
         the whole table's claim -- selection, attention into the step's rows, the cache update -- with its
-        counts `[3, T]` copied into `counts_out` (pinned), and, lagged, the copy of the missed blocks forked
-        onto the copy stream after it. Returns that stream, which the caller joins before its capture ends
-        (None when nothing was forked)."""
+        counts `[3, T]` copied into `counts_out` (pinned). Lagged, returns the blocks to copy and their cache
+        slots `[T, k]` (the capture's own tensors: the caller copies them into buffers that stay put and
+        captures their copy with `capture_copy`); None for an unlagged claim, which copies inside it."""
         layer, d = plan.layer, plan.plan.dev
         arena = self._arena(layer)
         chosen, dest, counts = self._claim_ops(layer, d, step, arena, None)
         counts_out.copy_(counts, non_blocking=True)
         if not self.lagged or self.offload_selection:
             return None
-        self.copy_stream.wait_stream(self.stream)
-        self.cache.fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest,
-                         stream=self.copy_stream.cuda_stream)
-        return self.copy_stream
+        return chosen, dest
 
-    def replayed(self, plan: AsyncTlsStepPlan, counts_host: torch.Tensor, start: Any, end: Any) -> AsyncTlsLaunch:
+    def capture_copy(self, plan: AsyncTlsStepPlan, chosen: torch.Tensor, dest: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """The lagged copy of `chosen` blocks into `dest` slots (buffers that stay put) as a graph of its own,
+        captured on the copy stream."""
+        layer, d = plan.layer, plan.plan.dev
+        arena = self._arena(layer)
+        return capture_graph(lambda: self.cache.fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest,
+                                                      stream=self.copy_stream.cuda_stream), self.copy_stream)
+
+    def replayed(self, plan: AsyncTlsStepPlan, counts_host: torch.Tensor, start: Any, end: Any,
+                 copy: "torch.cuda.CUDAGraph | None" = None) -> AsyncTlsLaunch:
         """The handle of a claim a caller replayed inside its own graph (`capture_claim`), bracketed by
-        `start`/`end` on this executor's stream; the layer's next claim waits for `end` (its copy ended
-        inside that graph)."""
-        self._fetched[plan.layer] = end
+        `start`/`end` on this executor's stream; `copy` (lagged: `capture_copy`'s graph) is replayed on the
+        copy stream after `end`, off the caller's chain, and the layer's next claim waits for it."""
+        if copy is None:
+            self._fetched[plan.layer] = end
+        else:
+            stream = self.copy_stream
+            stream.wait_event(end)
+            f0, f1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            f0.record(stream)
+            with use_stream(stream):
+                copy.replay()
+            f1.record(stream)
+            self._fetched[plan.layer] = f1
+            self.fetch_events.append((plan.layer, f0, f1))
+            self.fetch_replays += 1
         self.graph_step_replays += 1
         return AsyncTlsLaunch(self, plan.step, plan.layer, counts_host, start, end)
+
+    def block_capacity(self) -> int:
+        """The most blocks a claim chooses per task (its `chosen` rows' width at most)."""
+        return self.cache.slots
 
     def stale(self, layer: int, packed: AsyncTlsPlan) -> bool:
         """Whether this task set's next upload at `layer` has work beyond the copies: its first upload,
