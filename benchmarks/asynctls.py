@@ -49,7 +49,9 @@ hidden fraction = (sync_misses - lagged) / transfer, in [0, 1]. `claim_ms_per_la
 time of the executor's claim (its start and end events: block level, token level, attention,
 cache update; graphed), so attention minus claim is what the runtime's step costs around it
 (window part, merge, checks, host work while the GPU waits). The executor replays each claim as a
-CUDA graph from its second step on (`--no-graphs`: every claim eagerly, as torch ops).
+CUDA graph from its second step on (`--no-graphs`: every claim eagerly, as torch ops); `--step-graphs` turns
+on the runtime's graphs of whole GPU-only steps (hybrid_runtime/step_graphs.py) in every mode that takes the
+express path (all but lagged_general and lagged_waits); the claim time is then the whole step graph's.
 `--breakdown N` then runs N eager steps per mode with CUDA events between the claim's stages
 (block level, token scores, token top-k, attention, cache update, fetch, outputs) and reports each
 stage's median time per layer (eager: a stage's time includes the host's launch gaps when the host
