@@ -1325,7 +1325,9 @@ class HybridRuntime:
         the merge behind the claim's end event. What it leaves out is host work: the `StepJob`, the
         split into queues, the GPU lane's loop and its retirement into the lane models (a GPU-only
         step of a whole-queue executor has no claim to size). The claim is retired by a later call
-        (`ExpressClaims`); the last layer waits for every claim, as the general path's does.
+        (`ExpressClaims`); the last layer waits for every claim, as the general path's does. With
+        `step_graphs_enabled` a step whose graph is captured (or due) replays window, claim and merge
+        from it instead (step_graphs.py), the lagged copy from a second graph on the copy stream.
         """
         if self.cpu_executor is not None and self.scheduler.placement != "gpu_only":
             return None
