@@ -13,7 +13,9 @@ import pytest
 from hybrid_runtime.express_claims import ExpressClaims
 from hybrid_runtime.gpu_lane import GpuLane
 from hybrid_runtime.lane_rates import LaneRates
-from hybrid_runtime.step_job import RuntimeBrokenError, StepTimeoutError
+from hybrid_runtime.scheduler import Scheduler
+from hybrid_runtime.step_job import RuntimeBrokenError, StepJob, StepTimeoutError
+from tests.test_scheduler import TrailingGpu, _GatedHandle, fake_tasks, sched_cfg
 
 
 class FakeLaunch:
@@ -150,3 +152,58 @@ def test_a_general_step_first_retires_express_claims_and_a_stall_breaks_the_lane
     assert gl.broken is not None and "express step at layer 0" in gl.broken
     with pytest.raises(RuntimeBrokenError):
         gl.await_orphan(1.0)  # every later step of the general path refuses too
+
+
+# ---------------------------------------------------------------------------- the scheduler's hook
+class WholeQueueGpu(TrailingGpu):
+    """A trailing GPU executor double that runs a whole queue as one claim (as AsyncTLS does)."""
+
+    claims_whole_queue = True
+    RING = 4
+
+
+def whole_queue_scheduler():
+    gpu = WholeQueueGpu()
+    return Scheduler(sched_cfg("gpu_only", cpu_workers=2), None, gpu), gpu
+
+
+def test_the_scheduler_hands_out_express_claims_only_where_nothing_else_applies():
+    s, gpu = whole_queue_scheduler()
+    try:
+        assert s.lane.express is not None and s.lane.express.depth == WholeQueueGpu.RING - 1
+        assert s.express_claims(0, fake_tasks(8)) is None  # a plain list keeps no table: the general path
+        s.lane.broken = "broken for the test"
+        with pytest.raises(RuntimeBrokenError, match="broken for the test"):
+            s.express_claims(0, fake_tasks(8))
+        s.lane.broken = None
+    finally:
+        gpu.gate.set()
+        s.close()
+    assert s.express_claims(0, fake_tasks(8)) is None  # closed
+    plain = Scheduler(sched_cfg("gpu_only", cpu_workers=2), None, TrailingGpu())
+    try:
+        assert plain.lane.express is None and plain.express_claims(0, fake_tasks(8)) is None
+    finally:
+        plain.close()
+
+
+def test_a_general_step_retires_express_claims_first_and_close_waits_for_them():
+    s, gpu = whole_queue_scheduler()
+    try:
+        express = s.lane.express
+        handle = express.launch(fake_tasks(1), 1, None, layer=3)  # as `_decode_express` launches
+        assert isinstance(handle, _GatedHandle) and len(express) == 1
+        threading.Timer(0.05, gpu.gate.set).start()
+        job = StepJob(0, fake_tasks(20), cpu_arrays=(None, None, None))
+        s.run(job, gpu_trails=True)  # waits for the express claim before anything of its own
+        assert len(express) == 0 and express.retired == 1 and gpu.retired >= 1
+    finally:
+        gpu.gate.set()
+        s.close()
+    s2, gpu2 = whole_queue_scheduler()
+    s2.lane.express.launch(fake_tasks(1), 1, None, layer=0)
+    with pytest.raises(RuntimeError, match="express GPU claims still running: layer 0"):
+        s2.close(timeout=0.05)
+    gpu2.gate.set()
+    s2.close()  # again, once it ended
+    assert len(s2.lane.express) == 0
