@@ -50,8 +50,7 @@ class ExpressClaims:
     def launch(self, plan: Any, n_tasks: int, step: Any, layer: int) -> Any:
         """Queue the step's whole table as one claim; returns its handle (start and end events)."""
         handle = self.executor.launch(plan, 0, n_tasks, step)
-        self.pending.append((handle, layer, n_tasks))
-        self.launched += 1
+        self.push(handle, layer, n_tasks)
         return handle
 
     def push(self, handle: Any, layer: int, n_tasks: int) -> None:

@@ -1393,21 +1393,19 @@ class HybridRuntime:
             express.push(handle, layer, len(ordered))
             caller.wait_event(replayed.merged)
             out = replayed.out.clone()  # the graph's buffer: its next replay rewrites it
-            if layer == store.layers - 1:
-                self.scheduler.lane.settle_express(self.scheduler.cfg.step_timeout_s, layer)
-            return out
-        handle = express.launch(plan, len(ordered), step, layer)
-        if window is not None:  # its capture failed: the window kernels launched one by one
-            self._window_graphs.kernels(layer, window, qs, *(kv or ()))
-            window.done.record(caller)
-            out_w, lse_w = window.out, window.lse
         else:
-            out_w, lse_w = self._window_graphs.run(layer, seq_ids, qs, k, v, caller)
-        caller.wait_event(handle.end)
-        out = torch.empty(q.shape, dtype=q.dtype, device=dev) if q.dtype in self._merge_out_dtypes else None
-        self._merge_gpu(out_w, lse_w, gout, glse, out=out_w if out is None else out, lse=lse_w, validate=False)
-        if out is None:
-            out = out_w.to(dtype=q.dtype, copy=True)  # the window graph's buffer: the next step rewrites it
+            handle = express.launch(plan, len(ordered), step, layer)
+            if window is not None:  # its capture failed: the window kernels launched one by one
+                self._window_graphs.kernels(layer, window, qs, *(kv or ()))
+                window.done.record(caller)
+                out_w, lse_w = window.out, window.lse
+            else:
+                out_w, lse_w = self._window_graphs.run(layer, seq_ids, qs, k, v, caller)
+            caller.wait_event(handle.end)
+            out = torch.empty(q.shape, dtype=q.dtype, device=dev) if q.dtype in self._merge_out_dtypes else None
+            self._merge_gpu(out_w, lse_w, gout, glse, out=out_w if out is None else out, lse=lse_w, validate=False)
+            if out is None:
+                out = out_w.to(dtype=q.dtype, copy=True)  # the window graph's buffer: the next step rewrites it
         if layer == store.layers - 1:
             self.scheduler.lane.settle_express(self.scheduler.cfg.step_timeout_s, layer)
         return out

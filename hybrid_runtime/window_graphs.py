@@ -115,9 +115,7 @@ class WindowGraphs:
                 old.done.synchronize()  # its last replay read its rows
                 self._free_rows.append(old.row)
             gr = self._make(b, self._free_rows.pop())
-        gr.append_np[0], gr.append_np[1] = slots, rows
-        gr.window_np[0], gr.window_np[1] = slots, rows
-        gr.window_np[1] += 1  # the window's length: the new token's row + 1
+        self._write_rows(gr, slots, rows)
         # The caller's k, v where a graph may read them in place: the staging buffers' dtype and layout.
         src = (k.data_ptr(), v.data_ptr()) if k.dtype == gr.k.dtype and v.dtype == gr.v.dtype and \
             k.shape == gr.k.shape and v.shape == gr.v.shape and k.is_contiguous() and v.is_contiguous() and \
@@ -156,11 +154,16 @@ class WindowGraphs:
             return None
         self._graphs.move_to_end(key)
         gr.done.synchronize()  # its rows were read (a step of this layer ago)
-        slots, rows = self.store.advance(layer, seq_ids)
+        self._write_rows(gr, *self.store.advance(layer, seq_ids))
+        return gr
+
+    @staticmethod
+    def _write_rows(gr: _Graph, slots, rows) -> None:
+        """This step's rows into `gr`'s pinned ones: the append's (slot, the new token's window row)
+        and the window's (slot, length)."""
         gr.append_np[0], gr.append_np[1] = slots, rows
         gr.window_np[0], gr.window_np[1] = slots, rows
-        gr.window_np[1] += 1
-        return gr
+        gr.window_np[1] += 1  # the window's length: the new token's row + 1
 
     def entry(self, layer: int, b: int) -> _Graph | None:
         """The (layer, batch size) entry as it is now (a dropped one's buffers go to another)."""
