@@ -290,15 +290,25 @@ def run_point(args, batch: int, context: int) -> dict:
             return total
 
         samples: dict = {mode: {"step_s": [], "work_s": [], "host_s": [], "transfer_s": [], "claim_s": [], "missed": 0,
-                                "selected": 0, "bytes": 0} for mode in MODES}
+                                "selected": 0, "bytes": 0, "express_steps": 0, "graph_captures": 0, "graph_replays": 0}
+                   for mode in MODES}
+        graphs = rt._step_graphs
+
+        def path_counts() -> tuple[int, int, int]:
+            """Layer-steps on the express path, whole-step graphs captured and replayed so far."""
+            return (rt.scheduler.express_steps, graphs.captures if graphs is not None else 0,
+                    graphs.replays if graphs is not None else 0)
+
         for i in range(args.warmup + args.steps):
             for mode in MODES:
                 set_mode(rt, mode)
                 miss0, sel0, bytes0 = ex.blocks_missed, ex.blocks_selected, ex.bytes_read
+                paths0 = path_counts()
                 ex.transfer_seconds()  # forget copies of earlier steps
                 claims.clear()
                 step_s, host_s = step(True, drift=mode != "sync_selection")
                 transfer_s, claim_s = ex.transfer_seconds(), claim_seconds()
+                paths = [n - n0 for n, n0 in zip(path_counts(), paths0)]
                 if i >= args.warmup:
                     smp = samples[mode]
                     smp["step_s"].append(step_s)
@@ -309,6 +319,8 @@ def run_point(args, batch: int, context: int) -> dict:
                     smp["missed"] += ex.blocks_missed - miss0
                     smp["selected"] += ex.blocks_selected - sel0
                     smp["bytes"] += ex.bytes_read - bytes0
+                    for name, n in zip(("express_steps", "graph_captures", "graph_replays"), paths):
+                        smp[name] += n
         # Epsilon of the cached modes' layer steps (sync_selection logs no blocks: `epsilon_per_step` skips it).
         cached_modes = sum(mode != "sync_selection" for mode in MODES)
         eps = ex.epsilon_per_step()[-(args.steps * cached_modes * g.layers):]
@@ -331,6 +343,11 @@ def run_point(args, batch: int, context: int) -> dict:
                          "transfer_ms_per_layer": float(np.median(smp["transfer_s"])) * 1e3 / g.layers,
                          "epsilon": smp["missed"] / max(1, smp["selected"]),
                          "bytes_per_layer_step": smp["bytes"] / args.steps / g.layers,
+                         # Which path the measured layer-steps took: a mode whose steps never reached
+                         # the express path or its graphs measured something else than it says.
+                         "express_fraction": smp["express_steps"] / (args.steps * g.layers),
+                         "graph_replay_fraction": smp["graph_replays"] / (args.steps * g.layers),
+                         "graph_captures": smp["graph_captures"],
                          "samples_step_s": smp["step_s"], "samples_work_s": smp["work_s"]}
         lag, sync, misses = row["lagged"], row["sync_selection"], row["sync_misses"]
         row["lagged_over_sync_time"] = lag["attention_ms_per_layer"] / sync["attention_ms_per_layer"]
@@ -415,8 +432,8 @@ def markdown(result: dict) -> str:
              "(the runtime's express path for GPU-only steps off). Claim: "
              "GPU time of the executor's claim; the rest of the attention time is the runtime's step around it.", "",
              "| batch | context | mode | attention ms/layer | mean / p99 | claim ms/layer | host ms/layer in decode | "
-             "MB moved per layer step | lagged / mode |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "MB moved per layer step | express / graphed layer-steps | lagged / mode |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["points"]:
         for mode in MODES:
             m = r[mode]
@@ -424,7 +441,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['batch']} | {r['context'] // 1024}K | {mode} | {m['attention_ms_per_layer']:.3f} | "
                          f"{m['attention_ms_per_layer_mean']:.3f} / {m['attention_ms_per_layer_p99']:.3f} | "
                          f"{m['claim_ms_per_layer']:.3f} | {m['host_ms_per_layer']:.3f} | "
-                         f"{m['bytes_per_layer_step'] / 1e6:.2f} | {ratio:.2f} |")
+                         f"{m['bytes_per_layer_step'] / 1e6:.2f} | "
+                         f"{m.get('express_fraction', float('nan')):.2f} / {m.get('graph_replay_fraction', float('nan')):.2f} | "
+                         f"{ratio:.2f} |")
     lines += ["", "| batch | context | transfer ms/layer (lagged copies) | hidden (vs sync_misses) | epsilon median / p90 | "
               "cache MiB per layer and sequence |", "| --- | --- | --- | --- | --- | --- |"]
     for r in result["points"]:

@@ -73,6 +73,13 @@ TIMED = [
     ("hybrid_runtime.executors.asynctls", "AsyncTlsLaunch.wait"),
     ("hybrid_runtime.resident_cache", "ResidentCache.fetch"),
     ("hybrid_runtime.window_graphs", "WindowGraphs.run"),
+    ("hybrid_runtime.window_graphs", "WindowGraphs.entry"),
+    ("hybrid_runtime.window_graphs", "WindowGraphs.prepared"),
+    ("hybrid_runtime.step_graphs", "StepGraphs.key"),
+    ("hybrid_runtime.step_graphs", "StepGraphs.wants"),
+    ("hybrid_runtime.step_graphs", "StepGraphs.run"),
+    ("hybrid_runtime.executors.asynctls", "AsyncTlsExecutor.stale"),
+    ("hybrid_runtime.executors.asynctls", "AsyncTlsExecutor.replayed"),
     ("hybrid_runtime.kvcache", "KVStore.advance"),
     ("gpu_kernels.launch", "CachedLaunch.__call__"),
     ("gpu_kernels.launch", "LaunchPlan.__call__"),
@@ -151,12 +158,17 @@ def main() -> None:
     ap.add_argument("--cpu-workers", type=int, default=15, help="--runtime fluxion: CPU workers")
     ap.add_argument("--general", action="store_true",
                     help="every step through the scheduler's and GPU lane's loop (the runtime's express path off)")
+    ap.add_argument("--step-graphs", action="store_true",
+                    help="the runtime's graphs of whole GPU-only steps on (hybrid_runtime/step_graphs.py; off by default)")
     args = ap.parse_args()
+    if args.step_graphs and args.general:
+        sys.exit("--step-graphs replays steps of the express path, which --general turns off")
     if args.runtime == "asynctls":
         rt, cfg, q, seq_ids, zeros = asynctls_census.prefilled(args)
     else:
         rt, cfg, q, seq_ids, zeros = fluxion_prefilled(args)
     rt.express_path = not args.general
+    rt.step_graphs_enabled = args.step_graphs
     g = cfg.geometry
     dev = rt.device
     noise = torch.empty_like(q[:, 0])
@@ -198,6 +210,10 @@ def main() -> None:
     finally:
         rt.close()
     walls = np.array([c["wall"] for c in per_call]) * 1e6
+    graphs = rt._step_graphs
+    if graphs is not None:
+        print(f"step graphs: {graphs.captures} captured, {graphs.replays} replayed, "
+              f"{rt.scheduler.express_steps} express layer-steps, capture error {graphs.capture_error}")
     print(f"{args.batch} x {args.context}, {g.layers} layers, {args.steps} steps on {dev}: decode host us per call "
           f"without timers median {np.median(plain) * 1e6:.0f} (mean {np.mean(plain) * 1e6:.0f}); with them median "
           f"{np.median(walls):.0f} (mean {walls.mean():.0f}, p90 {np.percentile(walls, 90):.0f})")
