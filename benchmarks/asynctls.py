@@ -80,6 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import write_results  # noqa: E402
+from gpu_kernels import block_fetch  # noqa: E402
 from hybrid_runtime.config import GEOMETRIES, config_from_dict  # noqa: E402
 from hybrid_runtime.executors.asynctls import AsyncTlsExecutor  # noqa: E402
 from hybrid_runtime.runtime import HybridRuntime  # noqa: E402
@@ -423,6 +424,7 @@ def markdown(result: dict) -> str:
              f"d_c {c['channels']}, query drift {c['drift']}, model work {'on' if c['model_work'] else 'off'}, "
              f"CUDA graphs {'on' if c['graphs'] else 'off'}, "
              f"graphs of whole GPU-only steps {'on' if c.get('step_graphs') else 'off'}, "
+             f"lagged copy kernel on {c.get('copy_programs', 64)} programs, "
              f"{c['steps']} measured steps per mode. Modes (benchmarks/asynctls.py): `lagged` AsyncTLS; "
              "`sync_selection` the same selection, its k_t tokens' K and V read from the CPU store before the "
              "attention, no resident cache (the issue's baseline); `sync_misses` AsyncTLS unlagged, the missing blocks "
@@ -478,6 +480,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--profile", default=None, metavar="DIR", help="write torch.profiler tables of 3 steps per mode here")
     ap.add_argument("--step-graphs", action="store_true",
                     help="the runtime's graphs of whole GPU-only steps on (hybrid_runtime/step_graphs.py; off by default)")
+    ap.add_argument("--copy-programs", type=int, default=None, metavar="N",
+                    help="programs of the lagged copy's kernel (gpu_kernels/block_fetch.py PROGRAMS; default its own): "
+                         "each holds an SM for the copy's length, beside the claims and the model's work")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="write Chrome traces of 2 steps of lagged and sync_selection here, each with its GPU gaps")
     ap.add_argument("--seed", type=int, default=0)
@@ -494,13 +499,19 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit("asynctls.py measures CUDA streams and needs a CUDA device (--smoke runs it on the CPU at a tiny shape)")
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     STEP_GRAPHS[0] = args.step_graphs
+    if args.copy_programs is not None:
+        if args.copy_programs < 1:
+            sys.exit(f"--copy-programs {args.copy_programs}: at least 1")
+        block_fetch.PROGRAMS = args.copy_programs
+    args.copy_programs = block_fetch.PROGRAMS
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []
     for b, c in points:
         print(f"point batch={b} context={c}", flush=True)
         rows.append(run_point(args, b, c))
     config = {k: getattr(args, k) for k in ("layers", "steps", "warmup", "blocks", "tokens", "resident_steps", "channels", "drift",
-                                            "model_work", "graphs", "step_graphs", "breakdown", "seed", "smoke")}
+                                            "model_work", "graphs", "step_graphs", "copy_programs", "breakdown", "seed",
+                                            "smoke")}
     config["torch"] = torch.__version__
     extra = {"config": config}
     path = write_results("asynctls", metrics_of(rows), rows, extra=extra, out_path=args.out)
