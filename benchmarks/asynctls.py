@@ -35,15 +35,19 @@ drifts of the machine hit all alike:
                     express path for GPU-only steps off, `rt.express_path`); lagged over it is what the
                     express path saves (benchmarks/notes/asynctls.md section 14). The other modes take
                     the express path where the runtime does (steps without a spill).
+    lagged_step_graphs  `lagged` with each step replayed from the runtime's graphs of whole GPU-only steps
+                    (`rt.step_graphs_enabled`, off by default; hybrid_runtime/step_graphs.py): the two side
+                    by side in one run decide that default
 
-`lagged`, `sync_misses`, `lagged_waits` and `lagged_general` each drift the queries and keep the cache at `M_{t-1}`
+`lagged`, `sync_misses`, `lagged_waits`, `lagged_general` and `lagged_step_graphs` each drift the queries and keep the cache at `M_{t-1}`
 for the next; `sync_selection` reuses the queries of the step before it and leaves the cache alone,
 so the cached modes see the same temporal locality as before it was added.
 
 Attention time per layer = (step time - the same step's model work alone) / layers, medians over
 `--steps` measured steps per mode. `lagged_over_sync_time` is lagged over sync_selection;
 `lagged_over_sync_misses_time` lagged over sync_misses; `lagged_over_lagged_waits_time` lagged over
-lagged_waits; `lagged_over_lagged_general_time` lagged over lagged_general. The transfer time is the GPU time of the
+lagged_waits; `lagged_over_lagged_general_time` lagged over lagged_general; `lagged_step_graphs_over_lagged_time`
+and `lagged_step_graphs_over_sync_time` lagged_step_graphs over lagged and over sync_selection. The transfer time is the GPU time of the
 lagged mode's copies (CUDA events on the copy kernels; sync_misses copies the same blocks);
 hidden fraction = (sync_misses - lagged) / transfer, in [0, 1]. `claim_ms_per_layer` is the GPU
 time of the executor's claim (its start and end events: block level, token level, attention,
@@ -51,7 +55,7 @@ cache update; graphed), so attention minus claim is what the runtime's step cost
 (window part, merge, checks, host work while the GPU waits). The executor replays each claim as a
 CUDA graph from its second step on (`--no-graphs`: every claim eagerly, as torch ops); `--step-graphs` turns
 on the runtime's graphs of whole GPU-only steps (hybrid_runtime/step_graphs.py) in every mode that takes the
-express path (all but lagged_general and lagged_waits); the claim time is then the whole step graph's.
+express path (all but lagged_general and lagged_waits; lagged_step_graphs has them on either way); the claim time is then the whole step graph's.
 `--breakdown N` then runs N eager steps per mode with CUDA events between the claim's stages
 (block level, token scores, token top-k, attention, cache update, fetch, outputs) and reports each
 stage's median time per layer (eager: a stage's time includes the host's launch gaps when the host
@@ -109,11 +113,11 @@ class ModelWork:
             torch.mm(x, w)
 
 
-MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits", "lagged_general")
+MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits", "lagged_general", "lagged_step_graphs")
 # `--step-graphs`: the runtime replays each GPU-only step on its express path from one CUDA graph
 # (hybrid_runtime/step_graphs.py; off by default), in every mode that takes that path.
 STEP_GRAPHS = [False]
-CLAIM_MODES = MODES[:3]  # lagged_waits and lagged_general run lagged's claims: no breakdown or profile of their own
+CLAIM_MODES = MODES[:3]  # the other modes run lagged's claims: no breakdown or profile of their own
 
 
 def set_mode(rt: HybridRuntime, mode: str) -> None:
@@ -121,14 +125,14 @@ def set_mode(rt: HybridRuntime, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: allowed {', '.join(MODES)}")
     ex = rt.gpu_executor
-    ex.lagged = mode in ("lagged", "lagged_waits", "lagged_general")
+    ex.lagged = mode in ("lagged", "lagged_waits", "lagged_general", "lagged_step_graphs")
     ex.offload_selection = mode == "sync_selection"
     waits = mode == "lagged_waits"
     rt.scheduler.settle()  # nothing of the previous mode still trails
     rt.gpu_only_trails = rt.cuda and not waits  # the runtime's default on CUDA (a GPU-only runtime)
     rt.finite_check = "sync" if waits else "auto"  # this benchmark's config leaves the key at its default
     rt.express_path = mode != "lagged_general"
-    rt.step_graphs_enabled = STEP_GRAPHS[0]
+    rt.step_graphs_enabled = STEP_GRAPHS[0] or mode == "lagged_step_graphs"
 
 
 def breakdown(rt: HybridRuntime, step, steps: int) -> dict:
@@ -359,6 +363,10 @@ def run_point(args, batch: int, context: int) -> dict:
         # What the express path for GPU-only steps saves: lagged over the same steps through the lanes' loop.
         row["lagged_over_lagged_general_time"] = (lag["attention_ms_per_layer"]
                                                   / row["lagged_general"]["attention_ms_per_layer"])
+        # The runtime's whole-step graphs (off by default) against lagged's launches, and against the baseline.
+        graphed = row["lagged_step_graphs"]["attention_ms_per_layer"]
+        row["lagged_step_graphs_over_lagged_time"] = graphed / lag["attention_ms_per_layer"]
+        row["lagged_step_graphs_over_sync_time"] = graphed / sync["attention_ms_per_layer"]
         # The copies' GPU time, timed on the lagged mode's side stream (a synchronous copy inside a
         # replayed CUDA graph has no events of its own); sync_misses moves the same blocks.
         row["transfer_ms_per_layer"] = lag["transfer_ms_per_layer"]
@@ -374,7 +382,9 @@ def run_point(args, batch: int, context: int) -> dict:
               f"({row['lagged_over_lagged_waits_time']:.2f}x); lagged_general "
               f"{row['lagged_general']['attention_ms_per_layer']:.3f} ms ({row['lagged_over_lagged_general_time']:.2f}x); "
               f"host ms/layer lagged {lag['host_ms_per_layer']:.3f}, lagged_general "
-              f"{row['lagged_general']['host_ms_per_layer']:.3f}", flush=True)
+              f"{row['lagged_general']['host_ms_per_layer']:.3f}; lagged_step_graphs {graphed:.3f} ms "
+              f"({row['lagged_step_graphs_over_lagged_time']:.2f}x of lagged, "
+              f"{row['lagged_step_graphs_over_sync_time']:.2f}x of sync_selection)", flush=True)
         if args.breakdown:
             row["breakdown"] = breakdown(rt, step, args.breakdown)
             for mode, stages in row["breakdown"].items():
@@ -397,6 +407,8 @@ def metrics_of(rows: list[dict]) -> dict:
         out[f"lagged_over_sync_misses_time_{tag}"] = r["lagged_over_sync_misses_time"]
         out[f"lagged_over_lagged_waits_time_{tag}"] = r["lagged_over_lagged_waits_time"]
         out[f"lagged_over_lagged_general_time_{tag}"] = r["lagged_over_lagged_general_time"]
+        out[f"lagged_step_graphs_over_lagged_time_{tag}"] = r["lagged_step_graphs_over_lagged_time"]
+        out[f"lagged_step_graphs_over_sync_time_{tag}"] = r["lagged_step_graphs_over_sync_time"]
         if "hidden_fraction" in r:
             out[f"hidden_fraction_{tag}"] = r["hidden_fraction"]
         for mode in MODES:
@@ -431,7 +443,8 @@ def markdown(result: dict) -> str:
              "copied into the resident cache before the token level (the row called `sync` up to b8b6c1a); "
              "`lagged_waits` lagged with every layer waiting for its claim and a synchronous NaN/inf check (the runtime's "
              "step before GPU-only steps trailed); `lagged_general` lagged through the scheduler's and GPU lane's loop "
-             "(the runtime's express path for GPU-only steps off). Claim: "
+             "(the runtime's express path for GPU-only steps off); `lagged_step_graphs` lagged with the runtime's graphs "
+             "of whole GPU-only steps on. Claim: "
              "GPU time of the executor's claim; the rest of the attention time is the runtime's step around it.", "",
              "| batch | context | mode | attention ms/layer | mean / p99 | claim ms/layer | host ms/layer in decode | "
              "MB moved per layer step | express / graphed layer-steps | lagged / mode |",
