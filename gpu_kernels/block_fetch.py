@@ -1,10 +1,10 @@
 """Copy selected KV blocks from the (UVA-viewed) CPU arena into the AsyncTLS resident cache.
 
-One program per (row, entry) of a selection: when `dest[row, entry] >= 0` it copies the keys and
-values of block `blocks[row, entry]` of that row's sequence and KV head (`chunks[row]` names the
-row's arena chunks in position order) into slot `dest` of the row's cache; otherwise it reads
-and writes nothing. So the set of blocks to move is decided on the device and never comes back
-to the host: a launch whose rows hit the cache costs one program per entry and no link traffic.
+For every (row, entry) of a selection with `dest[row, entry] >= 0` it copies the keys and values
+of block `blocks[row, entry]` of that row's sequence and KV head (`chunks[row]` names the row's
+arena chunks in position order) into slot `dest` of the row's cache; an entry that hits the cache
+costs the read of its slot, no link traffic. So the set of blocks to move is decided on the device
+and never comes back to the host.
 """
 
 from __future__ import annotations
@@ -18,18 +18,24 @@ from gpu_kernels._checks import check_tensor
 from gpu_kernels.launch import CachedLaunch
 
 
-# Programs of one fetch: each walks the selection's entries with this stride, copying the missed
+# Programs of one fetch: each walks the selection's entries in runs of SCAN, copying the missed
 # blocks. One program per entry (8,192 at 8 x 32K, k_b 128) held the GPU's block dispatcher until
 # the last of them was dispatched, and each missed block's program waited on the link for its
 # whole 32 KiB: kernels queued behind it on other streams -- the merge the caller's stream runs
 # right after the claim -- started only once the copy had ended, which put the lagged copy back
 # on the step's critical path (measured: the merge 188 us after its claim with the copy, 16 us
-# without; benchmarks/notes/asynctls.md section 14). A few programs dispatch at once and leave
-# the other SMs free; their loads in flight (PROGRAMS x 2 tiles of TOKENS x D) keep the link busy.
-PROGRAMS = 64
-# Tokens of a block copied per load: a whole block's K and V (64 x 128 bf16 each) in registers
-# would cap the programs per SM.
-TOKENS = 32
+# without; benchmarks/notes/asynctls.md section 14). A few programs dispatch at once; but each
+# holds an SM for the copy's whole length, and the model's GEMMs between layers want every SM:
+# with 64 programs a layer of the (8, 32K) chain took 87 us longer than with the copy left out,
+# the claim itself no longer (section 15). So: few programs (16), each copying with little
+# waiting -- the hit/miss scan reads SCAN entries' slots in one load (a scalar load per entry cost
+# a memory round trip each, 97% of them hits), and a missed block's K and V come in one tile each.
+PROGRAMS = 16
+# Entries whose cache slots one program reads at once; their misses are then copied one by one.
+SCAN = 128
+# Tokens of a block copied per load: the whole block (64 x 128 bf16 of K and of V in registers:
+# 64 values a thread each at 4 warps, with only PROGRAMS programs on the GPU).
+TOKENS = 64
 
 
 @triton.jit(do_not_specialize=["n_entries", "k_sel", "c_max", "s_seq", "s_head", "s_slot"])
@@ -37,14 +43,21 @@ def _fetch_kernel(
     arena_ptr, chunks_ptr, seq_slot_ptr, kv_head_ptr, blocks_ptr, dest_ptr, cache_k_ptr, cache_v_ptr,
     n_entries, k_sel, c_max, s_seq, s_head, s_slot,
     BLK: tl.constexpr, D: tl.constexpr, CT: tl.constexpr, ROWS: tl.constexpr, V_ROW: tl.constexpr,
-    TOK: tl.constexpr,
+    TOK: tl.constexpr, SCAN: tl.constexpr,
 ):
     t = tl.arange(0, TOK)
     d = tl.arange(0, D)
     tile = t[:, None] * D + d[None, :]
-    for e in range(tl.program_id(0), n_entries, tl.num_programs(0)):
-        dst = tl.load(dest_ptr + e)
-        if dst >= 0:  # entries that hit the cache read only their dest
+    lanes = tl.arange(0, SCAN)
+    for e0 in range(tl.program_id(0) * SCAN, n_entries, tl.num_programs(0) * SCAN):
+        entry = e0 + lanes
+        slots = tl.load(dest_ptr + entry, mask=entry < n_entries, other=-1)
+        missed = (slots >= 0).to(tl.int32)
+        rank = tl.cumsum(missed, axis=0)  # the j-th miss of the run has rank j + 1
+        for j in range(tl.sum(missed, axis=0)):
+            this = (rank == j + 1) & (missed != 0)
+            e = tl.sum(tl.where(this, entry, 0), axis=0)
+            dst = tl.sum(tl.where(this, slots, 0), axis=0)
             r = e // k_sel
             tok0 = tl.load(blocks_ptr + e) * BLK
             chunk = tl.load(chunks_ptr + r.to(tl.int64) * c_max + tok0 // CT).to(tl.int64)
@@ -93,8 +106,9 @@ def fetch_blocks(arena: torch.Tensor, chunks: torch.Tensor, seq_slot: torch.Tens
             s_slot)
     tok = min(blk, TOKENS)
     constexprs = {"BLK": blk, "D": d, "CT": layout.CHUNK_TOKENS, "ROWS": layout.CHUNK_ROWS, "V_ROW": layout.V_ROW,
-                  "TOK": tok}
-    _launch((min(n, PROGRAMS),), args, constexprs, (blk, d, tok, str(arena.dtype)), {"num_warps": 4}, stream)
+                  "TOK": tok, "SCAN": SCAN}
+    _launch((min(triton.cdiv(n, SCAN), PROGRAMS),), args, constexprs, (blk, d, tok, SCAN, str(arena.dtype)),
+            {"num_warps": 4}, stream)
 
 
 _launch = CachedLaunch(_fetch_kernel)

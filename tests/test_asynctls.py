@@ -519,6 +519,34 @@ def test_cache_fetch_kernel_matches_torch(programs, monkeypatch):
     assert torch.equal(want.v[0][1, 0, 0], arena[0, layout.V_ROW + 64 : layout.V_ROW + 128])
 
 
+@pytest.mark.parametrize("programs", [3, 16])
+def test_cache_fetch_kernel_scans_runs_of_entries(programs, monkeypatch):
+    """More entries than one scan run (block_fetch.SCAN), a partial last run, runs with no miss, runs
+    with every entry a miss, and fewer programs than runs: the kernel copies exactly the misses."""
+    from gpu_kernels import block_fetch
+    from gpu_kernels.block_fetch import fetch_blocks
+
+    monkeypatch.setattr(block_fetch, "PROGRAMS", programs)
+    monkeypatch.setattr(block_fetch, "SCAN", 16)
+    gen = torch.Generator().manual_seed(5)
+    rows, k, n_chunks, slots = 6, 13, 8, 20  # 78 entries: 4 full runs of 16 and one of 14
+    arena = torch.randn(n_chunks, layout.CHUNK_ROWS, 16, generator=gen)
+    chunks = torch.stack([torch.randperm(n_chunks, generator=gen)[:4] for _ in range(rows)])
+    blocks = torch.randint(0, 8, (rows, k), generator=gen)
+    dest = torch.full((rows, k), -1, dtype=torch.int64)
+    for r in range(rows):  # distinct slots per row; row 1 all misses, row 3 none
+        n_miss = {1: k, 3: 0}.get(r, int(torch.randint(1, k, (1,), generator=gen)))
+        at = torch.randperm(k, generator=gen)[:n_miss]
+        dest[r, at] = torch.randperm(slots, generator=gen)[:n_miss]
+    seq_slot, kv_head = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([0, 0, 0, 1, 1, 1])
+    want = ResidentCache(1, 3, 2, slots, 64, 16, torch.float32, torch.device("cpu"))
+    want.fetch(0, arena, chunks, seq_slot, kv_head, blocks, dest)
+    got_k, got_v = torch.zeros_like(want.k[0], device=DEV), torch.zeros_like(want.v[0], device=DEV)
+    fetch_blocks(*(x.to(DEV) for x in (arena, chunks, seq_slot, kv_head, blocks, dest)), got_k, got_v)
+    assert torch.equal(got_k.cpu(), want.k[0]) and torch.equal(got_v.cpu(), want.v[0])
+    assert int(want.k[0].ne(0).flatten(3).any(-1).sum()) == int((dest >= 0).sum())  # every miss landed, nothing else
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lagged", [True, False])
 @pytest.mark.parametrize("graphs", [True, False])
