@@ -38,8 +38,11 @@ drifts of the machine hit all alike:
     lagged_step_graphs  `lagged` with each step replayed from the runtime's graphs of whole GPU-only steps
                     (`rt.step_graphs_enabled`, off by default; hybrid_runtime/step_graphs.py): the two side
                     by side in one run decide that default
+    lagged_copy_now `lagged` with each layer's copy launched right behind its claim (`defer_copy` off; by
+                    default it waits for the executor's next use, so that it runs beside the next claim
+                    rather than the model's GEMMs between the layers)
 
-`lagged`, `sync_misses`, `lagged_waits`, `lagged_general` and `lagged_step_graphs` each drift the queries and keep the cache at `M_{t-1}`
+`sync_selection` aside, every mode drifts the queries and keeps the cache at `M_{t-1}`
 for the next; `sync_selection` reuses the queries of the step before it and leaves the cache alone,
 so the cached modes see the same temporal locality as before it was added.
 
@@ -47,7 +50,8 @@ Attention time per layer = (step time - the same step's model work alone) / laye
 `--steps` measured steps per mode. `lagged_over_sync_time` is lagged over sync_selection;
 `lagged_over_sync_misses_time` lagged over sync_misses; `lagged_over_lagged_waits_time` lagged over
 lagged_waits; `lagged_over_lagged_general_time` lagged over lagged_general; `lagged_step_graphs_over_lagged_time`
-and `lagged_step_graphs_over_sync_time` lagged_step_graphs over lagged and over sync_selection. The transfer time is the GPU time of the
+and `lagged_step_graphs_over_sync_time` lagged_step_graphs over lagged and over sync_selection;
+`lagged_over_lagged_copy_now_time` lagged over lagged_copy_now. The transfer time is the GPU time of the
 lagged mode's copies (CUDA events on the copy kernels; sync_misses copies the same blocks);
 hidden fraction = (sync_misses - lagged) / transfer, in [0, 1]. `claim_ms_per_layer` is the GPU
 time of the executor's claim (its start and end events: block level, token level, attention,
@@ -113,7 +117,8 @@ class ModelWork:
             torch.mm(x, w)
 
 
-MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits", "lagged_general", "lagged_step_graphs")
+MODES = ("lagged", "sync_misses", "sync_selection", "lagged_waits", "lagged_general", "lagged_step_graphs",
+         "lagged_copy_now")
 # `--step-graphs`: the runtime replays each GPU-only step on its express path from one CUDA graph
 # (hybrid_runtime/step_graphs.py; off by default), in every mode that takes that path.
 STEP_GRAPHS = [False]
@@ -125,7 +130,8 @@ def set_mode(rt: HybridRuntime, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: allowed {', '.join(MODES)}")
     ex = rt.gpu_executor
-    ex.lagged = mode in ("lagged", "lagged_waits", "lagged_general", "lagged_step_graphs")
+    ex.lagged = mode in ("lagged", "lagged_waits", "lagged_general", "lagged_step_graphs", "lagged_copy_now")
+    ex.defer_copy = ex.cuda and mode != "lagged_copy_now"
     ex.offload_selection = mode == "sync_selection"
     waits = mode == "lagged_waits"
     rt.scheduler.settle()  # nothing of the previous mode still trails
@@ -367,6 +373,9 @@ def run_point(args, batch: int, context: int) -> dict:
         graphed = row["lagged_step_graphs"]["attention_ms_per_layer"]
         row["lagged_step_graphs_over_lagged_time"] = graphed / lag["attention_ms_per_layer"]
         row["lagged_step_graphs_over_sync_time"] = graphed / sync["attention_ms_per_layer"]
+        # Each layer's copy behind its own claim (beside the model's GEMMs) against the default.
+        row["lagged_over_lagged_copy_now_time"] = (lag["attention_ms_per_layer"]
+                                                   / row["lagged_copy_now"]["attention_ms_per_layer"])
         # The copies' GPU time, timed on the lagged mode's side stream (a synchronous copy inside a
         # replayed CUDA graph has no events of its own); sync_misses moves the same blocks.
         row["transfer_ms_per_layer"] = lag["transfer_ms_per_layer"]
@@ -409,6 +418,7 @@ def metrics_of(rows: list[dict]) -> dict:
         out[f"lagged_over_lagged_general_time_{tag}"] = r["lagged_over_lagged_general_time"]
         out[f"lagged_step_graphs_over_lagged_time_{tag}"] = r["lagged_step_graphs_over_lagged_time"]
         out[f"lagged_step_graphs_over_sync_time_{tag}"] = r["lagged_step_graphs_over_sync_time"]
+        out[f"lagged_over_lagged_copy_now_time_{tag}"] = r["lagged_over_lagged_copy_now_time"]
         if "hidden_fraction" in r:
             out[f"hidden_fraction_{tag}"] = r["hidden_fraction"]
         for mode in MODES:
@@ -444,7 +454,8 @@ def markdown(result: dict) -> str:
              "`lagged_waits` lagged with every layer waiting for its claim and a synchronous NaN/inf check (the runtime's "
              "step before GPU-only steps trailed); `lagged_general` lagged through the scheduler's and GPU lane's loop "
              "(the runtime's express path for GPU-only steps off); `lagged_step_graphs` lagged with the runtime's graphs "
-             "of whole GPU-only steps on. Claim: "
+             "of whole GPU-only steps on; `lagged_copy_now` lagged with each layer's copy launched behind its claim "
+             "(not at the executor's next use). Claim: "
              "GPU time of the executor's claim; the rest of the attention time is the runtime's step around it.", "",
              "| batch | context | mode | attention ms/layer | mean / p99 | claim ms/layer | host ms/layer in decode | "
              "MB moved per layer step | express / graphed layer-steps | lagged / mode |",

@@ -577,6 +577,44 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_deferred_lagged_copy_gives_the_same_outputs_and_cache(graphs):
+    """A lagged copy launched at the executor's next use (`defer_copy`, every layer but the last) against
+    one launched behind its claim: the same outputs and resident cache after every step, across spills;
+    between layers a copy is pending, after a step's last layer none is."""
+    g = asynctls_config().geometry
+    assert g.layers >= 2
+    results = {}
+    for defer in (True, False):
+        cfg = asynctls_config(blocks=5, tokens=40, lagged=True, kv={"device": "cuda"})
+        with runtime(cfg, device="cuda") as rt:
+            ex = rt.gpu_executor
+            ex.graphs, ex.defer_copy = graphs, defer
+            prefill_random(rt, 0, 900, seed=13)
+            prefill_random(rt, 1, 700, seed=15)
+            gen = torch.Generator().manual_seed(14)
+            outs, caches, pending = [], [], []
+            for _ in range(70):  # generated_cap 64: spills
+                for layer in range(g.layers):
+                    q = torch.randn(2, g.q_heads, g.head_dim, generator=gen)
+                    k, v = torch.randn(2, 2, g.kv_heads, g.head_dim, generator=gen)
+                    outs.append(rt.decode(layer, [0, 1], q.cuda(), k.cuda(), v.cuda()).cpu())
+                    pending.append(ex._pending_copy is not None)
+                rt.scheduler.settle()
+                torch.cuda.synchronize()
+                caches.append(tuple(torch.stack(t).cpu() for t in (ex.cache.k, ex.cache.v, ex.cache.table)))
+            assert ex.blocks_missed > 0 and ex.graphs == graphs
+            results[defer] = (torch.stack(outs), caches, pending, ex.bytes_read)
+    (out_d, caches_d, pending_d, bytes_d), (out_n, caches_n, pending_n, bytes_n) = results[True], results[False]
+    assert torch.equal(out_d, out_n) and bytes_d == bytes_n
+    for (kd, vd, td), (kn, vn, tn) in zip(caches_d, caches_n):
+        assert torch.equal(td, tn) and torch.equal(kd, kn) and torch.equal(vd, vn)
+    per_step = len(pending_d) // 70
+    assert not any(pending_n) and not any(pending_d[per_step - 1 :: per_step])  # none after a step's last layer
+    assert sum(pending_d) >= 60 * (per_step - 1)  # pending between layers (a spill's step takes another path)
+
+
+@pytest.mark.gpu
 def test_express_steps_give_the_general_paths_outputs():
     """GPU-only steps past the lanes' loop (`HybridRuntime._decode_express`) against the same steps
     through it: same outputs, bytes and cache, across spills (which take the general path) and a

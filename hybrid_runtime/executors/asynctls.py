@@ -45,6 +45,7 @@ Counters: `bytes_read` (K and V of the missing blocks' tokens, decode and refres
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -202,6 +203,13 @@ class AsyncTlsExecutor:
         # CPU-resident tokens the index covers, per (layer, store slot).
         self._indexed = np.zeros((store.layers, store.cfg.max_sequences), dtype=np.int64)
         self._fetched: list[Any] = [None] * store.layers  # the newest copy event per layer (CUDA)
+        # A lagged copy is launched at the executor's next use rather than behind its own claim (on
+        # CUDA, every layer but the last): it then starts when the next layer's claim may start --
+        # after the model's work between the layers, which it slowed by holding SMs its GEMMs wanted
+        # (benchmarks/notes/asynctls.md section 15) -- and still ends before anything reads the layer's
+        # cache again (that claim waits for it). `flush_copy` launches it.
+        self.defer_copy = self.cuda
+        self._pending_copy: Any = None
         max_tasks = store.cfg.max_sequences * g.kv_heads
         self._ring = torch.zeros((self.RING, 3, max_tasks), dtype=torch.int64, pin_memory=self.cuda)
         self._ring_users: list[AsyncTlsLaunch | None] = [None] * self.RING
@@ -370,6 +378,7 @@ class AsyncTlsExecutor:
         and cache brought up to date with spills since the last step."""
         if not len(ordered):
             raise ValueError("upload of an empty task set")
+        self.flush_copy()  # before `_fetched` is read: the plan's claim waits for the copy's end
         layer = ordered[0].layer
         if packed.seq_slot is None:  # once per task set
             packed.seq_slot = np.fromiter((self.store.slot(t.seq_id) for t in ordered), dtype=np.int64, count=len(ordered))
@@ -435,6 +444,7 @@ class AsyncTlsExecutor:
         n = stop - start
         if not 0 <= start < stop <= len(plan.plan.batch):
             raise ValueError(f"claim [{start}, {stop}) of a plan of {len(plan.plan.batch)} tasks")
+        self.flush_copy()
         slot = self.launches % self.RING
         prev = self._ring_users[slot]
         if prev is not None and prev.bytes_read is None:
@@ -479,8 +489,21 @@ class AsyncTlsExecutor:
         if end is not None:
             end.record(self.stream)
         if self.lagged and not self.offload_selection:
-            self._fetch(layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest, fetch_events, side=True,
-                        graph=graph[2] if graph is not None else None)
+            copy = functools.partial(self._fetch, layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest,
+                                     fetch_events, side=True, graph=graph[2] if graph is not None else None)
+            if self.defer_copy and self.cuda and fetch_events is not None and layer < self.store.layers - 1:
+                self._pending_copy = copy
+            else:
+                copy()
+
+    def flush_copy(self) -> None:
+        """Launch the lagged copy a claim left for later (`defer_copy`), on the copy stream after
+        everything queued on the executor's stream so far (its claim, and whatever the caller made
+        the stream wait for since). Runs first in every entry point that reads or writes the cache
+        or the copies' events: `upload`, `launch`, `prefill`, `capture_claim`, `transfer_seconds`."""
+        copy, self._pending_copy = self._pending_copy, None
+        if copy is not None:
+            copy()
 
     def _claim_ops(self, layer: int, d: dict, step: Step, arena: torch.Tensor,
                    fetch_events: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -581,6 +604,7 @@ class AsyncTlsExecutor:
         counts `[3, T]` copied into `counts_out` (pinned). Lagged, returns the blocks to copy and their cache
         slots `[T, k]` (the capture's own tensors: the caller copies them into buffers that stay put and
         captures their copy with `capture_copy`); None for an unlagged claim, which copies inside it."""
+        self.flush_copy()
         layer, d = plan.layer, plan.plan.dev
         arena = self._arena(layer)
         chosen, dest, counts = self._claim_ops(layer, d, step, arena, None)
@@ -696,6 +720,7 @@ class AsyncTlsExecutor:
     def prefill(self, seq_id: int, layer: int, q_last: torch.Tensor, extend: bool = False) -> None:
         """After the store took a prompt (or its next chunk) at `layer`: index its CPU segment and warm
         the cache with the blocks the prompt's last query `q_last [Hq, D]` (unscaled) chooses."""
+        self.flush_copy()
         store = self.store
         seq_slot = store.slot(seq_id)
         cpu_len = store.cpu_len(seq_id, layer)
@@ -774,6 +799,7 @@ class AsyncTlsExecutor:
         """GPU time of the recorded copies (synchronizes; CUDA only), and forgets them."""
         if not self.cuda:
             return 0.0
+        self.flush_copy()
         torch.cuda.synchronize()
         total = sum(f0.elapsed_time(f1) for _, f0, f1 in self.fetch_events) * 1e-3
         self.fetch_events.clear()
