@@ -4,7 +4,7 @@
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
 #   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps first_step_host slow_tokens_96k prepare_ab score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
-#   tpot_grid nosa asynctls asynctls_host express copy_chain express_layers32 express_timers host_timers_fluxion sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
+#   tpot_grid nosa asynctls asynctls_host express express_repeat copy_chain express_layers32 express_timers host_timers_fluxion sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
 #   code and expectations the compiled path does not: two such test bugs and a launcher bug hid there). Experiments need matplotlib: carry its wheels
@@ -278,6 +278,14 @@ for step in $steps; do
         express) timeout 240 python -m pytest -v --tb=short -p no:cacheprovider tests/test_asynctls.py \
                 tests/test_express_claims.py tests/test_step_graphs.py tests/test_window_graphs.py tests/test_gpu_lane_trails.py &&
             timeout 240 python benchmarks/asynctls.py --points 8x32768 --breakdown 0 --out "$out/asynctls-$dev.json" ;;
+        # The bar three times on one lease (its spread between runs: benchmarks/notes/asynctls.md section 15); the last
+        # run is the results file, the first two land beside it as asynctls_run1/2.
+        express_repeat) rc=0
+            for i in 1 2 3; do
+                name=asynctls_run$i; [ $i = 3 ] && name=asynctls
+                timeout 150 python benchmarks/asynctls.py --points 8x32768 --breakdown 0 --out "$out/$name-$dev.json" || rc=1
+            done
+            [ $rc = 0 ] ;;
         # The GPU chain of lagged layer-steps with the model's GEMMs between them, interval by interval: the lagged copy
         # as configured, left out, and on fewer or more programs (benchmarks/notes/asynctls.md section 15).
         copy_chain) timeout 300 python benchmarks/diag/asynctls_layer_chain.py --batch 8 --context 32768 --steps 40 \
