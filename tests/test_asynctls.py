@@ -913,4 +913,14 @@ def test_device_benchmark_smoke_run_writes_the_results_contract(tmp_path, monkey
     for mode in ("lagged", "sync_misses", "sync_selection"):
         assert len(row[mode]["samples_step_s"]) == 3 and row[mode]["claim_ms_per_layer"] > 0
         assert row["breakdown"][mode]["claim"] > 0 and "token top-k" in row["breakdown"][mode]
-    assert path.with_suffix(".md").exists()
+    # The same-run comparisons of the runtime's options, and which path each mode's steps took (on the
+    # host there is no express path nor step graph).
+    for name, mode in (("lagged_step_graphs_over_lagged_time_2x4k", "lagged_step_graphs"),
+                       ("lagged_over_lagged_copy_now_time_2x4k", "lagged_copy_now")):
+        ours = row[mode]["attention_ms_per_layer"]
+        assert m[name] == pytest.approx(ours / row["lagged"]["attention_ms_per_layer"] if "step_graphs" in name
+                                        else row["lagged"]["attention_ms_per_layer"] / ours)
+    for mode in bench.MODES:
+        assert row[mode]["express_fraction"] == 0 and row[mode]["graph_replay_fraction"] == 0
+    assert r["config"]["copy_programs"] >= 1
+    assert "express / graphed layer-steps" in path.with_suffix(".md").read_text()
