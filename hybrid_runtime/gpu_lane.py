@@ -519,7 +519,12 @@ class GpuLane:
     def settle(self, block: bool = True) -> bool:
         """Retire the previous step's trailing claims (between steps: before the store changes,
         a probe, a placement switch or reading the timeline); with `block` wait for them. Returns
-        whether claims are still trailing."""
+        whether claims are still trailing. First launches what the executor deferred past its last
+        claim (`flush_copy`, optional: AsyncTLS's lagged copy), which the store's change or a reader
+        of its cache must find done."""
+        flush = getattr(self.executor, "flush_copy", None)
+        if flush is not None:
+            flush()
         if self.express is not None and self.express.pending:
             with self._trail_lock:
                 self.express.retire(block)

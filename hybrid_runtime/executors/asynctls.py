@@ -204,10 +204,12 @@ class AsyncTlsExecutor:
         self._indexed = np.zeros((store.layers, store.cfg.max_sequences), dtype=np.int64)
         self._fetched: list[Any] = [None] * store.layers  # the newest copy event per layer (CUDA)
         # A lagged copy is launched at the executor's next use rather than behind its own claim (on
-        # CUDA, every layer but the last): it then starts when the next layer's claim may start --
-        # after the model's work between the layers, which it slowed by holding SMs its GEMMs wanted
-        # (benchmarks/notes/asynctls.md section 15) -- and still ends before anything reads the layer's
-        # cache again (that claim waits for it). `flush_copy` launches it.
+        # CUDA): it then starts when the next layer's claim may start -- after the model's work between
+        # the layers, which it slowed by holding SMs its GEMMs wanted (benchmarks/notes/asynctls.md
+        # section 15) -- and still ends before anything reads the layer's cache again (that claim waits
+        # for it). The last layer's copy waits for the next step's first claim: a step ends without a
+        # copy behind it. `flush_copy` launches it; the GPU lane's `settle` (before the store changes,
+        # a release, a probe) calls it, so nothing outside a decode step finds a copy still pending.
         self.defer_copy = self.cuda
         self._pending_copy: Any = None
         max_tasks = store.cfg.max_sequences * g.kv_heads
@@ -491,7 +493,7 @@ class AsyncTlsExecutor:
         if self.lagged and not self.offload_selection:
             copy = functools.partial(self._fetch, layer, arena, d["chunks"], d["seq_slot"], d["kv_head"], chosen, dest,
                                      fetch_events, side=True, graph=graph[2] if graph is not None else None)
-            if self.defer_copy and self.cuda and fetch_events is not None and layer < self.store.layers - 1:
+            if self.defer_copy and self.cuda and fetch_events is not None:
                 self._pending_copy = copy
             else:
                 copy()
@@ -499,8 +501,8 @@ class AsyncTlsExecutor:
     def flush_copy(self) -> None:
         """Launch the lagged copy a claim left for later (`defer_copy`), on the copy stream after
         everything queued on the executor's stream so far (its claim, and whatever the caller made
-        the stream wait for since). Runs first in every entry point that reads or writes the cache
-        or the copies' events: `upload`, `launch`, `prefill`, `capture_claim`, `transfer_seconds`."""
+        the stream wait for since). Runs first in every entry point that reads or writes the cache:
+        `upload`, `launch`, `prefill`, `capture_claim`; the GPU lane's `settle` calls it between steps."""
         copy, self._pending_copy = self._pending_copy, None
         if copy is not None:
             copy()
@@ -796,10 +798,10 @@ class AsyncTlsExecutor:
         return miss[keep] / sel[keep]
 
     def transfer_seconds(self) -> float:
-        """GPU time of the recorded copies (synchronizes; CUDA only), and forgets them."""
+        """GPU time of the copies launched so far (synchronizes; CUDA only), and forgets them. A copy
+        still pending (`defer_copy`) is not launched here: the first call after its launch counts it."""
         if not self.cuda:
             return 0.0
-        self.flush_copy()
         torch.cuda.synchronize()
         total = sum(f0.elapsed_time(f1) for _, f0, f1 in self.fetch_events) * 1e-3
         self.fetch_events.clear()

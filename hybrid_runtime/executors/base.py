@@ -96,6 +96,9 @@ class GpuLaunchExecutor(Protocol):
     executor orders its work after the caller's stream itself, and the lane adds no wait.
     `link_bytes_per_s`: the measured host-to-GPU bandwidth that bounds the lane's rate model, or
     None when unknown.
+    Optional `flush_copy() -> None`: launch work the executor deferred past its last claim (it
+    launches it itself at its next `upload` or `launch`); the lane calls it when it settles, before
+    the store changes or anything outside a step reads what that work writes.
     """
 
     device: str
