@@ -732,10 +732,10 @@ def test_fused_int4_token_scores_match_the_dequantized_index():
                           cpu_len, blk)
 
 
-@pytest.mark.parametrize("fused", ["fused_token_scores", "fused_attention"])
+@pytest.mark.parametrize("fused", ["fused_token_scores", "fused_attention", "fused_cache_update"])
 @pytest.mark.parametrize("lagged", [True, False])
 def test_fused_kernels_give_what_the_torch_forms_give(lagged, fused):
-    # The token level's scores and the exact attention, each in its Triton form and its torch form;
+    # The token level's scores, the exact attention and the cache update, each in its Triton form and its torch form;
     # streaming heads (inactive in their groups) and a spill along the way (generated_cap 16).
     cfg = asynctls_config(blocks=6, tokens=24, lagged=lagged, streaming_heads={1: [0, 4]}, kv={"generated_cap": 16})
     g = cfg.geometry

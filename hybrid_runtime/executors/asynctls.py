@@ -240,6 +240,11 @@ class AsyncTlsExecutor:
         # tokens' K and V, copies them to float32 and scatters the result (~15 kernels). Host: torch
         # unless a test turns it on; the kernel needs a power-of-two head dim.
         self.fused_attention = self.cuda and self.head_dim & (self.head_dim - 1) == 0
+        # The cache table's update and the claim's counts in one Triton launch, a program per row
+        # (`gpu_kernels/cache_update.py`); the torch form (`plan_update_aged`, the rows' gather and
+        # write-back, the counts) is ~45 kernels of a few microseconds each, replayed one after
+        # another in every claim's graph. Host: torch unless a test turns it on.
+        self.fused_cache_update = self.cuda
         # The benchmark's synchronous sparse-offload baseline (`benchmarks/asynctls.py`,
         # `sync_selection`), not AsyncTLS: the same two-level selection, its token level over this
         # step's blocks `M_t` on the index, and the K and V of the chosen tokens read from the CPU
@@ -530,28 +535,40 @@ class AsyncTlsExecutor:
             counts = torch.stack([sel_valid.sum(1) * token_bytes, none, none])  # no cache: no epsilon
             self._mark("outputs")
             return chosen, torch.full_like(chosen, -1), counts
-        table, age = self.cache.table[layer], self.cache.age[layer]
-        cached = table[slot, h]
+        table = self.cache.table[layer]
         if self.lagged:
-            sel, sel_valid = self._select_tokens(layer, q, active, cached, h, chunks, cpu_len)
+            sel, sel_valid = self._select_tokens(layer, q, active, table[slot, h], h, chunks, cpu_len)
             self._attend_into(layer, step, q, active, b, slot, h, sel, sel_valid)
             self._mark("attention")
-            new, ages, miss, dest = plan_update_aged(cached, age[slot, h], chosen, self.resident_steps)
-            table[slot, h], age[slot, h] = new, ages
+            dest, counts = self._update_cache(layer, slot, h, chosen, cpu_len)
             self._mark("cache update")
         else:
-            new, ages, miss, dest = plan_update_aged(cached, age[slot, h], chosen, self.resident_steps)
-            table[slot, h], age[slot, h] = new, ages
+            dest, counts = self._update_cache(layer, slot, h, chosen, cpu_len)
             self._mark("cache update")
             self._fetch(layer, arena, chunks, slot, h, chosen, dest, fetch_events, side=False)
             self._mark("fetch")
-            sel, sel_valid = self._select_tokens(layer, q, active, new, h, chunks, cpu_len)
+            sel, sel_valid = self._select_tokens(layer, q, active, table[slot, h], h, chunks, cpu_len)
             self._attend_into(layer, step, q, active, b, slot, h, sel, sel_valid)
             self._mark("attention")
-        moved = torch.where(miss, block_tokens(chosen, cpu_len, self.block_size), 0).sum(1)
-        counts = torch.stack([moved * token_bytes, (chosen >= 0).sum(1), miss.sum(1)])
         self._mark("outputs")
         return chosen, dest, counts
+
+    def _update_cache(self, layer: int, slot: torch.Tensor, kv_head: torch.Tensor, chosen: torch.Tensor,
+                      cpu_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `(slot, kv_head)` of the layer's cache table take the blocks `chosen` (`plan_update_aged`);
+        returns (each missing block's slot `[R, k]`, -1 elsewhere; counts `[3, R]`: bytes moved, blocks
+        chosen, blocks missed)."""
+        table, age = self.cache.table[layer], self.cache.age[layer]
+        token_bytes = 2 * self.head_dim * self.esize
+        if self.fused_cache_update:
+            from gpu_kernels.cache_update import update_cache_rows
+
+            return update_cache_rows(table, age, slot, kv_head, chosen, cpu_len, self.resident_steps, self.block_size,
+                                     token_bytes)
+        new, ages, miss, dest = plan_update_aged(table[slot, kv_head], age[slot, kv_head], chosen, self.resident_steps)
+        table[slot, kv_head], age[slot, kv_head] = new, ages
+        moved = torch.where(miss, block_tokens(chosen, cpu_len, self.block_size), 0).sum(1)
+        return dest, torch.stack([moved * token_bytes, (chosen >= 0).sum(1), miss.sum(1)])
 
     def _graph(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step, d: dict, arena: torch.Tensor):
         """The claim as a CUDA graph (graph, (chosen, dest, counts)), or None to run it eagerly.
@@ -565,6 +582,7 @@ class AsyncTlsExecutor:
         graphs off for the executor, with a warning.
         """
         key = (plan.layer, start, stop, self.lagged, self.offload_selection, self.fused_token_scores, self.fused_attention,
+               self.fused_cache_update,
                step.q.data_ptr(), step.out.data_ptr(), step.lse.data_ptr())
         graphs = plan.plan.graphs
         entry = graphs.get(key)
@@ -762,8 +780,8 @@ class AsyncTlsExecutor:
 
     # ------------------------------------------------------------------ lifecycle and reports
     def warm_up(self) -> None:
-        """Compile the copy kernel, the token scores' and the attention's now (launches that read no
-        token), not in the first decode step."""
+        """Compile the copy kernel, the token scores', the cache update's and the attention's now
+        (launches that read no token), not in the first decode step."""
         if not self.cuda:
             return
         none = torch.full((1, 1), -1, dtype=torch.int64, device=self.dev)
@@ -776,6 +794,14 @@ class AsyncTlsExecutor:
             q_c = torch.zeros((1, self.group_size, self.index.d_c), dtype=torch.float32, device=self.dev)
             int4_token_scores(q_c, self.index.codes[0], self.index.qparams[0], none, torch.zeros_like(none), zero,
                               self.block_size)
+        if self.fused_cache_update and self.blocks != "all":
+            from gpu_kernels.cache_update import update_cache_rows
+
+            # A scratch table of the layers' shape: the update writes its rows (the strides pick the variant).
+            table = torch.full((1, *self.cache.table[0].shape[1:]), -1, dtype=torch.int64, device=self.dev)
+            k = min(int(self.blocks), self.cache.slots)
+            update_cache_rows(table, torch.zeros_like(table), zero, zero, none.expand(1, k).contiguous(), zero,
+                              self.resident_steps, self.block_size, 2 * self.head_dim * self.esize)
         if self.fused_attention:
             from gpu_kernels.asynctls_attention import selected_attention
 
