@@ -14,8 +14,8 @@ The update is `plan_update_aged`'s exactly. A slot's block stays when it was cho
 younger than `keep_steps` updates; the i-th missing block (in chosen order) takes the i-th slot of
 the row's stable sort by "kept" -- the free slots first in slot order, then the kept ones (never
 reached when the caller sizes the rows, `ResidentCache`). A chosen block's hit and a slot's
-"chosen again" are one `[k, S]` comparison; the i-th slot of the sort is the one whose sort
-position equals i, another `[k, S]` comparison, so nothing is sorted.
+"chosen again" come from `[TJ, S]` comparisons over tiles of the chosen blocks; the i-th slot of
+the sort is the one whose sort position equals i, another such comparison, so nothing is sorted.
 """
 
 from __future__ import annotations
@@ -32,46 +32,59 @@ from gpu_kernels._checks import check_tensor, next_pow2
 @triton.jit(do_not_specialize=["n_rows", "k", "s", "keep_steps", "token_bytes"])
 def _update_kernel(table_ptr, age_ptr, seq_slot_ptr, kv_head_ptr, chosen_ptr, cpu_len_ptr, dest_ptr, counts_ptr,
                    n_rows, k, s, s_seq, s_head, keep_steps, token_bytes,
-                   BLK: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+                   BLK: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, TJ: tl.constexpr):
     r = tl.program_id(0)
     base = tl.load(seq_slot_ptr + r).to(tl.int64) * s_seq + tl.load(kv_head_ptr + r).to(tl.int64) * s_head
+    chosen_row = chosen_ptr + r.to(tl.int64) * k
     si = tl.arange(0, S_PAD)
-    ji = tl.arange(0, K_PAD)
     in_row = si < s
-    in_sel = ji < k
-    # Block ids fit in int32 (a CPU segment of 2^31 blocks is far past any store); the [k, S]
-    # comparisons stay narrow.
+    # Block ids fit in int32 (a CPU segment of 2^31 blocks is far past any store): narrow comparisons.
     cached = tl.load(table_ptr + base + si, mask=in_row, other=-1).to(tl.int32)
     older = tl.load(age_ptr + base + si, mask=in_row, other=0) + 1
-    chosen = tl.load(chosen_ptr + r.to(tl.int64) * k + ji, mask=in_sel, other=-1).to(tl.int32)
-    valid = chosen >= 0
-    eq = ((chosen[:, None] == cached[None, :]) & valid[:, None]).to(tl.int32)  # chosen >= 0: the slot is present
-    hit = tl.max(eq, axis=1) > 0
-    miss = valid & ~hit
-    was_chosen = tl.max(eq, axis=0) > 0
-    keep = in_row & (was_chosen | ((cached >= 0) & (older < keep_steps)))
+    # The chosen blocks in tiles of TJ: a [TJ, S] comparison stays in registers (the whole [k, S] at
+    # k 128, S 256 spilled: 80 us a call on the H200 against a few for the tiles).
+    was = tl.zeros((S_PAD,), dtype=tl.int32)  # the slot's block was chosen again
+    for j0 in tl.static_range(0, K_PAD, TJ):
+        ji = j0 + tl.arange(0, TJ)
+        chosen = tl.load(chosen_row + ji, mask=ji < k, other=-1).to(tl.int32)
+        eq = (chosen[:, None] == cached[None, :]) & (chosen[:, None] >= 0)  # chosen >= 0: the slot is present
+        was = tl.maximum(was, tl.max(eq.to(tl.int32), axis=0))
+    keep = in_row & ((was > 0) | ((cached >= 0) & (older < keep_steps)))
     free = in_row & ~keep
     n_free = tl.sum(free.to(tl.int32), axis=0)
     # Each slot's position in the stable sort of the row by `keep` (free slots first).
     position = tl.where(free, tl.cumsum(free.to(tl.int32), axis=0) - 1,
                         n_free + tl.cumsum(keep.to(tl.int32), axis=0) - 1)
     position = tl.where(in_row, position, -1)
-    rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-    takes = (position[None, :] == rank[:, None]) & miss[:, None]  # [k, S]: miss j goes to slot s
-    dest = tl.where(miss, tl.sum(tl.where(takes, si[None, :], 0), axis=1), -1)
-    filled = tl.max(takes.to(tl.int32), axis=0) > 0
-    incoming = tl.sum(tl.where(takes, chosen[:, None], 0), axis=0)
-    table = tl.where(filled, incoming, tl.where(keep, cached, -1))
-    age = tl.where(filled | was_chosen, 0, older)
+    filled = tl.zeros((S_PAD,), dtype=tl.int32)
+    incoming = tl.zeros((S_PAD,), dtype=tl.int32)
+    misses_before = 0
+    n_cpu = tl.load(cpu_len_ptr + r).to(tl.int64)
+    moved = tl.zeros((TJ,), dtype=tl.int64)
+    n_chosen = tl.zeros((TJ,), dtype=tl.int32)
+    for j0 in tl.static_range(0, K_PAD, TJ):
+        ji = j0 + tl.arange(0, TJ)
+        chosen = tl.load(chosen_row + ji, mask=ji < k, other=-1).to(tl.int32)
+        valid = chosen >= 0
+        eq = (chosen[:, None] == cached[None, :]) & valid[:, None]
+        miss = valid & (tl.max(eq.to(tl.int32), axis=1) == 0)
+        rank = misses_before + tl.cumsum(miss.to(tl.int32), axis=0) - 1  # the i-th miss takes sort position i
+        takes = (position[None, :] == rank[:, None]) & miss[:, None]  # [TJ, S]: miss j goes to slot s
+        dest = tl.where(miss, tl.sum(tl.where(takes, si[None, :], 0), axis=1), -1)
+        tl.store(dest_ptr + r.to(tl.int64) * k + ji, dest.to(tl.int64), mask=ji < k)
+        filled = tl.maximum(filled, tl.max(takes.to(tl.int32), axis=0))
+        incoming += tl.sum(tl.where(takes, chosen[:, None], 0), axis=0)
+        misses_before += tl.sum(miss.to(tl.int32), axis=0)
+        tokens = tl.minimum(tl.maximum(n_cpu - chosen.to(tl.int64) * BLK, 0), BLK)
+        moved += tl.where(miss, tokens, 0)
+        n_chosen += valid.to(tl.int32)
+    table = tl.where(filled > 0, incoming, tl.where(keep, cached, -1))
+    age = tl.where((filled > 0) | (was > 0), 0, older)
     tl.store(table_ptr + base + si, table.to(tl.int64), mask=in_row)
     tl.store(age_ptr + base + si, age, mask=in_row)
-    tl.store(dest_ptr + r.to(tl.int64) * k + ji, dest.to(tl.int64), mask=in_sel)
-    n_cpu = tl.load(cpu_len_ptr + r).to(tl.int64)
-    tokens = tl.minimum(tl.maximum(n_cpu - chosen.to(tl.int64) * BLK, 0), BLK)
-    moved = tl.sum(tl.where(miss, tokens, 0), axis=0) * token_bytes
-    tl.store(counts_ptr + r, moved)
-    tl.store(counts_ptr + n_rows + r, tl.sum(valid.to(tl.int64), axis=0))
-    tl.store(counts_ptr + 2 * n_rows + r, tl.sum(miss.to(tl.int64), axis=0))
+    tl.store(counts_ptr + r, tl.sum(moved, axis=0) * token_bytes)
+    tl.store(counts_ptr + n_rows + r, tl.sum(n_chosen, axis=0).to(tl.int64))
+    tl.store(counts_ptr + 2 * n_rows + r, misses_before.to(tl.int64))
 
 
 def update_cache_rows(table: torch.Tensor, age: torch.Tensor, seq_slot: torch.Tensor, kv_head: torch.Tensor,
@@ -106,11 +119,10 @@ def update_cache_rows(table: torch.Tensor, age: torch.Tensor, seq_slot: torch.Te
         raise ValueError(f"counts has shape {tuple(counts.shape)}, dtype {counts.dtype}; expected contiguous int64 [3, {r}]")
     if r == 0:
         return dest, counts
-    s_pad = next_pow2(s)
-    # [k, S] comparisons in registers: 8 warps keep them at <= 128 values a thread at k 128, S 256.
+    k_pad = max(next_pow2(k), 2)
     _update_kernel[(r,)](table, age, seq_slot, kv_head, chosen, cpu_len, dest, counts, r, k, s, table.stride(0),
-                         table.stride(1), keep_steps, token_bytes, BLK=block_size, K_PAD=max(next_pow2(k), 2),
-                         S_PAD=max(s_pad, 2), num_warps=8 if next_pow2(k) * s_pad >= 16384 else 4)
+                         table.stride(1), keep_steps, token_bytes, BLK=block_size, K_PAD=k_pad,
+                         S_PAD=max(next_pow2(s), 2), TJ=min(k_pad, 32), num_warps=4)
     return dest, counts
 
 

@@ -1358,7 +1358,8 @@ class HybridRuntime:
                     v.is_contiguous() and k.shape == entry.k.shape and v.shape == entry.v.shape
                 kv = (k, v) if direct else None
                 key = graphs.key(layer, b, packed, (k.data_ptr(), v.data_ptr()) if direct else None, q.dtype,
-                                 (ex.lagged, ex.offload_selection, ex.fused_token_scores, ex.fused_attention))
+                                 (ex.lagged, ex.offload_selection, ex.fused_token_scores, ex.fused_attention,
+                                  ex.fused_cache_update, ex.fused_block_scores))
                 if graphs.wants(key, layer, b):
                     window = self._window_graphs.prepared(layer, seq_ids)
         views = self._step_views.get(b) or self._make_step_views(b)

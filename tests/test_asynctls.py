@@ -732,11 +732,12 @@ def test_fused_int4_token_scores_match_the_dequantized_index():
                           cpu_len, blk)
 
 
-@pytest.mark.parametrize("fused", ["fused_token_scores", "fused_attention", "fused_cache_update"])
+@pytest.mark.parametrize("fused", ["fused_token_scores", "fused_attention", "fused_cache_update", "fused_block_scores"])
 @pytest.mark.parametrize("lagged", [True, False])
 def test_fused_kernels_give_what_the_torch_forms_give(lagged, fused):
-    # The token level's scores, the exact attention and the cache update, each in its Triton form and its torch form;
-    # streaming heads (inactive in their groups) and a spill along the way (generated_cap 16).
+    # The block and token levels' scores, the exact attention and the cache update, each in its Triton
+    # form and its torch form; streaming heads (inactive in their groups) and a spill along the way
+    # (generated_cap 16).
     cfg = asynctls_config(blocks=6, tokens=24, lagged=lagged, streaming_heads={1: [0, 4]}, kv={"generated_cap": 16})
     g = cfg.geometry
     outs = []
@@ -917,13 +918,18 @@ def test_device_benchmark_smoke_run_writes_the_results_contract(tmp_path, monkey
         assert len(row[mode]["samples_step_s"]) == 3 and row[mode]["claim_ms_per_layer"] > 0
         assert row["breakdown"][mode]["claim"] > 0 and "token top-k" in row["breakdown"][mode]
     # The same-run comparisons of the runtime's options, and which path each mode's steps took (on the
-    # host there is no express path nor step graph).
+    # host there is no express path nor step graph; on CUDA the two modes that leave the express path never
+    # take it, and only lagged_step_graphs replays graphs of whole steps).
     for name, mode in (("lagged_step_graphs_over_lagged_time_2x4k", "lagged_step_graphs"),
                        ("lagged_over_lagged_copy_now_time_2x4k", "lagged_copy_now")):
         ours = row[mode]["attention_ms_per_layer"]
         assert m[name] == pytest.approx(ours / row["lagged"]["attention_ms_per_layer"] if "step_graphs" in name
                                         else row["lagged"]["attention_ms_per_layer"] / ours)
+    cuda = torch.cuda.is_available()
     for mode in bench.MODES:
-        assert row[mode]["express_fraction"] == 0 and row[mode]["graph_replay_fraction"] == 0
+        if not cuda or mode in ("lagged_general", "lagged_waits"):
+            assert row[mode]["express_fraction"] == 0, mode
+        if not cuda or mode != "lagged_step_graphs":
+            assert row[mode]["graph_replay_fraction"] == 0, mode
     assert r["config"]["copy_programs"] >= 1
     assert "express / graphed layer-steps" in path.with_suffix(".md").read_text()

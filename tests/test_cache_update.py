@@ -20,9 +20,10 @@ def _expected(table, age, seq_slot, kv_head, chosen, cpu_len, keep_steps, blk, t
     return table, age, dest, counts
 
 
-@pytest.mark.parametrize("keep_steps, k, extra", [(1, 5, 1), (2, 5, 3), (3, 4, 0), (1, 13, 7)])
+@pytest.mark.parametrize("keep_steps, k, extra", [(1, 5, 1), (2, 5, 3), (3, 4, 0), (1, 13, 7), (2, 45, 4)])
 def test_update_equals_plan_update_aged_over_many_steps(keep_steps, k, extra):
-    """Rows in an order other than the table's, ids with many repeats between steps, -1 padding,
+    """Rows in an order other than the table's, ids with many repeats between steps, -1 padding, more
+    chosen blocks than one tile of the kernel (k 45: two tiles of 32, the misses' ranks carried over),
     partial last blocks, a row with nothing chosen: table, ages, dest and counts after every step
     equal the torch form's, and the tables carried across 12 steps stay equal."""
     gen = torch.Generator().manual_seed(11 * keep_steps + k)
@@ -33,10 +34,11 @@ def test_update_equals_plan_update_aged_over_many_steps(keep_steps, k, extra):
     seq_slot = torch.tensor([2, 0, 1, 0, 2])
     kv_head = torch.tensor([1, 0, 1, 1, 0])
     r = len(seq_slot)
-    cpu_len = torch.tensor([300, 16 * 20, 250, 17, 190])
+    ids = max(20, 2 * k)
+    cpu_len = torch.tensor([16 * ids - 20, 16 * ids, 250, 17, 190])
     got_table, got_age = table.clone().to(DEV), age.clone().to(DEV)  # .to(DEV) is no copy on the host
     for step in range(12):
-        chosen = torch.stack([torch.randperm(20, generator=gen)[:k] for _ in range(r)])
+        chosen = torch.stack([torch.randperm(ids, generator=gen)[:k] for _ in range(r)])
         chosen[torch.rand(r, k, generator=gen) < 0.25] = -1
         if step == 5:
             chosen[2] = -1  # a row that chose nothing

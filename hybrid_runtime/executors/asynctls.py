@@ -245,6 +245,11 @@ class AsyncTlsExecutor:
         # write-back, the counts) is ~45 kernels of a few microseconds each, replayed one after
         # another in every claim's graph. Host: torch unless a test turns it on.
         self.fused_cache_update = self.cuda
+        # The block level's scores read from the bf16 metadata in place, in one Triton launch
+        # (`gpu_kernels/block_level_scores.py`); the torch form gathers the rows' metadata, copies it to
+        # float32 and runs two batched GEMVs and a mask (~10 kernels, ~80 MB a claim at 8 x 32K). Host:
+        # torch unless a test turns it on; the kernel needs a power-of-two head dim.
+        self.fused_block_scores = self.cuda and self.head_dim & (self.head_dim - 1) == 0
         # The benchmark's synchronous sparse-offload baseline (`benchmarks/asynctls.py`,
         # `sync_selection`), not AsyncTLS: the same two-level selection, its token level over this
         # step's blocks `M_t` on the index, and the K and V of the chosen tokens read from the CPU
@@ -271,13 +276,19 @@ class AsyncTlsExecutor:
                        cpu_len: torch.Tensor) -> torch.Tensor:
         """`M`: the top `k_b` blocks `[R, k]` (-1 padded) of each row by the group's summed Quest bound."""
         r = q.shape[0]
-        meta = self.index.block_meta[layer][chunks.long()]  # [R, C, per, 2, D]
-        meta = meta.view(r, -1, 2, self.head_dim).float()
-        qa = q * active[..., None]
-        scores = block_scores(meta, qa)
-        nb = scores.shape[1]
-        n_blocks = -(-cpu_len // self.block_size)
-        scores.masked_fill_(torch.arange(nb, device=q.device)[None, :] >= n_blocks[:, None], float("-inf"))
+        if self.fused_block_scores:
+            from gpu_kernels.block_level_scores import level_scores
+
+            scores = level_scores(q, active, self.index.block_meta[layer], chunks, cpu_len, self.block_size)
+            nb = scores.shape[1]
+        else:
+            meta = self.index.block_meta[layer][chunks.long()]  # [R, C, per, 2, D]
+            meta = meta.view(r, -1, 2, self.head_dim).float()
+            qa = q * active[..., None]
+            scores = block_scores(meta, qa)
+            nb = scores.shape[1]
+            n_blocks = -(-cpu_len // self.block_size)
+            scores.masked_fill_(torch.arange(nb, device=q.device)[None, :] >= n_blocks[:, None], float("-inf"))
         k = nb if self.blocks == "all" else min(int(self.blocks), nb)
         top = torch.topk(scores, k, dim=1, sorted=False)
         return torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
@@ -582,7 +593,7 @@ class AsyncTlsExecutor:
         graphs off for the executor, with a warning.
         """
         key = (plan.layer, start, stop, self.lagged, self.offload_selection, self.fused_token_scores, self.fused_attention,
-               self.fused_cache_update,
+               self.fused_cache_update, self.fused_block_scores,
                step.q.data_ptr(), step.out.data_ptr(), step.lse.data_ptr())
         graphs = plan.plan.graphs
         entry = graphs.get(key)
@@ -780,8 +791,8 @@ class AsyncTlsExecutor:
 
     # ------------------------------------------------------------------ lifecycle and reports
     def warm_up(self) -> None:
-        """Compile the copy kernel, the token scores', the cache update's and the attention's now
-        (launches that read no token), not in the first decode step."""
+        """Compile the copy kernel, the block and token scores', the cache update's and the attention's
+        now (launches that read no token), not in the first decode step."""
         if not self.cuda:
             return
         none = torch.full((1, 1), -1, dtype=torch.int64, device=self.dev)
@@ -794,6 +805,12 @@ class AsyncTlsExecutor:
             q_c = torch.zeros((1, self.group_size, self.index.d_c), dtype=torch.float32, device=self.dev)
             int4_token_scores(q_c, self.index.codes[0], self.index.qparams[0], none, torch.zeros_like(none), zero,
                               self.block_size)
+        if self.fused_block_scores:
+            from gpu_kernels.block_level_scores import level_scores
+
+            level_scores(torch.zeros((1, self.group_size, self.head_dim), dtype=torch.float32, device=self.dev),
+                         torch.zeros((1, self.group_size), dtype=torch.bool, device=self.dev), self.index.block_meta[0],
+                         torch.zeros_like(none), zero, self.block_size)
         if self.fused_cache_update and self.blocks != "all":
             from gpu_kernels.cache_update import update_cache_rows
 
