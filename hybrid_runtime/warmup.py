@@ -166,7 +166,8 @@ def step_kernel_jobs(store: Any, geometry: Any, device: torch.device, window_fn:
             q = torch.zeros((1, hq, d), dtype=q_dtype, device=device)
             k = torch.zeros((1, hkv, d), dtype=k_dtype, device=device)
             v = torch.zeros((1, hkv, d), dtype=v_dtype, device=device)
-            for cpu_lane, check in ((True, True), (True, False), (False, False)):
+            # (False, True): a GPU-only step counting its NaN/inf checks in the kernel (the express path's).
+            for cpu_lane, check in ((True, True), (True, False), (False, False), (False, True)):
                 prepare_step_inputs(q, k, v, 1.0, qs, q_host=flat if cpu_lane else None,
                                     lane=(flat, flat, lse) if lane else None, counts=counts if check else None)
 

@@ -577,6 +577,26 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
 
 
 @pytest.mark.gpu
+def test_express_steps_launch_no_kernel_the_warm_up_left_uncompiled():
+    """A GPU-only step counts its NaN/inf checks in the step-inputs kernel without a CPU lane: the
+    warm-up compiles that variant too (it went through the JIT at the first decode step before)."""
+    cfg = asynctls_config(blocks=5, tokens=40, kv={"device": "cuda", "dtype": "bf16"})
+    g = cfg.geometry
+    with runtime(cfg, device="cuda") as rt:
+        prefill_random(rt, 0, 900, seed=3)
+        prefill_random(rt, 1, 700, seed=4)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            for layer in range(g.layers):
+                q = torch.randn(2, g.q_heads, g.head_dim, generator=gen).cuda()
+                k, v = torch.randn(2, 2, g.kv_heads, g.head_dim, generator=gen).to("cuda", torch.bfloat16)
+                rt.decode(layer, [0, 1], q, k, v)
+        torch.cuda.synchronize()
+        assert rt.scheduler.express_steps > 0
+        assert rt.stats()["jit_kernels_after_warmup"] == {}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
 def test_deferred_lagged_copy_gives_the_same_outputs_and_cache(graphs):
     """A lagged copy launched at the executor's next use (`defer_copy`; the last layer's at the next

@@ -228,6 +228,8 @@ class AsyncTlsExecutor:
         # Claims replay as CUDA graphs from their second step on (`_graph`); one memory pool for all.
         self.graphs = self.cuda
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        # Recorded on the executor's stream just before a lagged copy is queued on the copy stream.
+        self._claims_queued = torch.cuda.Event() if self.cuda else None
         self._graph_bufs: dict[int, tuple] = {}
         # The token level's scores straight from the INT4 codes in one Triton launch
         # (`gpu_kernels/asynctls_token_scores.py`); the torch form expands every candidate's codes
@@ -404,6 +406,11 @@ class AsyncTlsExecutor:
             with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 packed.dev = {name: torch.from_numpy(np.ascontiguousarray(getattr(packed, name))).to(self.dev)
                               for name in ("batch", "kv_head", "cpu_len", "chunks", "active", "seq_slot")}
+                if self.cuda:
+                    # Read on the copy stream by every lagged copy of the plan: marked once here (the allocator
+                    # waits for every stream a block was ever marked with), not at each copy's launch.
+                    for t in packed.dev.values():
+                        t.record_stream(self.copy_stream)
         stale = self._indexed[layer, packed.seq_slot] != packed.cpu_len
         refreshed = None
         if stale.any():  # a spill grew these CPU segments (rare: once per generated_cap tokens)
@@ -705,11 +712,14 @@ class AsyncTlsExecutor:
             return
         stream = self.copy_stream if side else self.stream
         if side:
-            stream.wait_stream(self.stream)
-            # Made on the executor's stream, read on the copy stream. A graphed claim's outputs are
-            # the executor's own buffers, kept for its life.
-            for t in (chunks, slot, kv_head) if graph is not None else (chunks, slot, kv_head, chosen, dest):
-                t.record_stream(stream)
+            queued = self._claims_queued  # `wait_stream` without a new event each call
+            queued.record(self.stream)
+            stream.wait_event(queued)
+            # Made on the executor's stream, read on the copy stream: the plan's chunks, slots and heads
+            # were marked at upload; a graphed claim's outputs are the executor's own buffers, kept for its life.
+            if graph is None:
+                chosen.record_stream(stream)
+                dest.record_stream(stream)
         if events is None:  # inside a graph capture: the copy is part of the graph
             self.cache.fetch(layer, arena, chunks, slot, kv_head, chosen, dest, stream=stream.cuda_stream)
             return
@@ -727,8 +737,8 @@ class AsyncTlsExecutor:
 
     def _account(self, step: int, layer: int, counts: np.ndarray) -> None:
         """A retired claim's counts: `[3, n]` bytes moved, blocks selected, blocks missed per task."""
-        self.bytes_read += int(counts[0].sum())
-        sel, miss = int(counts[1].sum()), int(counts[2].sum())
+        moved, sel, miss = counts.sum(axis=1).tolist()
+        self.bytes_read += moved
         self.blocks_selected += sel
         self.blocks_missed += miss
         self.fetch_log.append((step, layer, sel, miss))
