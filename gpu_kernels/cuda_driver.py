@@ -5,7 +5,8 @@ torch events and the Python between them -- was 107-265 us, each call costing 3-
 time once other work ran in between (benchmarks/notes/gpu_lane.md section 21). `native_claim`
 issues a whole claim from one numba call; it needs the raw driver entry points (`cuLaunchKernel`,
 `cuEventRecord`, `cuMemcpyHtoDAsync`), and events it can record by handle without creating one
-per claim. Driver and runtime handles are the same objects (a `cudaEvent_t` is a `CUevent`), so
+per claim (and the AsyncTLS claim's counts come back by `cuMemcpyDtoHAsync`: torch's `copy_` cost
+~18 us of host time a claim). Driver and runtime handles are the same objects (a `cudaEvent_t` is a `CUevent`), so
 these events mix with torch's: a torch stream can wait on one, and `elapsed_ms` times any pair.
 
 `DriverEvent`s come from a free list: the handle of one that is garbage goes back to the list
@@ -39,6 +40,7 @@ class DriverApi(NamedTuple):
     func_param_info: Any  # cuFuncGetParamInfo(f, index, &offset, &size); None before CUDA 12.4
     error_name: Any  # cuGetErrorName(code, &str)
     graph_launch: Any = None  # cuGraphLaunch(exec, stream)
+    memcpy_dtoh_async: Any = None  # cuMemcpyDtoHAsync_v2(dst, src, bytes, stream)
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, required: bool = True) -> Any:
@@ -80,6 +82,7 @@ def driver_api() -> DriverApi | None:
                                                                       ptr(ctypes.c_size_t)], required=False),
                     error_name=_bind(lib, "cuGetErrorName", [_int, ptr(ctypes.c_char_p)]),
                     graph_launch=_bind(lib, "cuGraphLaunch", [_u64, _u64]),
+                    memcpy_dtoh_async=_bind(lib, "cuMemcpyDtoHAsync_v2", [_u64, _u64, _u64, _u64]),
                 )
             except OSError as exc:
                 _api_error = f"{type(exc).__name__}: {exc}"
