@@ -246,8 +246,8 @@ def sparda(geometry: GeometryConfig, dtype: str) -> None:
 
 
 def asynctls(geometry: GeometryConfig, dtype: str) -> None:
-    """AsyncTLS's block fetch into the resident cache and its attention over the chosen tokens there,
-    with the arguments of the executor's warm-up (`AsyncTlsExecutor.warm_up`, CUDA only) on a cache sized
+    """AsyncTLS's block fetch into the resident cache, its block-level scores, cache-table update and
+    attention over the chosen tokens there, with the arguments of the executor's warm-up (`AsyncTlsExecutor.warm_up`, CUDA only) on a cache sized
     as the executor sizes it."""
     from gpu_kernels.block_fetch import fetch_blocks
     from hybrid_runtime.config import config_from_dict
@@ -280,6 +280,22 @@ def asynctls(geometry: GeometryConfig, dtype: str) -> None:
             int4_token_scores(q_c, index.codes[0], index.qparams[0], none, torch.zeros_like(none), zero, blk)
     gather_tokens(store.arena(0), torch.zeros((1, 1), dtype=torch.int64), torch.zeros((1, 1), dtype=torch.int64),
                   torch.zeros((1, 1), dtype=torch.bool))
+    # The block level's scores on the index's metadata and the cache table's update, with the warm-up's
+    # arguments (the update on a scratch table of the cache's shape, `selection.blocks` chosen per row).
+    from gpu_kernels.block_level_scores import level_scores
+    from gpu_kernels.cache_update import update_cache_rows
+
+    for blk in sorted({selection.block_size, 64}):
+        index = TokenIndex(1, 1, store.head_dim, torch.arange(selection.index_channels).expand(1, store.kv_heads, -1),
+                           blk, store.dtype, torch.device("cpu"))
+        level_scores(torch.zeros((1, geometry.group_size, store.head_dim), dtype=torch.float32),
+                     torch.zeros((1, geometry.group_size), dtype=torch.bool), index.block_meta[0],
+                     torch.zeros_like(none), zero, blk)
+    table = torch.full((1, *cache.table[0].shape[1:]), -1, dtype=torch.int64)
+    token_bytes = 2 * store.head_dim * torch.tensor([], dtype=store.dtype).element_size()
+    update_cache_rows(table, torch.zeros_like(table), zero, zero,
+                      none.expand(1, min(int(selection.blocks), cache.slots)).contiguous(), zero,
+                      selection.resident_steps, selection.block_size, token_bytes)
     # The exact attention over the chosen tokens in the cache, with the warm-up's arguments.
     from gpu_kernels.asynctls_attention import selected_attention
 
