@@ -162,7 +162,9 @@ def step_kernel_jobs(store: Any, geometry: Any, device: torch.device, window_fn:
         f32 = dict(dtype=torch.float32, device=device)
         qs, flat, lse = torch.empty((1, hq, d), **f32), torch.empty(hq * d, **f32), torch.empty(hq, **f32)
         counts = torch.empty((N_COUNTS, count_columns(hq)), dtype=torch.int32, device=device)
-        for q_dtype, k_dtype, v_dtype in checked_dtypes(store.dtype, lookahead=False):
+        # Also q in fp32 beside k, v in the store's dtype (a caller that keeps its queries in fp32).
+        mixed = (torch.float32, store.dtype, store.dtype)
+        for q_dtype, k_dtype, v_dtype in dict.fromkeys(checked_dtypes(store.dtype, lookahead=False) + [mixed]):
             q = torch.zeros((1, hq, d), dtype=q_dtype, device=device)
             k = torch.zeros((1, hkv, d), dtype=k_dtype, device=device)
             v = torch.zeros((1, hkv, d), dtype=v_dtype, device=device)

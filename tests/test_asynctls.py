@@ -578,9 +578,10 @@ def test_prefetch_on_cuda_matches_the_host(lagged, graphs):
 
 @pytest.mark.gpu
 def test_express_steps_launch_no_kernel_the_warm_up_left_uncompiled():
-    """A GPU-only step counts its NaN/inf checks in the step-inputs kernel without a CPU lane: the
-    warm-up compiles that variant too (it went through the JIT at the first decode step before)."""
-    cfg = asynctls_config(blocks=5, tokens=40, kv={"device": "cuda", "dtype": "bf16"})
+    """A GPU-only step counts its NaN/inf checks in the step-inputs kernel without a CPU lane, here with
+    q in fp32 beside k, v in the store's bf16: the warm-up compiles those variants too (they went through
+    the JIT at the first decode step before)."""
+    cfg = asynctls_config(blocks=5, tokens=40, kv={"device": "cuda", "dtype": "bf16"}, profiling={"enabled": False})
     g = cfg.geometry
     with runtime(cfg, device="cuda") as rt:
         prefill_random(rt, 0, 900, seed=3)
