@@ -6,8 +6,8 @@ time once other work ran in between (benchmarks/notes/gpu_lane.md section 21). `
 issues a whole claim from one numba call; it needs the raw driver entry points (`cuLaunchKernel`,
 `cuEventRecord`, `cuMemcpyHtoDAsync`), and events it can record by handle without creating one
 per claim (and the AsyncTLS claim's counts come back by `cuMemcpyDtoHAsync`: torch's `copy_` cost
-~18 us of host time a claim). Driver and runtime handles are the same objects (a `cudaEvent_t` is a `CUevent`), so
-these events mix with torch's: a torch stream can wait on one, and `elapsed_ms` times any pair.
+~18 us of host time a claim). Driver and runtime handles are the same objects (a `cudaEvent_t` is
+a `CUevent`), so these events mix with torch's: a torch stream can wait on one, and `elapsed_ms` times any pair.
 
 `DriverEvent`s come from a free list: the handle of one that is garbage goes back to the list
 (nothing can record or read it any more), so steady-state claims create no CUDA events.

@@ -247,8 +247,8 @@ def sparda(geometry: GeometryConfig, dtype: str) -> None:
 
 def asynctls(geometry: GeometryConfig, dtype: str) -> None:
     """AsyncTLS's block fetch into the resident cache, its block-level scores, cache-table update and
-    attention over the chosen tokens there, with the arguments of the executor's warm-up (`AsyncTlsExecutor.warm_up`, CUDA only) on a cache sized
-    as the executor sizes it."""
+    attention over the chosen tokens there, with the arguments of the executor's warm-up
+    (`AsyncTlsExecutor.warm_up`, CUDA only) on a cache sized as the executor sizes it."""
     from gpu_kernels.block_fetch import fetch_blocks
     from hybrid_runtime.config import config_from_dict
     from hybrid_runtime.executors.asynctls import cache_slots

@@ -187,6 +187,8 @@ class AsyncTlsExecutor:
         self.group_size, self.kv_heads, self.head_dim = g.group_size, g.kv_heads, g.head_dim
         self.scale = 1.0 / math.sqrt(g.head_dim)
         self.esize = torch.tensor([], dtype=store.dtype).element_size()
+        # Bytes of one token's K and V: what a moved or attended token counts.
+        self.token_bytes = 2 * self.head_dim * self.esize
         channels = torch.as_tensor(channels, dtype=torch.int64)
         if channels.dim() != 3 or channels.shape[:2] != (store.layers, g.kv_heads) or channels.shape[2] % 2:
             raise ValueError(f"channels has shape {tuple(channels.shape)}; expected [{store.layers}, {g.kv_heads}, d_c] "
@@ -285,15 +287,15 @@ class AsyncTlsExecutor:
             from gpu_kernels.block_level_scores import level_scores
 
             scores = level_scores(q, active, self.index.block_meta[layer], chunks, cpu_len, self.block_size)
-            nb = scores.shape[1]
         else:
             meta = self.index.block_meta[layer][chunks.long()]  # [R, C, per, 2, D]
             meta = meta.view(r, -1, 2, self.head_dim).float()
             qa = q * active[..., None]
             scores = block_scores(meta, qa)
-            nb = scores.shape[1]
             n_blocks = -(-cpu_len // self.block_size)
-            scores.masked_fill_(torch.arange(nb, device=q.device)[None, :] >= n_blocks[:, None], float("-inf"))
+            past = torch.arange(scores.shape[1], device=q.device)[None, :] >= n_blocks[:, None]
+            scores.masked_fill_(past, float("-inf"))
+        nb = scores.shape[1]
         k = nb if self.blocks == "all" else min(int(self.blocks), nb)
         top = torch.topk(scores, k, dim=1, sorted=False)
         return torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
@@ -513,7 +515,7 @@ class AsyncTlsExecutor:
             chosen, dest, counts = self._claim_ops(layer, d, step, arena, fetch_events)
         if plan.refreshed is not None:
             counts = counts.clone()
-            counts[0] += plan.refreshed[start:stop] * (2 * self.head_dim * self.esize)
+            counts[0] += plan.refreshed[start:stop] * self.token_bytes
         self._counts_home(counts, counts_host)
         if end is not None:
             end.record(self.stream)
@@ -558,7 +560,7 @@ class AsyncTlsExecutor:
         self._mark("start")
         chosen = self._select_blocks(layer, q, active, chunks, cpu_len)
         self._mark("block level")
-        token_bytes = 2 * self.head_dim * self.esize
+        token_bytes = self.token_bytes
         if self.offload_selection:  # the synchronous baseline: no cache, the chosen tokens read from the store
             sel, sel_valid = self._select_tokens(layer, q, active, chosen, h, chunks, cpu_len)
             out, lse = self._attend_from_store(arena, q, active, chosen, chunks, sel, sel_valid)
@@ -593,16 +595,15 @@ class AsyncTlsExecutor:
         returns (each missing block's slot `[R, k]`, -1 elsewhere; counts `[3, R]`: bytes moved, blocks
         chosen, blocks missed)."""
         table, age = self.cache.table[layer], self.cache.age[layer]
-        token_bytes = 2 * self.head_dim * self.esize
         if self.fused_cache_update:
             from gpu_kernels.cache_update import update_cache_rows
 
             return update_cache_rows(table, age, slot, kv_head, chosen, cpu_len, self.resident_steps, self.block_size,
-                                     token_bytes)
+                                     self.token_bytes)
         new, ages, miss, dest = plan_update_aged(table[slot, kv_head], age[slot, kv_head], chosen, self.resident_steps)
         table[slot, kv_head], age[slot, kv_head] = new, ages
         moved = torch.where(miss, block_tokens(chosen, cpu_len, self.block_size), 0).sum(1)
-        return dest, torch.stack([moved * token_bytes, (chosen >= 0).sum(1), miss.sum(1)])
+        return dest, torch.stack([moved * self.token_bytes, (chosen >= 0).sum(1), miss.sum(1)])
 
     def _graph(self, plan: AsyncTlsStepPlan, start: int, stop: int, step: Step, d: dict, arena: torch.Tensor):
         """The claim as a CUDA graph (graph, (chosen, dest, counts)), or None to run it eagerly.
@@ -811,7 +812,7 @@ class AsyncTlsExecutor:
         self.cache.fetch(layer, self._arena(layer), chunks_t, slot, h, chosen, dest,
                          stream=torch.cuda.current_stream().cuda_stream if self.cuda else None)
         moved = int(torch.where(miss, block_tokens(chosen, lens, self.block_size), 0).sum())
-        self.prefill_bytes += moved * 2 * self.head_dim * self.esize
+        self.prefill_bytes += moved * self.token_bytes
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
 
@@ -844,7 +845,7 @@ class AsyncTlsExecutor:
             table = torch.full((1, *self.cache.table[0].shape[1:]), -1, dtype=torch.int64, device=self.dev)
             k = min(int(self.blocks), self.cache.slots)
             update_cache_rows(table, torch.zeros_like(table), zero, zero, none.expand(1, k).contiguous(), zero,
-                              self.resident_steps, self.block_size, 2 * self.head_dim * self.esize)
+                              self.resident_steps, self.block_size, self.token_bytes)
         if self.fused_attention:
             from gpu_kernels.asynctls_attention import selected_attention
 
