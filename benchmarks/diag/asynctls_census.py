@@ -117,7 +117,7 @@ def build(args):
         "geometry": geo, "kv_cache": kv,
         "scheduler": {"placement": "gpu_only", "gpu_worker": True, "cpu_workers": 0, "pin_cores": False},
         "selection": {"name": "asynctls", "block_size": args.block_size, "blocks": args.blocks, "tokens": args.tokens,
-                      "index_channels": args.channels},
+                      "index_channels": args.channels, "resident_steps": getattr(args, "resident_steps", 1)},
         "profiling": {"enabled": False},
     })
     g = cfg.geometry
@@ -136,6 +136,8 @@ def add_point_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--resident-steps", type=int, default=1,
+                    help="the resident cache keeps the blocks of the last this many steps (selection.resident_steps)")
 
 
 def prefilled(args: argparse.Namespace) -> tuple:
