@@ -130,12 +130,12 @@ class WindowGraphs:
             gr.k.copy_(k)
             gr.v.copy_(v)
             if fresh:
-                self._kernels(layer, gr, qs)  # this step, eagerly: compiles what is missing, sizes the workspace
+                self.kernels(layer, gr, qs)  # this step, eagerly: compiles what is missing, sizes the workspace
                 if self.capture_error is None:
                     self._capture(layer, gr, qs)
                 self._graphs[key] = gr
             elif gr.graph is None:
-                self._kernels(layer, gr, qs)  # capture failed once: launched kernel by kernel
+                self.kernels(layer, gr, qs)  # capture failed once: launched kernel by kernel
             else:
                 gr.graph.replay()
                 self.replays += 1
@@ -169,12 +169,6 @@ class WindowGraphs:
         """The (layer, batch size) entry as it is now (a dropped one's buffers go to another)."""
         return self._graphs.get((layer, b))
 
-    def kernels(self, layer: int, gr: _Graph, qs: torch.Tensor, k: torch.Tensor | None = None,
-                v: torch.Tensor | None = None) -> None:
-        """`gr`'s append (of `k, v`, by default its staging buffers) and window attention, launched on
-        the current stream (for a caller's capture)."""
-        self._kernels(layer, gr, qs, k, v)
-
     def _make(self, b: int, row: int) -> _Graph:
         win_k, _ = self.store.window(0)
         _, hkv, _, d = win_k.shape
@@ -197,9 +191,10 @@ class WindowGraphs:
             done=torch.cuda.Event(),
         )
 
-    def _kernels(self, layer: int, gr: _Graph, qs: torch.Tensor, k: torch.Tensor | None = None,
-                 v: torch.Tensor | None = None) -> None:
-        """The append (of `k, v`, by default the graph's staging buffers) and the window attention."""
+    def kernels(self, layer: int, gr: _Graph, qs: torch.Tensor, k: torch.Tensor | None = None,
+                v: torch.Tensor | None = None) -> None:
+        """`gr`'s append (of `k, v`, by default its staging buffers) and window attention, launched on
+        the current stream: eagerly, inside this object's captures, or inside a caller's."""
         win_k, win_v = self.store.window(layer)
         append_window(win_k, win_v, gr.k if k is None else k, gr.v if v is None else v, gr.append_rows_dev,
                       validate=False)
@@ -210,7 +205,7 @@ class WindowGraphs:
 
     def _capture(self, layer: int, gr: _Graph, qs: torch.Tensor) -> None:
         try:
-            graph = capture_graph(lambda: self._kernels(layer, gr, qs), self._capture_stream)
+            graph = capture_graph(lambda: self.kernels(layer, gr, qs), self._capture_stream)
         except RuntimeError as exc:  # the same kernels, launched eagerly, stay correct
             self.capture_error = f"{type(exc).__name__}: {exc}"
             log.warning("window graphs: capture failed (%s); the window part launches kernel by kernel", exc)
@@ -225,7 +220,7 @@ class WindowGraphs:
         if self.direct_error is not None:
             return
         try:
-            graph = capture_graph(lambda: self._kernels(layer, gr, qs, k, v), self._capture_stream)
+            graph = capture_graph(lambda: self.kernels(layer, gr, qs, k, v), self._capture_stream)
         except RuntimeError as exc:
             self.direct_error = f"{type(exc).__name__}: {exc}"
             log.warning("window graphs: capture of a graph reading k, v in place failed (%s); they are copied", exc)
