@@ -117,7 +117,7 @@ def build(args):
         "geometry": geo, "kv_cache": kv,
         "scheduler": {"placement": "gpu_only", "gpu_worker": True, "cpu_workers": 0, "pin_cores": False},
         "selection": {"name": "asynctls", "block_size": args.block_size, "blocks": args.blocks, "tokens": args.tokens,
-                      "index_channels": args.channels, "resident_steps": getattr(args, "resident_steps", 1)},
+                      "index_channels": args.channels, "resident_steps": args.resident_steps},
         "profiling": {"enabled": False},
     })
     g = cfg.geometry
@@ -258,6 +258,8 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--resident-steps", type=int, default=1,
+                    help="the resident cache keeps the blocks of the last this many steps (selection.resident_steps)")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured decode steps (all layers)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per collector (all layers)")
     ap.add_argument("--variant", choices=("cpu", "fused"), default="cpu",
