@@ -110,7 +110,7 @@ PLANNER_KEYS = {"queries": "fused_queries", "capture": "capture", "lag": "plan_l
 FUSED_OPTION_KEYS = ("parts", "block_w", "features_warps", "features_stages", "features_lean", "features_pack",
                      "predict_warps",
                      "predict_groups", "predict_block_n", "predict_stages", "predict_out_width",
-                     "dot_precision")  # and of FusedHeadPredictor
+                     "dot_precision", "predict_precision")  # and of FusedHeadPredictor
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -299,6 +299,42 @@ def planner_timings(rt: HybridRuntime, planner, batch: int, steps: int, warmup: 
             "task_build": timing_stats(task_build)}
 
 
+def plan_agreement(rt: HybridRuntime, base, other, batch: int, steps: int, gen: torch.Generator) -> dict:
+    """How `other`'s plans differ from `base`'s on the same queries (a variant that changes the
+    kernels' numerics, `dot_precision` "tf32"): both planners are called in lockstep on every layer for
+    `steps + 1` steps; the first is not compared (each planner's previous query, a feature, still comes
+    from its own earlier calls). Fractions of heads with the same streaming call (budget 0 or not) and of
+    groups with the same block size; the largest and mean absolute budget difference over heads both
+    give a task; the ratio of the summed budget x CPU tokens (what the tasks read, to first order)."""
+    g, store, dev = rt.geometry, rt.store, rt.device
+    ids = list(range(batch))
+    same_stream = same_block = heads = groups = 0
+    diffs, read_base, read_other = [], 0.0, 0.0
+    cpu = np.array([[store.cpu_len(s, layer) for s in ids] for layer in range(g.layers)], dtype=np.float64)
+    for step in range(steps + 1):
+        for layer in range(g.layers):
+            q = torch.randn((batch, g.q_heads, g.head_dim), generator=gen, device=dev, dtype=torch.bfloat16)
+            a = base(layer, ids, store, q)
+            a_budgets, a_blocks = np.array(a.budgets, dtype=np.float64), np.array(a.block_size)
+            b = other(layer, ids, store, q)
+            if step == 0:
+                continue
+            b_budgets, b_blocks = np.array(b.budgets, dtype=np.float64), np.array(b.block_size)
+            same_stream += int(((a_budgets > 0) == (b_budgets > 0)).sum())
+            heads += a_budgets.size
+            same_block += int((a_blocks == b_blocks).sum())
+            groups += a_blocks.size
+            both = (a_budgets > 0) & (b_budgets > 0)
+            diffs.append(np.abs(a_budgets - b_budgets)[both])
+            read_base += float((a_budgets * cpu[layer][:, None]).sum())
+            read_other += float((b_budgets * cpu[layer][:, None]).sum())
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
+    return {"streaming_agreement": same_stream / max(heads, 1), "block_size_agreement": same_block / max(groups, 1),
+            "budget_abs_diff_max": float(d.max()) if d.size else 0.0,
+            "budget_abs_diff_mean": float(d.mean()) if d.size else 0.0,
+            "read_ratio": read_other / read_base if read_base > 0 else 1.0, "heads": heads, "groups": groups}
+
+
 def kernel_times(rt: HybridRuntime, planner, batch: int, calls: int, gen: torch.Generator) -> dict:
     """Device time per call of each kernel a planner path launches (torch.profiler over `calls`
     calls on layer 0): which of the fused path's two kernels holds the time."""
@@ -358,6 +394,9 @@ def run_point(args, batch: int, context: int) -> dict:
         if "graph" in others:
             planners["eager"] = others["graph"]  # without its graphs (below): plain torch per step
         modes = list(planners)
+        # `--fused-variant` rows: measured beside the runtime's paths, never the metric's path (the runtime
+        # does not run them) and checked for the plans they give against the runtime's own.
+        variants = {f"fused_{name}" for name in info.get("fused_variants", {})}
         for mode in modes:
             planner = planners[mode]
             graphs = planner._graphs
@@ -370,6 +409,12 @@ def run_point(args, batch: int, context: int) -> dict:
             r = row[mode]
             if rt.device.type == "cuda" and mode.startswith("fused"):
                 r["kernels_us"] = kernel_times(rt, planner, batch, 20, gen)
+            if mode in variants:
+                r["plan_agreement"] = plan_agreement(rt, predicted, planner, batch, 4, gen)
+                a = r["plan_agreement"]
+                print(f"  planner {mode} against {predicted.path}: streaming calls {a['streaming_agreement']:.4f}, "
+                      f"block sizes {a['block_size_agreement']:.4f}, budget |diff| max {a['budget_abs_diff_max']:.2e} "
+                      f"mean {a['budget_abs_diff_mean']:.2e}, tokens read {a['read_ratio']:.4f}x", flush=True)
                 print(f"  planner {mode} kernels (device us per call): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()), flush=True)
             print(f"  planner {mode:5s}: wall med {r['wall']['median_us']:8.1f} mean {r['wall']['mean_us']:8.1f} "
@@ -388,7 +433,7 @@ def run_point(args, batch: int, context: int) -> dict:
         rt.planner = predicted
         row["lagged_modes"] = lagged
         # Same-step plans only: a lagged path's plans are a step old (a different policy), reported apart.
-        graph_modes = [m for m in modes if m != "eager" and m not in lagged] or ["eager"]  # fused and the graph paths
+        graph_modes = [m for m in modes if m != "eager" and m not in lagged and m not in variants] or ["eager"]  # fused and the graph paths
         best = min(graph_modes, key=lambda m: row[m]["wall"]["median_us"])
         base = row["decode_fixed"]["median_us"]
         row["path"] = best
@@ -437,6 +482,10 @@ def metrics_of(row: dict) -> dict:
             m[f"predictor_{mode}_device_us_median_{tag}"] = row[mode]["gpu"]["median_us"]
             m[f"predictor_{mode}_stage_us_median_{tag}"] = row[mode]["stage"]["median_us"]
             m[f"predictor_{mode}_fraction_{tag}"] = row[mode]["wall"]["median_us"] / row["decode_fixed"]["median_us"]
+            agreement = row[mode].get("plan_agreement")
+            if agreement is not None:
+                for key in ("streaming_agreement", "block_size_agreement", "budget_abs_diff_max", "read_ratio"):
+                    m[f"predictor_{mode}_{key}_{tag}"] = agreement[key]
     if "planner_call" in row["decode_in_situ"]:
         m[f"predictor_in_situ_call_us_median_{tag}"] = row["decode_in_situ"]["planner_call"]["median_us"]
     for mode in row.get("lagged_modes", ()):
@@ -464,6 +513,17 @@ def markdown(result: dict) -> str:
                          f"| {r['wait']['median_us']:.1f} | {r['launch']['median_us']:.1f} | {r['plan']['median_us']:.1f} "
                          f"| {r['task_build']['median_us']:.1f} | {base:.1f} "
                          f"| {r['wall']['median_us'] / base:.2%} |")
+    agreements = [(p, mode) for p in result["points"] for mode in modes_of(p) if "plan_agreement" in p[mode]]
+    if agreements:
+        lines += ["", "Variants' plans against the runtime's own path on the same queries (`plan_agreement`):", "",
+                  "| batch | context | path | streaming calls equal | block sizes equal | budget abs diff max / mean "
+                  "| tokens read vs runtime's |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for p, mode in agreements:
+            a = p[mode]["plan_agreement"]
+            lines.append(f"| {p['batch']} | {p['context']} | {mode} | {a['streaming_agreement']:.4f} "
+                         f"| {a['block_size_agreement']:.4f} | {a['budget_abs_diff_max']:.2e} / {a['budget_abs_diff_mean']:.2e} "
+                         f"| {a['read_ratio']:.4f} |")
     lines += ["", "## metrics", ""] + [f"- `{k}`: {v:.4g}" for k, v in result["metrics"].items()]
     return "\n".join(lines) + "\n"
 

@@ -88,8 +88,10 @@ MAX_BLOCK_SIZES = 4
 INDEX_ROWS = 4  # window slot, statistics row, window length, CPU length
 MAX_LINEARS = 8  # the predict kernel's network: up to 8 Linear layers (pairs of them, unrolled)
 MAX_WIDTH = 512  # and hidden widths up to 512 (a layer's activations stay in registers)
-# fp32-accurate dots: Triton's tf32x3, plain FMA, or three (two) tf32 MMAs on bit-masked operands (`_dot`).
-DOT_PRECISIONS = ("tf32x3", "ieee", "split")
+# The dots' precision: fp32-accurate -- Triton's tf32x3, plain FMA, or three (two) tf32 MMAs on bit-masked
+# operands (`_dot`) -- or one tf32 MMA pass ("tf32": inputs rounded to a 10-bit mantissa, 2^-11 relative;
+# what the kernels cost with the fewest tensor-core passes, not the default).
+DOT_PRECISIONS = ("tf32x3", "ieee", "split", "tf32")
 _PAIR_STAGE_BYTES = 48 * 1024  # shared memory of one pipeline stage of a pair's weight tiles
 
 _CLIP = tl.constexpr(30.0)  # logit and gap clipping of the torch definition
@@ -154,7 +156,8 @@ def _tf32_split(x):
 
 @triton.jit
 def _dot(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """`acc + a @ b`, fp32-accurate. `DOT_PRECISION` "tf32x3" / "ieee": `tl.dot` as it is. "split":
+    """`acc + a @ b`. `DOT_PRECISION` "tf32x3" / "ieee" / "tf32": `tl.dot` as it is (the first two
+    fp32-accurate, "tf32" one pass on rounded inputs). "split":
     three tf32 MMAs on operands split by `_tf32_split` (lo x hi, hi x lo, then hi x hi: the small
     terms first), two where one operand is exact in tf32 (`A_EXACT` / `B_EXACT`: bf16 and fp16
     values widened to fp32 are; then that operand is neither split nor multiplied twice), one where
@@ -778,8 +781,10 @@ class FusedHeadPredictor:
     after the tiles; False: one reduction each, as before), `features_pack` (under "split" dots and
     groups of <= 8 heads: the queries' and the softmax weights' tf32 high and low parts as the 16
     rows of one MMA operand, so each window and covariance dot is one pass fewer and the tile's
-    statistics run on 8 rows instead of 16; False by default), `dot_precision` (`DOT_PRECISIONS`, all
-    fp32-accurate: "split" by default, `_dot`; "tf32x3" Triton's; "ieee" FMA);
+    statistics run on 8 rows instead of 16; False by default), `dot_precision` (`DOT_PRECISIONS`:
+    fp32-accurate "split" by default, `_dot`; "tf32x3" Triton's; "ieee" FMA; or "tf32", one pass on
+    inputs rounded to tf32, which is not fp32-accurate);
+    `predict_precision` (the network's and selector's dots in the predict kernel; None: as `dot_precision`);
     the predict kernel's `predict_groups` (KV groups per program; None: the fewest that make 4
     rows), `predict_block_n` (hidden columns per step of a layer pair, power of two >= 16, fewer
     where a pipeline stage of the pair's weight tiles would pass 48 KB of shared memory) and
@@ -803,7 +808,7 @@ class FusedHeadPredictor:
                  block_w: int = 32, parts: int = 4, features_warps: int = 4, features_stages: int = 1,
                  predict_warps: int = 4, predict_groups: int | None = None, predict_block_n: int = 32,
                  predict_stages: int = 3, predict_out_width: int = 32, features_lean: bool = True,
-                 features_pack: bool = False):
+                 features_pack: bool = False, predict_precision: str | None = None):
         for name, x in (("q_heads", q_heads), ("kv_heads", kv_heads), ("max_sequences", max_sequences),
                         ("window_capacity", window_capacity), ("statistics_width", statistics_width)):
             if not isinstance(x, (int, np.integer)) or x < 1:
@@ -833,8 +838,10 @@ class FusedHeadPredictor:
             raise ValueError(f"tau must be a positive finite number, got {tau}")
         if not 0.0 < streaming_threshold < 1.0:
             raise ValueError(f"streaming_threshold must lie in (0, 1), got {streaming_threshold}")
-        if dot_precision not in DOT_PRECISIONS:
-            raise ValueError(f"dot_precision must be one of {list(DOT_PRECISIONS)} (fp32-accurate dots), got {dot_precision!r}")
+        for key, value in (("dot_precision", dot_precision), ("predict_precision", predict_precision)):
+            if value not in DOT_PRECISIONS and not (key == "predict_precision" and value is None):
+                raise ValueError(f"{key} must be one of {list(DOT_PRECISIONS)} (the first three fp32-accurate), "
+                                 f"got {value!r}")
         if block_w < 16 or block_w & (block_w - 1):
             raise ValueError(f"block_w must be a power of two >= 16, got {block_w}")
         if not isinstance(parts, (int, np.integer)) or not 1 <= parts <= 64 or parts & (parts - 1):
@@ -942,6 +949,8 @@ class FusedHeadPredictor:
         off = {k: int(statistics_offsets[k]) for k in STATISTICS_FIELDS}
         # Under the interpreter `tl.dot` is fp32 whatever its precision; "split" keeps its own code path there.
         precision = "ieee" if interpreted() and dot_precision != "split" else dot_precision
+        network = dot_precision if predict_precision is None else predict_precision
+        network = "ieee" if interpreted() and network != "split" else network
         self._features_constexprs = dict(
             OFF_N=off["n_cpu"], OFF_SINK=off["sink_len"], OFF_WIN=off["window_len"], OFF_KM=off["key_mean"],
             OFF_KC=off["key_cov"], OFF_VM=off["value_mean"], OFF_VKC=off["value_key_cov"],
@@ -963,7 +972,7 @@ class FusedHeadPredictor:
             BLOCK_M=block_m, BLOCK_GR=next_pow2(groups), BLOCK_Q=next_pow2(hq), N_FEAT=N_FEATURES,
             N_BLK=len(bs), BLK0=padded[0], BLK1=padded[1], BLK2=padded[2], BLK3=padded[3],
             LOG0=logs[0], LOG1=logs[1], LOG2=logs[2], LOG3=logs[3],
-            SKIP_STREAMING=bool(skip_streaming), OUT_ROWS_HQ=m * hq, DOT_PRECISION=precision,
+            SKIP_STREAMING=bool(skip_streaming), OUT_ROWS_HQ=m * hq, DOT_PRECISION=network,
         )
         # Per way of passing the queries (by the launch's tensor, or by a reference `run(q_ref=...)`):
         # the constexprs and the variant keys, built once.

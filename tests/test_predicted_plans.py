@@ -698,3 +698,31 @@ def test_overhead_benchmark_runs_quick_on_the_cpu(tmp_path):
     assert record["points"][0]["decode_in_situ"]["planner_call"]["samples"] == 2 * 2
     assert m["predictor_in_situ_call_us_median_2x2k"] > 0 and m["decode_reads_window_layer_us_median_2x2k"] > 0
     assert path.with_suffix(".md").is_file()
+
+
+def test_overhead_benchmark_plan_agreement_compares_plans_on_the_same_queries():
+    """`plan_agreement` (what a `--fused-variant` that changes numerics does to the plans): a planner
+    against its twin agrees everywhere; against one that makes every head streaming, no streaming call
+    agrees and it reads nothing."""
+    from benchmarks import predictor_overhead as po
+
+    cfg = config(device="cpu")
+    with HybridRuntime(cfg, head_planner=None) as rt:
+        g = rt.geometry
+        base = PredictedHeadPlanner(cfg.selection, g, rt.store, checkpoint=constant_checkpoint(0.05, 0.01, -9.0))
+        twin = PredictedHeadPlanner(cfg.selection, g, rt.store, checkpoint=constant_checkpoint(0.05, 0.01, -9.0))
+        streaming = PredictedHeadPlanner(cfg.selection, g, rt.store, checkpoint=constant_checkpoint(0.05, 0.01, 9.0))
+        for s, length in ((0, 700), (1, 300)):
+            for layer in (0, 1):
+                k, v = random_kv(length, HKV, D, seed=10 * s + layer)
+                q_last = torch.randn(HQ, D, generator=torch.Generator().manual_seed(20 * s + layer))
+                rt.store.prefill(s, layer, k, v)
+                for planner in (base, twin, streaming):
+                    planner.prefill(s, layer, k, v, q_last)
+        gen = torch.Generator().manual_seed(7)
+        same = po.plan_agreement(rt, base, twin, 2, 2, gen)
+        assert same["streaming_agreement"] == same["block_size_agreement"] == 1.0
+        assert same["budget_abs_diff_max"] == 0.0 and same["read_ratio"] == pytest.approx(1.0)
+        assert same["heads"] == 2 * 2 * 2 * HQ and same["groups"] == 2 * 2 * 2 * HKV  # steps x layers x batch
+        apart = po.plan_agreement(rt, base, streaming, 2, 2, gen)
+        assert apart["streaming_agreement"] == 0.0 and apart["read_ratio"] == 0.0
