@@ -409,14 +409,14 @@ def run_point(args, batch: int, context: int) -> dict:
             r = row[mode]
             if rt.device.type == "cuda" and mode.startswith("fused"):
                 r["kernels_us"] = kernel_times(rt, planner, batch, 20, gen)
+                print(f"  planner {mode} kernels (device us per call): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()), flush=True)
             if mode in variants:
                 r["plan_agreement"] = plan_agreement(rt, predicted, planner, batch, 4, gen)
                 a = r["plan_agreement"]
                 print(f"  planner {mode} against {predicted.path}: streaming calls {a['streaming_agreement']:.4f}, "
                       f"block sizes {a['block_size_agreement']:.4f}, budget |diff| max {a['budget_abs_diff_max']:.2e} "
                       f"mean {a['budget_abs_diff_mean']:.2e}, tokens read {a['read_ratio']:.4f}x", flush=True)
-                print(f"  planner {mode} kernels (device us per call): "
-                      + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()), flush=True)
             print(f"  planner {mode:5s}: wall med {r['wall']['median_us']:8.1f} mean {r['wall']['mean_us']:8.1f} "
                   f"p99 {r['wall']['p99_us']:8.1f} us; device {r['gpu']['median_us']:7.1f} us; stage "
                   f"{r['stage']['median_us']:6.1f}, launch + wait {r['wait']['median_us']:6.1f} (launch "
