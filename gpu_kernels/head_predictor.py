@@ -838,8 +838,9 @@ class FusedHeadPredictor:
             raise ValueError(f"tau must be a positive finite number, got {tau}")
         if not 0.0 < streaming_threshold < 1.0:
             raise ValueError(f"streaming_threshold must lie in (0, 1), got {streaming_threshold}")
-        for key, value in (("dot_precision", dot_precision), ("predict_precision", predict_precision)):
-            if value not in DOT_PRECISIONS and not (key == "predict_precision" and value is None):
+        network = dot_precision if predict_precision is None else predict_precision
+        for key, value in (("dot_precision", dot_precision), ("predict_precision", network)):
+            if value not in DOT_PRECISIONS:
                 raise ValueError(f"{key} must be one of {list(DOT_PRECISIONS)} (the first three fp32-accurate), "
                                  f"got {value!r}")
         if block_w < 16 or block_w & (block_w - 1):
@@ -948,9 +949,10 @@ class FusedHeadPredictor:
         self._scalars = (float(max(hq - 1, 1)), scale)
         off = {k: int(statistics_offsets[k]) for k in STATISTICS_FIELDS}
         # Under the interpreter `tl.dot` is fp32 whatever its precision; "split" keeps its own code path there.
-        precision = "ieee" if interpreted() and dot_precision != "split" else dot_precision
-        network = dot_precision if predict_precision is None else predict_precision
-        network = "ieee" if interpreted() and network != "split" else network
+        if interpreted():
+            precision, network = (p if p == "split" else "ieee" for p in (dot_precision, network))
+        else:
+            precision = dot_precision
         self._features_constexprs = dict(
             OFF_N=off["n_cpu"], OFF_SINK=off["sink_len"], OFF_WIN=off["window_len"], OFF_KM=off["key_mean"],
             OFF_KC=off["key_cov"], OFF_VM=off["value_mean"], OFF_VKC=off["value_key_cov"],
