@@ -43,9 +43,10 @@ attention; prompts are random tokens, all real (no padding). Variants, per (mode
                         device's word"); the step's NaN/inf check is then deferred.
     fluxion_ungated     fluxion with `scheduler.gate_trailing_claims: false`: a trailing step's GPU claim
                         sized by the lane rates even where its CPU lane ends within the launcher's time.
-    fluxion_native,     fluxion with `scheduler.claim_launch` native / graphs: each GPU claim is one
-    fluxion_graphs      native call through the CUDA driver, or a CUDA graph replay, instead of two
-                        planned Triton launches.
+    fluxion_native,     fluxion with `scheduler.claim_launch` native / graphs / direct: each GPU claim is
+    fluxion_graphs,     one native call through the CUDA driver issuing the descriptor kernels, a CUDA
+    fluxion_direct      graph replay of them, or one native call issuing the planned kernels, instead of
+                        two (or three) planned Triton launches.
     fluxion_host_selection fluxion with `scheduler.cpu_task_selection: host`: the CPU workers score
                         their tasks' metadata themselves instead of attending the GPU lane's selection.
     fluxion_gpu_selection fluxion with `scheduler.cpu_task_selection: gpu`: the GPU lane's selection on every
@@ -316,6 +317,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # graphs (the default launches their two kernels as planned Triton launches).
     Variant("fluxion_native", "hybrid", placement="fluxion", scheduler={"claim_launch": "native"}),
     Variant("fluxion_graphs", "hybrid", placement="fluxion", scheduler={"claim_launch": "graphs"}),
+    Variant("fluxion_direct", "hybrid", placement="fluxion", scheduler={"claim_launch": "direct"}),
     # The CPU workers select their own blocks from the arena's metadata (the default has the GPU lane
     # select them from its copy of the metadata where that pays: scheduler.cpu_task_selection).
     Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),

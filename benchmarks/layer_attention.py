@@ -211,8 +211,8 @@ def run_point(args, batch: int, context: int) -> tuple[list[dict], dict | None]:
         for v in args.claim_programs[1:]:
             runs[f"fluxion_cp{v}"] = ("fluxion", "mix")
             claim_cfg[f"fluxion_cp{v}"] = dataclasses.replace(gpu_ex.config, claim_programs=v)
-        # --other-claims: a fluxion run per other value of scheduler.claim_launch (native, plans,
-        # graphs), named after it, each with its own lane-rate estimates.
+        # --other-claims: a fluxion run per other value of scheduler.claim_launch (plans, native,
+        # graphs, direct), named after it, each with its own lane-rate estimates.
         launch_default = gpu_ex.claim_launch
         other_launches = {f"fluxion_{mode}": mode for mode in gpu_ex.CLAIM_LAUNCHES if mode != launch_default} \
             if args.other_claims else {}
@@ -537,7 +537,7 @@ def assemble_metrics(points: list[dict], limits: dict, probes: list[dict]) -> di
             if probe[fit]["GBps"] is not None:
                 m[f"gpu_lane_fit{suffix}_GBps"] = probe[fit]["GBps"]
         # --other-claims, --other-metadata: the same probe on the other claim path or metadata source
-        for path in ("native", "plans", "graphs", "host_metadata", "gpu_metadata"):
+        for path in ("native", "plans", "graphs", "direct", "host_metadata", "gpu_metadata"):
             again = probe.get(path) if probe else None
             if again and again.get(fit):
                 m[f"gpu_lane_fixed_cost{suffix}_{path}_us"] = again[fit]["intercept_us"]
@@ -612,8 +612,9 @@ def main() -> None:
                          "for every policy, each further one adds a fluxion run with it (e.g. 0,132,66)")
     ap.add_argument("--other-claims", action="store_true",
                     help="also run fluxion with its claims launched each other way of scheduler.claim_launch (the "
-                         "default is native: fluxion_plans launches two planned Triton launches, fluxion_graphs "
-                         "replays them from CUDA graphs) and probe the GPU lane those ways too "
+                         "default is plans, two planned Triton launches: fluxion_native issues the descriptor kernels by one "
+                         "native call, fluxion_graphs replays them from CUDA graphs, fluxion_direct issues the planned "
+                         "kernels by one native call) and probe the GPU lane those ways too "
                          "(gpu_lane_fixed_cost*_<way>_us, gpu_lane_launch_host_<way>_us)")
     ap.add_argument("--other-metadata", action="store_true",
                     help="also run fluxion with its GPU lane scoring blocks from the pinned arena's metadata over the "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -294,6 +295,24 @@ class LaunchPlan:
         kernel = launch._compiled.get((self._variant, tuple(self._options.items()), _specialization(args, launch._rules)))
         if kernel is not None:
             self._kernels[key] = kernel
+
+
+class KernelCall(NamedTuple):
+    """One launch of a claim as its planned path makes it, for a launcher that issues it itself
+    (`gpu_kernels/direct_claim.py`): the kernel, a complete argument list with placeholder values at
+    the positions a claim sets (`claim_args`: a claim word's name -> its position in `args`; Triton
+    never specialises on those, so the placeholders select the compiled kernel every claim of the
+    step runs), the constexprs and the launch options."""
+
+    launch: CachedLaunch
+    args: tuple
+    constexprs: dict
+    options: dict
+    claim_args: dict
+
+    def compiled(self) -> object | None:
+        """The compiled kernel a planned launch with these arguments runs, once one compiled it."""
+        return self.launch.compiled(self.args, tuple(self.constexprs.values()), self.options)
 
 
 try:  # the JIT reads its launch hooks here too (Triton >= 3.3)

@@ -138,7 +138,7 @@ def kernel_parameters(kernel, args: tuple) -> list[int] | str:
         else:
             return f"argument {name} of type {kind} ({type(value).__name__}) is not a pointer or an integer"
         kinds.append(kind)
-    sizes = kernel_param_sizes(_function(kernel))
+    sizes = kernel_param_sizes(kernel_function(kernel))
     if sizes is not None:
         want = [8 if k.startswith("*") or k.endswith("64") else 4 for k in kinds]
         if sizes[:len(want)] != want or not len(want) <= len(sizes) <= len(want) + SCRATCH_PARAMS \
@@ -147,7 +147,8 @@ def kernel_parameters(kernel, args: tuple) -> list[int] | str:
     return values
 
 
-def _function(kernel) -> int:
+def kernel_function(kernel) -> int:
+    """The driver handle (CUfunction) of a compiled Triton kernel, loading it first if no launch did."""
     if getattr(kernel, "function", None) is None:
         kernel._init_handles()
     return int(kernel.function)
@@ -221,8 +222,8 @@ class NativeClaim:
                     return values
                 if s == 0:
                     w = S_KERNELS + KERNEL_WORDS * k
-                    state[w:w + KERNEL_WORDS] = (_function(kernel), launch.grid[0], *shape)
-                elif int(state[S_KERNELS + KERNEL_WORDS * k]) != _function(kernel):
+                    state[w:w + KERNEL_WORDS] = (kernel_function(kernel), launch.grid[0], *shape)
+                elif int(state[S_KERNELS + KERNEL_WORDS * k]) != kernel_function(kernel):
                     return f"slot {s} runs another compiled kernel than slot 0"
                 row.append(values + [0] * SCRATCH_PARAMS)
             per_slot.append(row)
@@ -239,4 +240,4 @@ class NativeClaim:
         return self.launch(self.state, self.params, n_blocks, union_pages, start, stop, slot, desc, template, ev0, ev1)
 
 
-__all__ = ["NativeClaim", "claim_launcher", "kernel_parameters", "launch_shape"]
+__all__ = ["NativeClaim", "claim_launcher", "kernel_function", "kernel_parameters", "launch_shape"]

@@ -34,7 +34,7 @@ import triton.language as tl
 from cpu_kernels import layout
 from gpu_kernels import task_table as tt
 from gpu_kernels._checks import cdiv, next_pow2
-from gpu_kernels.launch import CachedLaunch, LaunchPlan
+from gpu_kernels.launch import CachedLaunch, KernelCall, LaunchPlan
 
 
 @triton.jit
@@ -460,6 +460,12 @@ def _args(table, nsel, chunks, row0, q, arena, scores, tickets, ublocks, uheads,
             counts if ready is None else ready, int(stamp))
 
 
+# Positions in `_args` of the words a claim sets, and in `_split_args`'s two tuples.
+_ARG_COUNTS_HOST, _ARG_ROW0 = 12, 13
+_SCORE_ARG_ROW0 = 7
+_HEADS_ARG_COUNTS_HOST, _HEADS_ARG_ROW0 = 8, 9
+
+
 def _constexprs(nsel, q, meta_layout, ready) -> dict:
     g = nsel.shape[1]
     block_g = _block_g(g)
@@ -502,6 +508,28 @@ class ScoreSelectPlan:
         # The split selection's per-(task, head) k-th keys: 16 bytes a task and head.
         self.kth = torch.empty((scores.shape[0], scores.shape[1], 2), dtype=torch.int64, device=scores.device)
         self._plans: dict[tuple, object] = {}
+
+    def claim_calls(self, table, nsel, chunks, q, arena, ublocks, uheads, counts, counts_host,
+                    meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW)) -> tuple:
+        """A claim's selection as `__call__` launches it, both forms (no signalling): `(fused,
+        score, heads)` `KernelCall`s, the split form's two after the fused one, with the claim's
+        `row0` (and `counts_host`, at `counts_host`'s place: a landing slot's) to be set per claim,
+        and `split_above`, the most blocks a claim's rows may have for the fused form
+        (`split_select`). The grids: fused `(tasks, cdiv(n_blocks_max, constexprs["BLOCK_B"]))`,
+        score the same with its own BLOCK_B, heads `(tasks, G)`."""
+        args = _args(table, nsel, chunks, 0, q, arena, self.scores, self.tickets, ublocks, uheads, counts,
+                     counts_host, None, 0)
+        constexprs = _constexprs(nsel, q, meta_layout, None)
+        score_args, select_args = _split_args(args, self.kth)
+        score_c, select_c = _split_constexprs(constexprs)
+        fused = KernelCall(_launch, args, constexprs, _OPTIONS, {"row0": _ARG_ROW0, "counts_host": _ARG_COUNTS_HOST})
+        score = KernelCall(_launch_score, score_args, score_c, {"num_warps": SCORE_NUM_WARPS},
+                           {"row0": _SCORE_ARG_ROW0})
+        heads = KernelCall(_launch_heads, select_args, select_c, _OPTIONS,
+                           {"row0": _HEADS_ARG_ROW0, "counts_host": _HEADS_ARG_COUNTS_HOST})
+        g = nsel.shape[1]
+        split_above = SEL_ELEMS // _block_g(g) if SPLIT_SELECT else 2 ** 62
+        return fused, score, heads, split_above
 
     def __call__(self, table, nsel, chunks, row0: int, n_tasks: int, n_blocks_max: int, q, arena, ublocks, uheads,
                  counts, counts_host=None, stream: int | None = None,

@@ -25,7 +25,7 @@ from cpu_kernels import layout
 from gpu_kernels import task_table as tt
 from gpu_kernels._checks import KV_DTYPES, cdiv, check_head_dim, check_tensor, dot_precision, next_pow2
 from gpu_kernels.block_scores import Selection, quest_scores, select_blocks
-from gpu_kernels.launch import CachedLaunch, LaunchPlan
+from gpu_kernels.launch import CachedLaunch, KernelCall, LaunchPlan
 from gpu_kernels.online_softmax import softmax_result, softmax_tile
 from gpu_kernels.split_combine import combine_splits
 
@@ -352,6 +352,10 @@ def _claim_args(table, chunks, row0, n_tasks, n_splits, pps, n_programs, q, aren
             out, lse, row0, ublocks.shape[1], q.shape[1], n_tasks, n_splits, pps, n_programs)
 
 
+# Positions in `_claim_args` of the words a claim sets.
+_CLAIM_ARGS = {"row0": 14, "tasks": 17, "splits": 18, "pps": 19, "programs": 20}
+
+
 def _claim_constexprs(g: int, d: int, kv_dtype: torch.dtype, config: SparseConfig) -> dict:
     return dict(
         N_COLS=tt.N_COLS, G=g, BLOCK_G=max(16, next_pow2(g)), D=d,
@@ -374,6 +378,13 @@ class SparseAttentionClaimPlan:
         self._scratch = (ublocks, uheads, counts, part_out, part_lse, tickets)
         self._group_size = part_out.shape[2]
         self._plans: dict[tuple, LaunchPlan] = {}
+
+    def claim_call(self, table, chunks, q, arena, out, lse, config: SparseConfig = SparseConfig()) -> KernelCall:
+        """A claim's attention as `__call__` launches it, with the claim's `row0`, `tasks`, `splits`,
+        `pps` and `programs` (`_claim_shape`) to be set per claim; its grid is `(programs,)`."""
+        args = _claim_args(table, chunks, 0, 1, 1, 1, 1, q, arena, *self._scratch, out, lse)
+        constexprs = _claim_constexprs(self._group_size, q.shape[2], arena.dtype, config)
+        return KernelCall(_claim_launch, args, constexprs, {"num_warps": config.num_warps}, dict(_CLAIM_ARGS))
 
     def __call__(self, table, chunks, row0: int, n_tasks: int, pages_max: int, q, arena, out, lse,
                  config: SparseConfig = SparseConfig(), stream: int | None = None) -> int:

@@ -370,9 +370,11 @@ class SchedulerConfig:
     # end-to-end TPOT were slower in most same-run comparisons (benchmarks/notes/gpu_lane.md
     # section 22); where it cannot be built claims launch as planned and
     # `stats()["claim_native_error"]` says why. "graphs": the descriptor kernels replayed from a CUDA
-    # graph per landing slot (section 15). Without CUDA a GPU lane runs under Triton's interpreter,
-    # native and graph claims as their descriptor kernels.
-    claim_launch: str = field(default="plans", metadata=_choices("plans", "native", "graphs"))
+    # graph per landing slot (section 15). "direct": the planned kernels issued by one numba call
+    # through the CUDA driver, as "native" issues the descriptor ones (gpu_kernels/direct_claim.py;
+    # `stats()["claim_direct_error"]` says why where it cannot). Without CUDA a GPU lane runs under
+    # Triton's interpreter, native and graph claims as their descriptor kernels, direct ones as planned.
+    claim_launch: str = field(default="plans", metadata=_choices("plans", "native", "graphs", "direct"))
     # When NaN/inf in decode's q, k, v (or lookahead) is reported (hybrid_runtime/input_check.py):
     # "sync" by that call, before anything changes; "deferred" by a later call (the check runs on
     # the device, the host does not wait for it; the bad step itself ran); "auto": deferred on CUDA
@@ -681,7 +683,7 @@ MOVED_KEYS = {
     "policy": f"selection (which blocks each head reads: name {' / '.join(SELECTION_NAMES)}, block_size, "
               "budget, streaming_heads)",
     "scheduler.policy": f"scheduler.placement (where tasks run: {', '.join(PLACEMENT_NAMES)})",
-    "scheduler.claim_graphs": "scheduler.claim_launch (how GPU-lane claims launch: plans, native, or graphs "
+    "scheduler.claim_graphs": "scheduler.claim_launch (how GPU-lane claims launch: plans, native, direct, or graphs "
                               "for claims replayed from CUDA graphs)",
     "workload.layers": "geometry.layers (a runtime is built for the layers it decodes; e.g. "
                        "geometry: {name: llama-3.1-8b, layers: 4})",

@@ -1517,12 +1517,14 @@ class HybridRuntime:
             # Of them, graphs that read the caller's k, v in place (the same tensors handed twice in a row).
             "window_graph_direct_captures": self._window_graphs.direct_captures if self._window_graphs is not None else 0,
             # GPU-lane claims replayed from a CUDA graph, and the graphs captured (scheduler.claim_launch
-            # graphs); claims issued by the native launcher, and why it could not be built (None: it
-            # could, or was not asked for).
+            # graphs); claims issued by the native launcher (descriptor kernels) and by the direct one
+            # (planned kernels), and why each could not be built (None: it could, or was not asked for).
             "claim_graph_replays": getattr(self.gpu_executor, "graph_replays", 0),
             "claim_graph_captures": getattr(self.gpu_executor, "graph_captures", 0),
             "claim_native_launches": getattr(self.gpu_executor, "native_launches", 0),
             "claim_native_error": getattr(self.gpu_executor, "native_error", None),
+            "claim_direct_launches": getattr(self.gpu_executor, "direct_launches", 0),
+            "claim_direct_error": getattr(self.gpu_executor, "direct_error", None),
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
             "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }

@@ -436,18 +436,19 @@ def test_fresh_task_sets_are_staged_not_made_resident():
     assert made == [] and not ex._resident
 
 
-def _claims_through_executor(claim_launch: str, bounds, budget: float = 0.3, gpu_metadata: bool = False):
-    """Claims of `bounds` over one step's tasks (two sequences, every KV head, block 16) through a
-    `GpuUvaExecutor`; returns (out, lse, bytes per task). `gpu_metadata`: the store keeps a copy
-    of the metadata on its device (`KVStore.enable_gpu_metadata`), made after the first prompt
-    and written with the second, which the claims score from."""
+def _claims_through_executor(claim_launch: str, bounds, budget: float = 0.3, gpu_metadata: bool = False,
+                             seqs: tuple[int, ...] = (700, 420)):
+    """Claims of `bounds` over one step's tasks (a sequence per prompt length in `seqs`, every KV
+    head, block 16) through a `GpuUvaExecutor`; returns (out, lse, bytes per task). `gpu_metadata`:
+    the store keeps a copy of the metadata on its device (`KVStore.enable_gpu_metadata`), made
+    after the first prompt and written with the second, which the claims score from."""
     from hybrid_runtime.config import GeometryConfig, KVCacheConfig
     from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
     from hybrid_runtime.kvcache import KVStore
     from hybrid_runtime.task_building import native_table
     from hybrid_runtime.tasks import Step, Task, blocks_for_budget
 
-    seqs = [700, 420]
+    seqs = list(seqs)
     geom = GeometryConfig("t", 1, q_heads=4, kv_heads=2, head_dim=32)
     kv = KVCacheConfig(sink=16, local=32, generated_cap=32, dtype="bf16", cpu_capacity_tokens=sum(seqs) + 256,
                        max_sequences=len(seqs), device="auto")
@@ -503,7 +504,26 @@ def test_descriptor_claims_equal_planned_launches(bounds, launch):
         assert ex.native_error is None and ex.native_launches == len(bounds)
 
 
-@pytest.mark.parametrize("claim_launch", ["plans", "graphs", "native"])
+@_gpu
+@pytest.mark.parametrize("seqs", [(700, 420), (70000, 420)])
+@pytest.mark.parametrize("bounds", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]])
+def test_direct_claims_equal_planned_launches(bounds, seqs):
+    """The planned kernels issued by the direct launcher through the CUDA driver give what their
+    planned launches give, claim by claim, on every landing slot, in both selection forms: 70,000
+    tokens at block 16 are more blocks than one selection tile of both heads holds, so claims of
+    that sequence's tasks select split (`split_select`)."""
+    from gpu_kernels.score_select import split_select
+
+    assert split_select(-(-(70000 - 48) // 16), 2) and not split_select(-(-(700 - 48) // 16), 2)
+    out_p, lse_p, bytes_p, _ = _claims_through_executor("plans", bounds, seqs=seqs)
+    out_d, lse_d, bytes_d, ex = _claims_through_executor("direct", bounds, seqs=seqs)
+    assert torch.equal(out_d, out_p) and torch.equal(lse_d, lse_p)
+    assert np.array_equal(bytes_d, bytes_p)
+    assert torch.isfinite(lse_p).all()
+    assert ex.direct_error is None and ex.direct_launches == len(bounds)
+
+
+@pytest.mark.parametrize("claim_launch", ["plans", "graphs", "native", "direct"])
 def test_claims_score_from_the_gpu_copy_of_the_metadata(claim_launch):
     """Scored from the store's GPU copy of the metadata (`kv_cache.gpu_metadata`), claims attend
     exactly what they attend when scoring from the arena; only the metadata's bytes move from

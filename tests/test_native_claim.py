@@ -8,19 +8,15 @@ tested on the device (`test_gpu_claims.py`, marked runs there)."""
 
 from __future__ import annotations
 
-import ctypes
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
 from gpu_kernels import native_claim as nc
 from gpu_kernels.claim_descriptor import DESC_COUNTS_HOST, DESC_WORDS
-from gpu_kernels.cuda_driver import DriverApi, DriverEvent, elapsed_ms
+from gpu_kernels.cuda_driver import DriverEvent, elapsed_ms
 from gpu_kernels.sparse_attention import SparseConfig
-
-_u64, _u32, _int = ctypes.c_uint64, ctypes.c_uint, ctypes.c_int
+from tests.fake_driver import FakeDriver, FakeKernel, params_at
 
 
 @pytest.fixture(autouse=True)
@@ -28,42 +24,6 @@ def _no_driver_queries(monkeypatch):
     """The stand-in kernels' handles are not the driver's: never ask it about them (on a machine
     with CUDA it would be handed a bogus CUfunction)."""
     monkeypatch.setattr(nc, "kernel_param_sizes", lambda function: None)
-
-
-class FakeDriver:
-    """ctypes callbacks standing in for cuLaunchKernel, cuEventRecord and cuMemcpyHtoDAsync."""
-
-    def __init__(self, fail_launch: int | None = None):
-        self.calls: list[tuple] = []
-        self.fail_launch = fail_launch
-
-        def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-            self.calls.append(("launch", f, (gx, gy, gz), (bx, by, bz), shared, stream, params, extra))
-            launches = sum(c[0] == "launch" for c in self.calls)
-            return 700 if launches == self.fail_launch else 0
-
-        def record(event, stream):
-            self.calls.append(("record", event, stream))
-            return 0
-
-        def copy(dst, src, nbytes, stream):
-            self.calls.append(("copy", dst, src, nbytes, stream))
-            return 0
-
-        self._keep = (ctypes.CFUNCTYPE(_int, _u64, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _u64, _u64, _u64)(launch),
-                      ctypes.CFUNCTYPE(_int, _u64, _u64)(record),
-                      ctypes.CFUNCTYPE(_int, _u64, _u64, _u64, _u64)(copy))
-        self.api = DriverApi(*self._keep, *([None] * 7))
-
-
-class FakeKernel:
-    """What `NativeClaim.build` reads of a compiled Triton kernel."""
-
-    def __init__(self, function: int, names: list[str], signature: dict, num_warps: int = 4, shared: int = 1024,
-                 **metadata):
-        self.function = function
-        self.src = SimpleNamespace(signature=signature, fn=SimpleNamespace(arg_names=names))
-        self.metadata = SimpleNamespace(**{"num_warps": num_warps, "shared": shared, "num_ctas": 1, **metadata})
 
 
 class FakeLaunch:
@@ -89,12 +49,6 @@ def _build(driver: FakeDriver, slots: int = 3, kernels=None, ring_tasks: int = 5
     return claim, desc_host, desc_dev, ring, scratch
 
 
-def _params(address: int, n: int) -> list[int]:
-    """The values a cuLaunchKernel parameter array at `address` points at."""
-    pointers = (ctypes.c_uint64 * n).from_address(address)
-    return [ctypes.c_int64.from_address(p).value for p in pointers]
-
-
 def test_a_claim_is_one_call_making_the_driver_calls_in_order():
     drv = FakeDriver()
     claim, desc_host, desc_dev, ring, scratch = _build(drv)
@@ -114,8 +68,8 @@ def test_a_claim_is_one_call_making_the_driver_calls_in_order():
     assert att[1:6] == (0xA7, (264, 1, 1), (256, 1, 1), 4096, 0x5EA)
     # Slot 2's parameters, as Triton's launcher passes them: the constexpr G left out, then the
     # global and profiling scratch pointers (null).
-    assert _params(sel[6], 6) == [desc_dev[2].data_ptr(), scratch.data_ptr(), 256, 528, 0, 0]
-    assert _params(att[6], 5) == [desc_dev[2].data_ptr(), scratch[1:].data_ptr(), 7, 0, 0]
+    assert params_at(sel[6], 6) == [desc_dev[2].data_ptr(), scratch.data_ptr(), 256, 528, 0, 0]
+    assert params_at(att[6], 5) == [desc_dev[2].data_ptr(), scratch[1:].data_ptr(), 7, 0, 0]
     # The row: the template with the claim's words over it.
     row = desc_host.numpy()[2]
     assert row[nc.DESC_ROW0] == 1 and row[nc.DESC_TASKS] == 2

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.diag.mix_runtime import decode_random_step, mix_arguments, mix_runtime, timed  # noqa: E402
 from benchmarks.common import prefill_random  # noqa: E402
 from gpu_kernels.cuda_driver import DriverEvent  # noqa: E402
+from gpu_kernels.direct_claim import DirectClaim  # noqa: E402
 from gpu_kernels.native_claim import NativeClaim  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
@@ -72,6 +73,9 @@ def main() -> None:
         wrap(NativeClaim, "__call__", "native call")
         wrap(DriverEvent, "__init__", "driver event")
         wrap(type(ex), "_launch_native", "native launch")
+        wrap(type(ex), "_direct_step", "direct step launcher")
+        wrap(DirectClaim, "__call__", "direct call")
+        wrap(type(ex), "_launch_direct", "direct launch")
         small = torch.zeros(16, device="cuda")
         for mode, k, spin in ((m, k, s) for m in args.claim_launch.split(",") for k in (1, len(ordered))
                           for s in (int(x) for x in args.spins.split(","))):

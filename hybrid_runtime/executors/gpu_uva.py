@@ -22,7 +22,11 @@ H200 against 99 as planned, yet slower layer-steps and TPOT in most same-run com
 why) claims launch as planned. "graphs": the descriptor kernels captured once per landing slot into
 a CUDA graph, a claim one row write and one replay (section 15). Without CUDA the descriptor
 kernels of "native" and "graphs" run directly under the interpreter (tests), as on CUDA if a
-capture fails.
+capture fails. "direct": the planned kernels -- direct arguments, grids sized to the claim -- issued
+as "native" issues the descriptor ones, by one nogil numba call through the driver
+(`gpu_kernels/direct_claim.py`), with the parameters a claim changes written over the step's; a
+launcher per step argument set (table, q, arena, outputs), built at its first claim. Without CUDA
+"direct" claims are planned launches.
 
 Block metadata is scored from the store's GPU copy of it when the store keeps one
 (`kv_cache.gpu_metadata`, `KVStore.enable_gpu_metadata`): a task then reads only the K and V of
@@ -51,6 +55,7 @@ from gpu_kernels.claim_descriptor import (
     claim_programs,
 )
 from gpu_kernels.cuda_driver import DriverEvent, check, driver_api, driver_error, free_event_count, reserve_events
+from gpu_kernels.direct_claim import MISSING, DirectClaim
 from gpu_kernels.native_claim import NativeClaim
 from gpu_kernels.score_select import BLOCK_B, ScoreSelectPlan
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseAttentionClaimPlan, SparseConfig, claim_splits
@@ -125,8 +130,15 @@ class GpuUvaExecutor:
     # How a claim's kernels are launched (`scheduler.claim_launch`): "plans" -- two planned Triton
     # launches (`LaunchPlan`); "native" -- the descriptor kernels issued by one numba call through
     # the CUDA driver (`gpu_kernels/native_claim.py`); "graphs" -- the descriptor kernels replayed
-    # from a CUDA graph per landing slot.
-    CLAIM_LAUNCHES = ("plans", "native", "graphs")
+    # from a CUDA graph per landing slot; "direct" -- the planned kernels issued by one numba call
+    # through the CUDA driver (`gpu_kernels/direct_claim.py`).
+    CLAIM_LAUNCHES = ("plans", "native", "graphs", "direct")
+    # Step argument sets whose direct launchers are kept (all dropped when there are more): a few
+    # per layer (the step's table, q, arena and outputs are the runtime's persistent buffers).
+    DIRECT_STEPS = 1024
+    # A step argument set whose launcher still lacks a kernel after this many claims launched as
+    # planned (which compile it) launches as planned from then on (`direct_error` says why).
+    DIRECT_REBUILDS = 3
     # Driver events kept ready for native claims, topped up whenever `claim_launch` is set to native.
     # A claim's two events stay alive until the runtime's timeline resolves its step (some 64
     # steps later, `Timeline.RESOLVE_LAG`; all of them when a report reads the timeline after a long
@@ -172,6 +184,13 @@ class GpuUvaExecutor:
         self._step_words: tuple | None = None
         self.native_launches = 0
         self.native_error: str | None = None
+        # Direct launchers per step argument set (`_direct_step`; None: not possible, `direct_error`
+        # says why), rebuilds per set after a claim found a kernel missing, and the claimed step's.
+        self._direct: dict = {}
+        self._direct_rebuilds: dict = {}
+        self._direct_words: tuple | None = None
+        self.direct_launches = 0
+        self.direct_error: str | None = None
         # One descriptor row per landing slot (made whatever `claim_launch`, which may be switched):
         # a claim's row is rewritten only after the claim that last used the slot was retired
         # (the ring's rule), so never while a kernel reads it.
@@ -226,7 +245,7 @@ class GpuUvaExecutor:
         if mode not in self.CLAIM_LAUNCHES:
             raise ValueError(f"claim_launch {mode!r}; allowed: {', '.join(self.CLAIM_LAUNCHES)}")
         self._claim_launch = mode
-        if mode == "native" and self.cuda and driver_api() is not None:
+        if mode in ("native", "direct") and self.cuda and driver_api() is not None:
             reserve_events(max(0, self.NATIVE_EVENTS - free_event_count()))
 
     @property
@@ -257,6 +276,9 @@ class GpuUvaExecutor:
         self._graphs = [None] * self.RING
         self._native = {}
         self._step_words = None
+        self._direct = {}
+        self._direct_rebuilds = {}
+        self._direct_words = None
 
     # ------------------------------------------------------------------ buffers
     # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
@@ -422,6 +444,10 @@ class GpuUvaExecutor:
             handle = self._launch_native(table, start, stop, step, slot)
             if handle is not None:
                 return handle
+        elif self._claim_launch == "direct" and self.cuda:
+            handle = self._launch_direct(table, start, stop, step, slot)
+            if handle is not None:
+                return handle
         nb_max, pages_max = table.claim_shape(start, stop)
         arena = self._arena(step.layer)
         meta = self._metadata_source(step.layer, arena)
@@ -462,6 +488,77 @@ class GpuUvaExecutor:
         self.launches += 1
         self.native_launches += 1
         return handle
+
+    def _launch_direct(self, table: StepTable, start: int, stop: int, step: Step, slot: int) -> GpuLaunch | None:
+        """The claim's planned kernels issued by one native call (`gpu_kernels/direct_claim.py`);
+        None where that cannot be done for it (the caller launches it as planned)."""
+        words = self._direct_words
+        if words is None or words[0] is not table or words[1] is not step:
+            words = self._direct_words = self._direct_step(table, step)
+        direct = words[2]
+        if direct is None:
+            return None
+        ev0, ev1 = DriverEvent(), DriverEvent()
+        code = direct(table.n_blocks, table.union_pages, start, stop, slot, ev0.cuda_event, ev1.cuda_event)
+        if code == MISSING:
+            # A kernel this claim needs is not compiled for the step's arguments (nothing was
+            # issued): launched as planned, which compiles it; the launcher is rebuilt at the next claim.
+            key = words[3]
+            self._direct.pop(key, None)
+            self._direct_words = None
+            rebuilds = self._direct_rebuilds[key] = self._direct_rebuilds.get(key, 0) + 1
+            if rebuilds > self.DIRECT_REBUILDS:
+                self._direct[key] = None
+                self.direct_error = f"a kernel of the claims stayed uncompiled after {self.DIRECT_REBUILDS} planned launches"
+                log.warning("GPU lane: %s; those claims launch as planned", self.direct_error)
+            return None
+        if code:
+            check(code, f"the GPU lane's direct launch of claim [{start}, {stop})")
+        handle = GpuLaunch(self, table, start, stop - start, self._ring_np, slot, ev0, ev1, meta_on_device=words[4])
+        self._ring_users[slot] = handle
+        self.launches += 1
+        self.direct_launches += 1
+        return handle
+
+    def _direct_step(self, table: StepTable, step: Step) -> tuple:
+        """(table, step, direct launcher, its key, metadata on the device) for the claims of a step:
+        the launcher of the step's argument set, built at the first claim that uses the set."""
+        arena = self._arena(step.layer)
+        meta = self._metadata_source(step.layer, arena)
+        q = step.q
+        key = (table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), q.data_ptr(), q.stride(0),
+               q.stride(1), q.shape[1], q.shape[2], arena.data_ptr(), arena.dtype, meta.tensor.data_ptr(), meta.layout,
+               step.out.data_ptr(), step.lse.data_ptr())
+        direct = self._direct.get(key, self)  # self: not built yet
+        if direct is self:
+            direct = self._build_direct(table, step, arena, meta)
+            if len(self._direct) >= self.DIRECT_STEPS:
+                self._direct.clear()
+            self._direct[key] = direct
+        return table, step, direct, key, meta.on_device
+
+    def _build_direct(self, table: StepTable, step: Step, arena: torch.Tensor,
+                      meta: MetadataSource) -> DirectClaim | None:
+        """The direct launcher of a step's arguments over the current scratch, or None -- with the
+        reason in `direct_error` -- where the driver or the kernels do not allow it."""
+        api = driver_api()
+        if api is None:
+            result = driver_error() or "no CUDA driver"
+        else:
+            fused, score, heads, split_above = self._select_plan.claim_calls(
+                table.table, table.n_select, table.chunks, step.q, meta.tensor, self._ublocks, self._uheads,
+                self._counts, self._ring_dev[0], meta_layout=meta.layout)
+            attend = self._attend_plan.claim_call(table.table, table.chunks, step.q, arena, step.out, step.lse,
+                                                  self.config)
+            result = DirectClaim.build(api, (fused, score, heads, attend), self._stream_handle, self._ring_dev,
+                                       self.config, split_above)
+        if isinstance(result, str):
+            if self.direct_error is None:
+                log.warning("GPU lane: claims cannot be launched directly (%s); they launch as planned Triton launches",
+                            result)
+            self.direct_error = result
+            return None
+        return result
 
     def _native_step(self, table: StepTable, step: Step) -> tuple:
         """(table, step, launcher, descriptor words of the step, metadata on the device): what every
@@ -688,10 +785,15 @@ class GpuUvaExecutor:
             # Now, not at the first claim: the launcher (a numba compile). Its events were made when
             # `claim_launch` was set.
             self._build_native(self._metadata_source(0, self._arena(0)).layout)
+        if self._claim_launch == "direct" and self.cuda:
+            # The warm-up claim above compiled the numba launcher; its launchers found the kernels
+            # uncompiled (the claim launched as planned): rebuilt at the first claims.
+            self._direct, self._direct_rebuilds, self._direct_words = {}, {}, None
         self.bytes_read = 0
         self.device_bytes_read = 0
         self.launches = 0
         self.native_launches = 0
+        self.direct_launches = 0
 
     def measure_link(self) -> None:
         """Measure the host-to-GPU link (CUDA only), which bounds the scheduler's model of this
