@@ -33,7 +33,7 @@ import numpy as np
 from cpu_kernels import layout
 from gpu_kernels.cuda_driver import DriverApi
 from gpu_kernels.launch import KernelCall
-from gpu_kernels.native_claim import SCRATCH_PARAMS, kernel_function, kernel_parameters, launch_shape
+from gpu_kernels.native_claim import SCRATCH_PARAMS, kernel_function, kernel_launch
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig
 
 # A claim's kernels, in the order of `DirectClaim.build`'s `calls`.
@@ -186,12 +186,10 @@ class DirectClaim:
             if kernel is None:
                 rows.append([])
                 continue
-            shape = launch_shape(kernel)
-            if isinstance(shape, str):
-                return shape
-            values = kernel_parameters(kernel, call.args)
-            if isinstance(values, str):
-                return values
+            launchable = kernel_launch(kernel, call.args)
+            if isinstance(launchable, str):
+                return launchable
+            shape, values = launchable
             indices = parameter_indices(kernel, call.args)
             for word, position in call.claim_args.items():
                 if indices[position] is None:

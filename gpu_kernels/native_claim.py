@@ -168,6 +168,16 @@ def launch_shape(kernel) -> tuple[int, int] | str:
     return 32 * md.num_warps, md.shared
 
 
+def kernel_launch(kernel, args: tuple) -> tuple[tuple[int, int], list[int]] | str:
+    """`(launch_shape(kernel), kernel_parameters(kernel, args))`, or why this module cannot launch
+    `kernel` with `args` as Triton's launcher would."""
+    shape = launch_shape(kernel)
+    if isinstance(shape, str):
+        return shape
+    values = kernel_parameters(kernel, args)
+    return values if isinstance(values, str) else (shape, values)
+
+
 class NativeClaim:
     """The state of `claim_launch` for one kernel variant over one executor's buffers.
 
@@ -214,12 +224,10 @@ class NativeClaim:
                 kernel = launch.compiled()
                 if kernel is None:
                     return f"launch {k} of slot {s} is not compiled"
-                shape = launch_shape(kernel)
-                if isinstance(shape, str):
-                    return shape
-                values = kernel_parameters(kernel, launch.args)
-                if isinstance(values, str):
-                    return values
+                launchable = kernel_launch(kernel, launch.args)
+                if isinstance(launchable, str):
+                    return launchable
+                shape, values = launchable
                 if s == 0:
                     w = S_KERNELS + KERNEL_WORDS * k
                     state[w:w + KERNEL_WORDS] = (kernel_function(kernel), launch.grid[0], *shape)
@@ -240,4 +248,4 @@ class NativeClaim:
         return self.launch(self.state, self.params, n_blocks, union_pages, start, stop, slot, desc, template, ev0, ev1)
 
 
-__all__ = ["NativeClaim", "claim_launcher", "kernel_function", "kernel_parameters", "launch_shape"]
+__all__ = ["NativeClaim", "claim_launcher", "kernel_function", "kernel_launch", "kernel_parameters", "launch_shape"]

@@ -210,16 +210,12 @@ def test_parameter_indices_skip_arguments_triton_made_constants():
 def test_without_cuda_direct_claims_are_planned_launches():
     """On a machine without CUDA the executor's direct mode launches its claims as planned (the
     kernels under the interpreter), and says nothing is wrong."""
-    from hybrid_runtime.config import GeometryConfig, KVCacheConfig
     from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
-    from hybrid_runtime.kvcache import KVStore
+    from tests.helpers import make_store
 
     if torch.cuda.is_available():
         pytest.skip("on CUDA, test_gpu_claims.py compares direct claims with planned ones")
-    geom = GeometryConfig("t", 1, q_heads=4, kv_heads=2, head_dim=32)
-    kv = KVCacheConfig(sink=16, local=32, generated_cap=32, dtype="bf16", cpu_capacity_tokens=4096, max_sequences=2,
-                       device="cpu")
-    store = KVStore(kv, geom)
+    store = make_store(max_sequences=2)
     try:
         ex = GpuUvaExecutor(store, claim_launch="direct")
         ex.compile_kernels()
