@@ -224,3 +224,55 @@ def test_without_cuda_direct_claims_are_planned_launches():
             ex.claim_launch = "eager"
     finally:
         store.close()
+
+
+def test_a_claim_whose_launcher_misses_a_kernel_launches_as_planned_until_the_launcher_gives_up(monkeypatch):
+    """The executor's side of `MISSING` (its CUDA path, driven here with stand-ins for the driver's
+    events and the launcher): the claim is handed back to the planned path (None) and the step's
+    launcher rebuilt at the next claim; a launcher still missing a kernel after `DIRECT_REBUILDS`
+    planned claims is dropped for good, with the reason in `direct_error`."""
+    from hybrid_runtime.executors import gpu_uva
+    from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
+    from tests.helpers import make_store
+
+    class Event:
+        cuda_event = 0
+
+    class Launcher:
+        def __init__(self, code):
+            self.code = code
+
+        def __call__(self, *args):
+            return self.code
+
+    monkeypatch.setattr(gpu_uva, "DriverEvent", Event)
+    store = make_store(max_sequences=2)
+    try:
+        ex = GpuUvaExecutor(store, claim_launch="direct")
+        table = SimpleNamespace(n_blocks=np.ones(2, np.int64), union_pages=np.ones(2, np.int64))
+        step = object()
+        built = []
+
+        def direct_step(t, s, code=dc.MISSING):
+            hit = ex._direct.get("key", ex)
+            if hit is ex:
+                hit = ex._direct["key"] = Launcher(code)
+                built.append(hit)
+            return t, s, hit, "key", False
+
+        monkeypatch.setattr(ex, "_direct_step", direct_step)
+        for i in range(ex.DIRECT_REBUILDS + 1):
+            assert ex._launch_direct(table, 0, 2, step, 0) is None
+            assert len(built) == i + 1
+            assert (ex.direct_error is None) == (i < ex.DIRECT_REBUILDS)
+        assert ex._direct["key"] is None and "uncompiled" in ex.direct_error
+        assert ex._launch_direct(table, 0, 2, step, 0) is None and len(built) == ex.DIRECT_REBUILDS + 1
+        assert ex.direct_launches == 0 and ex.launches == 0
+        # A launcher that issues the claim: a handle on the landing slot, counted.
+        ex._direct, ex._direct_words, ex.direct_error = {}, None, None
+        monkeypatch.setattr(ex, "_direct_step", lambda t, s: direct_step(t, s, code=0))
+        handle = ex._launch_direct(table, 0, 2, step, 3)
+        assert handle is not None and handle.slot == 3 and handle.n_tasks == 2
+        assert ex.direct_launches == 1 and ex.launches == 1 and ex._ring_users[3] is handle
+    finally:
+        store.close()

@@ -32,6 +32,7 @@ from gpu_kernels.direct_claim import DirectClaim  # noqa: E402
 from gpu_kernels.native_claim import NativeClaim  # noqa: E402
 from gpu_kernels.score_select import ScoreSelectPlan  # noqa: E402
 from gpu_kernels.sparse_attention import SparseAttentionClaimPlan  # noqa: E402
+from hybrid_runtime.task_building import native_table, queue_order  # noqa: E402
 
 
 def main() -> None:
@@ -60,7 +61,10 @@ def main() -> None:
         for _ in range(args.warmup):
             decode_random_step(rt, geo, gen, seq_ids)
         torch.cuda.synchronize()
-        ex, ordered, packed, step = rt._probe_claims(0, seq_ids)  # the layer probe's claims
+        ex, tasks, step = rt._probe_step(0, seq_ids)  # the layer probe's claims (`lane_probe.probe_gpu_lane`)
+        ordered, _ = queue_order(tasks)
+        tab, nsel, chunks, _ = native_table(ordered, rt.geometry.group_size)
+        packed = ex.pack(tab, nsel, chunks)
         plan = ex.upload(packed, ordered)
         torch.cuda.synchronize()
         wrap(ScoreSelectPlan, "__call__", "select plan call")
