@@ -113,6 +113,14 @@ FUSED_OPTION_KEYS = ("parts", "block_w", "features_warps", "features_stages", "f
                      "dot_precision", "predict_precision")  # and of FusedHeadPredictor
 
 
+def metric_paths(modes: list[str], lagged: list[str], measured_only: set[str]) -> list[str]:
+    """The paths the overhead metric takes the fastest of: the runtime's own ways to plan a step
+    (the fused and graph paths), not plain torch per step (`eager`, unless nothing else ran), not a
+    lagged path (its plans are a step old: another policy) and not a row only this benchmark makes
+    (`--fused-parts`, `--fused-variant`)."""
+    return [m for m in modes if m != "eager" and m not in lagged and m not in measured_only] or ["eager"]
+
+
 def parse_variant(spec: str) -> tuple[str, dict]:
     """`NAME:KEY=VALUE[,KEY=VALUE...]` -> (NAME, {key: value}); integers as int, others as str."""
     name, sep, body = spec.partition(":")
@@ -394,9 +402,10 @@ def run_point(args, batch: int, context: int) -> dict:
         if "graph" in others:
             planners["eager"] = others["graph"]  # without its graphs (below): plain torch per step
         modes = list(planners)
-        # `--fused-variant` rows: measured beside the runtime's paths, never the metric's path (the runtime
-        # does not run them) and checked for the plans they give against the runtime's own.
-        variants = {f"fused_{name}" for name in info.get("fused_variants", {})}
+        # `--fused-variant` and `--fused-parts` rows: measured beside the runtime's paths, never the metric's
+        # path (no config makes the runtime run them) and checked for the plans they give against its own.
+        variants = {f"fused_{name}" for name in info.get("fused_variants", {})} \
+            | {mode for mode in modes if mode.startswith("fused_p") and mode[len("fused_p"):].isdigit()}
         for mode in modes:
             planner = planners[mode]
             graphs = planner._graphs
@@ -433,7 +442,7 @@ def run_point(args, batch: int, context: int) -> dict:
         rt.planner = predicted
         row["lagged_modes"] = lagged
         # Same-step plans only: a lagged path's plans are a step old (a different policy), reported apart.
-        graph_modes = [m for m in modes if m != "eager" and m not in lagged and m not in variants] or ["eager"]  # fused and the graph paths
+        graph_modes = metric_paths(modes, lagged, variants)
         best = min(graph_modes, key=lambda m: row[m]["wall"]["median_us"])
         base = row["decode_fixed"]["median_us"]
         row["path"] = best

@@ -683,6 +683,14 @@ def test_overhead_benchmark_variants_are_fused_planners():
             assert po.variant_planner(cfg, rt, {"lag": 1}).plan_lag == 1
 
 
+def test_overhead_metric_takes_its_path_from_the_runtimes_own_paths_only():
+    from benchmarks import predictor_overhead as po
+
+    modes = ["fused", "graph", "fused_launch", "fused_p4", "fused_g8", "fused_lag1", "eager"]
+    assert po.metric_paths(modes, ["fused_lag1"], {"fused_p4", "fused_g8"}) == ["fused", "graph", "fused_launch"]
+    assert po.metric_paths(["eager", "fused_p4"], [], {"fused_p4"}) == ["eager"]
+
+
 def test_overhead_benchmark_runs_quick_on_the_cpu(tmp_path):
     import json
 
