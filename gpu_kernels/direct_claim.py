@@ -21,6 +21,12 @@ shared memory, and a parameter list built from its signature (`native_claim.kern
 claim. A form whose kernel is not compiled yet for the step's arguments makes the call return
 `MISSING` before it issues anything; the caller then launches that claim as planned, which
 compiles it.
+
+The GPU's selection for the CPU lane (`GpuUvaExecutor.pick`, "picks") is the same selection with
+signalling: `direct_select` issues it the same way on its own stream -- the waits for the step's
+events, the launches with the selection's union rows, ready words and stamp written per call, the
+end event -- since its host time is spent before the CPU workers are woken on the steps that use it
+(115-160 us as planned launches on the H200, benchmarks/notes/gpu_lane.md section 39).
 """
 
 from __future__ import annotations
@@ -44,9 +50,12 @@ N_KERNELS = 4
 # index of each word a claim sets (-1: the kernel has no such parameter).
 K_FUNCTION, K_THREADS, K_SHARED = 0, 1, 2
 K_ROW0, K_COUNTS_HOST, K_TASKS, K_SPLITS, K_PPS, K_PROGRAMS = 3, 4, 5, 6, 7, 8
-K_WORDS = 9
+# ... and those a selection for the CPU lane sets (`DirectSelect`): its union rows, ready words, stamp.
+K_UBLOCKS, K_UHEADS, K_COUNTS, K_READY, K_STAMP = 9, 10, 11, 12, 13
+K_WORDS = 14
 CLAIM_WORDS = {"row0": K_ROW0, "counts_host": K_COUNTS_HOST, "tasks": K_TASKS, "splits": K_SPLITS, "pps": K_PPS,
-               "programs": K_PROGRAMS}
+               "programs": K_PROGRAMS, "ublocks": K_UBLOCKS, "uheads": K_UHEADS, "counts": K_COUNTS,
+               "ready": K_READY, "stamp": K_STAMP}
 # Words of a launcher's state (int64).
 S_STREAM = 0  # the lane's stream
 S_RING_DEV = 1  # device address of landing slot 0's union sizes (a UVA view of pinned memory)
@@ -63,18 +72,18 @@ MISSING = -1  # `direct_launch`'s return when a kernel the claim needs is not co
 _launchers: list = []  # (DriverApi, compiled direct_launch)
 
 
-def direct_launcher(api: DriverApi):
-    """The compiled `direct_launch` calling `api`'s functions (compiled once per `api`: numba takes
-    the ctypes functions as constants, so it cannot be cached on disk)."""
-    for held, fn in _launchers:  # by identity, as `native_claim.claim_launcher`
+def direct_launchers(api: DriverApi) -> tuple:
+    """The compiled `(direct_launch, direct_select)` calling `api`'s functions (compiled once per
+    `api`: numba takes the ctypes functions as constants, so they cannot be cached on disk)."""
+    for held, fns in _launchers:  # by identity, as `native_claim.claim_launcher`
         if held is api:
-            return fn
-    fn = _make_direct_launch(api.launch_kernel, api.event_record)
-    _launchers.append((api, fn))
-    return fn
+            return fns
+    fns = _make_direct_launch(api.launch_kernel, api.event_record, api.stream_wait_event)
+    _launchers.append((api, fns))
+    return fns
 
 
-def _make_direct_launch(launch_kernel, event_record):
+def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
     @numba.njit(nogil=True, cache=False)
     def put(values, kernels, k, word, value):
         index = kernels[k, word]
@@ -137,7 +146,48 @@ def _make_direct_launch(launch_kernel, event_record):
             return rc
         return event_record(np.uint64(ev1), stream)
 
-    return direct_launch
+    @numba.njit(nogil=True, cache=False)
+    def direct_select(state, kernels, values, params, n_blocks, start, stop, stamp, rows, wait0, wait1, ev):
+        """Issue the selection of step-table rows `[start, stop)` for the CPU lane, after the events
+        `wait0` and `wait1` (0: none): row t's union into the union rows at `rows` (addresses of
+        the launch's first union row, union heads row, count, ready word), then `stamp` into its
+        ready word; then record `ev`. Returns `MISSING`, the first non-zero CUDA error code, or 0."""
+        nb_max = 0
+        for i in range(start, stop):
+            nb_max = max(nb_max, n_blocks[i])
+        split = nb_max > state[S_SPLIT_ABOVE]
+        first = SCORE if split else FUSED
+        if kernels[first, K_FUNCTION] == 0 or (split and kernels[HEADS, K_FUNCTION] == 0):
+            return MISSING
+        n = stop - start
+        stream = np.uint64(state[S_STREAM])
+        for event in (wait0, wait1):
+            if event != 0:
+                rc = stream_wait_event(stream, np.uint64(event), np.uint32(0))
+                if rc != 0:
+                    return rc
+        last = HEADS if split else FUSED
+        put(values, kernels, last, K_ROW0, start)
+        put(values, kernels, last, K_UBLOCKS, rows[0])
+        put(values, kernels, last, K_UHEADS, rows[1])
+        put(values, kernels, last, K_COUNTS, rows[2])
+        put(values, kernels, last, K_COUNTS_HOST, rows[2])
+        put(values, kernels, last, K_READY, rows[3])
+        put(values, kernels, last, K_STAMP, stamp)
+        if split:
+            put(values, kernels, SCORE, K_ROW0, start)
+            rc = issue(kernels, params, SCORE, n, max(1, (nb_max + state[S_SCORE_BLOCK_B] - 1) // state[S_SCORE_BLOCK_B]),
+                       stream)
+            if rc != 0:
+                return rc
+            rc = issue(kernels, params, HEADS, n, state[S_GROUP], stream)
+        else:
+            rc = issue(kernels, params, FUSED, n, max(1, (nb_max + state[S_BLOCK_B] - 1) // state[S_BLOCK_B]), stream)
+        if rc != 0:
+            return rc
+        return event_record(np.uint64(ev), stream)
+
+    return direct_launch, direct_select
 
 
 def parameter_indices(kernel, args: tuple) -> list[int | None]:
@@ -154,19 +204,69 @@ def parameter_indices(kernel, args: tuple) -> list[int | None]:
     return indices
 
 
-class DirectClaim:
-    """`direct_launch`'s tables for the claims of steps with one set of step arguments (table,
-    q, arena, out, lse, scratch): the kernels, their parameter values, the pointer arrays
-    `cuLaunchKernel` takes. Holds addresses only; the caller keeps the tensors alive and drops this
-    object whenever it replaces them."""
+def _kernel_table(calls: Sequence[KernelCall | None]) -> tuple[np.ndarray, np.ndarray] | str:
+    """`(kernels [N_KERNELS, K_WORDS], values [N_KERNELS, params])` of `calls` (in `FUSED, SCORE,
+    HEADS, ATTEND` order; None: a kernel the launcher never issues), or why they cannot be launched
+    as Triton would. A kernel not compiled yet gets function 0 (launches needing it return `MISSING`)."""
+    kernels = np.full((N_KERNELS, K_WORDS), -1, dtype=np.int64)
+    rows: list[list[int]] = []
+    for k, call in enumerate(calls):
+        kernels[k, :K_ROW0] = 0
+        kernel = call.compiled() if call is not None else None
+        if kernel is None:
+            rows.append([])
+            continue
+        launchable = kernel_launch(kernel, call.args)
+        if isinstance(launchable, str):
+            return launchable
+        shape, values = launchable
+        indices = parameter_indices(kernel, call.args)
+        for word, position in call.claim_args.items():
+            if indices[position] is None:
+                return f"argument {position} ({word}) of kernel {k} was made a constant"
+            kernels[k, CLAIM_WORDS[word]] = indices[position]
+        kernels[k, :K_ROW0] = (kernel_function(kernel), *shape)
+        rows.append(values + [0] * SCRATCH_PARAMS)
+    width = max(1, max(len(r) for r in rows))
+    values = np.zeros((N_KERNELS, width), dtype=np.int64)
+    for k, r in enumerate(rows):
+        values[k, :len(r)] = r
+    return kernels, values
+
+
+def _state(stream: int, calls: Sequence[KernelCall | None], split_above: int) -> np.ndarray:
+    """A launcher's state words but the claims' (landing slots, attention splits)."""
+    state = np.zeros(STATE_WORDS, dtype=np.int64)
+    state[S_STREAM] = stream
+    state[S_SPLIT_ABOVE] = split_above
+    state[S_GROUP] = calls[FUSED].constexprs["G"]
+    state[S_BLOCK_B] = calls[FUSED].constexprs["BLOCK_B"]
+    state[S_SCORE_BLOCK_B] = calls[SCORE].constexprs["BLOCK_B"]
+    return state
+
+
+class _DirectLaunches:
+    """A direct launcher's tables for launches with one set of step arguments: the kernels, their
+    parameter values, the pointer arrays `cuLaunchKernel` takes. Holds addresses only; the caller
+    keeps the tensors alive and drops this object whenever it replaces them."""
 
     def __init__(self, api: DriverApi, state: np.ndarray, kernels: np.ndarray, values: np.ndarray):
-        self.launch = direct_launcher(api)
+        self.launch, self.select = direct_launchers(api)
         self.state = state
         self.kernels = kernels  # [N_KERNELS, K_WORDS]
-        self.values = values  # [N_KERNELS, params]: the parameter values, a claim's words written per claim
+        self.values = values  # [N_KERNELS, params]: the parameter values, a launch's words written per launch
         self._pointers = (values.ctypes.data + 8 * np.arange(values.size, dtype=np.uint64)).reshape(values.shape)
         self.params = self._pointers.ctypes.data + 8 * values.shape[1] * np.arange(values.shape[0], dtype=np.uint64)
+
+    @property
+    def complete(self) -> bool:
+        """Every kernel a launch may need is compiled for these arguments."""
+        return bool((self.kernels[:, K_FUNCTION] != 0).all())
+
+
+class DirectClaim(_DirectLaunches):
+    """`direct_launch`'s tables for the claims of steps with one set of step arguments (table,
+    q, arena, out, lse, scratch)."""
 
     @classmethod
     def build(cls, api: DriverApi, calls: Sequence[KernelCall], stream: int, ring_dev, config: SparseConfig,
@@ -178,45 +278,15 @@ class DirectClaim:
         A kernel not compiled yet is left out (claims needing it return `MISSING`)."""
         if len(calls) != N_KERNELS:
             raise ValueError(f"{len(calls)} kernel calls; a claim has {N_KERNELS}: fused, score, heads, attend")
-        kernels = np.full((N_KERNELS, K_WORDS), -1, dtype=np.int64)
-        rows: list[list[int]] = []
-        for k, call in enumerate(calls):
-            kernels[k, :K_ROW0] = 0
-            kernel = call.compiled()
-            if kernel is None:
-                rows.append([])
-                continue
-            launchable = kernel_launch(kernel, call.args)
-            if isinstance(launchable, str):
-                return launchable
-            shape, values = launchable
-            indices = parameter_indices(kernel, call.args)
-            for word, position in call.claim_args.items():
-                if indices[position] is None:
-                    return f"argument {position} ({word}) of kernel {k} was made a constant"
-                kernels[k, CLAIM_WORDS[word]] = indices[position]
-            kernels[k, :K_ROW0] = (kernel_function(kernel), *shape)
-            rows.append(values + [0] * SCRATCH_PARAMS)
-        width = max(1, max(len(r) for r in rows))
-        values = np.zeros((N_KERNELS, width), dtype=np.int64)
-        for k, r in enumerate(rows):
-            values[k, :len(r)] = r
-        state = np.zeros(STATE_WORDS, dtype=np.int64)
-        state[S_STREAM] = stream
+        table = _kernel_table(calls)
+        if isinstance(table, str):
+            return table
+        state = _state(stream, calls, split_above)
         state[S_RING_DEV] = ring_dev.data_ptr()
         state[S_RING_STRIDE] = ring_dev.stride(0) * ring_dev.element_size()
         state[S_PPS_MIN] = max(config.pages_per_split, config.block_n // layout.PAGE_SIZE)
         state[S_CLAIM_PROGRAMS] = config.claim_programs
-        state[S_SPLIT_ABOVE] = split_above
-        state[S_GROUP] = calls[FUSED].constexprs["G"]
-        state[S_BLOCK_B] = calls[FUSED].constexprs["BLOCK_B"]
-        state[S_SCORE_BLOCK_B] = calls[SCORE].constexprs["BLOCK_B"]
-        return cls(api, state, kernels, values)
-
-    @property
-    def complete(self) -> bool:
-        """Every kernel a claim may need is compiled for these arguments."""
-        return bool((self.kernels[:, K_FUNCTION] != 0).all())
+        return cls(api, state, *table)
 
     def __call__(self, n_blocks: np.ndarray, union_pages: np.ndarray, start: int, stop: int, slot: int, ev0: int,
                  ev1: int) -> int:
@@ -225,4 +295,32 @@ class DirectClaim:
                            slot, ev0, ev1)
 
 
-__all__ = ["DirectClaim", "MISSING", "direct_launcher", "parameter_indices"]
+class DirectSelect(_DirectLaunches):
+    """`direct_select`'s tables for the CPU lane's selections ("picks", `GpuUvaExecutor.pick`) of
+    steps with one set of step arguments (table, q, metadata, the selection's own scratch)."""
+
+    @classmethod
+    def build(cls, api: DriverApi, calls: Sequence[KernelCall], stream: int, split_above: int) -> "DirectSelect | str":
+        """`calls`: the selection's signalling `(fused, score, heads)` launches as the planned path
+        makes them (`ScoreSelectPlan.claim_calls(..., ready=...)`); `stream`: the selection's own."""
+        if len(calls) != N_KERNELS - 1:
+            raise ValueError(f"{len(calls)} kernel calls; a selection has {N_KERNELS - 1}: fused, score, heads")
+        table = _kernel_table((*calls, None))
+        if isinstance(table, str):
+            return table
+        return cls(api, _state(stream, calls, split_above), *table)
+
+    @property
+    def complete(self) -> bool:
+        """Every kernel a selection may need is compiled for these arguments."""
+        return bool((self.kernels[:ATTEND, K_FUNCTION] != 0).all())
+
+    def __call__(self, n_blocks: np.ndarray, start: int, stop: int, stamp: int, rows: np.ndarray, wait0: int,
+                 wait1: int, ev: int) -> int:
+        """Issue a selection (`direct_select`); `rows`: int64 addresses of the launch's first union
+        row, union heads row, count and ready word. Returns `MISSING`, the CUDA error code, or 0."""
+        return self.select(self.state, self.kernels, self.values, self.params, n_blocks, start, stop, stamp, rows,
+                           wait0, wait1, ev)
+
+
+__all__ = ["DirectClaim", "DirectSelect", "MISSING", "direct_launchers", "parameter_indices"]

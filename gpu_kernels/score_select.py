@@ -460,10 +460,13 @@ def _args(table, nsel, chunks, row0, q, arena, scores, tickets, ublocks, uheads,
             counts if ready is None else ready, int(stamp))
 
 
-# Positions in `_args` of the words a claim sets, and in `_split_args`'s two tuples.
-_ARG_COUNTS_HOST, _ARG_ROW0 = 12, 13
-_SCORE_ARG_ROW0 = 7
-_HEADS_ARG_COUNTS_HOST, _HEADS_ARG_ROW0 = 8, 9
+# Positions in `_args` of the words a claim sets, and in `_split_args`'s two tuples; a signalling
+# launch (the CPU lane's selection, `ready` given) also sets its union rows, ready words and stamp.
+_ARGS = {"row0": 13, "counts_host": 12}
+_ARGS_SIGNAL = {**_ARGS, "ublocks": 9, "uheads": 10, "counts": 11, "ready": 16, "stamp": 17}
+_SCORE_ARGS = {"row0": 7}
+_HEADS_ARGS = {"row0": 9, "counts_host": 8}
+_HEADS_ARGS_SIGNAL = {**_HEADS_ARGS, "ublocks": 5, "uheads": 6, "counts": 7, "ready": 12, "stamp": 13}
 
 
 def _constexprs(nsel, q, meta_layout, ready) -> dict:
@@ -510,23 +513,25 @@ class ScoreSelectPlan:
         self._plans: dict[tuple, object] = {}
 
     def claim_calls(self, table, nsel, chunks, q, arena, ublocks, uheads, counts, counts_host,
-                    meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW)) -> tuple:
-        """A claim's selection as `__call__` launches it, both forms (no signalling): `(fused,
-        score, heads)` `KernelCall`s, the split form's two after the fused one, with the claim's
-        `row0` (and `counts_host`, at `counts_host`'s place: a landing slot's) to be set per claim,
-        and `split_above`, the most blocks a claim's rows may have for the fused form
-        (`split_select`). The grids: fused `(tasks, cdiv(n_blocks_max, constexprs["BLOCK_B"]))`,
-        score the same with its own BLOCK_B, heads `(tasks, G)`."""
+                    meta_layout: tuple[int, int] = (layout.CHUNK_ROWS, layout.META_ROW), ready=None) -> tuple:
+        """A launch's selection as `__call__` launches it, both forms: `(fused, score, heads)`
+        `KernelCall`s, the split form's two after the fused one, with the launch's `row0` (and
+        `counts_host`, at `counts_host`'s place: a landing slot's) to be set per launch, and
+        `split_above`, the most blocks a launch's rows may have for the fused form (`split_select`).
+        With `ready` (the CPU lane's selection, signalling): the union rows `ublocks`, `uheads`,
+        `counts`, the `ready` words and the `stamp` are set per launch too (the given ones are
+        placeholders of their dtypes). The grids: fused `(tasks, cdiv(n_blocks_max,
+        constexprs["BLOCK_B"]))`, score the same with its own BLOCK_B, heads `(tasks, G)`."""
+        signal = ready is not None
         args = _args(table, nsel, chunks, 0, q, arena, self.scores, self.tickets, ublocks, uheads, counts,
-                     counts_host, None, 0)
-        constexprs = _constexprs(nsel, q, meta_layout, None)
+                     counts_host, ready, 0)
+        constexprs = _constexprs(nsel, q, meta_layout, ready)
         score_args, select_args = _split_args(args, self.kth)
         score_c, select_c = _split_constexprs(constexprs)
-        fused = KernelCall(_launch, args, constexprs, _OPTIONS, {"row0": _ARG_ROW0, "counts_host": _ARG_COUNTS_HOST})
-        score = KernelCall(_launch_score, score_args, score_c, {"num_warps": SCORE_NUM_WARPS},
-                           {"row0": _SCORE_ARG_ROW0})
+        fused = KernelCall(_launch, args, constexprs, _OPTIONS, dict(_ARGS_SIGNAL if signal else _ARGS))
+        score = KernelCall(_launch_score, score_args, score_c, {"num_warps": SCORE_NUM_WARPS}, dict(_SCORE_ARGS))
         heads = KernelCall(_launch_heads, select_args, select_c, _OPTIONS,
-                           {"row0": _HEADS_ARG_ROW0, "counts_host": _HEADS_ARG_COUNTS_HOST})
+                           dict(_HEADS_ARGS_SIGNAL if signal else _HEADS_ARGS))
         g = nsel.shape[1]
         split_above = SEL_ELEMS // _block_g(g) if SPLIT_SELECT else 2 ** 62
         return fused, score, heads, split_above

@@ -371,8 +371,9 @@ class SchedulerConfig:
     # section 22); where it cannot be built claims launch as planned and
     # `stats()["claim_native_error"]` says why. "graphs": the descriptor kernels replayed from a CUDA
     # graph per landing slot (section 15). "direct": the planned kernels issued by one numba call
-    # through the CUDA driver, as "native" issues the descriptor ones (gpu_kernels/direct_claim.py;
-    # `stats()["claim_direct_error"]` says why where it cannot). Without CUDA a GPU lane runs under
+    # through the CUDA driver, as "native" issues the descriptor ones, and so is the GPU's selection
+    # for the CPU lane (gpu_kernels/direct_claim.py; `stats()["claim_direct_error"]` says why where
+    # it cannot). Without CUDA a GPU lane runs under
     # Triton's interpreter, native and graph claims as their descriptor kernels, direct ones as planned.
     claim_launch: str = field(default="plans", metadata=_choices("plans", "native", "graphs", "direct"))
     # When NaN/inf in decode's q, k, v (or lookahead) is reported (hybrid_runtime/input_check.py):

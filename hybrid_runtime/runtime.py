@@ -1525,6 +1525,8 @@ class HybridRuntime:
             "claim_native_error": getattr(self.gpu_executor, "native_error", None),
             "claim_direct_launches": getattr(self.gpu_executor, "direct_launches", 0),
             "claim_direct_error": getattr(self.gpu_executor, "direct_error", None),
+            # ... and the GPU's selections for the CPU lane issued by it.
+            "gpu_selection_direct_launches": getattr(self.gpu_executor, "direct_picks", 0),
             # Bytes the CPU lane's tasks read since the runtime started (with profiling off too).
             "cpu_bytes_read": int(self.cpu_executor.bytes_read) if self.cpu_executor is not None else 0,
         }

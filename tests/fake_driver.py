@@ -12,7 +12,7 @@ _u64, _u32, _int = ctypes.c_uint64, ctypes.c_uint, ctypes.c_int
 
 
 class FakeDriver:
-    """ctypes callbacks standing in for cuLaunchKernel, cuEventRecord and cuMemcpyHtoDAsync."""
+    """ctypes callbacks standing in for cuLaunchKernel, cuEventRecord, cuMemcpyHtoDAsync and cuStreamWaitEvent."""
 
     def __init__(self, fail_launch: int | None = None):
         self.calls: list[tuple] = []
@@ -31,10 +31,16 @@ class FakeDriver:
             self.calls.append(("copy", dst, src, nbytes, stream))
             return 0
 
+        def wait(stream, event, flags):
+            self.calls.append(("wait", stream, event, flags))
+            return 0
+
         self._keep = (ctypes.CFUNCTYPE(_int, _u64, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _u64, _u64, _u64)(launch),
                       ctypes.CFUNCTYPE(_int, _u64, _u64)(record),
-                      ctypes.CFUNCTYPE(_int, _u64, _u64, _u64, _u64)(copy))
-        self.api = DriverApi(*self._keep, *([None] * 7))
+                      ctypes.CFUNCTYPE(_int, _u64, _u64, _u64, _u64)(copy),
+                      ctypes.CFUNCTYPE(_int, _u64, _u64, _u32)(wait))
+        launch_fn, record_fn, copy_fn, wait_fn = self._keep
+        self.api = DriverApi(launch_fn, record_fn, copy_fn, None, None, None, None, wait_fn, None, None)
 
 
 class FakeKernel:

@@ -139,6 +139,63 @@ def test_the_claims_shape_is_the_planned_paths(claim_programs):
         assert params_at(launches[-1][6], 7)[1:] == [start, 28, n, n_splits, pps, programs]
 
 
+def _selection_calls(missing: int | None = None):
+    """Stand-ins of a signalling selection's three kernels (`DirectSelect`)."""
+    fused = FakeKernel(0xF1, ["q", "ublocks", "uheads", "counts", "counts_host", "row0", "ready", "stamp"],
+                       {"q": "*fp32", "ublocks": "*i32", "uheads": "*i32", "counts": "*i32", "counts_host": "*i32",
+                        "row0": "i32", "ready": "*i64", "stamp": "i32"}, num_warps=8)
+    score = FakeKernel(0x5D, ["q", "row0"], {"q": "*fp32", "row0": "i32"})
+    heads = FakeKernel(0x4F, ["ublocks", "uheads", "counts", "counts_host", "row0", "ready", "stamp"],
+                       {"ublocks": "*i32", "uheads": "*i32", "counts": "*i32", "counts_host": "*i32", "row0": "i32",
+                        "ready": "*i64", "stamp": "i32"})
+    kernels = [fused, score, heads]
+    if missing is not None:
+        kernels[missing] = None
+    q, rows = torch.zeros(4), torch.zeros(8, dtype=torch.int32)
+    words = {"ublocks": 1, "uheads": 2, "counts": 3, "counts_host": 4, "row0": 5, "ready": 6, "stamp": 7}
+    return (
+        KernelCall(FakeCached(kernels[0]), (q, rows, rows, rows, rows, 0, rows, 0), {"G": 4, "BLOCK_B": ss.BLOCK_B}, {},
+                   dict(words)),
+        KernelCall(FakeCached(kernels[1]), (q, 0), {"BLOCK_B": 32}, {}, {"row0": 1}),
+        KernelCall(FakeCached(kernels[2]), (rows, rows, rows, rows, 0, rows, 0), {}, {},
+                   {k: v - 1 for k, v in words.items()}),
+    ), q
+
+
+def test_a_selection_for_the_cpu_lane_waits_launches_with_its_rows_and_records_its_end():
+    drv = FakeDriver()
+    calls, q = _selection_calls()
+    select = dc.DirectSelect.build(drv.api, calls, 0x9C, split_above=100)
+    assert select.complete
+    rows = np.array([0x1000, 0x2000, 0x3000, 0x4000], np.int64)
+    n_blocks = np.array([5, 60, 70, 9], np.int64)
+    assert select(n_blocks, 1, 3, 77, rows, 0xA1, 0, 0xE5) == 0
+    # The second wait event is 0 (none): one wait.
+    assert [c[0] for c in drv.calls] == ["wait", "launch", "record"]
+    assert drv.calls[0] == ("wait", 0x9C, 0xA1, 0) and drv.calls[-1] == ("record", 0xE5, 0x9C)
+    fused = drv.calls[1]
+    assert fused[1:3] == (0xF1, (2, 1, 1)) and fused[5] == 0x9C
+    assert params_at(fused[6], 8) == [q.data_ptr(), 0x1000, 0x2000, 0x3000, 0x3000, 1, 0x4000, 77]
+    # Rows longer than `split_above`: scored, then selected with a program per head; both waits.
+    drv.calls.clear()
+    assert select(np.array([101, 7], np.int64), 0, 2, 78, rows, 0xA1, 0xA2, 0xE6) == 0
+    assert [c[0] for c in drv.calls] == ["wait", "wait", "launch", "launch", "record"]
+    score, heads = drv.calls[2], drv.calls[3]
+    assert score[1:3] == (0x5D, (2, 4, 1)) and heads[1:3] == (0x4F, (2, 4, 1))  # G = 4 heads
+    assert params_at(heads[6], 7) == [0x1000, 0x2000, 0x3000, 0x3000, 0, 0x4000, 78]
+
+
+def test_a_selection_whose_kernel_is_not_compiled_issues_nothing():
+    drv = FakeDriver()
+    select = dc.DirectSelect.build(drv.api, _selection_calls(missing=dc.HEADS)[0], 0x9C, split_above=100)
+    assert not select.complete
+    rows = np.zeros(4, np.int64)
+    assert select(np.array([500], np.int64), 0, 1, 1, rows, 0xA1, 0, 0xE5) == dc.MISSING
+    assert drv.calls == []
+    with pytest.raises(ValueError, match="a selection has 3"):
+        dc.DirectSelect.build(drv.api, _selection_calls()[0][:2], 0x9C, 100)
+
+
 def test_a_claim_whose_kernel_is_not_compiled_issues_nothing():
     drv = FakeDriver()
     claim = _build(drv, missing=dc.HEADS)[0]
@@ -172,8 +229,8 @@ def _parameter_names(launch) -> list[str]:
 
 def test_the_planned_paths_claim_words_are_the_kernels_parameters_triton_does_not_specialise():
     """The positions `claim_calls` / `claim_call` name are the real kernels' parameters of those
-    names, declared so that Triton does not specialise on them: the step's compiled kernel is then
-    the one every claim runs."""
+    names, declared so that Triton does not specialise on them (the union rows' addresses: not on
+    their alignment): the step's compiled kernel is then the one every claim and selection runs."""
     t, g, d, nb = 4, 2, 32, 64
     scores = torch.zeros((t, g, nb))
     tickets = torch.zeros(t, dtype=torch.int32)
@@ -184,20 +241,26 @@ def test_the_planned_paths_claim_words_are_the_kernels_parameters_triton_does_no
     fused, score, heads, split_above = sel.claim_calls(i32(t, 9), i32(t, g), i32(8), q, arena, i32(t, nb), i32(t, nb),
                                                        i32(t), i32(t))
     assert split_above == ss.SEL_ELEMS // 2
+    signalling = sel.claim_calls(i32(t, 9), i32(t, g), i32(8), q, arena, i32(t, nb), i32(t, nb), i32(t), i32(t),
+                                 ready=torch.zeros(t, dtype=torch.int64))
+    assert signalling[0].constexprs["SIGNAL"] and "stamp" in signalling[2].claim_args
     attend = sa.SparseAttentionClaimPlan(i32(t, nb), i32(t, nb), i32(t), torch.zeros((t, 64, g, d)),
                                          torch.zeros((t, 64, g)), i32(t)).claim_call(i32(t, 9), i32(8), q, arena,
                                                                                      torch.zeros((2, 4, d)),
                                                                                      torch.zeros((2, 4)))
     names = {"row0": ("row0",), "counts_host": ("counts_host_ptr",), "tasks": ("N_TASKS",),
-             "splits": ("N_SPLITS",), "pps": ("PAGES_PER_SPLIT",), "programs": ("N_PROGRAMS",)}
-    for call in (fused, score, heads, attend):
+             "splits": ("N_SPLITS",), "pps": ("PAGES_PER_SPLIT",), "programs": ("N_PROGRAMS",),
+             "ublocks": ("ublocks_ptr",), "uheads": ("uheads_ptr",), "counts": ("counts_ptr",),
+             "ready": ("ready_ptr",), "stamp": ("stamp",)}
+    pointers = ("counts_host", "ublocks", "uheads", "counts", "ready")
+    for call in (fused, score, heads, attend, *signalling[:3]):
         params = _parameter_names(call.launch)
         rules = _specialization_rules(call.launch.fn)
         assert len(call.args) == len(rules)
         for word, position in call.claim_args.items():
             assert params[position] in names[word], (word, params[position])
             # Integers: never specialised; the landing slot's address: not on its alignment.
-            assert rules[position] in ((NOT_SPECIALISED, NOT_ON_ALIGNMENT) if word == "counts_host" else
+            assert rules[position] in ((NOT_SPECIALISED, NOT_ON_ALIGNMENT) if word in pointers else
                                        (NOT_SPECIALISED,)), (word, rules[position])
 
 

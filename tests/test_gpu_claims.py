@@ -436,12 +436,13 @@ def test_fresh_task_sets_are_staged_not_made_resident():
     assert made == [] and not ex._resident
 
 
-def _claims_through_executor(claim_launch: str, bounds, budget: float = 0.3, gpu_metadata: bool = False,
-                             seqs: tuple[int, ...] = (700, 420)):
-    """Claims of `bounds` over one step's tasks (a sequence per prompt length in `seqs`, every KV
-    head, block 16) through a `GpuUvaExecutor`; returns (out, lse, bytes per task). `gpu_metadata`:
-    the store keeps a copy of the metadata on its device (`KVStore.enable_gpu_metadata`), made
-    after the first prompt and written with the second, which the claims score from."""
+def _executor_step(claim_launch: str, budget: float = 0.3, gpu_metadata: bool = False,
+                   seqs: tuple[int, ...] = (700, 420), pick_rows: tuple | None = None):
+    """One step's tasks (a sequence per prompt length in `seqs`, every KV head, block 16) on a
+    warmed-up `GpuUvaExecutor`: (executor, its uploaded table, the step). `gpu_metadata`: the store
+    keeps a copy of the metadata on its device (`KVStore.enable_gpu_metadata`), made after the
+    first prompt and written with the second, which the claims score from. `pick_rows`: the CPU
+    lane's selection rows (`GpuPicks.views`), compiled for at warm-up."""
     from hybrid_runtime.config import GeometryConfig, KVCacheConfig
     from hybrid_runtime.executors.gpu_uva import GpuUvaExecutor
     from hybrid_runtime.kvcache import KVStore
@@ -474,12 +475,19 @@ def _claims_through_executor(claim_launch: str, bounds, budget: float = 0.3, gpu
         claim_descriptor._select_launch._compiled.clear()
         claim_descriptor._attend_launch._compiled.clear()
     ex = GpuUvaExecutor(store, claim_launch=claim_launch)
+    ex.pick_rows = pick_rows
     ex.compile_kernels()
     tab, nsel, chunks, _ = native_table(tasks, g)
     step = Step.empty(0, q, g)
     if CUDA:
         ex.stream.wait_stream(torch.cuda.current_stream())
-    table = ex.upload(ex.pack(tab, nsel, chunks))
+    return ex, ex.upload(ex.pack(tab, nsel, chunks)), step
+
+
+def _claims_through_executor(claim_launch: str, bounds, budget: float = 0.3, gpu_metadata: bool = False,
+                             seqs: tuple[int, ...] = (700, 420)):
+    """Claims of `bounds` over `_executor_step`'s step; returns (out, lse, bytes per task, executor)."""
+    ex, table, step = _executor_step(claim_launch, budget, gpu_metadata, seqs)
     per_task = np.concatenate([ex.launch(table, i, j, step).wait() for i, j in bounds])
     if CUDA:
         torch.cuda.synchronize()
@@ -521,6 +529,40 @@ def test_direct_claims_equal_planned_launches(bounds, seqs):
     assert np.array_equal(bytes_d, bytes_p)
     assert torch.isfinite(lse_p).all()
     assert ex.direct_error is None and ex.direct_launches == len(bounds)
+
+
+def _picks_through_executor(claim_launch: str, seqs: tuple[int, ...], stamp: int = 41):
+    """The CPU lane's selection (`GpuUvaExecutor.pick` through `GpuPicks.launch`) of rows [1, all)
+    of `_executor_step`'s step, stamped `stamp`; returns (ready, blocks, heads, counts) copied from
+    the pinned rows, and the executor."""
+    from hybrid_runtime.gpu_picks import GpuPicks
+
+    picks = GpuPicks(4, 8192, DEV)
+    ex, table, step = _executor_step(claim_launch, seqs=seqs, pick_rows=picks.views)
+    for row in picks.arrays:
+        row[...] = -7
+    after = None
+    if CUDA:
+        after = torch.cuda.Event()
+        after.record(torch.cuda.current_stream())
+    picks.launch(ex, table, 1, table.n_tasks, step, stamp, after)
+    if CUDA:
+        torch.cuda.synchronize()
+    return tuple(a.copy() for a in picks.arrays), ex
+
+
+@_gpu
+@pytest.mark.parametrize("seqs", [(700, 420), (70000, 420)])
+def test_direct_selections_for_the_cpu_lane_equal_planned_ones(seqs):
+    """The CPU lane's selection issued by the direct launcher writes the planned launch's unions,
+    counts and ready stamps into the pinned rows, fused and split, and nothing into the row before."""
+    planned, _ = _picks_through_executor("plans", seqs)
+    direct, ex = _picks_through_executor("direct", seqs)
+    ready, blocks, heads, counts = direct
+    assert ready[0] == -7 and (ready[1:4] == 41).all() and (counts[1:4] > 0).all()
+    for a, b in zip(direct, planned):
+        assert np.array_equal(a, b)
+    assert ex.direct_error is None and ex.direct_picks == 1
 
 
 @pytest.mark.parametrize("claim_launch", ["plans", "graphs", "native", "direct"])

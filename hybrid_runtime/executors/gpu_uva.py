@@ -55,7 +55,7 @@ from gpu_kernels.claim_descriptor import (
     claim_programs,
 )
 from gpu_kernels.cuda_driver import DriverEvent, check, driver_api, driver_error, free_event_count, reserve_events
-from gpu_kernels.direct_claim import MISSING, DirectClaim
+from gpu_kernels.direct_claim import MISSING, DirectClaim, DirectSelect
 from gpu_kernels.native_claim import NativeClaim
 from gpu_kernels.score_select import BLOCK_B, ScoreSelectPlan
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseAttentionClaimPlan, SparseConfig, claim_splits
@@ -191,6 +191,10 @@ class GpuUvaExecutor:
         self._direct_words: tuple | None = None
         self.direct_launches = 0
         self.direct_error: str | None = None
+        # The same for the CPU lane's selection (`pick`) under "direct".
+        self._direct_picks: dict = {}
+        self._direct_pick_rebuilds: dict = {}
+        self.direct_picks = 0
         # One descriptor row per landing slot (made whatever `claim_launch`, which may be switched):
         # a claim's row is rewritten only after the claim that last used the slot was retired
         # (the ring's rule), so never while a kernel reads it.
@@ -279,6 +283,8 @@ class GpuUvaExecutor:
         self._direct = {}
         self._direct_rebuilds = {}
         self._direct_words = None
+        self._direct_picks = {}
+        self._direct_pick_rebuilds = {}
 
     # ------------------------------------------------------------------ buffers
     # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
@@ -625,27 +631,85 @@ class GpuUvaExecutor:
                              f"{self._tasks_cap} of {self._blocks_cap} and the union rows hold {ublocks.shape[1]}")
         arena = self._arena(step.layer)
         meta = self._metadata_source(step.layer, arena)
-        stream = None
-        if self.cuda:
-            if after is not None:
-                self._pick_stream.wait_event(after)
-            if self._upload_done is not None:
-                self._pick_stream.wait_event(self._upload_done)
-            stream = self._pick_stream.cuda_stream
-        self._pick_select()(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
-                             ublocks, uheads, counts, counts, stream, meta_layout=meta.layout, ready=ready,
-                             stamp=stamp, split=split)
+        end = None
+        if self._claim_launch == "direct" and self.cuda and split is None:
+            end = self._pick_direct(table, start, stop, step, meta, ublocks, uheads, counts, ready, stamp, after)
+        if end is None:
+            stream = None
+            if self.cuda:
+                if after is not None:
+                    self._pick_stream.wait_event(after)
+                if self._upload_done is not None:
+                    self._pick_stream.wait_event(self._upload_done)
+                stream = self._pick_stream.cuda_stream
+            self._pick_select()(table.table, table.n_select, table.chunks, start, n, nb_max, step.q, meta.tensor,
+                                ublocks, uheads, counts, counts, stream, meta_layout=meta.layout, ready=ready,
+                                stamp=stamp, split=split)
+            if self.cuda:
+                end = torch.cuda.Event(enable_timing=True)  # timed: `GpuPicks.learn` maps it to host time
+                end.record(self._pick_stream)
         meta_bytes = int(table.n_blocks[start:stop].sum()) * 2 * self.head_dim * self.esize
         if meta.on_device:
             self.device_bytes_read += meta_bytes
         else:
             self.bytes_read += meta_bytes
         self.picks += 1
-        if not self.cuda:
-            return None
-        end = torch.cuda.Event(enable_timing=True)  # timed: `GpuPicks.learn` maps it to host time
-        end.record(self._pick_stream)
         return end
+
+    def _pick_direct(self, table: StepTable, start: int, stop: int, step: Step, meta: MetadataSource, ublocks, uheads,
+                     counts, ready, stamp: int, after: object) -> DriverEvent | None:
+        """`pick`'s selection issued by one native call (`DirectSelect`); its end event, or None
+        where that cannot be done for it (nothing issued: the caller launches it as planned)."""
+        q = step.q
+        key = (table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), q.data_ptr(), q.stride(0),
+               q.stride(1), q.shape[1], q.shape[2], meta.tensor.data_ptr(), meta.tensor.dtype, meta.layout,
+               ublocks.stride(0))
+        direct = self._direct_picks.get(key, self)  # self: not built yet
+        if direct is self:
+            direct = self._build_direct_pick(table, step, meta, ublocks, uheads, counts, ready)
+            if len(self._direct_picks) >= self.DIRECT_STEPS:
+                self._direct_picks.clear()
+            self._direct_picks[key] = direct
+        if direct is None:
+            return None
+        rows = np.array((ublocks.data_ptr(), uheads.data_ptr(), counts.data_ptr(), ready.data_ptr()), dtype=np.int64)
+        upload = self._upload_done
+        end = DriverEvent()
+        code = direct(table.n_blocks, start, stop, int(stamp), rows, 0 if after is None else after.cuda_event,
+                      0 if upload is None else upload.cuda_event, end.cuda_event)
+        if code == MISSING:  # as for claims (`_launch_direct`)
+            self._direct_picks.pop(key, None)
+            rebuilds = self._direct_pick_rebuilds[key] = self._direct_pick_rebuilds.get(key, 0) + 1
+            if rebuilds > self.DIRECT_REBUILDS:
+                self._direct_picks[key] = None
+                self.direct_error = (f"a kernel of the CPU lane's selection stayed uncompiled after "
+                                     f"{self.DIRECT_REBUILDS} planned launches")
+                log.warning("GPU lane: %s; those selections launch as planned", self.direct_error)
+            return None
+        if code:
+            check(code, f"the GPU lane's direct selection of rows [{start}, {stop}) for the CPU lane")
+        self.direct_picks += 1
+        return end
+
+    def _build_direct_pick(self, table: StepTable, step: Step, meta: MetadataSource, ublocks, uheads, counts,
+                           ready) -> DirectSelect | None:
+        """The direct launcher of the CPU lane's selection for a step's arguments, or None -- with
+        the reason in `direct_error` -- where the driver or the kernels do not allow it."""
+        api = driver_api()
+        if api is None:
+            result = driver_error() or "no CUDA driver"
+        else:
+            fused, score, heads, split_above = self._pick_select().claim_calls(
+                table.table, table.n_select, table.chunks, step.q, meta.tensor, ublocks, uheads, counts, counts,
+                meta_layout=meta.layout, ready=ready)
+            result = DirectSelect.build(api, (fused, score, heads), self._pick_stream.cuda_stream, split_above)
+        if isinstance(result, str):
+            if self.direct_error is None:
+                log.warning("GPU lane: the CPU lane's selection cannot be launched directly (%s); it launches as "
+                            "planned", result)
+            self.direct_error = result
+            return None
+        return result
 
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
                  meta: MetadataSource, slot: int) -> None:
@@ -767,7 +831,10 @@ class GpuUvaExecutor:
             # The CPU lane's selection variants (`pick`, fused and split), into row 0 with job id 0
             # (no job has it).
             ready, blocks, heads, counts = self.pick_rows
-            for split in (False, True):
+            # Under "direct" a selection whose form is the runtime's to choose (split None) goes
+            # through the direct launcher: its numba function is compiled here, not at a step's.
+            forms = (False, True, None) if self._claim_launch == "direct" and self.cuda else (False, True)
+            for split in forms:
                 after = None
                 if self.cuda:
                     after = torch.cuda.Event()
@@ -789,11 +856,13 @@ class GpuUvaExecutor:
             # The warm-up claim above compiled the numba launcher; its launchers found the kernels
             # uncompiled (the claim launched as planned): rebuilt at the first claims.
             self._direct, self._direct_rebuilds, self._direct_words = {}, {}, None
+            self._direct_picks, self._direct_pick_rebuilds = {}, {}
         self.bytes_read = 0
         self.device_bytes_read = 0
         self.launches = 0
         self.native_launches = 0
         self.direct_launches = 0
+        self.direct_picks = 0
 
     def measure_link(self) -> None:
         """Measure the host-to-GPU link (CUDA only), which bounds the scheduler's model of this
