@@ -39,7 +39,7 @@ import numpy as np
 from cpu_kernels import layout
 from gpu_kernels.cuda_driver import DriverApi
 from gpu_kernels.launch import KernelCall
-from gpu_kernels.native_claim import SCRATCH_PARAMS, kernel_function, kernel_launch
+from gpu_kernels.native_claim import SCRATCH_PARAMS, kernel_function, kernel_launch, launcher_for
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseConfig
 
 # A claim's kernels, in the order of `DirectClaim.build`'s `calls`.
@@ -69,18 +69,13 @@ S_SCORE_BLOCK_B = 8  # blocks a split scoring program scores
 STATE_WORDS = 9
 MISSING = -1  # `direct_launch`'s return when a kernel the claim needs is not compiled
 
-_launchers: list = []  # (DriverApi, compiled direct_launch)
+_launchers: list = []  # (DriverApi, (compiled direct_launch, direct_select))
 
 
 def direct_launchers(api: DriverApi) -> tuple:
-    """The compiled `(direct_launch, direct_select)` calling `api`'s functions (compiled once per
-    `api`: numba takes the ctypes functions as constants, so they cannot be cached on disk)."""
-    for held, fns in _launchers:  # by identity, as `native_claim.claim_launcher`
-        if held is api:
-            return fns
-    fns = _make_direct_launch(api.launch_kernel, api.event_record, api.stream_wait_event)
-    _launchers.append((api, fns))
-    return fns
+    """The compiled `(direct_launch, direct_select)` calling `api`'s functions."""
+    return launcher_for(api, _launchers, lambda a: _make_direct_launch(a.launch_kernel, a.event_record,
+                                                                       a.stream_wait_event))
 
 
 def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
@@ -96,6 +91,22 @@ def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
         return launch_kernel(np.uint64(kernels[k, K_FUNCTION]), np.uint32(gx), np.uint32(gy), one,
                              np.uint32(kernels[k, K_THREADS]), one, one, np.uint32(kernels[k, K_SHARED]), stream,
                              np.uint64(params[k]), np.uint64(0))
+
+    @numba.njit(nogil=True, cache=False)
+    def issue_selection(state, kernels, values, params, split, n, nb_max, start, counts_host, stream):
+        """The selection of `n` rows from `start`: fused, or scored then selected a head a program."""
+        if split:
+            put(values, kernels, SCORE, K_ROW0, start)
+            rc = issue(kernels, params, SCORE, n, max(1, (nb_max + state[S_SCORE_BLOCK_B] - 1) // state[S_SCORE_BLOCK_B]),
+                       stream)
+            if rc != 0:
+                return rc
+            put(values, kernels, HEADS, K_ROW0, start)
+            put(values, kernels, HEADS, K_COUNTS_HOST, counts_host)
+            return issue(kernels, params, HEADS, n, state[S_GROUP], stream)
+        put(values, kernels, FUSED, K_ROW0, start)
+        put(values, kernels, FUSED, K_COUNTS_HOST, counts_host)
+        return issue(kernels, params, FUSED, n, max(1, (nb_max + state[S_BLOCK_B] - 1) // state[S_BLOCK_B]), stream)
 
     @numba.njit(nogil=True, cache=False)
     def direct_launch(state, kernels, values, params, n_blocks, union_pages, start, stop, slot, ev0, ev1):
@@ -121,19 +132,7 @@ def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
         rc = event_record(np.uint64(ev0), stream)
         if rc != 0:
             return rc
-        if split:
-            put(values, kernels, SCORE, K_ROW0, start)
-            rc = issue(kernels, params, SCORE, n, max(1, (nb_max + state[S_SCORE_BLOCK_B] - 1) // state[S_SCORE_BLOCK_B]),
-                       stream)
-            if rc != 0:
-                return rc
-            put(values, kernels, HEADS, K_ROW0, start)
-            put(values, kernels, HEADS, K_COUNTS_HOST, counts_host)
-            rc = issue(kernels, params, HEADS, n, state[S_GROUP], stream)
-        else:
-            put(values, kernels, FUSED, K_ROW0, start)
-            put(values, kernels, FUSED, K_COUNTS_HOST, counts_host)
-            rc = issue(kernels, params, FUSED, n, max(1, (nb_max + state[S_BLOCK_B] - 1) // state[S_BLOCK_B]), stream)
+        rc = issue_selection(state, kernels, values, params, split, n, nb_max, start, counts_host, stream)
         if rc != 0:
             return rc
         put(values, kernels, ATTEND, K_ROW0, start)
@@ -166,23 +165,13 @@ def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
                 rc = stream_wait_event(stream, np.uint64(event), np.uint32(0))
                 if rc != 0:
                     return rc
-        last = HEADS if split else FUSED
-        put(values, kernels, last, K_ROW0, start)
+        last = HEADS if split else FUSED  # the kernel that writes the unions and signals
         put(values, kernels, last, K_UBLOCKS, rows[0])
         put(values, kernels, last, K_UHEADS, rows[1])
         put(values, kernels, last, K_COUNTS, rows[2])
-        put(values, kernels, last, K_COUNTS_HOST, rows[2])
         put(values, kernels, last, K_READY, rows[3])
         put(values, kernels, last, K_STAMP, stamp)
-        if split:
-            put(values, kernels, SCORE, K_ROW0, start)
-            rc = issue(kernels, params, SCORE, n, max(1, (nb_max + state[S_SCORE_BLOCK_B] - 1) // state[S_SCORE_BLOCK_B]),
-                       stream)
-            if rc != 0:
-                return rc
-            rc = issue(kernels, params, HEADS, n, state[S_GROUP], stream)
-        else:
-            rc = issue(kernels, params, FUSED, n, max(1, (nb_max + state[S_BLOCK_B] - 1) // state[S_BLOCK_B]), stream)
+        rc = issue_selection(state, kernels, values, params, split, n, nb_max, start, rows[2], stream)
         if rc != 0:
             return rc
         return event_record(np.uint64(ev), stream)

@@ -57,17 +57,23 @@ SCRATCH_PARAMS = 2
 _launchers: list = []  # (DriverApi, compiled claim_launch)
 
 
+def launcher_for(api: DriverApi, held: list, make):
+    """`make(api)` -- numba functions calling `api`'s driver functions -- made once per `api` and
+    kept in `held` (numba takes the ctypes functions as constants, so they cannot be cached on disk)."""
+    # Matched by identity with the api held (ctypes functions are unhashable): a dict keyed by id()
+    # could hand a later api whose id was reused a launcher calling freed callbacks.
+    for api_held, made in held:
+        if api_held is api:
+            return made
+    made = make(api)
+    held.append((api, made))
+    return made
+
+
 def claim_launcher(api: DriverApi):
-    """The compiled `claim_launch` calling `api`'s functions (compiled once per `api`: numba takes
-    the ctypes functions as constants, so it cannot be cached on disk)."""
-    # Matched by identity with the api held here (ctypes functions are unhashable): a dict keyed by
-    # id() could hand a later api whose id was reused a launcher calling freed callbacks.
-    for held, fn in _launchers:
-        if held is api:
-            return fn
-    fn = _make_claim_launch(api.launch_kernel, api.event_record, api.memcpy_htod_async)
-    _launchers.append((api, fn))
-    return fn
+    """The compiled `claim_launch` calling `api`'s functions."""
+    return launcher_for(api, _launchers, lambda a: _make_claim_launch(a.launch_kernel, a.event_record,
+                                                                      a.memcpy_htod_async))
 
 
 def _make_claim_launch(launch_kernel, event_record, memcpy_htod_async):
@@ -248,4 +254,5 @@ class NativeClaim:
         return self.launch(self.state, self.params, n_blocks, union_pages, start, stop, slot, desc, template, ev0, ev1)
 
 
-__all__ = ["NativeClaim", "claim_launcher", "kernel_function", "kernel_launch", "kernel_parameters", "launch_shape"]
+__all__ = ["NativeClaim", "claim_launcher", "kernel_function", "kernel_launch", "kernel_parameters", "launch_shape",
+           "launcher_for"]
