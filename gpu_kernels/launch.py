@@ -297,6 +297,14 @@ class LaunchPlan:
             self._kernels[key] = kernel
 
 
+def direct_launches_allowed() -> bool:
+    """Whether a launcher may issue compiled kernels itself, past Triton's launcher
+    (`gpu_kernels/direct_claim.py`): not while planned launches are switched off
+    (`LaunchPlan.enabled`, diagnostics) or Triton's launch hooks are set (a profiler must see
+    every launch), nor with a Triton whose launch cache this module does not use."""
+    return _KNOBS is not None and LaunchPlan.enabled and _launch_hooks()[0] is None
+
+
 class KernelCall(NamedTuple):
     """One launch of a claim as its planned path makes it, for a launcher that issues it itself
     (`gpu_kernels/direct_claim.py`): the kernel, a complete argument list with placeholder values at

@@ -21,7 +21,9 @@ from gpu_kernels import direct_claim as dc
 from gpu_kernels import native_claim as nc
 from gpu_kernels import score_select as ss
 from gpu_kernels import sparse_attention as sa
-from gpu_kernels.launch import NOT_ON_ALIGNMENT, NOT_SPECIALISED, KernelCall, _specialization_rules
+from gpu_kernels.launch import (
+    NOT_ON_ALIGNMENT, NOT_SPECIALISED, KernelCall, LaunchPlan, _specialization_rules, direct_launches_allowed,
+)
 from gpu_kernels.sparse_attention import SparseConfig
 from tests.fake_driver import FakeDriver, FakeKernel, params_at
 
@@ -264,6 +266,24 @@ def test_the_planned_paths_claim_words_are_the_kernels_parameters_triton_does_no
                                        (NOT_SPECIALISED,)), (word, rules[position])
 
 
+def test_a_profilers_launch_hook_sends_launches_through_triton():
+    """Triton's launch hooks (a profiler) must see every launch: none is issued directly while one
+    is set."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        pytest.skip("a Triton without knobs: launches always go through the JIT")
+    assert direct_launches_allowed()
+    saved = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = lambda metadata: None
+    try:
+        assert not direct_launches_allowed()
+    finally:
+        knobs.runtime.launch_enter_hook = saved
+    assert direct_launches_allowed()
+
+
 def test_parameter_indices_skip_arguments_triton_made_constants():
     kernel = SimpleNamespace(src=SimpleNamespace(signature={"a": "*fp32", "b": "constexpr", "c": "i32"},
                                                  fn=SimpleNamespace(arg_names=["a", "b", "c", "D"])))
@@ -337,5 +357,8 @@ def test_a_claim_whose_launcher_misses_a_kernel_launches_as_planned_until_the_la
         handle = ex._launch_direct(table, 0, 2, step, 3)
         assert handle is not None and handle.slot == 3 and handle.n_tasks == 2
         assert ex.direct_launches == 1 and ex.launches == 1 and ex._ring_users[3] is handle
+        # Planned launches switched off (a diagnostic's JIT path): no direct launch either.
+        monkeypatch.setattr(LaunchPlan, "enabled", False)
+        assert ex._launch_direct(table, 0, 2, step, 4) is None and ex.direct_launches == 1
     finally:
         store.close()

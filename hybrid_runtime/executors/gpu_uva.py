@@ -56,6 +56,7 @@ from gpu_kernels.claim_descriptor import (
 )
 from gpu_kernels.cuda_driver import DriverEvent, check, driver_api, driver_error, free_event_count, reserve_events
 from gpu_kernels.direct_claim import MISSING, DirectClaim, DirectSelect
+from gpu_kernels.launch import direct_launches_allowed
 from gpu_kernels.native_claim import NativeClaim
 from gpu_kernels.score_select import BLOCK_B, ScoreSelectPlan
 from gpu_kernels.sparse_attention import MAX_SPLITS, SparseAttentionClaimPlan, SparseConfig, claim_splits
@@ -498,6 +499,8 @@ class GpuUvaExecutor:
     def _launch_direct(self, table: StepTable, start: int, stop: int, step: Step, slot: int) -> GpuLaunch | None:
         """The claim's planned kernels issued by one native call (`gpu_kernels/direct_claim.py`);
         None where that cannot be done for it (the caller launches it as planned)."""
+        if not direct_launches_allowed():
+            return None
         words = self._direct_words
         if words is None or words[0] is not table or words[1] is not step:
             words = self._direct_words = self._direct_step(table, step)
@@ -632,7 +635,7 @@ class GpuUvaExecutor:
         arena = self._arena(step.layer)
         meta = self._metadata_source(step.layer, arena)
         end = None
-        if self._claim_launch == "direct" and self.cuda and split is None:
+        if self._claim_launch == "direct" and self.cuda and split is None and direct_launches_allowed():
             end = self._pick_direct(table, start, stop, step, meta, ublocks, uheads, counts, ready, stamp, after)
         if end is None:
             stream = None
