@@ -521,7 +521,9 @@ class ScoreSelectPlan:
         With `ready` (the CPU lane's selection, signalling): the union rows `ublocks`, `uheads`,
         `counts`, the `ready` words and the `stamp` are set per launch too (the given ones are
         placeholders of their dtypes). The grids: fused `(tasks, cdiv(n_blocks_max,
-        constexprs["BLOCK_B"]))`, score the same with its own BLOCK_B, heads `(tasks, G)`."""
+        constexprs["BLOCK_B"]))`, score the same with its own BLOCK_B, heads `(tasks, G)`.
+        `SPLIT_SELECT`, `SEL_ELEMS` and `SCORE_BLOCK_B` are read here, once, where `__call__` reads
+        them at every call: a diagnostic that switches them drops the launchers built before."""
         signal = ready is not None
         args = _args(table, nsel, chunks, 0, q, arena, self.scores, self.tickets, ublocks, uheads, counts,
                      counts_host, ready, 0)
