@@ -108,19 +108,29 @@ def error_name(code: int) -> str:
     return name.value.decode()
 
 
+# Parameter sizes per kernel handle: a direct launcher is built per layer and step argument set from
+# the same few compiled kernels, each asking the driver once per parameter (Triton keeps its loaded
+# kernels, and so their handles, for the life of the process).
+_param_sizes: dict[int, list[int]] = {}
+
+
 def kernel_param_sizes(function: int) -> list[int] | None:
     """Sizes in bytes of a compiled kernel's parameters, in order, as the driver knows them; None
     where the driver cannot say (before CUDA 12.4)."""
     api = driver_api()
     if api is None or api.func_param_info is None:
         return None
+    known = _param_sizes.get(int(function))
+    if known is not None:
+        return list(known)
     sizes = []
     offset, size = ctypes.c_size_t(), ctypes.c_size_t()
     while api.func_param_info(int(function), len(sizes), ctypes.byref(offset), ctypes.byref(size)) == CUDA_SUCCESS:
         sizes.append(int(size.value))
         if len(sizes) > 4096:
             break
-    return sizes
+    _param_sizes[int(function)] = sizes
+    return list(sizes)
 
 
 # ---------------------------------------------------------------------------- events
