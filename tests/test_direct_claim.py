@@ -337,22 +337,23 @@ def test_a_claim_whose_launcher_misses_a_kernel_launches_as_planned_until_the_la
         built = []
 
         def direct_step(t, s, code=dc.MISSING):
-            hit = ex._direct.get("key", ex)
-            if hit is ex:
-                hit = ex._direct["key"] = Launcher(code)
-                built.append(hit)
-            return t, s, hit, "key", False
+            def build():
+                built.append(Launcher(code))
+                return built[-1]
+
+            return t, s, ex._direct.get("key", build), "key", False
 
         monkeypatch.setattr(ex, "_direct_step", direct_step)
         for i in range(ex.DIRECT_REBUILDS + 1):
             assert ex._launch_direct(table, 0, 2, step, 0) is None
             assert len(built) == i + 1
             assert (ex.direct_error is None) == (i < ex.DIRECT_REBUILDS)
-        assert ex._direct["key"] is None and "uncompiled" in ex.direct_error
+        assert ex._direct.launchers["key"] is None and "uncompiled" in ex.direct_error
         assert ex._launch_direct(table, 0, 2, step, 0) is None and len(built) == ex.DIRECT_REBUILDS + 1
         assert ex.direct_launches == 0 and ex.launches == 0
         # A launcher that issues the claim: a handle on the landing slot, counted.
-        ex._direct, ex._direct_words, ex.direct_error = {}, None, None
+        ex._direct.clear()
+        ex._direct_words, ex.direct_error = None, None
         monkeypatch.setattr(ex, "_direct_step", lambda t, s: direct_step(t, s, code=0))
         handle = ex._launch_direct(table, 0, 2, step, 3)
         assert handle is not None and handle.slot == 3 and handle.n_tasks == 2

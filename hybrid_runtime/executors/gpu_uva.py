@@ -120,6 +120,43 @@ class MetadataSource(NamedTuple):
     on_device: bool  # the GPU copy: its reads are not host bytes
 
 
+class DirectLaunchers:
+    """Direct launchers (`gpu_kernels/direct_claim.py`) by step argument set -- None where one
+    cannot be built -- at most `limit` of them (all dropped when there are more), and the rebuilds
+    each set needed after a launch found one of its kernels uncompiled."""
+
+    def __init__(self, limit: int, rebuilds: int):
+        self.limit, self.rebuilds_allowed = limit, rebuilds
+        self.launchers: dict = {}
+        self.rebuilds: dict = {}
+
+    def get(self, key: tuple, build) -> object | None:
+        """`key`'s launcher, made by `build()` at its first use."""
+        launcher = self.launchers.get(key, self)  # self: not built yet
+        if launcher is self:
+            launcher = build()
+            if len(self.launchers) >= self.limit:
+                self.launchers.clear()
+            self.launchers[key] = launcher
+        return launcher
+
+    def missing(self, key: tuple) -> bool:
+        """A launch of `key`'s launcher found a kernel uncompiled (and issued nothing; the caller
+        launches it as planned, which compiles it): the launcher is rebuilt at its next use, or,
+        once it has been rebuilt `rebuilds_allowed` times, never again (None is kept: launches of
+        this set go planned). True in that last case."""
+        self.launchers.pop(key, None)
+        self.rebuilds[key] = self.rebuilds.get(key, 0) + 1
+        if self.rebuilds[key] > self.rebuilds_allowed:
+            self.launchers[key] = None
+            return True
+        return False
+
+    def clear(self) -> None:
+        self.launchers.clear()
+        self.rebuilds.clear()
+
+
 class GpuUvaExecutor:
     """Executor protocol (`device = "gpu"`) over a `KVStore`'s arenas, with claim launches."""
 
@@ -185,17 +222,14 @@ class GpuUvaExecutor:
         self._step_words: tuple | None = None
         self.native_launches = 0
         self.native_error: str | None = None
-        # Direct launchers per step argument set (`_direct_step`; None: not possible, `direct_error`
-        # says why), rebuilds per set after a claim found a kernel missing, and the claimed step's.
-        self._direct: dict = {}
-        self._direct_rebuilds: dict = {}
+        # Direct launchers of the claims and of the CPU lane's selection (`pick`) per step argument
+        # set (`direct_error` says why one could not be built), and the claimed step's (`_direct_step`).
+        self._direct = DirectLaunchers(self.DIRECT_STEPS, self.DIRECT_REBUILDS)
+        self._direct_picks = DirectLaunchers(self.DIRECT_STEPS, self.DIRECT_REBUILDS)
         self._direct_words: tuple | None = None
         self.direct_launches = 0
-        self.direct_error: str | None = None
-        # The same for the CPU lane's selection (`pick`) under "direct".
-        self._direct_picks: dict = {}
-        self._direct_pick_rebuilds: dict = {}
         self.direct_picks = 0
+        self.direct_error: str | None = None
         # One descriptor row per landing slot (made whatever `claim_launch`, which may be switched):
         # a claim's row is rewritten only after the claim that last used the slot was retired
         # (the ring's rule), so never while a kernel reads it.
@@ -281,11 +315,9 @@ class GpuUvaExecutor:
         self._graphs = [None] * self.RING
         self._native = {}
         self._step_words = None
-        self._direct = {}
-        self._direct_rebuilds = {}
+        self._direct.clear()
+        self._direct_picks.clear()
         self._direct_words = None
-        self._direct_picks = {}
-        self._direct_pick_rebuilds = {}
 
     # ------------------------------------------------------------------ buffers
     # Landing slots for the union sizes of launches in flight (one per launch, reused in turn).
@@ -510,16 +542,8 @@ class GpuUvaExecutor:
         ev0, ev1 = DriverEvent(), DriverEvent()
         code = direct(table.n_blocks, table.union_pages, start, stop, slot, ev0.cuda_event, ev1.cuda_event)
         if code == MISSING:
-            # A kernel this claim needs is not compiled for the step's arguments (nothing was
-            # issued): launched as planned, which compiles it; the launcher is rebuilt at the next claim.
-            key = words[3]
-            self._direct.pop(key, None)
             self._direct_words = None
-            rebuilds = self._direct_rebuilds[key] = self._direct_rebuilds.get(key, 0) + 1
-            if rebuilds > self.DIRECT_REBUILDS:
-                self._direct[key] = None
-                self.direct_error = f"a kernel of the claims stayed uncompiled after {self.DIRECT_REBUILDS} planned launches"
-                log.warning("GPU lane: %s; those claims launch as planned", self.direct_error)
+            self._direct_missing(self._direct, words[3], "the claims")
             return None
         if code:
             check(code, f"the GPU lane's direct launch of claim [{start}, {stop})")
@@ -538,36 +562,40 @@ class GpuUvaExecutor:
         key = (table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), q.data_ptr(), q.stride(0),
                q.stride(1), q.shape[1], q.shape[2], arena.data_ptr(), arena.dtype, meta.tensor.data_ptr(), meta.layout,
                step.out.data_ptr(), step.lse.data_ptr())
-        direct = self._direct.get(key, self)  # self: not built yet
-        if direct is self:
-            direct = self._build_direct(table, step, arena, meta)
-            if len(self._direct) >= self.DIRECT_STEPS:
-                self._direct.clear()
-            self._direct[key] = direct
+        direct = self._direct.get(key, lambda: self._build_direct(
+            "claims", lambda api: self._direct_claim(api, table, step, arena, meta)))
         return table, step, direct, key, meta.on_device
 
-    def _build_direct(self, table: StepTable, step: Step, arena: torch.Tensor,
-                      meta: MetadataSource) -> DirectClaim | None:
-        """The direct launcher of a step's arguments over the current scratch, or None -- with the
-        reason in `direct_error` -- where the driver or the kernels do not allow it."""
+    def _direct_claim(self, api, table: StepTable, step: Step, arena: torch.Tensor,
+                      meta: MetadataSource) -> DirectClaim | str:
+        fused, score, heads, split_above = self._select_plan.claim_calls(
+            table.table, table.n_select, table.chunks, step.q, meta.tensor, self._ublocks, self._uheads, self._counts,
+            self._ring_dev[0], meta_layout=meta.layout)
+        attend = self._attend_plan.claim_call(table.table, table.chunks, step.q, arena, step.out, step.lse,
+                                              self.config)
+        return DirectClaim.build(api, (fused, score, heads, attend), self._stream_handle, self._ring_dev, self.config,
+                                 split_above)
+
+    def _build_direct(self, what: str, build) -> DirectClaim | DirectSelect | None:
+        """`build(api)`: a direct launcher of `what` (claims or the CPU lane's selection) over the
+        current scratch, or None -- with the reason in `direct_error` -- where the driver or the
+        kernels do not allow it."""
         api = driver_api()
-        if api is None:
-            result = driver_error() or "no CUDA driver"
-        else:
-            fused, score, heads, split_above = self._select_plan.claim_calls(
-                table.table, table.n_select, table.chunks, step.q, meta.tensor, self._ublocks, self._uheads,
-                self._counts, self._ring_dev[0], meta_layout=meta.layout)
-            attend = self._attend_plan.claim_call(table.table, table.chunks, step.q, arena, step.out, step.lse,
-                                                  self.config)
-            result = DirectClaim.build(api, (fused, score, heads, attend), self._stream_handle, self._ring_dev,
-                                       self.config, split_above)
+        result = (driver_error() or "no CUDA driver") if api is None else build(api)
         if isinstance(result, str):
             if self.direct_error is None:
-                log.warning("GPU lane: claims cannot be launched directly (%s); they launch as planned Triton launches",
-                            result)
+                log.warning("GPU lane: %s cannot be launched directly (%s); they launch as planned Triton launches",
+                            what, result)
             self.direct_error = result
             return None
         return result
+
+    def _direct_missing(self, launchers: DirectLaunchers, key: tuple, what: str) -> None:
+        """A direct launch of `what` found a kernel uncompiled for the step's arguments (nothing was
+        issued; the caller launches it as planned, which compiles it)."""
+        if launchers.missing(key):
+            self.direct_error = f"a kernel of {what} stayed uncompiled after {self.DIRECT_REBUILDS} planned launches"
+            log.warning("GPU lane: %s; those launch as planned", self.direct_error)
 
     def _native_step(self, table: StepTable, step: Step) -> tuple:
         """(table, step, launcher, descriptor words of the step, metadata on the device): what every
@@ -635,7 +663,7 @@ class GpuUvaExecutor:
         arena = self._arena(step.layer)
         meta = self._metadata_source(step.layer, arena)
         end = None
-        if self._claim_launch == "direct" and self.cuda and split is None and direct_launches_allowed():
+        if self._claim_launch == "direct" and self.cuda and split is None:
             end = self._pick_direct(table, start, stop, step, meta, ublocks, uheads, counts, ready, stamp, after)
         if end is None:
             stream = None
@@ -663,16 +691,15 @@ class GpuUvaExecutor:
                      counts, ready, stamp: int, after: object) -> DriverEvent | None:
         """`pick`'s selection issued by one native call (`DirectSelect`); its end event, or None
         where that cannot be done for it (nothing issued: the caller launches it as planned)."""
+        if not direct_launches_allowed():
+            return None
         q = step.q
         key = (table.table.data_ptr(), table.n_select.data_ptr(), table.chunks.data_ptr(), q.data_ptr(), q.stride(0),
                q.stride(1), q.shape[1], q.shape[2], meta.tensor.data_ptr(), meta.tensor.dtype, meta.layout,
                ublocks.stride(0))
-        direct = self._direct_picks.get(key, self)  # self: not built yet
-        if direct is self:
-            direct = self._build_direct_pick(table, step, meta, ublocks, uheads, counts, ready)
-            if len(self._direct_picks) >= self.DIRECT_STEPS:
-                self._direct_picks.clear()
-            self._direct_picks[key] = direct
+        direct = self._direct_picks.get(key, lambda: self._build_direct(
+            "the CPU lane's selections", lambda api: self._direct_select(api, table, step, meta, ublocks, uheads, counts,
+                                                                          ready)))
         if direct is None:
             return None
         rows = np.array((ublocks.data_ptr(), uheads.data_ptr(), counts.data_ptr(), ready.data_ptr()), dtype=np.int64)
@@ -680,39 +707,20 @@ class GpuUvaExecutor:
         end = DriverEvent()
         code = direct(table.n_blocks, start, stop, int(stamp), rows, 0 if after is None else after.cuda_event,
                       0 if upload is None else upload.cuda_event, end.cuda_event)
-        if code == MISSING:  # as for claims (`_launch_direct`)
-            self._direct_picks.pop(key, None)
-            rebuilds = self._direct_pick_rebuilds[key] = self._direct_pick_rebuilds.get(key, 0) + 1
-            if rebuilds > self.DIRECT_REBUILDS:
-                self._direct_picks[key] = None
-                self.direct_error = (f"a kernel of the CPU lane's selection stayed uncompiled after "
-                                     f"{self.DIRECT_REBUILDS} planned launches")
-                log.warning("GPU lane: %s; those selections launch as planned", self.direct_error)
+        if code == MISSING:
+            self._direct_missing(self._direct_picks, key, "the CPU lane's selections")
             return None
         if code:
             check(code, f"the GPU lane's direct selection of rows [{start}, {stop}) for the CPU lane")
         self.direct_picks += 1
         return end
 
-    def _build_direct_pick(self, table: StepTable, step: Step, meta: MetadataSource, ublocks, uheads, counts,
-                           ready) -> DirectSelect | None:
-        """The direct launcher of the CPU lane's selection for a step's arguments, or None -- with
-        the reason in `direct_error` -- where the driver or the kernels do not allow it."""
-        api = driver_api()
-        if api is None:
-            result = driver_error() or "no CUDA driver"
-        else:
-            fused, score, heads, split_above = self._pick_select().claim_calls(
-                table.table, table.n_select, table.chunks, step.q, meta.tensor, ublocks, uheads, counts, counts,
-                meta_layout=meta.layout, ready=ready)
-            result = DirectSelect.build(api, (fused, score, heads), self._pick_stream.cuda_stream, split_above)
-        if isinstance(result, str):
-            if self.direct_error is None:
-                log.warning("GPU lane: the CPU lane's selection cannot be launched directly (%s); it launches as "
-                            "planned", result)
-            self.direct_error = result
-            return None
-        return result
+    def _direct_select(self, api, table: StepTable, step: Step, meta: MetadataSource, ublocks, uheads, counts,
+                       ready) -> DirectSelect | str:
+        fused, score, heads, split_above = self._pick_select().claim_calls(
+            table.table, table.n_select, table.chunks, step.q, meta.tensor, ublocks, uheads, counts, counts,
+            meta_layout=meta.layout, ready=ready)
+        return DirectSelect.build(api, (fused, score, heads), self._pick_stream.cuda_stream, split_above)
 
     def _kernels(self, table: StepTable, start: int, n: int, nb_max: int, pages_max: int, step: Step, arena,
                  meta: MetadataSource, slot: int) -> None:
@@ -858,8 +866,9 @@ class GpuUvaExecutor:
         if self._claim_launch == "direct" and self.cuda:
             # The warm-up claim above compiled the numba launcher; its launchers found the kernels
             # uncompiled (the claim launched as planned): rebuilt at the first claims.
-            self._direct, self._direct_rebuilds, self._direct_words = {}, {}, None
-            self._direct_picks, self._direct_pick_rebuilds = {}, {}
+            self._direct.clear()
+            self._direct_picks.clear()
+            self._direct_words = None
         self.bytes_read = 0
         self.device_bytes_read = 0
         self.launches = 0
