@@ -199,6 +199,7 @@ import transformers  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from benchmarks.layer_attention import GcWatch, best_limits, measure_limits  # noqa: E402
+from benchmarks.token_alternation import SKIP_PAIRS, alternation_hook, alternation_summary, pooled  # noqa: E402
 from gpu_kernels.launch import LaunchPlan  # noqa: E402
 from hybrid_runtime.config import (  # noqa: E402
     Config,
@@ -271,6 +272,10 @@ class Variant:
     # false: the first decode step builds its task lists itself, as before 2026-12-01, instead of the
     # prefill leaving them built (`HybridRuntime.prepares_decode`)
     prepares_decode: bool = True
+    # Two values of the GPU lane's `claim_launch` alternated token by token within the measured call
+    # (benchmarks/token_alternation.py), the second value's first when `alternate_offset` is 1.
+    alternate_claims: tuple[str, str] | None = None
+    alternate_offset: int = 0
 
     def graphs_on(self, cuda: bool) -> bool:
         """Whether this hybrid variant's decode steps replay the decode graphs on this device."""
@@ -318,6 +323,12 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fluxion_native", "hybrid", placement="fluxion", scheduler={"claim_launch": "native"}),
     Variant("fluxion_graphs", "hybrid", placement="fluxion", scheduler={"claim_launch": "graphs"}),
     Variant("fluxion_direct", "hybrid", placement="fluxion", scheduler={"claim_launch": "direct"}),
+    # Planned and direct claims (and the GPU's selection for the CPU lane) alternated token by token in
+    # one runtime, either way first; the same value twice is the method's control.
+    Variant("fluxion_alt_plans_direct", "hybrid", placement="fluxion", alternate_claims=("plans", "direct")),
+    Variant("fluxion_alt_direct_plans", "hybrid", placement="fluxion", alternate_claims=("plans", "direct"),
+            alternate_offset=1),
+    Variant("fluxion_alt_plans_plans", "hybrid", placement="fluxion", alternate_claims=("plans", "plans")),
     # The CPU workers select their own blocks from the arena's metadata (the default has the GPU lane
     # select them from its copy of the metadata where that pays: scheduler.cpu_task_selection).
     Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),
@@ -609,11 +620,12 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, CapacityError, MemoryError)) or "out of memory" in str(exc).lower()
 
 
-def _warm(model, ids, mask, warmup_tokens: int, gen_kwargs: dict, on_first=(), tokens: int = 3) -> float:
+def _warm(model, ids, mask, warmup_tokens: int, gen_kwargs: dict, on_first=(), tokens: int = 3, on_token=()) -> float:
     """A short generate (`tokens` tokens over the first `warmup_tokens` prompt tokens); its seconds."""
     t = time.perf_counter()
     w = min(warmup_tokens, ids.shape[1])
-    timed_generate(model, ids[:, :w], mask[:, :w], tokens, gen_kwargs, on_first=on_first, measure_memory=False)
+    timed_generate(model, ids[:, :w], mask[:, :w], tokens, gen_kwargs, on_first=on_first, on_token=on_token,
+                   measure_memory=False)
     return time.perf_counter() - t
 
 
@@ -732,6 +744,13 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["host_arena_pinned"] = bool(store.pinned)
         rt.count_checks_in_inputs = variant.fused_check
         rt.prepares_decode = variant.prepares_decode
+        alternate = []  # the token-by-token switch of an alternating variant (warm-up and measured call)
+        if variant.alternate_claims is not None:
+            ex = rt.gpu_executor
+            if ex is None or not hasattr(ex, "claim_launch"):
+                raise RuntimeError(f"{variant.name} alternates claim_launch, which needs the GPU lane's UVA executor; "
+                                   f"this runtime's GPU executor is {type(ex).__name__ if ex is not None else None}")
+            alternate.append(alternation_hook(ex, "claim_launch", variant.alternate_claims, variant.alternate_offset))
         saved = torch.get_num_threads()
         with cores_for_runtime(rt) as n_free, torch.no_grad():  # restores `saved` on exit
             torch.set_num_threads(saved)  # prefill: every core (the prompt's block metadata is torch CPU work)
@@ -757,7 +776,8 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
             row["warmup_tokens"] = warmup_tokens
             if warmup_tokens:
                 try:
-                    row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, {}, on_first=decode_threads)
+                    row["warmup_s"] = _warm(model, ids, mask, warmup_tokens, {}, on_first=decode_threads,
+                                            on_token=alternate)
                 finally:
                     unpin_caller()
                 torch.set_num_threads(saved)
@@ -782,9 +802,11 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                 gen = {"prefill_chunk_size": prefill_chunk_tokens} if prefill_chunk_tokens else {}
                 try:
                     row.update(timed_generate(model, ids, mask, new_tokens, gen, cap_s=cap_s,
-                                              on_first=decode_threads, on_token=[snapshot_estimates]))
+                                              on_first=decode_threads, on_token=[snapshot_estimates] + alternate))
                 finally:
                     unpin_caller()
+            if variant.alternate_claims is not None:
+                row.update(alternation_summary(row["tpot_ms"], variant.alternate_offset, variant.alternate_claims))
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
         # The timeline's own host time on the decode path over the measured call (recording, and the
         # conversions spread over steps), read before `stats()` converts what is left off that path.
@@ -1288,6 +1310,18 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['variant']} / {r['reference']} | "
                   f"{r['rounds']} | {', '.join(f'{x:.2f}' for x in r['ratios'])} | {r['median_ratio']:.2f} | "
                   f"{r['faster_rounds']} of {r['rounds']} |" for r in pairs]
+    alternating = pooled(result["points"])
+    if alternating:
+        lines += _section("alternating tokens (a variant switching the runtime's claim_launch before every decode "
+                          "token: per pair of adjacent tokens, the second value's interval over the first value's, "
+                          f"the call's first {SKIP_PAIRS} pair(s) left out; pooled over the point's runs, either value "
+                          "first; benchmarks/token_alternation.py):",
+                          ["model", "batch", "context", "values (ratio: second / first)", "runs", "pairs",
+                           "median ratio", "geometric mean", "second faster in", "runs' median ratios"])
+        lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {' / '.join(r['values'][::-1])} | "
+                  f"{r['runs']} | {r['pairs']} | {r['median_ratio']:.3f} | {r['geomean_ratio']:.3f} | "
+                  f"{r['way1_faster_pairs']} of {r['pairs']} | {', '.join(f'{x:.3f}' for x in r['run_medians'])} |"
+                  for r in alternating]
     if result.get("floors"):
         lines += _section("floors (decode step without attention, and dense at a 16-token context; a hybrid row's "
                           "floor uses the mean of the no-attention steps measured just before and after it, "
