@@ -363,19 +363,19 @@ class SchedulerConfig:
     # GPU selection for the CPU lane (`cpu_task_selection`), when the CPU lane alone ends within
     # the launcher's measured time before the next step; false: claim as the lane rates size it.
     gate_trailing_claims: bool = True
-    # How the CUDA GPU lane launches a claim's two kernels. "plans" (the default): two planned Triton
-    # launches (`LaunchPlan`). "native": one numba call writes the claim's descriptor row and issues
-    # its copy, both launches and both events through the CUDA driver (gpu_kernels/native_claim.py):
-    # ~27 us of host time a claim against ~99 as planned, but on the H200 its layer-steps and
-    # end-to-end TPOT were slower in most same-run comparisons (benchmarks/notes/gpu_lane.md
-    # section 22); where it cannot be built claims launch as planned and
-    # `stats()["claim_native_error"]` says why. "graphs": the descriptor kernels replayed from a CUDA
-    # graph per landing slot (section 15). "direct": the planned kernels issued by one numba call
-    # through the CUDA driver, as "native" issues the descriptor ones, and so is the GPU's selection
-    # for the CPU lane (gpu_kernels/direct_claim.py; `stats()["claim_direct_error"]` says why where
-    # it cannot). Without CUDA a GPU lane runs under
-    # Triton's interpreter, native and graph claims as their descriptor kernels, direct ones as planned.
-    claim_launch: str = field(default="plans", metadata=_choices("plans", "native", "graphs", "direct"))
+    # How the CUDA GPU lane launches a claim's two kernels. "direct" (the default): the planned kernels
+    # issued by one nogil numba call through the CUDA driver, and so is the GPU's selection for the CPU
+    # lane (gpu_kernels/direct_claim.py; where it cannot be built, or while a profiler's launch hook is
+    # set, claims launch as planned and `stats()["claim_direct_error"]` says why). Measured against
+    # "plans" token by token in one runtime on the H200, direct's token took 0.96x planned's at 4 x 32K
+    # (both geometries, two calls) and 0.94-0.98x at 8 x 32K and 2 x 96K (benchmarks/notes/gpu_lane.md
+    # section 40). "plans": two planned Triton launches (`LaunchPlan`). "native": one numba call writes
+    # the claim's descriptor row and issues its copy, both launches and both events through the driver
+    # (gpu_kernels/native_claim.py); slower end to end in most same-run comparisons (section 22).
+    # "graphs": the descriptor kernels replayed from a CUDA graph per landing slot (section 15).
+    # Without CUDA a GPU lane runs under Triton's interpreter, native and graph claims as their
+    # descriptor kernels, direct ones as planned.
+    claim_launch: str = field(default="direct", metadata=_choices("plans", "native", "graphs", "direct"))
     # When NaN/inf in decode's q, k, v (or lookahead) is reported (hybrid_runtime/input_check.py):
     # "sync" by that call, before anything changes; "deferred" by a later call (the check runs on
     # the device, the host does not wait for it; the bad step itself ran); "auto": deferred on CUDA

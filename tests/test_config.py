@@ -54,14 +54,14 @@ def test_gpu_worker_auto_means_a_gpu_lane_only_with_cuda():
     on_cuda = resolved(config_from_dict({}), cuda=True)
     assert (on_cuda.scheduler.cpu_lane_trails, on_cuda.scheduler.gate_trailing_claims,
             on_cuda.kv_cache.window_graphs) == (True,) * 3
-    assert on_cuda.scheduler.claim_launch == "plans"  # the default
+    assert on_cuda.scheduler.claim_launch == "direct"  # the default
     # How claims launch is the GPU lane's: without the lane the key keeps its default.
     graphs = {"scheduler": {"claim_launch": "graphs"}}
     assert resolved(config_from_dict(graphs), cuda=True).scheduler.claim_launch == "graphs"
     direct = config_from_dict({"scheduler": {"claim_launch": "direct"}})
     assert resolved(direct, cuda=True).scheduler.claim_launch == "direct"
     no_lane = resolved(config_from_dict({"scheduler": {"gpu_worker": False, "claim_launch": "plans"}}), cuda=True)
-    assert no_lane.scheduler.claim_launch == "plans" and resolved(config_from_dict(graphs), cuda=False).scheduler.claim_launch == "plans"
+    assert no_lane.scheduler.claim_launch == "direct" and resolved(config_from_dict(graphs), cuda=False).scheduler.claim_launch == "direct"
     with pytest.raises(ConfigError, match=r"scheduler.claim_launch.*plans.*native.*graphs"):
         config_from_dict({"scheduler": {"claim_launch": "eager"}})
     with pytest.raises(ConfigError, match=r"scheduler.claim_graphs: replaced by scheduler.claim_launch"):
