@@ -564,26 +564,32 @@ def test_twenty_build_fault_close_cycles_leave_no_threads_memory_or_arenas():
 
 # ---------------------------------------------------------------------------- the real GPU lane
 class ClaimInjector:
-    """Wraps the Triton executor's claim kernels (`GpuUvaExecutor._kernels`, looked up per launch):
-    `fail` makes the next launches raise before they queue anything, as a CUDA launch error does;
-    `sleep_s` queues a `torch.cuda._sleep` of that long on the lane's stream in front of each
-    claim, so the claim really runs on the GPU for that long and the lane sees it unfinished."""
+    """Wraps the executor's claim launches on both of its paths -- the planned kernels
+    (`GpuUvaExecutor._kernels`) and the direct call (`GpuUvaExecutor._launch_direct`, the default
+    `scheduler.claim_launch`), each looked up per launch: `fail` makes the next launches raise
+    before they queue anything, as a CUDA launch error does; `sleep_s` queues a `torch.cuda._sleep`
+    of that long on the lane's stream in front of each claim, so the claim really runs on the GPU
+    for that long and the lane sees it unfinished."""
+
+    METHODS = ("_kernels", "_launch_direct")
 
     def __init__(self, monkeypatch):
         from hybrid_runtime.executors import gpu_uva
 
-        kernels = gpu_uva.GpuUvaExecutor._kernels
-        self.real = getattr(kernels, "real", kernels)  # never wrap a wrapper
         self.fail, self.sleep_s, self.fired, self.stream = False, 0.0, 0, None
         self.cycles_per_s = None
+        for name in self.METHODS:
+            method = getattr(gpu_uva.GpuUvaExecutor, name)
+            real = getattr(method, "real", method)  # never wrap a wrapper
 
-        def wrapped(ex, *args, **kw):
-            return self(ex, *args, **kw)
+            def wrapped(ex, *args, _real=real, **kw):
+                self.inject()
+                return _real(ex, *args, **kw)
 
-        wrapped.real = self.real
-        monkeypatch.setattr(gpu_uva.GpuUvaExecutor, "_kernels", wrapped)
+            wrapped.real = real
+            monkeypatch.setattr(gpu_uva.GpuUvaExecutor, name, wrapped)
 
-    def __call__(self, *args, **kw):
+    def inject(self) -> None:
         if self.fail:
             self.fired += 1
             raise RuntimeError("CUDA error: injected launch failure")
@@ -591,7 +597,6 @@ class ClaimInjector:
             self.fired += 1
             with torch.cuda.stream(self.stream):
                 torch.cuda._sleep(int(self.sleep_s * self.clock()))
-        return self.real(*args, **kw)
 
     def clock(self) -> float:
         """GPU clock cycles per second of `torch.cuda._sleep`, measured once, after a first sleep

@@ -521,11 +521,15 @@ def test_nonfinite_input_is_refused_before_the_window_graph_appends(bad):
     """The predicted planner's window graph replays before the planner: the NaN/inf check riding on
     q's copy is read before that replay, so a refused step appends nothing."""
     # "sync": under "auto" the CPU lane starts on the device's word and the check is deferred.
+    # q_last is drawn on the host: the runtime's warm-up thread captures the planner's CUDA graphs
+    # meanwhile, and a capture holds torch's default CUDA generator (a draw from it on another thread
+    # raises "Offset increment outside graph capture"; seen once on the H200 at 7c635d2).
     with HybridRuntime(config(scheduler={"placement": "fluxion", "gpu_worker": True, "finite_check": "sync"})) as rt:
         for s, n in ((0, 700), (1, 1500)):
             for layer in (0, 1):
                 k, v = (x.cuda() for x in random_kv(n, HKV, D, seed=85 + s + layer))
-                rt.prefill(s, layer, k, v, q_last=torch.randn(HQ, D, device="cuda"))
+                q_last = torch.randn(HQ, D, generator=torch.Generator().manual_seed(87 + s + layer)).cuda()
+                rt.prefill(s, layer, k, v, q_last=q_last)
         gen = torch.Generator().manual_seed(86)
         rt.decode(0, [0, 1], *(x.cuda() for x in step_inputs(2, gen)))  # the graph of (layer 0, batch 2) exists
         assert not rt._will_spill(0, [0, 1])
