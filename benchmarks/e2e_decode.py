@@ -318,11 +318,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Trailing steps claim GPU work as the lane rates size it, even where the CPU lane ends within the
     # launcher's own time (the default reserves none there).
     Variant("fluxion_ungated", "hybrid", placement="fluxion", scheduler={"gate_trailing_claims": False}),
-    # The GPU lane's claims issued by one native call through the CUDA driver, or replayed from CUDA
-    # graphs (the default launches their two kernels as planned Triton launches).
+    # The GPU lane's claims as the descriptor kernels issued by one native call through the CUDA driver,
+    # replayed from CUDA graphs, or as two planned Triton launches; "direct" is the default since
+    # 7c635d2 (the planned kernels issued by one native call), named here for the runs before it.
     Variant("fluxion_native", "hybrid", placement="fluxion", scheduler={"claim_launch": "native"}),
     Variant("fluxion_graphs", "hybrid", placement="fluxion", scheduler={"claim_launch": "graphs"}),
     Variant("fluxion_direct", "hybrid", placement="fluxion", scheduler={"claim_launch": "direct"}),
+    Variant("fluxion_plans", "hybrid", placement="fluxion", scheduler={"claim_launch": "plans"}),
     # Planned and direct claims (and the GPU's selection for the CPU lane) alternated token by token in
     # one runtime, either way first; the same value twice is the method's control.
     Variant("fluxion_alt_plans_direct", "hybrid", placement="fluxion", alternate_claims=("plans", "direct")),

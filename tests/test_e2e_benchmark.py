@@ -617,7 +617,7 @@ def test_options_and_points():
     assert a.variants == ["dense", "fluxion", "offloaded", "cpu_only", "static", "fluxion_predictor",
                           "fluxion_eager_model", "fluxion_predictor_lagged", "fluxion_waits",
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
-                          "fluxion_host_start", "cpu_only_host_start", "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_direct",
+                          "fluxion_host_start", "cpu_only_host_start", "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_direct", "fluxion_plans",
                           "fluxion_alt_plans_direct", "fluxion_alt_direct_plans", "fluxion_alt_plans_plans",
                           "fluxion_host_selection",
                           "fluxion_gpu_selection", "fluxion_gpu_selection_ungated", "fluxion_no_spin", "fluxion_short_spin",
