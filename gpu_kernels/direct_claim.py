@@ -93,6 +93,11 @@ def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
                              np.uint64(params[k]), np.uint64(0))
 
     @numba.njit(nogil=True, cache=False)
+    def selection_missing(kernels, split):
+        """Whether a kernel of the selection's form (fused, or scored then selected) is not compiled."""
+        return kernels[SCORE if split else FUSED, K_FUNCTION] == 0 or (split and kernels[HEADS, K_FUNCTION] == 0)
+
+    @numba.njit(nogil=True, cache=False)
     def issue_selection(state, kernels, values, params, split, n, nb_max, start, counts_host, stream):
         """The selection of `n` rows from `start`: fused, or scored then selected a head a program."""
         if split:
@@ -118,9 +123,7 @@ def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
             nb_max = max(nb_max, n_blocks[i])
             pages_max = max(pages_max, union_pages[i])
         split = nb_max > state[S_SPLIT_ABOVE]
-        first = SCORE if split else FUSED
-        if kernels[first, K_FUNCTION] == 0 or kernels[ATTEND, K_FUNCTION] == 0 \
-                or (split and kernels[HEADS, K_FUNCTION] == 0):
+        if selection_missing(kernels, split) or kernels[ATTEND, K_FUNCTION] == 0:
             return MISSING
         n = stop - start
         counts_host = state[S_RING_DEV] + slot * state[S_RING_STRIDE]
@@ -155,8 +158,7 @@ def _make_direct_launch(launch_kernel, event_record, stream_wait_event):
         for i in range(start, stop):
             nb_max = max(nb_max, n_blocks[i])
         split = nb_max > state[S_SPLIT_ABOVE]
-        first = SCORE if split else FUSED
-        if kernels[first, K_FUNCTION] == 0 or (split and kernels[HEADS, K_FUNCTION] == 0):
+        if selection_missing(kernels, split):
             return MISSING
         n = stop - start
         stream = np.uint64(state[S_STREAM])
