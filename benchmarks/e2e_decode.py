@@ -807,8 +807,7 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
                                               on_first=decode_threads, on_token=[snapshot_estimates] + alternate))
                 finally:
                     unpin_caller()
-            if variant.alternate_claims is not None:
-                row.update(alternation_summary(row["tpot_ms"], variant.alternate_offset, variant.alternate_claims))
+
         row["gc_gen2_collections"] = gcw.count.get(variant.name, 0)
         # The timeline's own host time on the decode path over the measured call (recording, and the
         # conversions spread over steps), read before `stats()` converts what is left off that path.
@@ -820,6 +819,13 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["reserved_host_bytes"] = mem["reserved_bytes"]
         st = rt.stats()  # settles the measured call's last step: its bytes and records are complete
         row.update(_timeline_fields(rt, rt.geometry.layers))
+        if variant.alternate_claims is not None:
+            # The steps the timeline sampled (one in `sample_every`, each slower than its neighbours) are
+            # left out of the pairs; recording every step (or none) costs every interval alike.
+            every, offset = rt.timeline.sample_every, rt.timeline.sample_offset
+            recorded = [i for i in range(len(row["tpot_ms"])) if (i - offset) % every == 0] if every > 1 else []
+            row.update(alternation_summary(row["tpot_ms"], variant.alternate_offset, variant.alternate_claims,
+                                           exclude=recorded))
         lane_bytes = _lane_bytes(st) - lane_bytes
         # The lanes' own byte counts over the measured call (with or without a timeline): its decode
         # steps are the TPOT samples (the first token is the prompt's). A row without a timeline

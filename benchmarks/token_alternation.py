@@ -14,7 +14,7 @@ interval times and which way each ran.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -43,12 +43,17 @@ def alternation_hook(holder: Any, attribute: str, values: Sequence[Any], offset:
     return hook
 
 
-def pair_ratios(tpot_ms: Sequence[float], offset: int, skip_pairs: int = SKIP_PAIRS) -> list[float]:
+def pair_ratios(tpot_ms: Sequence[float], offset: int, skip_pairs: int = SKIP_PAIRS,
+                exclude: Iterable[int] = ()) -> list[float]:
     """Per pair of adjacent intervals (2j, 2j + 1), j >= `skip_pairs`: the interval of way 1 over the
-    interval of way 0. A trailing unpaired interval is left out."""
+    interval of way 0. A trailing unpaired interval, and a pair holding an interval of `exclude`, are
+    left out."""
     t = np.asarray(tpot_ms, dtype=np.float64)
+    skip = set(int(i) for i in exclude)
     out = []
     for j in range(skip_pairs, t.size // 2):
+        if 2 * j in skip or 2 * j + 1 in skip:
+            continue
         a, b = t[2 * j], t[2 * j + 1]
         way0, way1 = (a, b) if way_of_interval(2 * j, offset) == 0 else (b, a)
         out.append(float(way1 / way0))
@@ -56,14 +61,18 @@ def pair_ratios(tpot_ms: Sequence[float], offset: int, skip_pairs: int = SKIP_PA
 
 
 def alternation_summary(tpot_ms: Sequence[float], offset: int, values: Sequence[Any],
-                        skip_pairs: int = SKIP_PAIRS) -> dict:
+                        skip_pairs: int = SKIP_PAIRS, exclude: Iterable[int] = ()) -> dict:
     """What a row records: the way of every interval, each way's median TPOT over the intervals the
     pairs use, and the pairs' ratios (way 1 over way 0), their median, geometric mean and how many
-    favour way 1."""
+    favour way 1. `exclude`: intervals whose pairs are left out -- the steps the runtime's timeline
+    recorded (one token in `profiling.sample_every`, each 3-19% slower than its neighbours on the
+    H200: with an even sampling period they all fall on one parity and would favour a way)."""
     n = len(tpot_ms)
     ways = [way_of_interval(i, offset) for i in range(n)]
-    used = range(2 * skip_pairs, 2 * (n // 2))
-    ratios = pair_ratios(tpot_ms, offset, skip_pairs)
+    skip = set(int(i) for i in exclude)
+    used = [i for j in range(skip_pairs, n // 2) if 2 * j not in skip and 2 * j + 1 not in skip
+            for i in (2 * j, 2 * j + 1)]
+    ratios = pair_ratios(tpot_ms, offset, skip_pairs, skip)
     medians = {}
     for w in (0, 1):
         xs = [tpot_ms[i] for i in used if ways[i] == w]
@@ -77,6 +86,7 @@ def alternation_summary(tpot_ms: Sequence[float], offset: int, values: Sequence[
         "alternate_pair_ratio_median": float(np.median(ratios)) if ratios else None,
         "alternate_pair_ratio_geomean": float(np.exp(np.mean(np.log(ratios)))) if ratios else None,
         "alternate_pairs_way1_faster": sum(r < 1.0 for r in ratios),
+        "alternate_excluded_intervals": sorted(i for i in skip if i < n),
     }
 
 

@@ -24,6 +24,14 @@ def test_pair_ratios_are_way_one_over_way_zero_whichever_runs_first():
     assert ta.pair_ratios([5.0, 6.0], offset=0) == []
 
 
+def test_pairs_holding_an_excluded_interval_are_left_out():
+    tpot = [90.0, 10.0, 10.0, 12.0, 20.0, 15.0, 30.0, 24.0]
+    assert ta.pair_ratios(tpot, 0, exclude=[5]) == pytest.approx([1.2, 0.8])
+    s = ta.alternation_summary(tpot, 0, ("plans", "direct"), exclude=[5, 99])
+    assert s["alternate_pair_ratios"] == pytest.approx([1.2, 0.8]) and s["alternate_excluded_intervals"] == [5]
+    assert s["alternate_tpot_ms_median"] == {"plans": pytest.approx(20.0), "direct": pytest.approx(18.0)}
+
+
 def test_the_summary_names_each_ways_median_over_the_paired_intervals():
     tpot = [90.0, 10.0, 10.0, 12.0, 20.0, 15.0, 7.0]
     s = ta.alternation_summary(tpot, 1, ("plans", "direct"))
