@@ -103,8 +103,10 @@ class PredictedHeadPlanner:
     the graph paths' capture to `capture_all` (a bucket without a graph runs eagerly) and keeps the
     fused path on plain launches (`capture_fused` graphs it later). The constructor compiles the
     step's kernels and captures its graphs (`warm_up`) unless `defer_warm_up`: then the first step
-    does, or whoever calls `warm_up` first (the runtime, on its background warm-up thread while the
-    caller prefills: that took 4.7-13 s of the constructor at 8B geometry). `fused_options`:
+    does, or whoever calls `warm_up` first (the runtime compiles them on its background warm-up
+    thread while the caller prefills -- that took 4.7-13 s of the constructor at 8B geometry -- and
+    captures the graphs on the caller's thread when its first decode step has waited for that:
+    `warm_up(capture=False)`). `fused_options`:
     launch choices passed to `FusedHeadPredictor` (`parts`, `block_w`, `features_warps`,
     `features_pack`, `dot_precision`, ...; benchmarks compare them), defaults otherwise. `fused_queries`: `reference` or
     `static`, how the fused kernels get the step's queries (module docstring). `on_selection`, when
@@ -199,7 +201,8 @@ class PredictedHeadPlanner:
         self._last_layer = 0  # whose output `predictions` reads (the fused path's rows are per layer)
         self.lagged_steps = 0  # steps that ran on the plan of the step before
         self._capture = capture
-        self.warmed_up = False  # `warm_up` ran
+        self.warmed_up = False  # `warm_up` ran (its captures included)
+        self._fused_compiled = False  # `_warm_fused` ran
         self._warm_lock = threading.Lock()  # the runtime's warm-up thread and a caller's first step may race
         if path == "fused":
             self._setup_fused(policy, dict(fused_options or {}))
@@ -208,21 +211,33 @@ class PredictedHeadPlanner:
         if not defer_warm_up:
             self.warm_up()
 
-    def warm_up(self) -> None:
-        """Compile the kernels a step launches and, with `capture` on CUDA, capture the step's graphs
-        (fused path: per layer, batch bucket and queries' dtype; graph paths: per layer and bucket);
-        idempotent. Reads only the planner's own buffers, the statistics' scratch row and window
-        slot 0 of layer 0 (results discarded), so a prefill may run meanwhile on another thread. A
-        second caller waits for the first one's warm-up."""
+    def warm_up(self, capture: bool = True) -> None:
+        """Compile the kernels a step launches and, with the planner's `capture` on CUDA, capture the
+        step's graphs (fused path: per layer, batch bucket and queries' dtype; graph paths: per layer
+        and bucket); idempotent. Reads only the planner's own buffers, the statistics' scratch row
+        and window slot 0 of layer 0 (results discarded), so a prefill may run meanwhile on another
+        thread. A second caller waits for the first one's warm-up.
+
+        `capture=False` compiles only and leaves `warmed_up` false where graphs are still to be
+        captured (the next `warm_up()`, or the first step, captures them). The runtime's background
+        thread warms up that way: a CUDA graph capture holds torch's default CUDA generator, and a
+        draw from it on any other thread meanwhile raises ("Offset increment outside graph capture
+        encountered unexpectedly") -- a caller's `torch.randn(..., device="cuda")` between two
+        prefills, or `generate(do_sample=True)` sampling its first token, seen on the H200."""
         with self._warm_lock:
             if self.warmed_up:
                 return
-            if self._fused is not None:
+            captures = self.cuda and self._capture and (self._fused is not None or self.path.startswith("graph"))
+            if self._fused is not None and not self._fused_compiled:
                 self._warm_fused()
-                if self.cuda and self._capture:
+                self._fused_compiled = True
+            if captures and not capture:
+                return
+            if captures:
+                if self._fused is not None:
                     self.capture_fused()
-            elif self.cuda and self.path.startswith("graph") and self._capture:
-                self.capture_all()
+                else:
+                    self.capture_all()
             self.warmed_up = True
 
     def _setup_fused(self, policy: SelectionConfig, options: dict) -> None:

@@ -294,11 +294,14 @@ class HybridRuntime:
         if head_planner is None and cfg.selection.name == "predicted":
             from hybrid_runtime.predicted_plans import PredictedHeadPlanner
 
-            # Its kernels compile, and on CUDA its graphs are captured, on the background warm-up
-            # thread while the caller prefills (warmup.py), not here: 4.7-13 s at 8B geometry.
+            # Its kernels compile on the background warm-up thread while the caller prefills
+            # (warmup.py), not here: 4.7-13 s at 8B geometry. Its CUDA graphs are captured on the
+            # caller's thread once the first decode step (or `await_warm_up`) has waited for the
+            # warm-up: a capture holds torch's default CUDA generator, which the caller may draw
+            # from meanwhile (`PredictedHeadPlanner.warm_up`).
             head_planner = PredictedHeadPlanner(cfg.selection, geometry, store, defer_warm_up=True)
-            warm_jobs.append(("predicted head planner (features and predictor kernels; CUDA graphs per layer, batch "
-                              "bucket and queries' dtype)", head_planner.warm_up))
+            warm_jobs.append(("predicted head planner (features and predictor kernels)",
+                              lambda: head_planner.warm_up(capture=False)))
         self.planner: HeadPlanner = head_planner or ConfigHeadPlanner(cfg.selection, geometry)
         # selection.name sparda: the CPU segment's blocks are chosen one layer ahead and prefetched
         # into a block cache on the window's device (executors/sparda.py); no tasks, no planner.
@@ -577,7 +580,16 @@ class HybridRuntime:
         that captures CUDA graphs of its own before the first decode step calls it first: the
         warm-up thread's allocations and module loads are not allowed during such a capture."""
         self._check_open()
-        return self._warm_up.wait()
+        return self._finish_warm_up()
+
+    def _finish_warm_up(self) -> float:
+        """Wait for the background warm-up (raising its error), then capture what must be captured
+        on the caller's thread (the predicted planner's graphs; once). Returns the seconds waited."""
+        waited = self._warm_up.wait()
+        warm_up = getattr(self.planner, "warm_up", None)
+        if warm_up is not None and not getattr(self.planner, "warmed_up", True):
+            warm_up()
+        return waited
 
     def _release_thread(self) -> None:
         """Give a rank's constructing thread back the cores it had (when close runs on that thread)."""
@@ -964,8 +976,7 @@ class HybridRuntime:
         t_entry = time.perf_counter()
         self._check_open()
         if self._jit_launches_at_warmup is None:  # the first step (or one after a failed warm-up wait)
-            if not self._warm_up.ready:
-                self._warm_up.wait()  # every kernel the step launches has compiled (warmup.py)
+            self._finish_warm_up()  # every kernel the step launches has compiled (warmup.py), graphs captured
             self._jit_launches_at_warmup = self._jit_launches_seen = CachedLaunch.jit_launches
             self._jit_keys_at_warmup = dict(CachedLaunch.jit_launch_keys)
         elif CachedLaunch.jit_launches != self._jit_launches_seen:
@@ -1426,7 +1437,7 @@ class HybridRuntime:
         lane's buffers), or None when the step has no task. Settles earlier steps first: the probe's
         launches use the lane's buffers and ring slots."""
         self._check_open()
-        self._warm_up.wait()
+        self._finish_warm_up()
         ex = self.scheduler.lane.executor
         if ex is None:
             raise RuntimeError("probe_gpu_lane: the runtime has no GPU lane (scheduler.gpu_worker false, or 'auto' without CUDA)")

@@ -217,11 +217,15 @@ def test_a_network_swapped_after_construction_is_refused_where_it_would_not_run(
 
 
 def test_the_runtime_warms_the_planner_up_on_its_background_thread():
-    """The planner's kernels compile (and on CUDA its graphs are captured) on the runtime's warm-up
-    thread, not in the constructor; the first decode step waits for it like for every other kernel."""
+    """The planner's kernels compile on the runtime's warm-up thread, not in the constructor; the first
+    decode step waits for it like for every other kernel, and on CUDA then captures the planner's
+    graphs on the caller's thread (a capture holds torch's default CUDA generator)."""
     with HybridRuntime(config()) as rt:
         assert any(name.startswith("predicted head planner") for name in rt._warm_up.kernels)
         prefill(rt, rt.store, 0, 600, seed=21)
+        rt._warm_up._done.wait()
+        if rt.planner.cuda and rt.planner._fused is not None:  # compiled in the background, nothing captured there
+            assert rt.planner._fused_compiled and not rt.planner._fused_graphs and not rt.planner.warmed_up
         q, k, v = step_inputs(1, torch.Generator().manual_seed(22))
         assert torch.isfinite(rt.decode(0, [0], q, k, v)).all()
         assert rt._warm_up.ready and rt.planner.warmed_up
