@@ -272,9 +272,10 @@ class Variant:
     # false: the first decode step builds its task lists itself, as before 2026-12-01, instead of the
     # prefill leaving them built (`HybridRuntime.prepares_decode`)
     prepares_decode: bool = True
-    # Two values of the GPU lane's `claim_launch` alternated token by token within the measured call
-    # (benchmarks/token_alternation.py), the second value's first when `alternate_offset` is 1.
-    alternate_claims: tuple[str, str] | None = None
+    # (holder, attribute, two values): the runtime object's attribute switched token by token within the
+    # measured call (benchmarks/token_alternation.py; holders in `ALTERNATION_HOLDERS`), the second
+    # value first when `alternate_offset` is 1.
+    alternate: tuple[str, str, tuple] | None = None
     alternate_offset: int = 0
 
     def graphs_on(self, cuda: bool) -> bool:
@@ -289,6 +290,12 @@ class Variant:
                 return f"predictor checkpoint {ckpt} is not in this tree"
         return None
 
+
+# What an alternating variant's holder names on a runtime (`Variant.alternate`).
+ALTERNATION_HOLDERS: dict[str, Callable[[Any], Any]] = {
+    "gpu_executor": lambda rt: rt.gpu_executor,
+    "scheduler": lambda rt: rt.scheduler,
+}
 
 # In run order (the default --variants): what the metrics need first, the costly compile last.
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
@@ -327,10 +334,18 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fluxion_plans", "hybrid", placement="fluxion", scheduler={"claim_launch": "plans"}),
     # Planned and direct claims (and the GPU's selection for the CPU lane) alternated token by token in
     # one runtime, either way first; the same value twice is the method's control.
-    Variant("fluxion_alt_plans_direct", "hybrid", placement="fluxion", alternate_claims=("plans", "direct")),
-    Variant("fluxion_alt_direct_plans", "hybrid", placement="fluxion", alternate_claims=("plans", "direct"),
-            alternate_offset=1),
-    Variant("fluxion_alt_plans_plans", "hybrid", placement="fluxion", alternate_claims=("plans", "plans")),
+    Variant("fluxion_alt_plans_direct", "hybrid", placement="fluxion",
+            alternate=("gpu_executor", "claim_launch", ("plans", "direct"))),
+    Variant("fluxion_alt_direct_plans", "hybrid", placement="fluxion",
+            alternate=("gpu_executor", "claim_launch", ("plans", "direct")), alternate_offset=1),
+    Variant("fluxion_alt_plans_plans", "hybrid", placement="fluxion",
+            alternate=("gpu_executor", "claim_launch", ("plans", "plans"))),
+    # The GPU's selection for the CPU lane where `GpuPicks.pays` and the trailing gate leave it in
+    # (cpu_task_selection "auto", the default) and on every shared step ("gpu"), alternated likewise.
+    Variant("fluxion_alt_auto_gpu_selection", "hybrid", placement="fluxion",
+            alternate=("scheduler", "picks_always", (False, True))),
+    Variant("fluxion_alt_gpu_auto_selection", "hybrid", placement="fluxion",
+            alternate=("scheduler", "picks_always", (False, True)), alternate_offset=1),
     # The CPU workers select their own blocks from the arena's metadata (the default has the GPU lane
     # select them from its copy of the metadata where that pays: scheduler.cpu_task_selection).
     Variant("fluxion_host_selection", "hybrid", placement="fluxion", scheduler={"cpu_task_selection": "host"}),
@@ -747,12 +762,14 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         rt.count_checks_in_inputs = variant.fused_check
         rt.prepares_decode = variant.prepares_decode
         alternate = []  # the token-by-token switch of an alternating variant (warm-up and measured call)
-        if variant.alternate_claims is not None:
-            ex = rt.gpu_executor
-            if ex is None or not hasattr(ex, "claim_launch"):
-                raise RuntimeError(f"{variant.name} alternates claim_launch, which needs the GPU lane's UVA executor; "
-                                   f"this runtime's GPU executor is {type(ex).__name__ if ex is not None else None}")
-            alternate.append(alternation_hook(ex, "claim_launch", variant.alternate_claims, variant.alternate_offset))
+        if variant.alternate is not None:
+            holder_name, attribute, values = variant.alternate
+            holder = ALTERNATION_HOLDERS[holder_name](rt)
+            if holder is None or not hasattr(holder, attribute):
+                raise RuntimeError(f"{variant.name} alternates {holder_name}.{attribute}, which this runtime's "
+                                   f"{holder_name} ({type(holder).__name__ if holder is not None else None}) does "
+                                   "not have (claim_launch needs the GPU lane's UVA executor)")
+            alternate.append(alternation_hook(holder, attribute, values, variant.alternate_offset))
         saved = torch.get_num_threads()
         with cores_for_runtime(rt) as n_free, torch.no_grad():  # restores `saved` on exit
             torch.set_num_threads(saved)  # prefill: every core (the prompt's block metadata is torch CPU work)
@@ -819,12 +836,13 @@ def _measure_hybrid(model, variant: Variant, ids, mask, new_tokens: int, warmup_
         row["reserved_host_bytes"] = mem["reserved_bytes"]
         st = rt.stats()  # settles the measured call's last step: its bytes and records are complete
         row.update(_timeline_fields(rt, rt.geometry.layers))
-        if variant.alternate_claims is not None:
+        if variant.alternate is not None:
             # The steps the timeline sampled (one in `sample_every`, each slower than its neighbours) are
             # left out of the pairs; recording every step (or none) costs every interval alike.
             every, offset = rt.timeline.sample_every, rt.timeline.sample_offset
             recorded = [i for i in range(len(row["tpot_ms"])) if (i - offset) % every == 0] if every > 1 else []
-            row.update(alternation_summary(row["tpot_ms"], variant.alternate_offset, variant.alternate_claims,
+            row["alternate_attribute"] = f"{variant.alternate[0]}.{variant.alternate[1]}"
+            row.update(alternation_summary(row["tpot_ms"], variant.alternate_offset, variant.alternate[2],
                                            exclude=recorded))
         lane_bytes = _lane_bytes(st) - lane_bytes
         # The lanes' own byte counts over the measured call (with or without a timeline): its decode
@@ -1320,13 +1338,14 @@ def markdown(result: dict) -> str:
                   f"{r['faster_rounds']} of {r['rounds']} |" for r in pairs]
     alternating = pooled(result["points"])
     if alternating:
-        lines += _section("alternating tokens (a variant switching the runtime's claim_launch before every decode "
+        lines += _section("alternating tokens (a variant switching a runtime setting before every decode "
                           "token: per pair of adjacent tokens, the second value's interval over the first value's, "
                           f"the call's first {SKIP_PAIRS} pair(s) left out; pooled over the point's runs, either value "
                           "first; benchmarks/token_alternation.py):",
-                          ["model", "batch", "context", "values (ratio: second / first)", "runs", "pairs",
+                          ["model", "batch", "context", "setting", "values (ratio: second / first)", "runs", "pairs",
                            "median ratio", "geometric mean", "second faster in", "runs' median ratios"])
-        lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {' / '.join(r['values'][::-1])} | "
+        lines += [f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['attribute']} | "
+                  f"{' / '.join(r['values'][::-1])} | "
                   f"{r['runs']} | {r['pairs']} | {r['median_ratio']:.3f} | {r['geomean_ratio']:.3f} | "
                   f"{r['way1_faster_pairs']} of {r['pairs']} | {', '.join(f'{x:.3f}' for x in r['run_medians'])} |"
                   for r in alternating]

@@ -3,7 +3,7 @@
 # each step with its own time limit so a slow one cannot starve the rest. Logs and result JSON
 # land in $OUT (at most 8 files come back); copy the JSON to benchmarks/results/ afterwards.
 #   usage (device tool): bash benchmarks/run_on_device.sh <commit sha> [steps...]
-#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k native_ab_4x32k native_ab_8x32k native_ab_96k direct_tests direct_layer direct_ab_4x32k direct_ab_long alt_direct_4x32k alt_direct_long graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps first_step_host slow_tokens_96k prepare_ab score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
+#   steps: gpu_tests kernel_tests kernel_tests2 gpu_attention cpu_attention layer_attention step_phases launch_cost launch_behind_spin host_wake host_diag select_forms e2e_lanes_low_share e2e_lanes_selection_modes e2e_lanes_long host_breakdown first_step_fresh timeline_ab_4x32k timeline_ab_both_4x32k check_ab_4x32k pinned_ab_4x32k launch_ab_4x32k native_ab_4x32k native_ab_8x32k native_ab_96k direct_tests direct_layer direct_ab_4x32k direct_ab_long alt_direct_4x32k alt_direct_long alt_selection graphs_ab_llama_4x32k graphs_ab_qwen_4x32k series_4x32k first_steps_ab slack_first_steps first_step_host slow_tokens_96k prepare_ab score_shapes select_latency profiling_tests runtime_tests e2e_decode e2e_part32k e2e_part_long e2e_core_llama e2e_part_qwen e2e_part96k e2e_part128k e2e_ab e2e_selection_ab32k e2e_selection_ab96k e2e_selection_ab_both32k e2e_selection_ab_both96k predictor_overhead
 #   tpot_grid nosa asynctls asynctls_host express express_repeat copy_chain express_layers32 express_timers host_timers_fluxion sparda evosparse (default: the first five). kernel_tests, kernel_tests2: the test
 #   files of the Triton kernels and the GPU lane, every marker, compiled on CUDA, in two steps of 400 s (one took
 #   longer than that on an H200) (on CI they run under the interpreter, which accepts
@@ -236,6 +236,12 @@ for step in $steps; do
             --new-tokens 48 --no-limits --budget-s 430 \
             --variants fluxion_alt_plans_direct,fluxion_alt_direct_plans \
             --out "$out/e2e_decode_alt_direct_long-$dev.json" ;;
+        # The GPU's selection for the CPU lane where it pays (auto, the default) against on every shared step,
+        # alternated token by token; both geometries at (4, 32K) and (2, 96K).
+        alt_selection) timeout 590 python benchmarks/e2e_decode.py --models llama-3.1-8b,qwen2.5-7b --points 4x32K,2x96K \
+            --new-tokens 64 --no-limits --budget-s 500 \
+            --variants fluxion_alt_auto_gpu_selection,fluxion_alt_gpu_auto_selection \
+            --out "$out/e2e_decode_alt_selection-$dev.json" ;;
         # The split form's scoring launch at other shapes (gpu_kernels/score_select.py SCORE_BLOCK_B / SCORE_NUM_WARPS;
         # benchmarks/notes/gpu_lane.md section 28: 128 x 8 compiles to ~167 registers, one program an SM; 64 x 8 to ~98,
         # 32 x 4 to ~96), at Llama-3.1-8B's 4 x 128K and Qwen2.5-7B's 2 x 96K, with each variant's registers.

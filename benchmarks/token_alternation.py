@@ -91,18 +91,18 @@ def alternation_summary(tpot_ms: Sequence[float], offset: int, values: Sequence[
 
 
 def pooled(rows: Sequence[dict]) -> list[dict]:
-    """The alternating rows of one (model, batch, context, values) pooled over their runs and offsets:
+    """The alternating rows of one (model, batch, context, setting, values) pooled over their runs and offsets:
     every pair's ratio (way 1 over way 0, the same orientation whichever way ran first), their
     median and geometric mean, the pairs favouring way 1, and each run's own median."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("status") == "ok" and r.get("alternate_pair_ratios"):
-            key = (r["model"], r["batch"], r["context"], tuple(r["alternate_values"]))
+            key = (r["model"], r["batch"], r["context"], r.get("alternate_attribute", "-"), tuple(r["alternate_values"]))
             groups.setdefault(key, []).append(r)
     out = []
-    for (model, batch, context, values), rs in groups.items():
+    for (model, batch, context, attribute, values), rs in groups.items():
         ratios = [x for r in rs for x in r["alternate_pair_ratios"]]
-        out.append({"model": model, "batch": batch, "context": context, "values": list(values),
+        out.append({"model": model, "batch": batch, "context": context, "attribute": attribute, "values": list(values),
                     "runs": len(rs), "pairs": len(ratios),
                     "run_medians": [r["alternate_pair_ratio_median"] for r in rs],
                     "median_ratio": float(np.median(ratios)),

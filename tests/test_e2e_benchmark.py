@@ -619,6 +619,7 @@ def test_options_and_points():
                           "cpu_only_waits", "fluxion_eager_window", "cpu_only_eager_window",
                           "fluxion_host_start", "cpu_only_host_start", "fluxion_ungated", "fluxion_native", "fluxion_graphs", "fluxion_direct", "fluxion_plans",
                           "fluxion_alt_plans_direct", "fluxion_alt_direct_plans", "fluxion_alt_plans_plans",
+                          "fluxion_alt_auto_gpu_selection", "fluxion_alt_gpu_auto_selection",
                           "fluxion_host_selection",
                           "fluxion_gpu_selection", "fluxion_gpu_selection_ungated", "fluxion_no_spin", "fluxion_short_spin",
                           "fluxion_unplanned",

@@ -110,11 +110,20 @@ def test_an_alternating_variant_switches_claim_launch_before_every_token(model, 
     assert row["alternate_values"] == ["plans", "direct"]
     md = e2e.markdown({"device": "d", "host_cpu": "h", "commit": "c", "created": "t", "complete": True,
                        "points": [row], "metrics": {}})
-    assert "| tiny | 2 | 300 | direct / plans | 1 | 2 |" in md
+    assert "| tiny | 2 | 300 | gpu_executor.claim_launch | direct / plans | 1 | 2 |" in md
+
+
+def test_a_scheduler_setting_alternates_too(model):
+    row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_alt_auto_gpu_selection"], BATCH, CONTEXT, new_tokens=6,
+                       warmup_tokens=64, cpu_workers=1, hybrid_overrides=RUNTIME)
+    assert row["status"] == "ok", row.get("reason")
+    assert row["alternate_attribute"] == "scheduler.picks_always" and row["alternate_values"] == ["False", "True"]
+    assert row["tpot_ways"] == [0, 1, 0, 1, 0] and len(row["alternate_pair_ratios"]) == 1
 
 
 def test_an_alternating_variant_without_a_uva_executor_is_an_error_row_that_says_so(model):
     row = e2e.run_unit(model, "tiny", e2e.VARIANTS["fluxion_alt_plans_direct"], BATCH, CONTEXT, new_tokens=4,
                        warmup_tokens=64, cpu_workers=1, hybrid_overrides=RUNTIME)
-    assert row["status"] == "error" and "needs the GPU lane's UVA executor" in row["reason"]
+    assert row["status"] == "error" and "gpu_executor.claim_launch" in row["reason"]
+    assert "needs the GPU lane's UVA executor" in row["reason"]
     assert "TorchRefExecutor" in row["reason"]
